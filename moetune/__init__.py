@@ -1,0 +1,25 @@
+"""moetune: fine-tune very large Mixture-of-Experts models on one workstation.
+
+The data flow, and the package folders that follow it::
+
+    config/   YAML (LLaMA-Factory keys) -> typed, validated options
+       |
+    arch/     model type / module shapes -> ArchSpec (routing family, expert layout)
+       |
+    engine/   CPU routed-expert forward/backward over any weight format, expert LoRA (no torch.nn)
+       |
+    layer/    autograd Function + CpuExperts module that takes an MoE block's experts' place
+       |
+    loading/  checkpoints -> a transformers model whose experts stream into engines
+       |
+    train/ export/ adapters/   Trainer recipe, merges, PEFT-layout adapters
+       |
+    cli/      the ``moetune`` command
+
+Importing moetune is cheap: it initialises no CUDA and compiles nothing.
+"""
+
+from moetune.errors import MoetuneError
+
+__version__ = "0.1.0"
+__all__ = ["MoetuneError", "__version__"]

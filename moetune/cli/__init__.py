@@ -1,0 +1,1 @@
+"""The ``moetune`` command: one file per subcommand, each thin (parse, call the library, print)."""

@@ -1,0 +1,67 @@
+"""Dense expert weights (bf16, fp16, fp32 or fp64): stored as given, laid out once, never copied per step."""
+
+from __future__ import annotations
+
+import torch
+
+from moetune.engine.formats.base import FORMATS, ExpertFormat, Projection
+from moetune.errors import EngineError
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+@FORMATS.register("dense")
+class DenseExperts(ExpertFormat):
+    """gate_up ``[E, 2I, H]`` and down ``[E, H, I]`` held as they are (made contiguous once)."""
+
+    name = "dense"
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        if gate_up.dim() != 3 or down.dim() != 3:
+            raise EngineError(
+                f"expert weights must be 3-D: gate_up [E, 2I, H] and down [E, H, I]; got "
+                f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)}"
+            )
+        e, two_i, h = gate_up.shape
+        if two_i % 2 or tuple(down.shape) != (e, h, two_i // 2):
+            raise EngineError(
+                f"expert weight shapes disagree: gate_up {tuple(gate_up.shape)} is [E, 2I, H], so down must be "
+                f"[E, H, I] = {(e, h, two_i // 2)}; got {tuple(down.shape)}"
+            )
+        if gate_up.dtype not in _FLOAT_DTYPES or down.dtype != gate_up.dtype:
+            raise EngineError(
+                f"dense expert weights must share one float dtype of {[str(d) for d in _FLOAT_DTYPES]}; "
+                f"got gate_up {gate_up.dtype}, down {down.dtype}"
+            )
+        if gate_up.device.type != "cpu" or down.device.type != "cpu":
+            raise EngineError(f"expert weights must live in host memory; got device {gate_up.device}")
+        # Laid out once: per-expert slices of contiguous tensors are contiguous views.
+        self.gate_up = gate_up if gate_up.is_contiguous() else gate_up.contiguous()
+        self.down = down if down.is_contiguous() else down.contiguous()
+        self.num_experts, self.hidden_size, self.intermediate_size = e, h, two_i // 2
+
+    def _stored(self, proj: Projection) -> torch.Tensor:
+        return self.gate_up if proj == "gate_up" else self.down
+
+    def tile(
+        self, proj: Projection, expert: int, dtype: torch.dtype, buf: torch.Tensor | None
+    ) -> torch.Tensor:
+        w = self._stored(proj)[expert]
+        if w.dtype == dtype:
+            return w
+        assert buf is not None, "caller must pass a buffer when a conversion is needed"
+        return buf.copy_(w)
+
+    def needs_buffer(self, dtype: torch.dtype) -> bool:
+        return self.gate_up.dtype != dtype
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up.to(dtype), self.down.to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return self.gate_up.dtype

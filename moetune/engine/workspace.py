@@ -1,0 +1,35 @@
+"""Scratch buffers reused across calls.
+
+Large fresh allocations on the CPU cost page faults on every step (a bf16 -> fp32 tile conversion into a
+new tensor measured 6.4 ms here, into a reused one 1.0 ms). Buffers named here grow to the largest size
+asked for and are then handed out as views.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class Workspace:
+    """Named, growable scratch buffers. A view handed out is valid until the same name is asked for again."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(shape)
+        key = (name, dtype)
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype)
+            self._bufs[key] = buf
+        return buf[:numel].view(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._bufs.values())
+
+    def clear(self) -> None:
+        self._bufs.clear()

@@ -1,0 +1,34 @@
+"""One error root for everything a user can cause; one subclass per domain.
+
+Messages name the field or file, the bad value, what is allowed and how to fix it.
+Internal invariants use ``assert`` instead.
+"""
+
+from __future__ import annotations
+
+
+class MoetuneError(Exception):
+    """Root of every error moetune raises for bad input or bad state."""
+
+
+class ConfigError(MoetuneError, ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+class EngineError(MoetuneError):
+    """The expert engine was given inputs it cannot compute on (shapes, dtypes, ids)."""
+
+
+class EngineStateError(EngineError):
+    """A saved forward was used twice, by the wrong engine, or after its weights changed."""
+
+
+class NonFiniteError(EngineError):
+    """A NaN or Inf appeared in the expert engine while ``check_finite`` was on."""
+
+
+class RegistryError(MoetuneError, KeyError):
+    """A name was looked up in a registry (formats, activations, architectures) and is not there."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; show it plainly
+        return str(self.args[0]) if self.args else ""

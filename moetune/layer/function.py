@@ -1,0 +1,69 @@
+"""``ExpertsFunction``: the CPU expert engine as a differentiable torch op.
+
+``y = routed_experts(engine, x, topk_ids, topk_weights)``; ``y.sum().backward()`` fills the grads of x,
+of topk_weights (the router's gradient) and of every tensor in ``engine.trained_tensors()`` that requires
+grad (expert LoRA parameters, and base weights in full mode). Inputs may live on any device; the engine
+computes on host copies and results return to the device of ``x``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moetune.engine import ExpertEngine
+
+
+class ExpertsFunction(torch.autograd.Function):
+    """autograd glue; call through :func:`routed_experts`."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        engine: ExpertEngine,
+        training: bool,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *trained: torch.Tensor,
+    ) -> torch.Tensor:
+        needs_backward = any(ctx.needs_input_grad[2:])
+        cpu = torch.device("cpu")
+        y, saved = engine.forward(
+            x.to(cpu), topk_ids.to(cpu), topk_weights.to(cpu), save=needs_backward, training=training
+        )
+        ctx.engine, ctx.saved = engine, None
+        if saved is not None:
+            # autograd owns the big tensors: it frees them after a backward without retain_graph and raises
+            # its own "backward through the graph a second time" error on reuse; retain_graph keeps them.
+            ctx.save_for_backward(*saved.tensors())
+            ctx.saved = saved.with_tensors((None,) * len(saved.TENSOR_FIELDS))
+        ctx.x_device, ctx.w_device = x.device, topk_weights.device
+        return y.to(x.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        engine: ExpertEngine = ctx.engine
+        saved = ctx.saved.with_tensors(ctx.saved_tensors) if ctx.saved is not None else None
+        grads = engine.backward(saved, grad_y.to("cpu"))
+        trained = engine.trained_tensors()
+        trained_grads = tuple(
+            g.to(t.dtype) if need else None
+            for g, t, need in zip(grads.flat(), trained, ctx.needs_input_grad[5:])
+        )
+        grad_x = grads.x.to(ctx.x_device) if ctx.needs_input_grad[2] else None
+        grad_w = grads.topk_weights.to(ctx.w_device) if ctx.needs_input_grad[4] else None
+        return (None, None, grad_x, None, grad_w, *trained_grads)
+
+
+def routed_experts(
+    engine: ExpertEngine,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    training: bool = True,
+) -> torch.Tensor:
+    """x ``[T, H]``, topk_ids ``[T, k]`` int64, topk_weights ``[T, k]`` -> y ``[T, H]``, differentiable."""
+    return ExpertsFunction.apply(engine, training, x, topk_ids, topk_weights, *engine.trained_tensors())

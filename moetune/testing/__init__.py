@@ -1,0 +1,1 @@
+"""Tiny-model builders and plain-torch references shared by tests and benchmarks."""
