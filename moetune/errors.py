@@ -27,8 +27,20 @@ class NonFiniteError(EngineError):
     """A NaN or Inf appeared in the expert engine while ``check_finite`` was on."""
 
 
+class AdapterError(MoetuneError):
+    """An adapter file or state dict does not have the keys, shapes or config fields moetune expects."""
+
+
 class RegistryError(MoetuneError, KeyError):
     """A name was looked up in a registry (formats, activations, architectures) and is not there."""
 
     def __str__(self) -> str:  # KeyError quotes its message; show it plainly
         return str(self.args[0]) if self.args else ""
+
+
+class ArchError(MoetuneError):
+    """A model's architecture is not one moetune can run (unknown family, experts layout or activation)."""
+
+
+class LoadError(MoetuneError):
+    """A checkpoint cannot be loaded: missing or extra files or tensors, wrong shapes, unsupported formats."""

@@ -49,12 +49,11 @@ class SiluGlu(GluActivation):
 
     def vjp(self, gate_up: torch.Tensor, grad_h: torch.Tensor) -> torch.Tensor:
         g, u = _halves(gate_up)
-        sig = torch.sigmoid(g)
         grad = torch.empty_like(gate_up)
-        gg, gu_ = _halves(grad)
-        torch.mul(grad_h, g * sig, out=gu_)  # d/du = silu(g)
-        # d/dg silu(g) = sig * (1 + g * (1 - sig))
-        torch.mul(grad_h * u, sig * (1 + g * (1 - sig)), out=gg)
+        grad_g, grad_u = _halves(grad)
+        torch.mul(grad_h, F.silu(g), out=grad_u)  # d/du = silu(g)
+        # d/dg = grad_h * u * silu'(g); aten's fused silu_backward computes x * silu'(g) in one pass
+        grad_g.copy_(torch.ops.aten.silu_backward(grad_h * u, g))
         return grad
 
 

@@ -505,7 +505,8 @@ class ExpertEngine:
             a_proj = a_proj * w_e
         name_a, name_b = f"{proj}_A", f"{proj}_B"
         lora_g[name_a][e].copy_(gb.t() @ dropped).mul_(s)
-        lora_g[name_b][e].copy_(g_out.t() @ a_proj).mul_(s)
+        # (a^T g)^T, not g^T a: MKL runs the [r, n] x [n, D] form ~9x faster than [D, n] x [n, r] here
+        lora_g[name_b][e].copy_((a_proj.t() @ g_out).t()).mul_(s)
 
     def _zero_base_grads(self) -> dict[str, torch.Tensor]:
         assert isinstance(self.weights, DenseExperts)
