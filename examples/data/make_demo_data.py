@@ -1,0 +1,82 @@
+"""Write the demo's tiny task: a letter cipher a tiny random MoE model learns in a few hundred LoRA steps.
+
+Each row asks to ``encode`` four letters from a..h; the answer moves every letter SHIFT places along the
+alphabet, wrapping round (``c a f b`` -> ``f d a e``). The model must attend from each answer position to
+the matching input letter and map it: learnable from random weights, and the held-out rows use letter
+strings the training rows never show, so a falling held-out loss means the rule was learned, not the rows.
+
+Writes, next to this script (deterministic; rerun to regenerate):
+
+* ``demo_train.json`` (TRAIN_ROWS rows) and ``demo_heldout.json`` (HELDOUT_ROWS rows), alpaca format;
+* ``dataset_info.json`` registering both as ``demo_train`` / ``demo_heldout``;
+* ``demo_tokenizer/``: a word-level tokenizer over exactly the words the data uses, with a chat template,
+  for the demo's generated model (``AutoTokenizer.from_pretrained("examples/data/demo_tokenizer")``).
+
+Run: ``python examples/data/make_demo_data.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+LETTERS = "abcdefgh"
+LENGTH = 4
+SHIFT = 3
+TRAIN_ROWS = 1500
+HELDOUT_ROWS = 100
+SEED = 0
+INSTRUCTION = "encode"
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
+WORDS = ["system", "user", "assistant", ":", INSTRUCTION, *LETTERS]
+# role : content </s>, one turn after another; the generation prompt is "assistant : "
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }} : {{ message['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}assistant : {% endif %}"
+)
+
+
+def encode(word: str) -> str:
+    """The answer for ``word`` (letters separated by spaces)."""
+    return " ".join(LETTERS[(LETTERS.index(ch) + SHIFT) % len(LETTERS)] for ch in word.split())
+
+
+def rows() -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """(train, held-out) alpaca rows over disjoint letter strings."""
+    words = [" ".join(w) for w in itertools.product(LETTERS, repeat=LENGTH)]
+    random.Random(SEED).shuffle(words)
+    make = [{"instruction": INSTRUCTION, "input": w, "output": encode(w)} for w in words]
+    return make[:TRAIN_ROWS], make[TRAIN_ROWS : TRAIN_ROWS + HELDOUT_ROWS]
+
+
+def demo_tokenizer():
+    """A word-level tokenizer over the demo's words, with the chat template set."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def main(out: Path = Path(__file__).parent) -> None:
+    train, heldout = rows()
+    for name, data in (("demo_train", train), ("demo_heldout", heldout)):
+        (out / f"{name}.json").write_text("[\n" + ",\n".join(json.dumps(row) for row in data) + "\n]\n")
+    info = {
+        name: {"file_name": f"{name}.json", "formatting": "alpaca"} for name in ("demo_train", "demo_heldout")
+    }
+    (out / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    demo_tokenizer().save_pretrained(out / "demo_tokenizer")
+
+
+if __name__ == "__main__":
+    main()

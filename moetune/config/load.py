@@ -1,0 +1,293 @@
+"""YAML -> :class:`MoetuneConfig`: keys, types, ranges, cross-field rules and files, all checked up front.
+
+Every problem found is reported in one ``ConfigError``, before any model or dataset is loaded. Relative
+paths (model, dataset_dir, template, output_dir) are relative to the working directory, as in
+LLaMA-Factory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from moetune.config.datasets import resolve_datasets
+from moetune.config.fields import Problems, parse_section, yaml_fields
+from moetune.config.llamafactory import is_rejected, rejection
+from moetune.config.schema import (
+    ENGINE_KEY,
+    FLAT_SECTIONS,
+    DataConfig,
+    EngineConfig,
+    FinetuneConfig,
+    IntervalStrategy,
+    ModelConfig,
+    MoetuneConfig,
+    TrainingConfig,
+)
+from moetune.errors import ConfigError
+
+# LLaMA-Factory spells "no gradient checkpointing" as a negative flag; read it as gradient_checkpointing
+_NEGATED_ALIASES = {"disable_gradient_checkpointing": "gradient_checkpointing"}
+# files whose presence in output_dir means a previous run lives there
+_RUN_MARKERS = ("trainer_state.json", "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+_TEMPLATE_SUFFIXES = (".jinja", ".j2", ".jinja2", ".txt")
+
+
+def load_config(path: str | Path, *, check_model_path: bool = True) -> MoetuneConfig:
+    """Read and validate a YAML training config.
+
+    ``check_model_path=False`` skips the check that ``model_name_or_path`` exists (for validating shipped
+    example configs whose model a demo generates); every other check always runs.
+    """
+    import yaml
+
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    return parse_config(raw, source=path, check_model_path=check_model_path)
+
+
+def parse_config(
+    raw: Any, *, source: str | Path | None = None, check_model_path: bool = True
+) -> MoetuneConfig:
+    """Validate an already-parsed YAML mapping (see :func:`load_config`)."""
+    where = str(source) if source is not None else "config"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(
+            f"{where}: the top level must be a mapping of keys to values, got {type(raw).__name__}"
+        )
+    problems = Problems(where)
+    flat = _translate_aliases(dict(raw), problems)
+    engine_raw = flat.pop(ENGINE_KEY, None) or {}
+    _check_keys(flat, engine_raw, problems)
+
+    model, finetune, data, training = (parse_section(cls, flat, problems) for cls in FLAT_SECTIONS)
+    engine = parse_section(
+        EngineConfig, engine_raw if isinstance(engine_raw, Mapping) else {}, problems, f"{ENGINE_KEY}."
+    )
+    _check_cross_fields(finetune, data, training, engine, problems)
+    data = _resolve_data(data, problems)
+    _check_files(model, data, training, problems, check_model_path)
+    problems.raise_if_any()
+
+    finetune = dataclasses.replace(finetune, lora_alpha=finetune.lora_alpha or 2 * finetune.lora_rank)
+    return MoetuneConfig(
+        model, finetune, data, training, engine, Path(source) if source is not None else None
+    )
+
+
+def known_keys() -> set[str]:
+    """Every top-level key moetune reads (the ``moetune:`` mapping and aliases included)."""
+    keys = {ENGINE_KEY, *_NEGATED_ALIASES}
+    for cls in FLAT_SECTIONS:
+        keys |= set(yaml_fields(cls))
+    return keys
+
+
+def _translate_aliases(flat: dict[str, Any], problems: Problems) -> dict[str, Any]:
+    for alias, key in _NEGATED_ALIASES.items():
+        if alias not in flat:
+            continue
+        value = flat.pop(alias)
+        if key in flat:
+            problems.add(alias, f"conflicts with {key}; set only {key}")
+        elif isinstance(value, bool):
+            flat[key] = not value
+        else:
+            problems.add(alias, f"got {value!r}; expected true or false")
+    return flat
+
+
+def _check_keys(flat: Mapping[str, Any], engine_raw: Any, problems: Problems) -> None:
+    known = known_keys()
+    engine_keys = set(yaml_fields(EngineConfig))
+    for key, value in flat.items():
+        if key in known:
+            continue
+        if not isinstance(key, str):
+            problems.add(str(key), "is not a key name; keys are LLaMA-Factory or moetune option names")
+            continue
+        if key in engine_keys:
+            problems.add(
+                key, f"is an engine option; put it under `{ENGINE_KEY}:` ({ENGINE_KEY}: {{{key}: ...}})"
+            )
+            continue
+        reason = rejection(key, value)
+        if reason is not None:
+            problems.add(key, f"is a LLaMA-Factory option moetune does not support: {reason}. Remove it.")
+        elif not is_rejected(key):
+            problems.add(key, _unknown(key, known))
+    if not isinstance(engine_raw, Mapping):
+        problems.add(ENGINE_KEY, f"got {engine_raw!r}; expected a mapping of engine options")
+        return
+    for key in engine_raw:
+        if key not in engine_keys:
+            problems.add(
+                f"{ENGINE_KEY}.{key}", f"is not an engine option; allowed: {', '.join(sorted(engine_keys))}"
+            )
+
+
+def _unknown(key: str, known: set[str]) -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    from transformers import TrainingArguments  # only on this error path: importing transformers is slow
+
+    if key in {f.name for f in dataclasses.fields(TrainingArguments)}:
+        return f"is a transformers TrainingArguments option that moetune does not expose{hint}"
+    return f"is not a moetune or supported LLaMA-Factory key{hint}"
+
+
+def _check_cross_fields(
+    finetune: FinetuneConfig,
+    data: DataConfig,
+    training: TrainingConfig,
+    engine: EngineConfig,
+    problems: Problems,
+) -> None:
+    if not finetune.do_train and not problems.has("do_train"):
+        problems.add("do_train", "is false, but `moetune train` always trains; set it to true or remove it")
+    if training.warmup_ratio and training.warmup_steps:
+        problems.add("warmup_steps", "is set together with warmup_ratio; set only one of them")
+    has_eval = data.eval_dataset is not None or data.val_size > 0
+    if data.eval_dataset is not None and data.val_size > 0:
+        problems.add(
+            "val_size",
+            "is set together with eval_dataset; hold out part of the training data "
+            "(val_size) or evaluate on eval_dataset, not both",
+        )
+    if not problems.has("eval_strategy", "eval_dataset", "val_size"):
+        if training.eval_strategy is not IntervalStrategy.NO and not has_eval:
+            problems.add(
+                "eval_strategy",
+                f"is {training.eval_strategy.value!r} but there is no evaluation data; "
+                "set eval_dataset or val_size, or set eval_strategy: no",
+            )
+        if training.eval_strategy is IntervalStrategy.NO and has_eval:
+            problems.add(
+                "eval_strategy",
+                "is 'no' but eval_dataset or val_size is set, so that data would never "
+                "be used; set eval_strategy: steps (with eval_steps) or epoch",
+            )
+    if training.eval_steps is not None and training.eval_strategy is not IntervalStrategy.STEPS:
+        problems.add("eval_steps", "is set but eval_strategy is not 'steps'; set eval_strategy: steps")
+    if training.report_to != ("none",) and not problems.has("report_to"):
+        _check_report_to(training.report_to, problems)
+    if engine.expert_format != "auto":
+        from moetune.engine.formats import FORMATS
+
+        if engine.expert_format not in FORMATS:
+            problems.add(
+                f"{ENGINE_KEY}.expert_format",
+                f"got {engine.expert_format!r}; allowed: auto, {', '.join(FORMATS.names())}",
+            )
+
+
+def _check_report_to(report_to: tuple[str, ...], problems: Problems) -> None:
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    allowed = {"none", "all", *INTEGRATION_TO_CALLBACK}
+    bad = [r for r in report_to if r not in allowed]
+    if bad:
+        problems.add("report_to", f"got {', '.join(bad)}; allowed: {', '.join(sorted(allowed))}")
+    elif "none" in report_to and len(report_to) > 1:
+        problems.add("report_to", "'none' cannot be combined with integrations")
+
+
+def _resolve_data(data: DataConfig, problems: Problems) -> DataConfig:
+    if problems.has("dataset_dir"):
+        return data
+    train = resolve_datasets("dataset", data.dataset, data.dataset_dir, problems) if data.dataset else ()
+    evals = (
+        resolve_datasets("eval_dataset", data.eval_dataset, data.dataset_dir, problems)
+        if data.eval_dataset
+        else ()
+    )
+    return dataclasses.replace(data, train_sources=train, eval_sources=evals)
+
+
+def _check_files(
+    model: ModelConfig, data: DataConfig, training: TrainingConfig, problems: Problems, check_model_path: bool
+) -> None:
+    if check_model_path and model.model_name_or_path is not None:
+        message = _model_path_problem(model.model_name_or_path)
+        if message:
+            problems.add("model_name_or_path", message)
+    if data.template is not None:
+        message = _template_problem(data.template)
+        if message:
+            problems.add("template", message)
+    if training.output_dir is not None:
+        _check_output_dir(training, problems)
+
+
+def _model_path_problem(name: str) -> str | None:
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return (
+            None
+            if (path / "config.json").is_file()
+            else f"folder {path} has no config.json; point at a model folder"
+        )
+    if path.exists():
+        return f"{path} is a file; point at the model's folder (with config.json and safetensors)"
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", name):  # a hub id: accept it if the local Hugging Face cache has it
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return None
+        return (
+            f"{name!r} is neither a local folder nor in the local Hugging Face cache; moetune does not "
+            f"download: run `hf download {name}` first or give the local folder"
+        )
+    return f"{path} does not exist; give a local model folder (with config.json and safetensors)"
+
+
+def _template_problem(path: Path) -> str | None:
+    if path.is_file():
+        return None
+    if len(path.parts) == 1 and not path.suffix:
+        return (
+            f"{str(path)!r} looks like a LLaMA-Factory template name; moetune renders conversations with "
+            f"Jinja chat templates: remove `template` to use the tokenizer's own chat template, or give a "
+            f"path to a template file ({', '.join(_TEMPLATE_SUFFIXES)})"
+        )
+    return f"{path} does not exist; give a path to a Jinja chat-template file or remove `template`"
+
+
+def _check_output_dir(training: TrainingConfig, problems: Problems) -> None:
+    out = training.output_dir
+    if out.exists() and not out.is_dir():
+        problems.add("output_dir", f"{out} exists and is not a folder; choose another output_dir")
+        return
+    checkpoints = sorted(out.glob("checkpoint-*")) if out.is_dir() else []
+    resume = training.resume_from_checkpoint
+    if resume is True and not checkpoints:
+        problems.add(
+            "resume_from_checkpoint",
+            f"is true but {out} holds no checkpoint-* folder to resume from; "
+            "give a checkpoint path or remove it",
+        )
+    elif isinstance(resume, Path) and not (resume / "trainer_state.json").is_file():
+        problems.add(
+            "resume_from_checkpoint",
+            f"{resume} is not a checkpoint folder (no trainer_state.json); "
+            "give a checkpoint-* folder from a previous run",
+        )
+    previous_run = [p.name for p in checkpoints] + [m for m in _RUN_MARKERS if (out / m).exists()]
+    if previous_run and not training.overwrite_output_dir and not resume:
+        found = ", ".join(previous_run[:3])
+        problems.add(
+            "output_dir",
+            f"{out} already holds a training run ({found}); set overwrite_output_dir: true to "
+            "write over it, resume_from_checkpoint to continue it, or choose another output_dir",
+        )

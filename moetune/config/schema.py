@@ -1,0 +1,261 @@
+"""The typed training configuration: one frozen dataclass per section, field names = YAML keys.
+
+The YAML is flat, as in LLaMA-Factory (``lora_rank: 8`` next to ``learning_rate: 1.0e-4``); each key
+belongs to exactly one section below. moetune's own engine options sit in one nested mapping,
+``moetune:``, parsed into :class:`EngineConfig`. Defaults follow LLaMA-Factory (which follows
+transformers) so that a LLaMA-Factory YAML means the same thing here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moetune.config.datasets import DatasetSpec
+from moetune.config.fields import (
+    derived,
+    non_negative,
+    option,
+    positive,
+    required,
+    steps_or_ratio,
+    unit_interval,
+)
+from moetune.engine.experts import ActivationPolicy
+
+__all__ = [
+    "ActivationPolicy",
+    "DataConfig",
+    "EngineConfig",
+    "FinetuneConfig",
+    "FinetuningType",
+    "IntervalStrategy",
+    "ModelConfig",
+    "MoetuneConfig",
+    "Stage",
+    "TrainingConfig",
+]
+
+
+class Stage(str, enum.Enum):
+    """The training stage (LLaMA-Factory's ``stage``)."""
+
+    SFT = "sft"
+
+
+class FinetuningType(str, enum.Enum):
+    """What is trained (LLaMA-Factory's ``finetuning_type``)."""
+
+    LORA = "lora"
+
+
+class IntervalStrategy(str, enum.Enum):
+    """When to evaluate or save (transformers' ``IntervalStrategy``)."""
+
+    NO = "no"
+    STEPS = "steps"
+    EPOCH = "epoch"
+
+
+def _min_one(value: int) -> str | None:
+    return None if value >= 1 else "must be >= 1"
+
+
+def _max_steps(value: int) -> str | None:
+    return None if value == -1 or value > 0 else "must be > 0, or -1 to train for num_train_epochs"
+
+
+def _device(value: str) -> str | None:
+    return None if re.fullmatch(r"auto|cpu|cuda(:\d+)?", value) else "must be auto, cpu, cuda or cuda:N"
+
+
+def _val_size(value: float) -> str | None:
+    if 0 <= value < 1 or float(value).is_integer():
+        return None
+    return "must be a fraction of the training rows in [0, 1) or a whole number of rows"
+
+
+def _lr_scheduler(value: str) -> str | None:
+    from transformers.trainer_utils import SchedulerType  # transformers' own list, not a copy of it
+
+    allowed = [s.value for s in SchedulerType]
+    return None if value in allowed else f"allowed: {', '.join(allowed)}"
+
+
+def _lora_target(value: tuple[str, ...]) -> str | None:
+    if "all" in value and len(value) > 1:
+        return "'all' targets every linear layer and cannot be combined with module names"
+    return None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The base model."""
+
+    model_name_or_path: str = required()  # a local folder, or a hub id in the local HF cache
+    trust_remote_code: bool = option(False)  # passed to transformers when loading config and tokenizer
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """What is trained and how (LoRA on attention, dense MLPs and routed experts).
+
+    ``lora_target`` is ``("all",)`` for every linear layer including the routed experts, or module names
+    (e.g. ``q_proj, v_proj, experts``); the MoE router is a target only when named (e.g. ``gate``).
+    ``lora_alpha`` is resolved to ``2 * lora_rank`` when unset, as in LLaMA-Factory.
+    """
+
+    stage: Stage = option(
+        Stage.SFT,
+        later={"pt": "pre-training", "rm": "reward modelling", "ppo": "PPO", "dpo": "DPO", "kto": "KTO"},
+    )
+    do_train: bool = option(True)
+    finetuning_type: FinetuningType = option(
+        FinetuningType.LORA,
+        later={"full": "full-parameter training", "freeze": "partial freezing", "oft": "OFT"},
+    )
+    lora_rank: int = option(8, check=positive)
+    lora_alpha: int | None = option(None, check=positive)
+    lora_dropout: float = option(0.0, check=unit_interval)
+    lora_target: tuple[str, ...] = option(("all",), check=_lora_target)
+    use_rslora: bool = option(False)  # scale alpha / sqrt(rank) instead of alpha / rank
+
+    @property
+    def targets_all(self) -> bool:
+        """True when ``lora_target`` is ``all``: every linear layer and the routed experts, not the router."""
+        return self.lora_target == ("all",)
+
+    @property
+    def lora_scale(self) -> float:
+        """The factor on ``B A x``: alpha / rank, or alpha / sqrt(rank) with rsLoRA."""
+        assert self.lora_alpha is not None, "lora_alpha is resolved during validation"
+        return self.lora_alpha / (self.lora_rank**0.5 if self.use_rslora else self.lora_rank)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Datasets, chat template and how examples become token sequences.
+
+    ``template`` is a path to a Jinja chat-template file, or unset to use the tokenizer's own chat template
+    (LLaMA-Factory's template names are not used: moetune renders with Jinja chat templates only).
+    ``val_size`` < 1 is a fraction of the training rows held out for evaluation, >= 1 a row count.
+    ``train_sources`` / ``eval_sources`` are ``dataset`` / ``eval_dataset`` resolved during validation.
+    """
+
+    dataset: tuple[str, ...] = required()
+    eval_dataset: tuple[str, ...] | None = option(None)
+    dataset_dir: Path = option(Path("data"))
+    template: Path | None = option(None)
+    cutoff_len: int = option(2048, check=positive)
+    packing: bool = option(False)
+    train_on_prompt: bool = option(False)
+    mask_history: bool = option(False)  # train on the last assistant turn only
+    default_system: str | None = option(None)  # system message for conversations that have none
+    enable_thinking: bool | None = option(None)  # passed to the chat template when set
+    max_samples: int | None = option(None, check=positive)  # per dataset, the first rows
+    val_size: float = option(0.0, check=_val_size)
+    overwrite_cache: bool = option(False)  # re-tokenize instead of reusing `datasets`' cache files
+    preprocessing_num_workers: int | None = option(None, check=_min_one)
+    preprocessing_batch_size: int = option(1000, check=positive)
+    train_sources: tuple[DatasetSpec, ...] = derived(())
+    eval_sources: tuple[DatasetSpec, ...] = derived(())
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The optimisation loop and its outputs; these become transformers ``TrainingArguments``.
+
+    ``warmup_ratio`` and ``warmup_steps`` are alternatives. ``logging_steps``, ``save_steps`` and
+    ``eval_steps`` are whole steps, or ratios of the total steps below 1 (as in transformers).
+    ``resume_from_checkpoint`` is a checkpoint folder, or ``true`` for the latest ``checkpoint-*`` in
+    ``output_dir``; it is passed to ``Trainer.train``, not to ``TrainingArguments``.
+    ``gradient_checkpointing`` defaults to on, as in LLaMA-Factory (``disable_gradient_checkpointing``
+    is read as its negation).
+    """
+
+    output_dir: Path = required()
+    overwrite_output_dir: bool = option(False)
+    per_device_train_batch_size: int = option(8, check=positive)
+    per_device_eval_batch_size: int = option(8, check=positive)
+    gradient_accumulation_steps: int = option(1, check=positive)
+    learning_rate: float = option(5e-5, check=positive)
+    lr_scheduler_type: str = option("linear", check=_lr_scheduler)
+    lr_scheduler_kwargs: dict | None = option(None)
+    warmup_ratio: float | None = option(None, check=unit_interval)
+    warmup_steps: int | None = option(None, check=non_negative)
+    num_train_epochs: float = option(3.0, check=positive)
+    max_steps: int = option(-1, check=_max_steps)
+    weight_decay: float = option(0.0, check=non_negative)
+    max_grad_norm: float = option(1.0, check=non_negative)  # 0 disables clipping
+    logging_steps: float = option(500, check=steps_or_ratio)
+    save_strategy: IntervalStrategy = option(IntervalStrategy.STEPS)
+    save_steps: float = option(500, check=steps_or_ratio)
+    save_total_limit: int | None = option(None, check=positive)
+    save_only_model: bool = option(False)
+    eval_strategy: IntervalStrategy = option(IntervalStrategy.NO)
+    eval_steps: float | None = option(None, check=steps_or_ratio)
+    seed: int = option(42)
+    bf16: bool = option(False)
+    gradient_checkpointing: bool = option(True)
+    resume_from_checkpoint: bool | Path | None = option(None)
+    report_to: tuple[str, ...] = option(("none",))
+    run_name: str | None = option(None)
+    dataloader_num_workers: int = option(0, check=non_negative)
+    ddp_timeout: int = option(1800, check=positive)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """moetune's own options: the ``moetune:`` mapping of the YAML.
+
+    ``expert_format`` is the storage format of routed experts in host RAM (``auto``: as the checkpoint
+    stores them, otherwise a registered format name). ``device`` runs the dense part (``auto``: cuda when
+    available). ``num_threads`` is the CPU expert engine's thread count (unset: the physical cores visible
+    to the process). ``check_finite`` makes the engine raise on NaN/Inf, naming tensor and expert.
+    """
+
+    expert_format: str = option("auto")
+    activation_policy: ActivationPolicy = option(ActivationPolicy.RETAIN)
+    num_threads: int | None = option(None, check=_min_one)
+    device: str = option("auto", check=_device)
+    check_finite: bool = option(False)
+
+
+@dataclass(frozen=True)
+class MoetuneConfig:
+    """A validated ``moetune train`` configuration. Build it with :func:`moetune.config.load_config`."""
+
+    model: ModelConfig
+    finetune: FinetuneConfig
+    data: DataConfig
+    training: TrainingConfig
+    engine: EngineConfig
+    source: Path | None = None  # the YAML file it came from
+
+    def summary(self) -> dict[str, Any]:
+        """The settings as plain values (enums as strings, paths as str), for logs and run records."""
+        return _plain(self)
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# sections parsed from the flat top level, in order; the `moetune:` mapping is EngineConfig
+FLAT_SECTIONS: tuple[type, ...] = (ModelConfig, FinetuneConfig, DataConfig, TrainingConfig)
+ENGINE_KEY = "moetune"

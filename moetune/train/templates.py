@@ -1,0 +1,229 @@
+"""Text -> token ids and labels, training only on chosen character spans.
+
+Every example becomes one string plus the character spans to train on; one fast-tokenizer pass with
+offsets then labels each token that overlaps a span (``-100`` elsewhere). Conversations are rendered
+with a Jinja chat template (``tokenizer.apply_chat_template``), and an assistant turn's span is found
+by rendering incrementally: the conversation up to the turn with the generation prompt, then through
+the turn. The turn is what the second adds to the first, and both must be prefixes of the whole
+conversation's rendering; a template that breaks this (one that rewrites earlier turns, e.g. dropping
+their reasoning) is reported instead of producing wrong labels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moetune.config.schema import DataConfig
+from moetune.errors import DataError
+
+IGNORE_INDEX = -100  # the label transformers' cross-entropy skips
+
+Message = Mapping[str, str]  # {"role": system|user|assistant|tool, "content": str}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A validated row: a conversation (``messages``, trained from message ``first_trained``) or a text
+    (``text``, trained from character ``trained_from``)."""
+
+    messages: list[dict[str, str]] | None = None
+    first_trained: int = 0
+    text: str | None = None
+    trained_from: int = 0
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One tokenized example: ``input_ids`` and ``labels`` of equal length (-100 where not trained)."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+    @property
+    def first_label(self) -> int | None:
+        """Index of the first trained token, or None when no token is trained."""
+        return next((i for i, label in enumerate(self.labels) if label != IGNORE_INDEX), None)
+
+
+def read_chat_template(path: Path) -> str:
+    """The Jinja chat template stored in ``path``."""
+    try:
+        return path.read_text()
+    except OSError as err:
+        raise DataError(f"template: cannot read chat template {path}: {err}") from None
+
+
+def encode_spans(
+    tokenizer: Any, text: str, spans: Sequence[tuple[int, int]], *, add_special_tokens: bool
+) -> Encoded:
+    """Tokenize ``text``; a token is trained when its characters overlap one of ``spans``.
+
+    ``spans`` are sorted, non-overlapping ``[start, end)`` character ranges; each must yield at least one
+    trained token. A token that straddles a span boundary (a merge across it) is trained: it holds span text.
+    """
+    enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    ids: list[int] = list(enc["input_ids"])
+    labels = [IGNORE_INDEX] * len(ids)
+    hits = [0] * len(spans)
+    j = 0  # first span that ends after the current token starts
+    for t, (a, b) in enumerate(enc["offset_mapping"]):
+        while j < len(spans) and spans[j][1] <= a:
+            j += 1
+        k = j
+        # span k ends after a, so it overlaps [a, b) if it starts before b (a zero-width token: at or before a)
+        while k < len(spans) and (spans[k][0] < b or spans[k][0] <= a == b):
+            labels[t] = ids[t]
+            hits[k] += 1
+            k += 1
+    empty = [spans[k] for k, n in enumerate(hits) if n == 0 and spans[k][0] < spans[k][1]]
+    if empty:
+        s, e = empty[0]
+        raise DataError(f"the trained text {text[s:e]!r} (characters {s}-{e}) produced no tokens")
+    return Encoded(ids, labels)
+
+
+def append_eos(tokenizer: Any, encoded: Encoded) -> Encoded:
+    """``encoded`` with the end-of-sequence token appended and trained (so the model learns to stop),
+    unless the tokenizer has none or the sequence already ends with it."""
+    eos = tokenizer.eos_token_id
+    if eos is None or (encoded.input_ids and encoded.input_ids[-1] == eos):
+        return encoded
+    return Encoded(encoded.input_ids + [eos], encoded.labels + [eos])
+
+
+class ChatRenderer:
+    """Renders conversations with a chat template and finds the characters of the trained turns.
+
+    ``template`` is Jinja source (None: the tokenizer's own ``chat_template``); ``template_kwargs`` are
+    extra template variables (e.g. ``enable_thinking``).
+    """
+
+    def __init__(
+        self, tokenizer: Any, template: str | None = None, template_kwargs: Mapping[str, Any] | None = None
+    ):
+        if template is None and not getattr(tokenizer, "chat_template", None):
+            raise DataError(
+                f"the tokenizer of {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template, and "
+                f"conversations need one: set `template` to a Jinja chat-template file, or use plain-text or "
+                f"prompt/completion data"
+            )
+        self.tokenizer = tokenizer
+        self.template = template
+        self.template_kwargs = dict(template_kwargs or {})
+
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+        """The conversation as the template writes it."""
+        from jinja2 import TemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages),
+                chat_template=self.template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **self.template_kwargs,
+            )
+        except TemplateError as err:
+            raise DataError(f"the chat template failed: {err}") from None
+        assert isinstance(text, str)
+        return text
+
+    def trained_spans(
+        self,
+        messages: Sequence[Message],
+        *,
+        first_trained: int = 0,
+        train_on_prompt: bool = False,
+        mask_history: bool = False,
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the character spans to train on.
+
+        Trained: the assistant turns at index >= ``first_trained`` (only the last with ``mask_history``),
+        each with its end-of-turn text. With ``train_on_prompt`` a span also covers the turn's prompt: all
+        text since the previous assistant turn (or the start).
+        """
+        full = self.render(messages)
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        trained = [i for i in turns if i >= first_trained][-1 if mask_history else 0 :]
+        if not trained:
+            raise DataError("the conversation has no assistant turn to train on")
+        spans: list[tuple[int, int]] = []
+        for i in trained:
+            prompt = self.render(messages[:i], add_generation_prompt=True)
+            end = self._turn_end(messages, i, full)
+            if not full[:end].startswith(prompt):
+                raise DataError(
+                    f"the chat template's generation prompt for message {i} is not how it renders that "
+                    f"assistant turn (generation prompt ends {prompt[-40:]!r}, the turn starts "
+                    f"{full[len(prompt) - 40 : len(prompt) + 20]!r}); this template cannot mark assistant "
+                    f"tokens: give a `template` whose generation prompt matches its assistant turns"
+                )
+            if train_on_prompt:
+                earlier = [j for j in turns if j < i]
+                start = self._turn_end(messages, earlier[-1], full) if earlier else 0
+            else:
+                start = len(prompt)
+            spans.append((start, end))
+        return full, spans
+
+    def _turn_end(self, messages: Sequence[Message], i: int, full: str) -> int:
+        """Where message ``i`` ends in ``full``, the rendering of all ``messages``."""
+        if i == len(messages) - 1:
+            return len(full)
+        upto = self.render(messages[: i + 1])
+        if not full.startswith(upto):
+            raise DataError(
+                f"the chat template renders assistant message {i} differently once later turns follow "
+                f"(it rewrites conversation history, e.g. drops reasoning); set mask_history: true to "
+                f"train on the last assistant turn only"
+            )
+        return len(upto)
+
+    def encode(self, messages: Sequence[Message], **options: Any) -> Encoded:
+        """Token ids and labels of a conversation (``options`` as for :meth:`trained_spans`)."""
+        text, spans = self.trained_spans(messages, **options)
+        return encode_spans(self.tokenizer, text, spans, add_special_tokens=False)
+
+
+class ExampleEncoder:
+    """Turns validated :class:`Sample` s into token ids and labels with the config's label policy."""
+
+    def __init__(self, tokenizer: Any, config: DataConfig) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+        # read now, so that `datasets`' cache fingerprint of this encoder covers the template's text
+        self.template = read_chat_template(config.template) if config.template is not None else None
+        self.template_kwargs = (
+            {} if config.enable_thinking is None else {"enable_thinking": config.enable_thinking}
+        )
+        self._renderer: ChatRenderer | None = None
+
+    @property
+    def renderer(self) -> ChatRenderer:
+        """The chat renderer, built on first use (text-only data needs no chat template)."""
+        if self._renderer is None:
+            self._renderer = ChatRenderer(self.tokenizer, self.template, self.template_kwargs)
+        return self._renderer
+
+    def encode(self, sample: Sample) -> Encoded:
+        """Token ids and labels of one sample, before truncation."""
+        if sample.messages is not None:
+            messages = sample.messages
+            first_trained = sample.first_trained
+            if self.config.default_system is not None and messages[0]["role"] != "system":
+                messages = [{"role": "system", "content": self.config.default_system}, *messages]
+                first_trained += 1
+            return self.renderer.encode(
+                messages,
+                first_trained=first_trained,
+                train_on_prompt=self.config.train_on_prompt,
+                mask_history=self.config.mask_history,
+            )
+        assert sample.text is not None
+        start = 0 if self.config.train_on_prompt else sample.trained_from
+        spans = [(start, len(sample.text))] if start < len(sample.text) else []
+        encoded = encode_spans(self.tokenizer, sample.text, spans, add_special_tokens=True)
+        return append_eos(self.tokenizer, encoded)

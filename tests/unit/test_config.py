@@ -1,0 +1,369 @@
+"""The training config: LLaMA-Factory keys parse into typed sections; every problem is reported at once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from moetune.config import (
+    ActivationPolicy,
+    DataFormat,
+    FinetuningType,
+    IntervalStrategy,
+    MoetuneConfig,
+    Stage,
+    load_config,
+    parse_config,
+    training_arguments_kwargs,
+)
+from moetune.config.llamafactory import REJECTED
+from moetune.errors import ConfigError, MoetuneError
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A working directory with a model folder and an alpaca dataset registered in data/dataset_info.json."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "alpaca.json").write_text(json.dumps([{"instruction": "a", "output": "b"}]))
+    (data / "dataset_info.json").write_text(json.dumps({"alpaca_demo": {"file_name": "alpaca.json"}}))
+    return tmp_path
+
+
+def minimal(**keys: Any) -> dict[str, Any]:
+    """The smallest valid config (relative to ``workdir``), with ``keys`` added or replaced."""
+    return {"model_name_or_path": "model", "dataset": "alpaca_demo", "output_dir": "out", **keys}
+
+
+def problems_of(raw: Any, **kwargs: Any) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(raw, **kwargs)
+    return str(info.value)
+
+
+# A LLaMA-Factory LoRA SFT YAML, as their examples write it (KTransformers keys aside).
+LLAMAFACTORY_YAML = """
+### model
+model_name_or_path: model
+trust_remote_code: true
+
+### method
+stage: sft
+do_train: true
+finetuning_type: lora
+lora_rank: 8
+lora_target: all
+
+### dataset
+dataset: alpaca_demo
+cutoff_len: 2048
+max_samples: 1000
+overwrite_cache: true
+preprocessing_num_workers: 16
+dataloader_num_workers: 4
+
+### output
+output_dir: saves/qwen3/lora/sft
+logging_steps: 10
+save_steps: 500
+overwrite_output_dir: true
+save_only_model: false
+report_to: none
+
+### train
+per_device_train_batch_size: 1
+gradient_accumulation_steps: 8
+learning_rate: 1e-4
+num_train_epochs: 3.0
+lr_scheduler_type: cosine
+warmup_ratio: 0.1
+bf16: true
+ddp_timeout: 180000000
+resume_from_checkpoint: null
+
+### ktransformers, switched off
+use_kt: false
+"""
+
+
+def test_llamafactory_yaml_parses_into_typed_sections(workdir: Path) -> None:
+    (workdir / "train.yaml").write_text(LLAMAFACTORY_YAML)
+    cfg = load_config("train.yaml")
+    assert isinstance(cfg, MoetuneConfig)
+    assert cfg.model.model_name_or_path == "model" and cfg.model.trust_remote_code is True
+    assert cfg.finetune.stage is Stage.SFT and cfg.finetune.finetuning_type is FinetuningType.LORA
+    assert cfg.finetune.lora_alpha == 16  # unset: 2 * rank, as in LLaMA-Factory
+    assert cfg.finetune.targets_all and cfg.finetune.lora_scale == 2.0
+    assert cfg.training.learning_rate == 1e-4  # PyYAML reads `1e-4` as a string
+    assert cfg.training.output_dir == Path("saves/qwen3/lora/sft")
+    assert cfg.training.gradient_checkpointing is True  # LLaMA-Factory's default
+    assert cfg.data.dataset == ("alpaca_demo",) and cfg.data.max_samples == 1000
+    (source,) = cfg.data.train_sources
+    assert source.path == Path("data/alpaca.json") and source.formatting is None
+    assert cfg.engine.activation_policy is ActivationPolicy.RETAIN and cfg.source == Path("train.yaml")
+    json.dumps(cfg.summary())  # plain values only
+
+
+def test_every_problem_is_reported_at_once(workdir: Path) -> None:
+    raw = minimal(
+        model_name_or_path="no/such/model/dir",
+        dataset="alpaca_demo, missing_set",
+        lora_rank=0,
+        lora_dropout=1.0,
+        cutoff_len=-5,
+        learning_rate=-1e-4,
+        lora_rnak=4,
+        deepspeed="ds_z3.json",
+        use_kt=True,
+        bf16="sometimes",
+        moetune={"num_threads": 0, "activation_policy": "keep", "turbo": True},
+    )
+    text = problems_of(raw)
+    expected = [
+        "13 problems",
+        "lora_rank: got 0; must be > 0",
+        "lora_dropout: got 1.0; must be in [0, 1)",
+        "cutoff_len: got -5; must be > 0",
+        "learning_rate: got -0.0001; must be > 0",
+        "lora_rnak: is not a moetune or supported LLaMA-Factory key; did you mean 'lora_rank'?",
+        "deepspeed: is a LLaMA-Factory option moetune does not support",
+        "use_kt: is a LLaMA-Factory option moetune does not support: moetune replaces KTransformers",
+        "bf16: got 'sometimes'; expected true or false",
+        "moetune.num_threads: got 0; must be >= 1",
+        "moetune.activation_policy: got 'keep'; expected one of: retain, recompute",
+        "moetune.turbo: is not an engine option",
+        "'missing_set' is neither a dataset name in data/dataset_info.json (names there: alpaca_demo)",
+        "model_name_or_path: no/such/model/dir does not exist",
+    ]
+    for fragment in expected:
+        assert fragment in text, fragment
+
+
+def test_config_error_is_a_moetune_error() -> None:
+    assert issubclass(ConfigError, MoetuneError)
+
+
+def test_required_keys_are_listed(workdir: Path) -> None:
+    text = problems_of({})
+    for key in ("model_name_or_path", "dataset", "output_dir"):
+        assert f"{key}: is required and missing" in text
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("lora_rank", "eight", "expected an integer"),
+        ("lora_rank", 8.5, "expected an integer"),
+        ("lora_rank", True, "expected an integer"),
+        ("lora_target", [], "non-empty list"),
+        ("lora_target", "all,q_proj", "cannot be combined"),
+        ("num_train_epochs", 0, "must be > 0"),
+        ("max_steps", 0, "or -1 to train for num_train_epochs"),
+        ("logging_steps", 2.5, "whole number of steps"),
+        ("warmup_ratio", 1.5, "must be in [0, 1)"),
+        ("val_size", 2.5, "fraction"),
+        ("lr_scheduler_type", "cosin", "allowed: linear, cosine"),
+        ("report_to", "tensorbord", "allowed:"),
+        ("save_strategy", "sometimes", "one of: no, steps, epoch"),
+        ("stage", "dpo", "'dpo' (DPO) is not supported yet; a later moetune version adds it. Supported: sft"),
+        ("finetuning_type", "full", "a later moetune version adds it. Supported: lora"),
+        ("do_train", False, "always trains"),
+        ("template", "qwen3_nothink", "looks like a LLaMA-Factory template name"),
+        ("template", "templates/chat.jinja", "does not exist"),
+        ("optim", "adamw_torch", "TrainingArguments option that moetune does not expose"),
+        ("plot_loss", True, "trainer_state.json"),
+        ("cpu_infer", 32, "moetune: {num_threads: N}"),
+        ("quantization_bit", 4, "expert_format"),
+        ("galore_rank", 16, "not supported yet"),
+        ("moetune", [1], "expected a mapping of engine options"),
+        ("num_threads", 8, "is an engine option; put it under `moetune:`"),
+    ],
+)
+def test_bad_values_name_the_key_and_what_is_allowed(
+    workdir: Path, key: str, value: Any, message: str
+) -> None:
+    text = problems_of(minimal(**{key: value}))
+    assert f"- {key}: " in text and message in text
+
+
+def test_keys_switched_off_are_accepted(workdir: Path) -> None:
+    """A rejected LLaMA-Factory key set to the value that asks for nothing requests nothing moetune lacks."""
+    offs = {key: rule.off[0] if isinstance(rule.off, tuple) else rule.off for key, rule in REJECTED.items()}
+    off = {key: value for key, value in offs.items() if REJECTED[key].accepts(value)}
+    assert {"use_kt", "quantization_bit", "flash_attn", "plot_loss", "neat_packing"} <= set(off)
+    parse_config(minimal(**off))
+
+
+def test_engine_options(workdir: Path) -> None:
+    engine = {"activation_policy": "recompute", "num_threads": 4, "device": "cuda:1", "check_finite": True}
+    cfg = parse_config(minimal(moetune=engine))
+    assert cfg.engine.activation_policy is ActivationPolicy.RECOMPUTE
+    assert (cfg.engine.num_threads, cfg.engine.device, cfg.engine.check_finite) == (4, "cuda:1", True)
+    text = problems_of(minimal(moetune={"device": "gpu", "expert_format": "int3"}))
+    assert "moetune.device: got 'gpu'; must be auto, cpu, cuda or cuda:N" in text
+    assert "moetune.expert_format: got 'int3'; allowed: auto, dense" in text  # then the registered formats
+    assert parse_config(minimal(moetune={"expert_format": "dense"})).engine.expert_format == "dense"
+
+
+def test_cross_field_rules(workdir: Path) -> None:
+    text = problems_of(
+        minimal(warmup_ratio=0.1, warmup_steps=10, eval_steps=5, val_size=0.1, eval_dataset="alpaca_demo")
+    )
+    assert "warmup_steps: is set together with warmup_ratio" in text
+    assert "val_size: is set together with eval_dataset" in text
+    assert "eval_steps: is set but eval_strategy is not 'steps'" in text
+    assert (
+        "eval_strategy: is 'no' but eval_dataset or val_size is set" not in text
+    )  # skipped: val_size is bad
+    assert "eval_strategy: is 'steps' but there is no evaluation data" in problems_of(
+        minimal(eval_strategy="steps")
+    )
+    assert "eval_strategy: is 'no' but eval_dataset" in problems_of(minimal(val_size=0.1))
+    cfg = parse_config(minimal(val_size=0.1, eval_strategy="steps", eval_steps=20))
+    assert cfg.training.eval_strategy is IntervalStrategy.STEPS
+
+
+def test_disable_gradient_checkpointing_is_read_as_its_negation(workdir: Path) -> None:
+    assert parse_config(minimal(disable_gradient_checkpointing=True)).training.gradient_checkpointing is False
+    text = problems_of(minimal(disable_gradient_checkpointing=True, gradient_checkpointing=True))
+    assert "disable_gradient_checkpointing: conflicts with gradient_checkpointing" in text
+
+
+def test_output_dir_holding_a_run_needs_overwrite_or_resume(workdir: Path) -> None:
+    (workdir / "out" / "checkpoint-100").mkdir(parents=True)
+    (workdir / "out" / "checkpoint-100" / "trainer_state.json").write_text("{}")
+    text = problems_of(minimal())
+    assert "output_dir: out already holds a training run (checkpoint-100)" in text
+    assert parse_config(minimal(overwrite_output_dir=True)).training.overwrite_output_dir
+    assert parse_config(minimal(resume_from_checkpoint=True)).training.resume_from_checkpoint is True
+    resumed = parse_config(minimal(resume_from_checkpoint="out/checkpoint-100"))
+    assert resumed.training.resume_from_checkpoint == Path("out/checkpoint-100")
+    assert "is not a checkpoint folder" in problems_of(minimal(resume_from_checkpoint="out"))
+
+
+def test_resume_needs_a_checkpoint(workdir: Path) -> None:
+    text = problems_of(minimal(resume_from_checkpoint=True))
+    assert "resume_from_checkpoint: is true but out holds no checkpoint-* folder" in text
+
+
+def test_empty_or_unrelated_output_dir_is_fine(workdir: Path) -> None:
+    (workdir / "out").mkdir()
+    (workdir / "out" / "notes.txt").write_text("hi")
+    parse_config(minimal())
+
+
+def test_dataset_paths_and_dataset_info_entries(workdir: Path) -> None:
+    (workdir / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    info = {
+        "alpaca_demo": {
+            "file_name": "alpaca.json",
+            "formatting": "alpaca",
+            "columns": {"prompt": "q", "response": "a"},
+        },
+        "sharegpt_demo": {
+            "file_name": "alpaca.json",
+            "formatting": "sharegpt",
+            "columns": {"messages": "dialog"},
+            "tags": {"role_tag": "speaker"},
+        },
+        "hub_only": {"hf_hub_url": "org/data"},
+        "pairs": {"file_name": "alpaca.json", "ranking": True, "columns": {"chosen": "c"}},
+        "odd": {
+            "file_name": "alpaca.json",
+            "formatting": "alpaca",
+            "columns": {"messages": "m"},
+            "tags": {"x": "y"},
+        },
+        "gone": {"file_name": "missing.json"},
+        "word": {"file_name": "alpaca.doc"},
+    }
+    (workdir / "data" / "dataset_info.json").write_text(json.dumps(info))
+    (workdir / "data" / "alpaca.doc").write_text("")
+    cfg = parse_config(minimal(dataset=["alpaca_demo", "sharegpt_demo", "chat.jsonl"]))
+    alpaca, sharegpt, chat = cfg.data.train_sources
+    assert alpaca.formatting is DataFormat.ALPACA and dict(alpaca.columns) == {"prompt": "q", "response": "a"}
+    assert sharegpt.formatting is DataFormat.SHAREGPT and dict(sharegpt.tags) == {"role_tag": "speaker"}
+    assert chat.path == Path("chat.jsonl") and chat.formatting is None
+    text = problems_of(minimal(dataset="hub_only,pairs,odd,gone,word"))
+    assert "'hub_only' has hf_hub_url but no file_name; moetune reads local files only" in text
+    assert "sets 'ranking'" in text and "maps column role 'chosen'" in text
+    assert "maps column role 'messages', which alpaca does not have" in text
+    assert "has unknown tags ['x']" in text
+    assert "missing.json does not exist" in text
+    assert "has suffix '.doc'" in text
+
+
+def test_template_file(workdir: Path) -> None:
+    (workdir / "chat.jinja").write_text("{{ messages }}")
+    assert parse_config(minimal(template="chat.jinja")).data.template == Path("chat.jinja")
+
+
+def test_hub_id_must_be_in_the_local_cache(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(workdir / "hf_cache"))
+    text = problems_of(minimal(model_name_or_path="some-org/Some-MoE"))
+    assert "'some-org/Some-MoE' is neither a local folder nor in the local Hugging Face cache" in text
+
+
+def test_model_path_check_can_be_skipped(workdir: Path) -> None:
+    cfg = parse_config(minimal(model_name_or_path="out/demo/model"), check_model_path=False)
+    assert cfg.model.model_name_or_path == "out/demo/model"
+
+
+def test_yaml_errors(workdir: Path) -> None:
+    (workdir / "bad.yaml").write_text("model_name_or_path: [unclosed\n")
+    with pytest.raises(ConfigError, match="bad.yaml is not valid YAML"):
+        load_config("bad.yaml")
+    (workdir / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="the top level must be a mapping"):
+        load_config("list.yaml")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config("nowhere.yaml")
+
+
+def test_training_arguments_kwargs_build_real_training_arguments(workdir: Path) -> None:
+    from transformers import TrainingArguments
+
+    cfg = parse_config(
+        minimal(
+            learning_rate="2e-4",
+            warmup_ratio=0.1,
+            lr_scheduler_type="cosine_with_min_lr",
+            lr_scheduler_kwargs={"min_lr": 1e-6},
+            val_size=0.1,
+            eval_strategy="steps",
+            logging_steps=5,
+            save_total_limit=2,
+            gradient_checkpointing=False,
+            moetune={"device": "cpu"},
+        )
+    )
+    kwargs = training_arguments_kwargs(cfg)
+    args = TrainingArguments(**kwargs)
+    assert args.learning_rate == 2e-4 and args.warmup_steps == 0.1
+    assert args.eval_strategy == "steps" and args.eval_steps == 5  # eval_steps defaults to logging_steps
+    assert args.lr_scheduler_kwargs == {"min_lr": 1e-6} and args.save_total_limit == 2
+    assert args.use_cpu and not args.activation_checkpointing and not args.remove_unused_columns
+    assert "resume_from_checkpoint" not in kwargs
+    steps = training_arguments_kwargs(parse_config(minimal(warmup_steps=30)))
+    assert steps["warmup_steps"] == 30 and TrainingArguments(**steps).warmup_steps == 30
+
+
+def test_shipped_example_configs_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every examples/*.yaml is valid. Their models are written by the demo, so the model path is not
+    checked here; their datasets and templates are."""
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)  # example paths are relative to the repository root
+    configs = sorted((root / "examples").glob("*.yaml"))
+    assert configs, "no example configs found"
+    for path in configs:
+        cfg = load_config(path.relative_to(root), check_model_path=False)
+        assert cfg.data.train_sources, path
