@@ -44,3 +44,7 @@ class ArchError(MoetuneError):
 
 class LoadError(MoetuneError):
     """A checkpoint cannot be loaded: missing or extra files or tensors, wrong shapes, unsupported formats."""
+
+
+class DataError(MoetuneError, ValueError):
+    """A dataset cannot be loaded or turned into training examples (missing fields, wrong format, no labels)."""
