@@ -17,6 +17,7 @@ Using it twice, on another engine, or after the trained weights changed in place
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -70,15 +71,17 @@ class EngineOptions:
 def resolve_compute_dtype(storage: torch.dtype, requested: torch.dtype | None = None) -> torch.dtype:
     """The dtype GEMMs run in.
 
-    fp32/fp64 weights compute as stored. bf16 weights compute in bf16 only where the CPU has bf16 dot
-    products (AMX-BF16 or AVX512-BF16); elsewhere oneDNN emulates bf16 and fp32 GEMMs on tiles converted
-    into reused buffers are faster (measured 6x on an AVX2-only EPYC: 0.015 vs 0.09 TFLOP/s).
+    fp32/fp64 weights compute as stored. bf16 weights, and quantized ones (1-byte storage: int8, packed
+    int4 as uint8, fp8), compute in bf16 only where the CPU has bf16 dot products (AMX-BF16 or
+    AVX512-BF16); elsewhere oneDNN emulates bf16 and fp32 GEMMs on tiles converted into reused buffers are
+    faster (measured 6x on an AVX2-only EPYC: 0.015 vs 0.09 TFLOP/s). fp16 computes in fp32.
     """
     if requested is not None:
         return requested
     if storage in (torch.float32, torch.float64):
         return storage
-    if storage == torch.bfloat16 and cpu_info().native_bf16_gemm:
+    dequantized_like_bf16 = storage == torch.bfloat16 or storage.itemsize == 1
+    if dequantized_like_bf16 and cpu_info().native_bf16_gemm:
         return torch.bfloat16
     return torch.float32
 
@@ -201,6 +204,19 @@ class ExpertEngine:
         self._forwards = 0
         self.ws = Workspace()
 
+    def with_lora(self, lora: ExpertLoRA | None) -> ExpertEngine:
+        """A new engine over the same weights object (nothing copied) with ``lora``; modes are resolved anew."""
+        return ExpertEngine(
+            self.weights,
+            activation=self.act,
+            gate_up_bias=self.gate_up_bias,
+            down_bias=self.down_bias,
+            lora=lora,
+            train_base=self.mode is TrainMode.FULL,
+            options=self.options,
+            name=self.name,
+        )
+
     # ---- helpers shared by forward, recompute and backward
     def trained_tensors(self) -> tuple[torch.Tensor, ...]:
         """The tensors backward differentiates besides x and w: LoRA (``LORA_NAMES`` order), then in full mode
@@ -216,14 +232,46 @@ class ExpertEngine:
         assert self.lora is not None
         return tuple(t.detach().to(self.compute_dtype) for t in self.lora.tensors())
 
-    def _tile(self, proj: Projection, e: int) -> torch.Tensor:
+    def _row_blocks(
+        self, proj: Projection, e: int, n: int, whole: bool = False
+    ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Expert e's ``proj`` matrix ``[D_out, D_in]`` as ``(r0, r1, W[r0:r1])`` blocks in the compute dtype.
+
+        Stored in the compute dtype: one block, a view. Otherwise each block is converted into a reused buffer
+        small enough to stay in cache while its GEMM with the expert's ``n`` rows runs: converting whole tiles
+        wrote and re-read a full fp32 copy per expert, which at n = 16 made the GEMMs 2.2x slower (measured).
+        Few rows are memory bound (small blocks); many rows want wider GEMMs (larger blocks). ``whole`` asks
+        for one block (the whole matrix).
+        """
         cd = self.compute_dtype
-        buf = (
-            self.ws.get(f"tile_{proj}", self.weights.shape(proj), cd)
-            if self.weights.needs_buffer(cd)
-            else None
-        )
-        return self.weights.tile(proj, e, cd, buf)
+        d_out, d_in = self.weights.shape(proj)
+        if not self.weights.needs_buffer(cd):
+            yield 0, d_out, self.weights.tile(proj, e, cd, None)
+            return
+        align = self.weights.row_align(proj)
+        step = d_out if whole else min(d_out, -(-(64 if n < 256 else 128) // align) * align)  # whole blocks
+        buf = self.ws.get(f"tile_{proj}", (step, d_in), cd)
+        for r0 in range(0, d_out, step):
+            r1 = min(r0 + step, d_out)
+            yield r0, r1, self.weights.tile(proj, e, cd, buf[: r1 - r0], rows=slice(r0, r1))
+
+    def _matmul_wt(self, proj: Projection, e: int, inp: torch.Tensor, out: torch.Tensor) -> None:
+        """out ``[n, D_out]`` = inp ``[n, D_in]`` @ W_e^T, block by block of W's rows (= out's columns)."""
+        for r0, r1, w in self._row_blocks(proj, e, inp.shape[0]):
+            torch.mm(inp, w.t(), out=out[:, r0:r1])
+
+    def _matmul_w(self, proj: Projection, e: int, grad: torch.Tensor, out: torch.Tensor) -> None:
+        """out ``[n, D_in]`` = grad ``[n, D_out]`` @ W_e, summed over blocks of W's rows.
+
+        Partial sums land in ``out``'s dtype: blocks only where that is fp32/fp64; a bf16 compute dtype would
+        round every partial sum to 8 bits, so it takes the whole matrix in one GEMM (fp32 accumulation inside).
+        """
+        exact_sums = self.compute_dtype in (torch.float32, torch.float64)
+        for r0, r1, w in self._row_blocks(proj, e, grad.shape[0], whole=not exact_sums):
+            if r0 == 0:
+                torch.mm(grad[:, r0:r1], w, out=out)
+            else:
+                out.addmm_(grad[:, r0:r1], w)
 
     def _bias(self, bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
         return None if bias is None else bias[e].detach().to(self.compute_dtype)
@@ -239,7 +287,7 @@ class ExpertEngine:
         seed: int | None,
     ) -> None:
         """out ``[n, D_out]`` = inp ``[n, D_in]`` @ W_e^T (+ bias) (+ s * drop(inp) A_e^T B_e^T; A-part to lora_out)."""
-        torch.mm(inp, self._tile(proj, e).t(), out=out)
+        self._matmul_wt(proj, e, inp, out)
         bias = self._bias(self.gate_up_bias if proj == "gate_up" else self.down_bias, e)
         if bias is not None:
             out.add_(bias)
@@ -414,7 +462,7 @@ class ExpertEngine:
             g_e, w_e, gh_e = gs[s0:s1], w_sorted[s0:s1], gh_all[s0:s1]
 
             # down projection: gh = g @ (W2 + s B2 A2 (dropout)) ; all unweighted by w until the router grad is taken
-            torch.mm(g_e, self._tile("down", e), out=gh_e)
+            self._matmul_w("down", e, g_e, gh_e)
             if lora_c is not None and lora_g is not None:
                 self._lora_backward(
                     "down",
@@ -441,7 +489,7 @@ class ExpertEngine:
 
             ggu = self.act.vjp(gu_e, gh_e)  # [n, 2I]
             gxs_e = gxs[s0:s1]
-            torch.mm(ggu, self._tile("gate_up", e), out=gxs_e)
+            self._matmul_w("gate_up", e, ggu, gxs_e)
             if lora_c is not None and lora_g is not None:
                 assert xs_e is not None
                 xa_e = (

@@ -26,6 +26,14 @@ class ExpertFormat(ABC):
     hidden_size: int  # H
     intermediate_size: int  # I
 
+    @classmethod
+    @abstractmethod
+    def from_dense(cls, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertFormat:
+        """Build from dense float weights: gate_up ``[E, 2I, H]``, down ``[E, H, I]`` (bf16, fp16, fp32 or fp64).
+
+        Formats may add keyword-only options with defaults (int4's ``group_size``); the weights are not kept.
+        """
+
     def shape(self, proj: Projection) -> tuple[int, int]:
         """The per-expert matrix shape as the engine multiplies it: ``[2I, H]`` or ``[H, I]``."""
         if proj == "gate_up":
@@ -34,14 +42,24 @@ class ExpertFormat(ABC):
 
     @abstractmethod
     def tile(
-        self, proj: Projection, expert: int, dtype: torch.dtype, buf: torch.Tensor | None
+        self,
+        proj: Projection,
+        expert: int,
+        dtype: torch.dtype,
+        buf: torch.Tensor | None,
+        rows: slice | None = None,
     ) -> torch.Tensor:
-        """Expert ``expert``'s ``proj`` matrix in ``dtype``.
+        """Rows ``rows`` (default: all) of expert ``expert``'s ``proj`` matrix, ``[R, D_in]`` in ``dtype``.
 
         Returns a view of the stored weight when no conversion is needed (no copy), otherwise writes into
-        ``buf`` (shape ``self.shape(proj)``, dtype ``dtype``, owned by the caller and reused across calls)
-        and returns it.
+        ``buf`` (shape ``[R, D_in]``, dtype ``dtype``, owned by the caller and reused across calls) and returns
+        it. The engine asks for row blocks small enough to stay in cache while their GEMM runs, so a
+        conversion costs one read of the stored bytes, not a write and a re-read of a full-size tile.
         """
+
+    def row_align(self, proj: Projection) -> int:
+        """Row blocks asked of ``tile`` start at multiples of this (block-scaled formats: their block height)."""
+        return 1
 
     @abstractmethod
     def needs_buffer(self, dtype: torch.dtype) -> bool:
@@ -61,6 +79,11 @@ class ExpertFormat(ABC):
     @abstractmethod
     def nbytes(self) -> int:
         """Bytes of host memory the stored expert weights occupy."""
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Resident bytes per expert parameter, scales included: ``nbytes / (E * 3 * H * I)``."""
+        return self.nbytes / (3 * self.num_experts * self.hidden_size * self.intermediate_size)
 
     @property
     @abstractmethod

@@ -40,13 +40,25 @@ class DenseExperts(ExpertFormat):
         self.down = down if down.is_contiguous() else down.contiguous()
         self.num_experts, self.hidden_size, self.intermediate_size = e, h, two_i // 2
 
+    @classmethod
+    def from_dense(cls, gate_up: torch.Tensor, down: torch.Tensor) -> DenseExperts:
+        """The weights as given (the contract's common constructor; same as ``DenseExperts(gate_up, down)``)."""
+        return cls(gate_up, down)
+
     def _stored(self, proj: Projection) -> torch.Tensor:
         return self.gate_up if proj == "gate_up" else self.down
 
     def tile(
-        self, proj: Projection, expert: int, dtype: torch.dtype, buf: torch.Tensor | None
+        self,
+        proj: Projection,
+        expert: int,
+        dtype: torch.dtype,
+        buf: torch.Tensor | None,
+        rows: slice | None = None,
     ) -> torch.Tensor:
         w = self._stored(proj)[expert]
+        if rows is not None:
+            w = w[rows]
         if w.dtype == dtype:
             return w
         assert buf is not None, "caller must pass a buffer when a conversion is needed"

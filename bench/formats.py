@@ -1,0 +1,122 @@
+"""Expert engine forward+backward per weight format, measured side by side in one run.
+
+    python bench/formats.py [--experts 16 --hidden 2048 --inter 768 --tokens 512 --top-k 8 --rank 8 --reps 5]
+
+One fp32 Gaussian layer is stored as bf16 (the baseline), int8, int4 (group 64, symmetric) and fp8_block.
+Each rep runs every format once, in turn, so machine noise falls on all of them alike. Printed per format:
+resident bytes per parameter, relative Frobenius error of the dequantized weights, the time to dequantize
+every expert's two tiles once (what one forward adds over fp32 weights), fwd+bwd ms with expert LoRA
+trained (wall-clock min and median over reps, and process CPU time min), and throughput relative to bf16
+(bf16 ms / format ms, from the minima: the least disturbed runs). On a machine shared with other jobs,
+CPU time with ``--threads 1`` is the steadier measure: time spent descheduled does not count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from moetune.engine import EngineOptions, ExpertEngine, ExpertFormat, ExpertLoRA
+from moetune.engine.formats import FORMATS
+from moetune.engine.formats.base import Projection
+
+PROJS: tuple[Projection, ...] = ("gate_up", "down")
+FORMAT_SPECS: dict[str, tuple[str, dict[str, object], torch.dtype]] = {
+    "bf16": ("dense", {}, torch.bfloat16),
+    "int8": ("int8", {}, torch.float32),
+    "int4-g64": ("int4", {"group_size": 64}, torch.float32),
+    "fp8_block": ("fp8_block", {}, torch.float32),
+}
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    e, h, i, t, k = args.experts, args.hidden, args.inter, args.tokens, args.top_k
+
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(e, 2 * i, h, generator=gen) / h**0.5
+    down = torch.randn(e, h, i, generator=gen) / i**0.5
+    x = torch.randn(t, h, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])  # [T, k] distinct experts
+    w = torch.softmax(torch.randn(t, k, generator=gen), dim=1)
+    gy = torch.randn(t, h, generator=gen)
+    lora = ExpertLoRA.init(e, h, i, args.rank, alpha=2.0 * args.rank, generator=gen)
+    lora.gate_up_B.normal_(generator=gen)
+    lora.down_B.normal_(generator=gen)
+
+    engines: dict[str, ExpertEngine] = {}
+    info: dict[str, tuple[float, float, float]] = {}
+    for label, (name, opts, src_dtype) in FORMAT_SPECS.items():
+        fmt: ExpertFormat = FORMATS.get(name).from_dense(gate_up.to(src_dtype), down.to(src_dtype), **opts)
+        engine = ExpertEngine(fmt, lora=lora, options=EngineOptions(num_threads=args.threads))
+        gq, dq = fmt.dequantize(torch.float32)
+        err = float(torch.cat([(gq - gate_up).flatten(), (dq - down).flatten()]).norm())
+        err /= float(torch.cat([gate_up.flatten(), down.flatten()]).norm())
+        del gq, dq
+        bufs = {p: torch.empty(fmt.shape(p), dtype=engine.compute_dtype) for p in PROJS}
+
+        def dequant_all(fmt: ExpertFormat = fmt, bufs: dict[Projection, torch.Tensor] = bufs) -> None:
+            for x_ in range(e):
+                for p in PROJS:
+                    dtype = bufs[p].dtype
+                    fmt.tile(p, x_, dtype, bufs[p] if fmt.needs_buffer(dtype) else None)
+
+        dequant_all()
+        info[label] = (fmt.bytes_per_param, err, min(timed(dequant_all) for _ in range(3)))
+        engines[label] = engine
+
+    def step(engine: ExpertEngine) -> None:
+        _, saved = engine.forward(x, ids, w)
+        engine.backward(saved, gy)
+
+    for engine in engines.values():  # warm-up: workspaces grow to size, MKL picks its kernels
+        step(engine)
+    wall: dict[str, list[float]] = {label: [] for label in engines}
+    cpu: dict[str, list[float]] = {label: [] for label in engines}
+    for _ in range(args.reps):
+        for label, engine in engines.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            step(engine)
+            wall[label].append((time.perf_counter() - w0) * 1e3)
+            cpu[label].append((time.process_time() - c0) * 1e3)
+
+    first = next(iter(engines.values()))
+    print(
+        f"E={e} H={h} I={i} T={t} k={k} r={args.rank} threads={first.num_threads} "
+        f"compute={first.compute_dtype} reps={args.reps}"
+    )
+    print(
+        f"{'format':<10} {'B/param':>8} {'w err':>7} {'dequant ms':>11} {'wall min':>9} {'median':>8} "
+        f"{'cpu min':>8} {'vs bf16 wall':>13} {'cpu':>6}"
+    )
+    for label in engines:
+        bpp, err, deq = info[label]
+        ratio_wall = min(wall["bf16"]) / min(wall[label])
+        ratio_cpu = min(cpu["bf16"]) / min(cpu[label])
+        print(
+            f"{label:<10} {bpp:>8.3f} {err:>7.2%} {deq:>11.1f} {min(wall[label]):>9.1f} "
+            f"{statistics.median(wall[label]):>8.1f} {min(cpu[label]):>8.1f} {ratio_wall:>12.2f}x {ratio_cpu:>5.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""Benchmarks that print ratios measured side by side (no timed assertions live in tests).
+
+``engine``: the CPU expert engine against a plain autograd loop and transformers' own experts module, with
+this machine's roofline (``machine``) and the FLOP model (``flops``). Run it as ``moetune bench engine``.
+"""
