@@ -16,10 +16,37 @@ The data flow, and the package folders that follow it::
        |
     cli/      the ``moetune`` command
 
-Importing moetune is cheap: it initialises no CUDA and compiles nothing.
+Importing moetune is cheap: it initialises no CUDA and compiles nothing; ``load_model`` and
+``LoadOptions`` import torch and transformers on first use.
 """
+
+from typing import Any
 
 from moetune.errors import MoetuneError
 
 __version__ = "0.1.0"
-__all__ = ["MoetuneError", "__version__"]
+__all__ = [
+    "LoadOptions",
+    "MoetuneError",
+    "__version__",
+    "attach_lora",
+    "load_adapter",
+    "load_model",
+    "save_adapter",
+]
+
+_LAZY = {
+    "load_model": "moetune.loading",
+    "LoadOptions": "moetune.loading",
+    "attach_lora": "moetune.adapters",
+    "load_adapter": "moetune.adapters",
+    "save_adapter": "moetune.adapters",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'moetune' has no attribute {name!r}")

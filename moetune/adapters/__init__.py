@@ -1,9 +1,12 @@
 """PEFT-layout save/load of attention and expert LoRA.
 
 ``peft_layout`` converts one layer's expert LoRA between the engine layout and stock PEFT's
-``target_parameters`` layout (tensor layout, key names, config facts in its docstring).
+``target_parameters`` layout (tensor layout, key names, config facts in its docstring); ``apply`` attaches
+LoRA to a loaded model (PEFT on linear layers, engine LoRA on routed experts); ``save`` writes and reads the
+whole adapter as one stock PEFT adapter.
 """
 
+from moetune.adapters.apply import LoraSettings, attach_lora, resolve_targets
 from moetune.adapters.peft_layout import (
     PEFT_MODEL_PREFIX,
     ExpertParamNames,
@@ -12,8 +15,15 @@ from moetune.adapters.peft_layout import (
     lora_from_peft,
     lora_to_peft,
 )
+from moetune.adapters.save import load_adapter, load_adapter_weights, save_adapter
 
 __all__ = [
+    "LoraSettings",
+    "attach_lora",
+    "load_adapter",
+    "load_adapter_weights",
+    "resolve_targets",
+    "save_adapter",
     "PEFT_MODEL_PREFIX",
     "ExpertParamNames",
     "expert_lora_from_peft_state",

@@ -67,6 +67,11 @@ class ExpertLoRA:
         """The four tensors in ``LORA_NAMES`` order."""
         return tuple(getattr(self, n) for n in LORA_NAMES)
 
+    def astype(self, dtype: torch.dtype) -> ExpertLoRA:
+        """A copy with the four tensors in ``dtype`` (same scaling and dropout)."""
+        a1, b1, a2, b2 = (t.detach().to(dtype) for t in self.tensors())
+        return ExpertLoRA(a1, b1, a2, b2, scaling=self.scaling, dropout=self.dropout)
+
     def check_shape(self, num_experts: int, hidden: int, intermediate: int) -> None:
         e, r, h = self.gate_up_A.shape
         i = self.down_A.shape[2]

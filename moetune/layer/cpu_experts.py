@@ -15,6 +15,7 @@ from torch import nn
 
 from moetune.engine import LORA_NAMES, DenseExperts, ExpertEngine, TrainMode
 from moetune.layer.function import routed_experts
+from moetune.layer.memo import ForwardMemo
 
 
 class CpuExperts(nn.Module):
@@ -23,6 +24,7 @@ class CpuExperts(nn.Module):
     def __init__(self, engine: ExpertEngine) -> None:
         super().__init__()
         self.engine = engine
+        self.memo = ForwardMemo()  # lets activation checkpointing's recompute skip the engine
         if engine.lora is not None:
             for name in LORA_NAMES:
                 param = nn.Parameter(getattr(engine.lora, name).detach())
@@ -44,7 +46,12 @@ class CpuExperts(nn.Module):
     ) -> torch.Tensor:
         """hidden_states ``[T, H]`` (any device), top_k_index ``[T, k]``, top_k_weights ``[T, k]`` -> ``[T, H]``."""
         return routed_experts(
-            self.engine, hidden_states, top_k_index.to(torch.int64), top_k_weights, training=self.training
+            self.engine,
+            hidden_states,
+            top_k_index.to(torch.int64),
+            top_k_weights,
+            training=self.training,
+            memo=self.memo,
         )
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> CpuExperts:

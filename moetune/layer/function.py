@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from moetune.engine import ExpertEngine
+from moetune.engine import ExpertEngine, SavedForward
+from moetune.layer.memo import ForwardMemo
 
 
 class ExpertsFunction(torch.autograd.Function):
@@ -23,17 +24,21 @@ class ExpertsFunction(torch.autograd.Function):
         ctx: Any,
         engine: ExpertEngine,
         training: bool,
+        memo: ForwardMemo | None,
         x: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         *trained: torch.Tensor,
     ) -> torch.Tensor:
-        needs_backward = any(ctx.needs_input_grad[2:])
+        needs_backward = any(ctx.needs_input_grad[3:])
         cpu = torch.device("cpu")
-        y, saved = engine.forward(
-            x.to(cpu), topk_ids.to(cpu), topk_weights.to(cpu), save=needs_backward, training=training
-        )
-        ctx.engine, ctx.saved = engine, None
+        inputs = (x.to(cpu), topk_ids.to(cpu), topk_weights.to(cpu))
+        saved: SavedForward | None
+        if needs_backward and memo is not None:
+            y, saved = memo.forward(engine, *inputs, training=training)
+        else:
+            y, saved = engine.forward(*inputs, save=needs_backward, training=training)
+        ctx.engine, ctx.memo, ctx.saved = engine, memo, None
         if saved is not None:
             # autograd owns the big tensors: it frees them after a backward without retain_graph and raises
             # its own "backward through the graph a second time" error on reuse; retain_graph keeps them.
@@ -46,15 +51,17 @@ class ExpertsFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         engine: ExpertEngine = ctx.engine
         saved = ctx.saved.with_tensors(ctx.saved_tensors) if ctx.saved is not None else None
+        if ctx.memo is not None and saved is not None:
+            ctx.memo.forget(saved)
         grads = engine.backward(saved, grad_y.to("cpu"))
         trained = engine.trained_tensors()
         trained_grads = tuple(
             g.to(t.dtype) if need else None
-            for g, t, need in zip(grads.flat(), trained, ctx.needs_input_grad[5:])
+            for g, t, need in zip(grads.flat(), trained, ctx.needs_input_grad[6:])
         )
-        grad_x = grads.x.to(ctx.x_device) if ctx.needs_input_grad[2] else None
-        grad_w = grads.topk_weights.to(ctx.w_device) if ctx.needs_input_grad[4] else None
-        return (None, None, grad_x, None, grad_w, *trained_grads)
+        grad_x = grads.x.to(ctx.x_device) if ctx.needs_input_grad[3] else None
+        grad_w = grads.topk_weights.to(ctx.w_device) if ctx.needs_input_grad[5] else None
+        return (None, None, None, grad_x, None, grad_w, *trained_grads)
 
 
 def routed_experts(
@@ -64,6 +71,11 @@ def routed_experts(
     topk_weights: torch.Tensor,
     *,
     training: bool = True,
+    memo: ForwardMemo | None = None,
 ) -> torch.Tensor:
-    """x ``[T, H]``, topk_ids ``[T, k]`` int64, topk_weights ``[T, k]`` -> y ``[T, H]``, differentiable."""
-    return ExpertsFunction.apply(engine, training, x, topk_ids, topk_weights, *engine.trained_tensors())
+    """x ``[T, H]``, topk_ids ``[T, k]`` int64, topk_weights ``[T, k]`` -> y ``[T, H]``, differentiable.
+
+    With ``memo``, a recompute of the same forward (activation checkpointing) reuses it instead of running
+    the engine again (see ``moetune.layer.memo``).
+    """
+    return ExpertsFunction.apply(engine, training, memo, x, topk_ids, topk_weights, *engine.trained_tensors())

@@ -1,0 +1,33 @@
+"""``moetune generate --model DIR [--adapter DIR] --prompt TEXT``: greedy answers with an adapter."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``generate`` and ``chat``."""
+    p.add_argument("--model", required=True, help="base model folder (Hugging Face layout)")
+    p.add_argument("--adapter", help="adapter folder written by moetune train (stock PEFT format)")
+    p.add_argument("--device", default=None, help="device for the non-expert part (default: cuda if present)")
+    p.add_argument("--dtype", default="float32", help="weights dtype (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="answer prompts greedily with a model and optional adapter")
+    add_model_args(p)
+    p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moetune.train.generation import answer, load_for_inference
+
+    model, tok = load_for_inference(
+        args.model, args.adapter, device=args.device, dtype=args.dtype, progress=False
+    )
+    for text in answer(model, tok, args.prompt, max_new_tokens=args.max_new_tokens, chat=not args.raw):
+        print(text)
+    return 0

@@ -1,0 +1,11 @@
+"""Checkpoints -> a transformers model whose routed experts stream into CPU engines.
+
+``load_model`` (in ``load``) orchestrates; ``checkpoint`` reads safetensors headers, ``expert_plan`` decides
+which tensors feed which experts module, ``stream`` fills the engines, ``hf`` is the seam with
+transformers' own loader, ``options`` parses the call's keyword arguments.
+"""
+
+from moetune.loading.load import load_model
+from moetune.loading.options import LoadOptions
+
+__all__ = ["LoadOptions", "load_model"]

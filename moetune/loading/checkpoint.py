@@ -1,0 +1,187 @@
+"""A local Hugging Face checkpoint directory, read from its safetensors headers only.
+
+Accepted: ``config.json`` plus either ``model.safetensors`` or shards listed by
+``model.safetensors.index.json``. ``Checkpoint.open`` reads each shard's JSON header (a few KB: names,
+dtypes, shapes, byte ranges) and no tensor data, so every file-level problem (no config, weights that are
+not safetensors, a missing or truncated shard, an index that disagrees with its shards) is reported
+before any heavy work. ``ShardReader`` then opens shards lazily for the loaders and closes each once its
+last tensor has been read, so a streamed checkpoint never keeps every shard mapped at once.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moetune.errors import LoadError
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+# Weight files of other formats: named in the error when a directory has no safetensors.
+OTHER_WEIGHT_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.h5", "*.msgpack", "*.npz")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as a safetensors header describes it."""
+
+    key: str
+    file: str  # file name inside the checkpoint directory
+    dtype: str  # safetensors dtype code: "BF16", "F32", "F8_E4M3", ...
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """The tensors of one safetensors file, from its header (8-byte length, then JSON)."""
+    try:
+        with path.open("rb") as f:
+            size_bytes = f.read(8)
+            if len(size_bytes) != 8:
+                raise LoadError(f"{path} is not a safetensors file: shorter than its 8-byte header length")
+            (size,) = struct.unpack("<Q", size_bytes)
+            file_size = path.stat().st_size
+            if size > file_size - 8:
+                raise LoadError(
+                    f"{path} is not a valid safetensors file: header length {size} exceeds the file"
+                )
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise LoadError(f"cannot read the safetensors header of {path}: {e}") from e
+    out: dict[str, TensorInfo] = {}
+    data_size = file_size - 8 - size
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        begin, end = meta["data_offsets"]
+        if end > data_size:
+            raise LoadError(
+                f"{path} is truncated: tensor {key!r} ends at byte {end} of a {data_size}-byte data section"
+            )
+        out[key] = TensorInfo(key, path.name, meta["dtype"], tuple(meta["shape"]), end - begin)
+    return out
+
+
+class Checkpoint:
+    """A checkpoint directory with every tensor's header facts in ``tensors`` (key -> ``TensorInfo``)."""
+
+    def __init__(self, path: Path, config: dict[str, Any], files: list[str], tensors: dict[str, TensorInfo]):
+        self.path = path
+        self.config = config  # config.json as written
+        self.files = files  # safetensors file names, in index order
+        self.tensors = tensors
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config.get("model_type", ""))
+
+    @classmethod
+    def open(cls, path: str | Path) -> Checkpoint:
+        """Read ``path``'s config and safetensors headers; a ``LoadError`` names the file of any problem."""
+        root = Path(path).expanduser()
+        if not root.is_dir():
+            raise LoadError(
+                f"checkpoint directory {root} does not exist (expected a local directory with {CONFIG})"
+            )
+        config_file = root / CONFIG
+        if not config_file.is_file():
+            raise LoadError(f"{root} has no {CONFIG}; a Hugging Face checkpoint directory needs one")
+        try:
+            config = json.loads(config_file.read_text())
+        except ValueError as e:
+            raise LoadError(f"{config_file} is not valid JSON: {e}") from e
+        files, expected = _weight_files(root)
+        tensors: dict[str, TensorInfo] = {}
+        for name in files:
+            for key, info in read_header(root / name).items():
+                if key in tensors:
+                    raise LoadError(f"tensor {key!r} is stored twice: in {tensors[key].file} and in {name}")
+                tensors[key] = info
+        for key, name in expected.items():
+            if key not in tensors or tensors[key].file != name:
+                where = f"in {tensors[key].file}" if key in tensors else "in no shard"
+                raise LoadError(f"{root / INDEX} maps {key!r} to {name}, but it is {where}")
+        return cls(root, config, files, tensors)
+
+    def file_path(self, name: str) -> Path:
+        return self.path / name
+
+
+def _weight_files(root: Path) -> tuple[list[str], dict[str, str]]:
+    """Safetensors files to read, and the index's key -> file map (empty for a single file)."""
+    index = root / INDEX
+    if index.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise LoadError(f"{index} is not a safetensors index (needs a 'weight_map' object): {e}") from e
+        files = list(dict.fromkeys(weight_map.values()))
+        absent = [f for f in files if not (root / f).is_file()]
+        if absent:
+            counts = {f: sum(1 for v in weight_map.values() if v == f) for f in absent}
+            listed = ", ".join(f"{f} ({n} tensors)" for f, n in counts.items())
+            raise LoadError(
+                f"checkpoint {root} is missing {len(absent)} of its {len(files)} shards listed in {INDEX}: "
+                f"{listed}. Download or copy the missing files."
+            )
+        return files, weight_map
+    if (root / SINGLE).is_file():
+        return [SINGLE], {}
+    shards = sorted(p.name for p in root.glob("*.safetensors"))
+    if shards:
+        raise LoadError(
+            f"{root} holds safetensors files ({', '.join(shards[:4])}{', ...' if len(shards) > 4 else ''}) "
+            f"but neither {SINGLE} nor {INDEX}; save the checkpoint with save_pretrained"
+        )
+    others = sorted({p.name for pattern in OTHER_WEIGHT_PATTERNS for p in root.glob(pattern)})
+    found = f"found {', '.join(others[:6])}" if others else "found no weight files at all"
+    raise LoadError(
+        f"checkpoint {root} is not in safetensors format ({found}); moetune streams experts from safetensors "
+        f"only ({SINGLE} or {INDEX} with its shards). Convert it once: load it with transformers and "
+        "save_pretrained(dir), which writes safetensors."
+    )
+
+
+class ShardReader:
+    """Opens shards on first use and closes each after its last planned read (``done``).
+
+    ``steps`` lists, in reading order, the files each step reads; a file is closed when the step that last
+    needs it finishes, so only the shards still ahead stay mapped.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, steps: Iterable[Iterable[str]]):
+        self._ckpt = checkpoint
+        self._open: dict[str, Any] = {}
+        self._last_step: dict[str, int] = {}
+        for i, files in enumerate(steps):
+            for name in files:
+                self._last_step[name] = i
+
+    def file(self, name: str) -> Any:
+        """The ``safe_open`` handle of shard ``name`` (framework "pt", tensors read on demand)."""
+        if name not in self._open:
+            from safetensors import safe_open
+
+            self._open[name] = safe_open(str(self._ckpt.file_path(name)), framework="pt")
+        return self._open[name]
+
+    def done(self, step: int) -> None:
+        """Close every shard whose last planned read was in ``step``."""
+        for name in [n for n in self._open if self._last_step.get(n, step) <= step]:
+            self._open.pop(name).__exit__(None, None, None)
+
+    def close(self) -> None:
+        for handle in self._open.values():
+            handle.__exit__(None, None, None)
+        self._open.clear()
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

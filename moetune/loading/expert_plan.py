@@ -1,0 +1,231 @@
+"""Which checkpoint tensors feed which experts module, checked from headers before anything is read.
+
+Each checkpoint key is first mapped by transformers' own rules for the model (``hf.checkpoint_targets``:
+e.g. Mixtral's ``block_sparse_moe`` -> ``mlp``, a missing ``model.`` prefix, per-expert keys merged into
+``experts.gate_up_proj``); a key whose target lies inside an experts module is an expert tensor of that
+module, every other key loads through transformers. An expert tensor is then read from its renamed (not
+yet merged) name, in one of the on-disk layouts:
+
+    per expert   ``experts.{e}.gate_proj/up_proj/down_proj.weight`` (or Mixtral's ``w1/w3/w2``), each
+                 ``[out, in]``: gate/up ``[I, H]``, down ``[H, I]``
+    fused        ``experts.gate_up_proj`` / ``experts.down_proj`` (+ ``_bias``) in the module's layout,
+                 or with the last two dimensions swapped (Qwen3-VL stores ``[E, H, 2I]`` for ``[E, 2I, H]``),
+                 told apart by shape as transformers does (the runtime layout wins when H = 2I)
+
+Every layer must have exactly one complete set; anything missing, extra, misshapen or not floating point
+is a ``LoadError`` naming the file and key.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS, ExpertsSite
+from moetune.errors import LoadError
+from moetune.loading.checkpoint import Checkpoint, TensorInfo
+from moetune.loading.hf import KeyTarget
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # dense formats the engine stores as they are
+ROLES = ("gate", "up", "down")  # per-expert projections
+# On-disk per-expert projection names, one naming scheme per tuple (gate, up, down).
+PER_EXPERT_SCHEMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+_ROLE_OF = {name: role for scheme in PER_EXPERT_SCHEMES for name, role in zip(scheme, ROLES)}
+MAX_REPORTED = 12  # problems listed in one error; the rest are counted
+
+
+@dataclass(frozen=True)
+class ExpertSource:
+    """One checkpoint tensor feeding an experts module.
+
+    ``role`` is ``gate``/``up``/``down`` for a per-expert matrix (``expert`` set) or a fused tensor name
+    (``gate_up_proj``, ``down_proj``, ``gate_up_proj_bias``, ``down_proj_bias``; ``expert`` None).
+    ``swapped``: a fused 3-D tensor stored with its last two dimensions swapped relative to the module.
+    ``stem``: the key up to the experts container (``model.layers.0.block_sparse_moe.experts.``), as stored;
+    ``proj``: a per-expert tensor's projection name (``gate_proj``, ``w1``, ...), for messages.
+    """
+
+    info: TensorInfo
+    role: str
+    expert: int | None = None
+    swapped: bool = False
+    stem: str = ""
+    proj: str = ""
+
+
+@dataclass
+class LayerPlan:
+    """The tensors of one experts module, validated complete."""
+
+    site: ExpertsSite
+    sources: list[ExpertSource] = field(default_factory=list)
+
+    @property
+    def files(self) -> list[str]:
+        return sorted({s.info.file for s in self.sources})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.info.nbytes for s in self.sources)
+
+
+@dataclass
+class ExpertPlan:
+    """Expert layers in reading order, and the checkpoint keys left for transformers to load."""
+
+    layers: list[LayerPlan]
+    other_keys: list[str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+
+def _site_of(target: str, sites: dict[str, ExpertsSite]) -> ExpertsSite | None:
+    """The experts module whose path is a dotted prefix of ``target``."""
+    parts = target.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        site = sites.get(".".join(parts[:n]))
+        if site is not None:
+            return site
+    return None
+
+
+class _Problems:
+    """Collects every problem of a plan, raised as one ``LoadError``."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+
+    def add(self, message: str) -> None:
+        self.items.append(message)
+
+    def raise_if_any(self, root: str) -> None:
+        if not self.items:
+            return
+        shown = "\n".join(f"  - {m}" for m in self.items[:MAX_REPORTED])
+        more = f"\n  ... and {len(self.items) - MAX_REPORTED} more" if len(self.items) > MAX_REPORTED else ""
+        raise LoadError(
+            f"checkpoint {root}: {len(self.items)} problem(s) with the routed-expert tensors:\n{shown}{more}"
+        )
+
+
+def _stem(key: str, renamed: str, suffix: str) -> str:
+    """``key`` without ``suffix`` (the part after the experts container), falling back to the renamed key."""
+    return key[: -len(suffix)] if key.endswith(suffix) else renamed[: -len(suffix)]
+
+
+def _parse(info: TensorInfo, renamed: str, site: ExpertsSite) -> ExpertSource | str:
+    """An ``ExpertSource`` for ``info`` (named ``renamed`` after transformers' renamings) in ``site``, or why
+    it is not an expert tensor of it."""
+    attr = re.escape(site.path.rpartition(".")[2])
+    lay = site.layout
+    per_expert = re.search(rf"(?:^|\.){attr}\.((\d+)\.(\w+)\.weight)$", renamed)
+    if per_expert:
+        e, name = int(per_expert.group(2)), per_expert.group(3)
+        if name not in _ROLE_OF:
+            return f"unknown expert projection {name!r} (known: {', '.join(sorted(_ROLE_OF))})"
+        if e >= lay.num_experts:
+            return f"expert index {e} out of range (E = {lay.num_experts})"
+        role = _ROLE_OF[name]
+        i, h = lay.intermediate_size, lay.hidden_size
+        want: tuple[int, ...] = (h, i) if role == "down" else (i, h)
+        if info.shape != want:
+            return f"shape {info.shape}, expected {want} ({role} of expert {e}, [out, in])"
+        return ExpertSource(info, role, e, stem=_stem(info.key, renamed, per_expert.group(1)), proj=name)
+    fused = re.search(rf"(?:^|\.){attr}\.(\w+)$", renamed)
+    if fused is None or fused.group(1) not in (GATE_UP, DOWN, GATE_UP_BIAS, DOWN_BIAS):
+        return (
+            "not an expert tensor name moetune reads (per expert: {e}.gate_proj/up_proj/down_proj.weight or "
+            "{e}.w1/w3/w2.weight; fused: gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias)"
+        )
+    name = fused.group(1)
+    if name not in lay.tensor_names:
+        return f"{name} but the model's experts have no biases"
+    stem = _stem(info.key, renamed, name)
+    want = lay.runtime_shape(name)
+    if info.shape == want:
+        return ExpertSource(info, name, stem=stem)
+    swapped = (*want[:-2], want[-1], want[-2])
+    if len(want) == 3 and info.shape == swapped:
+        return ExpertSource(info, name, swapped=True, stem=stem)
+    alt = f" or {swapped}" if len(want) == 3 else ""
+    return f"shape {info.shape}, expected {want}{alt}"
+
+
+def _missing(layer: LayerPlan) -> list[str]:
+    """What ``layer`` still lacks, each with the key expected (named like the layer's own keys)."""
+    site, lay = layer.site, layer.site.layout
+    fused = [s for s in layer.sources if s.expert is None]
+    per = [s for s in layer.sources if s.expert is not None]
+    if fused and per:
+        return [
+            f"{site.path}: mixes per-expert keys ({per[0].info.key}) with fused ones ({fused[0].info.key})"
+        ]
+    if not layer.sources:
+        return [
+            f"{site.path}: no expert tensors at all (E = {lay.num_experts}); expected per-expert keys like "
+            f"{site.path}.0.gate_proj.weight or fused {site.path}.{GATE_UP}"
+        ]
+    stem = layer.sources[0].stem
+    where = f"the layer's other expert tensors are in {', '.join(layer.files)}"
+    if fused:
+        have = {s.role for s in fused}
+        return [f"missing {stem}{n} ({site.path}; {where})" for n in lay.tensor_names if n not in have]
+    scheme = next(s for s in PER_EXPERT_SCHEMES if per[0].proj in s)
+    have_pe = {(s.expert, s.role) for s in per}
+    out = [
+        f"missing {stem}{e}.{name}.weight ({role} of expert {e} of {site.path}; {where})"
+        for e in range(lay.num_experts)
+        for role, name in zip(ROLES, scheme)
+        if (e, role) not in have_pe
+    ]
+    if lay.has_bias:
+        out.append(
+            f"{site.path}: per-expert checkpoints carry no expert biases, but the model's experts have them"
+        )
+    return out
+
+
+def plan_experts(
+    checkpoint: Checkpoint, sites: list[ExpertsSite], targets: dict[str, KeyTarget]
+) -> ExpertPlan:
+    """Split the checkpoint's keys into expert tensors per experts module and the rest.
+
+    ``targets`` maps each checkpoint key to its destination under transformers' rules for the model.
+    Raises one ``LoadError`` listing every unexpected, duplicate, misshapen, non-float or missing tensor.
+    """
+    by_path = {s.path: s for s in sites}
+    layers = {s.path: LayerPlan(s) for s in sites}
+    seen: dict[tuple[str, str, int | None], str] = {}
+    other: list[str] = []
+    problems = _Problems()
+    for key, info in checkpoint.tensors.items():
+        site = _site_of(targets[key].target, by_path)
+        if site is None:
+            other.append(key)
+            continue
+        parsed = _parse(info, targets[key].renamed, site)
+        if isinstance(parsed, str):
+            problems.add(f"{info.file}: unexpected expert tensor {key} for {site.path}: {parsed}")
+            continue
+        if info.dtype not in FLOAT_DTYPES:
+            problems.add(
+                f"{info.file}: expert tensor {key} is {info.dtype}; the dense engine loads "
+                f"{', '.join(FLOAT_DTYPES)} (quantized expert checkpoints are not supported yet)"
+            )
+            continue
+        slot = (site.path, parsed.role, parsed.expert)
+        if slot in seen:
+            problems.add(f"{info.file}: duplicate expert tensor {key} (the same weight as {seen[slot]})")
+            continue
+        seen[slot] = key
+        layers[site.path].sources.append(parsed)
+    for layer in layers.values():
+        for message in _missing(layer):
+            problems.add(message)
+    problems.raise_if_any(str(checkpoint.path))
+    # Read shard by shard: a layer's place is its first shard's place in the checkpoint, then module order.
+    rank = {name: i for i, name in enumerate(checkpoint.files)}
+    ordered = sorted(layers.values(), key=lambda layer: min(rank[f] for f in layer.files))
+    return ExpertPlan(ordered, other)

@@ -1,0 +1,212 @@
+"""The seam with transformers' loader: an empty model, its key renaming rules, loading the non-expert weights.
+
+``from_pretrained`` would materialise every expert weight (its conversions even stack per-expert tensors
+into fused ones), and neither ``device_map`` nor ``key_mapping`` avoids that. So moetune runs the same
+steps as ``PreTrainedModel.from_pretrained`` itself, with the experts taken out in between:
+
+1. build the model under transformers' own init context (meta device, target dtype, no weight init);
+2. rename checkpoint keys with the model's conversion mapping (``get_model_conversion_mapping``) to tell
+   expert tensors from the rest;
+3. after moetune has replaced the experts modules on the instance, hand the remaining tensors (lazy
+   safetensors slices) to ``_load_pretrained_model`` and ``_finalize_model_loading``, which rename and
+   convert them, place them on ``device`` in the right dtype (fp32-kept routers included), initialise the
+   non-persistent buffers (RoPE), tie weights and report missing or unexpected keys.
+
+These are transformers-internal entry points (stable across 5.x, pinned below 5.25 in pyproject); they live
+here alone so a change in transformers breaks one file.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from moetune.arch.spec import supported_summary
+from moetune.errors import ArchError, LoadError
+from moetune.loading.checkpoint import Checkpoint, ShardReader
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+logger = logging.getLogger(__name__)
+MAX_LISTED = 20  # keys listed in one error message
+
+
+def load_config(checkpoint: Checkpoint) -> Any:
+    """The transformers config of ``checkpoint``; ``ArchError`` for a model type unknown to transformers."""
+    from transformers import AutoConfig
+
+    model_type = checkpoint.model_type
+    if not model_type:
+        raise LoadError(f"{checkpoint.path}/config.json has no model_type: cannot tell the architecture")
+    try:
+        config = AutoConfig.from_pretrained(str(checkpoint.path))
+    except (ValueError, KeyError) as e:
+        import transformers
+
+        raise ArchError(
+            f"model_type {model_type!r} ({checkpoint.path}/config.json) is not an architecture transformers "
+            f"{transformers.__version__} knows. moetune supports:\n{supported_summary()}"
+        ) from e
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = (
+            quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+        )
+        raise LoadError(
+            f"{checkpoint.path} is a quantized checkpoint (quantization_config: {method}); moetune loads "
+            "dense bf16/fp16/fp32 checkpoints so far. Use the unquantized release of the model."
+        )
+    return config
+
+
+def causal_lm_class(config: Any) -> type[PreTrainedModel]:
+    """The ``...ForCausalLM`` class transformers' ``AutoModelForCausalLM`` picks for ``config``."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return cast("type[PreTrainedModel]", MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
+    except KeyError:
+        raise ArchError(
+            f"model_type {config.model_type!r} has no causal-LM class in transformers (not a text generation "
+            f"model). moetune supports:\n{supported_summary()}"
+        ) from None
+
+
+def empty_model(config: Any, dtype: torch.dtype, name_or_path: str) -> PreTrainedModel:
+    """The causal LM of ``config`` on the meta device, built the way ``from_pretrained`` builds it."""
+    from transformers.monkey_patching import patch_output_recorders
+    from transformers.utils import ContextManagers
+
+    cls = causal_lm_class(config)
+    config = copy.deepcopy(config)
+    config.dtype = dtype
+    config.name_or_path = name_or_path
+    with ContextManagers(cls.get_init_context(dtype, False, False, False)):
+        model = cls(config)
+        patch_output_recorders(model)
+    return model
+
+
+def _split_mapping(model: PreTrainedModel) -> tuple[list[Any], list[Any]]:
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    return renamings, converters
+
+
+@dataclass(frozen=True)
+class KeyTarget:
+    """Where one checkpoint key goes under transformers' rules for the model."""
+
+    target: str  # the model tensor it loads into (renamings, at most one converter, base-model prefix fixed)
+    renamed: str  # after the renamings only: a per-expert key still names its expert here
+    converted: bool  # a converter (merge, split, transpose ...) maps it, not only a rename
+
+
+def checkpoint_targets(model: PreTrainedModel, keys: list[str]) -> dict[str, KeyTarget]:
+    """Each checkpoint key's destination, decided as ``convert_and_load_state_dict_in_model`` decides it."""
+    from transformers.core_model_loading import apply_renamings, rename_source_key
+
+    renamings, converters = _split_mapping(model)
+    meta = model.state_dict()
+    prefix = model.base_model_prefix
+    out = {}
+    for key in keys:
+        target, pattern = rename_source_key(key, renamings, converters, prefix, meta)
+        if target not in meta and key in meta:  # transformers' fallback: keep the name, fix only the prefix
+            target, pattern = rename_source_key(key, [], [], prefix, meta)
+        out[key] = KeyTarget(target, apply_renamings(key, renamings), pattern is not None)
+    return out
+
+
+def check_non_expert(
+    model: PreTrainedModel, checkpoint: Checkpoint, targets: dict[str, KeyTarget], keys: list[str]
+) -> None:
+    """Before loading: every model tensor has a checkpoint key, and plainly renamed ones have its shape.
+
+    ``model`` has its experts modules replaced already. Coverage is checked only when no key loading into
+    the model needs a converter (one source may feed several targets); ``load_weights`` checks again after.
+    """
+    meta = model.state_dict()
+    problems = []
+    for key in keys:
+        dest, info = targets[key], checkpoint.tensors[key]
+        if not dest.converted and dest.target in meta and info.shape != tuple(meta[dest.target].shape):
+            want = tuple(meta[dest.target].shape)
+            problems.append(f"{info.file}: {key} has shape {info.shape}, the model's {dest.target} is {want}")
+    if not any(targets[k].converted and targets[k].target in meta for k in keys):
+        ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_missing", None) or [])]
+        covered = {targets[k].target for k in keys} | set(model.all_tied_weights_keys)
+        missing = sorted(k for k in meta if k not in covered and not any(p.search(k) for p in ignored))
+        problems += [f"no tensor for {k} in any shard" for k in missing]
+    if problems:
+        listed = "\n  ".join(problems[:MAX_LISTED]) + ("\n  ..." if len(problems) > MAX_LISTED else "")
+        raise LoadError(f"checkpoint {checkpoint.path} does not fit its config.json:\n  {listed}")
+
+
+def load_weights(
+    model: PreTrainedModel, checkpoint: Checkpoint, keys: list[str], device: torch.device, dtype: torch.dtype
+) -> None:
+    """Load tensors ``keys`` of ``checkpoint`` into ``model`` on ``device`` through transformers' own loader.
+
+    ``LoadError`` if the model still has parameters without a value afterwards (a non-expert tensor missing
+    from the checkpoint): training would silently start from random weights.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    cls = type(model)
+    load_config = LoadStateDictConfig(
+        pretrained_model_name_or_path=str(checkpoint.path),
+        device_map={"": str(device)},
+        dtype=dtype,
+        dtype_plan=model._get_dtype_plan(dtype),
+        weight_mapping=get_model_conversion_mapping(model),  # type: ignore[arg-type]  # transformers' hints
+        use_safetensors=True,
+    )
+    files = {checkpoint.tensors[k].file for k in keys}
+    with ShardReader(checkpoint, [files]) as reader:
+        lazy = {k: reader.file(checkpoint.tensors[k].file).get_slice(k) for k in keys}  # read on assignment
+        # transformers raises RuntimeError for size mismatches and failed conversions
+        try:
+            info, _ = cls._load_pretrained_model(model, lazy, None, load_config)
+            info = cls._finalize_model_loading(model, load_config, info)
+        except RuntimeError as e:
+            raise LoadError(
+                f"transformers could not load the non-expert weights of {checkpoint.path}: {e}"
+            ) from e
+    missing = sorted(info.missing_keys)
+    if missing:
+        listed = ", ".join(missing[:MAX_LISTED]) + (" ..." if len(missing) > MAX_LISTED else "")
+        raise LoadError(
+            f"checkpoint {checkpoint.path} lacks {len(missing)} non-expert tensor(s) the model needs: "
+            f"{listed}"
+        )
+    if info.unexpected_keys:
+        logger.warning(
+            "moetune: %d checkpoint tensor(s) of %s are not used by %s: %s",
+            len(info.unexpected_keys),
+            checkpoint.path,
+            cls.__name__,
+            ", ".join(sorted(info.unexpected_keys)[:MAX_LISTED]),
+        )
+
+
+def finish(model: PreTrainedModel, checkpoint: Checkpoint) -> None:
+    """What ``from_pretrained`` ends with: eval mode, no hub kernels, the checkpoint's generation config."""
+    model.eval()
+    model.set_use_kernels(False)
+    if model.can_generate() and (Path(checkpoint.path) / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(checkpoint.path))

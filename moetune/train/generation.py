@@ -1,0 +1,64 @@
+"""Greedy answers from a base model plus an optional adapter, and the demo's held-out exact-match metric."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def load_for_inference(model_dir: str | Path, adapter_dir: str | Path | None = None, **load_kwargs: Any):
+    """(model, tokenizer): ``moetune.load_model`` (fp32 on CPU unless told otherwise) plus ``adapter_dir`` if given."""
+    from transformers import AutoTokenizer
+
+    from moetune.adapters.save import load_adapter
+    from moetune.loading import load_model
+
+    load_kwargs = {"dtype": "float32", **load_kwargs}
+    tokenizer = AutoTokenizer.from_pretrained(str(adapter_dir or model_dir))
+    model = load_model(model_dir, **load_kwargs)
+    if adapter_dir is not None:
+        model = load_adapter(model, adapter_dir)
+    return model.eval(), tokenizer
+
+
+@torch.no_grad()
+def answer(
+    model: Any, tokenizer: Any, prompts: Sequence[str], *, max_new_tokens: int = 32, chat: bool = True
+) -> list[str]:
+    """Greedy completions of ``prompts`` (each a user message rendered with the chat template when ``chat``)."""
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
+        if chat and tokenizer.chat_template
+        else p
+        for p in prompts
+    ]
+    tokenizer.padding_side = "left"  # generation appends on the right
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    device = next(p.device for p in model.parameters())
+    out = model.generate(
+        input_ids=enc["input_ids"].to(device),
+        attention_mask=enc["attention_mask"].to(device),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        use_cache=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    new = out[:, enc["input_ids"].shape[1] :]
+    return [t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True)]
+
+
+def exact_match(model: Any, tokenizer: Any, rows: Sequence[dict[str, str]], *, batch_size: int = 50) -> float:
+    """Fraction of alpaca ``rows`` whose greedy answer equals ``output`` exactly (prompt: instruction, input)."""
+    hits = 0
+    for i in range(0, len(rows), batch_size):
+        batch = rows[i : i + batch_size]
+        prompts = ["\n".join(x for x in (r["instruction"], r.get("input", "")) if x) for r in batch]
+        answers = answer(model, tokenizer, prompts, max_new_tokens=12)
+        hits += sum(a == r["output"] for a, r in zip(answers, batch))
+    return hits / max(len(rows), 1)

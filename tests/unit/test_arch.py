@@ -1,0 +1,156 @@
+"""Architecture registry and experts-layout detection, on models built on the meta device (no weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from moetune.arch import (
+    ARCHS,
+    ArchSpec,
+    Routing,
+    find_experts,
+    read_layout,
+    resolve_arch,
+    supported_model_types,
+)
+from moetune.arch.spec import register
+from moetune.errors import ArchError, RegistryError
+from moetune.loading.hf import empty_model
+from moetune.testing.tiny import EXPERT_INTERMEDIATE, HIDDEN, NUM_EXPERTS, TINY_FAMILIES, tiny_config
+
+
+def _meta(family: str, **overrides):
+    return empty_model(tiny_config(family, **overrides), torch.float32, "meta")
+
+
+def test_registered_families():
+    assert supported_model_types() == sorted(
+        ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss"]
+    )
+    assert resolve_arch("glm4_moe").name == "deepseek_v3"
+    assert resolve_arch("gpt_oss").routing is Routing.TOPK_SOFTMAX
+    assert resolve_arch("ernie4_5_moe").name == "generic"  # no family code: detected from the modules
+    assert "generic" in ARCHS
+
+
+def test_a_model_type_is_claimed_once():
+    with pytest.raises(RegistryError, match="claimed by both"):
+        register(ArchSpec("qwen_again", ("qwen3_moe",), Routing.SOFTMAX_TOPK))
+
+
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+def test_detects_every_family(family):
+    model = _meta(family)
+    sites = find_experts(model, resolve_arch(family), family)
+    assert sites and all(p.device.type == "meta" for p in model.parameters())
+    for site in sites:
+        lay = site.layout
+        assert (lay.num_experts, lay.hidden_size, lay.intermediate_size) == (
+            NUM_EXPERTS,
+            HIDDEN,
+            EXPERT_INTERMEDIATE,
+        )
+        gpt_oss = family == "gpt_oss"
+        assert (lay.transposed, lay.interleaved, lay.has_bias) == (gpt_oss,) * 3
+        assert lay.activation == ("gpt_oss" if gpt_oss else "silu")
+        if resolve_arch(family).router_attr:
+            assert site.router == site.path.rpartition(".")[0] + "." + resolve_arch(family).router_attr
+
+
+def test_dense_and_sparse_layers():
+    # qwen2_moe tiny: decoder_sparse_step=2 and mlp_only_layers=[3] leave layer 1 as the only MoE layer
+    assert [s.path for s in find_experts(_meta("qwen2_moe"), resolve_arch("qwen2_moe"), "qwen2_moe")] == [
+        "model.layers.1.mlp.experts"
+    ]
+    # deepseek_v3 tiny: first_k_dense_replace=1
+    paths = [s.path for s in find_experts(_meta("deepseek_v3"), resolve_arch("deepseek_v3"), "deepseek_v3")]
+    assert paths == ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
+
+
+def test_gpt_oss_activation_parameters():
+    model = _meta("gpt_oss", swiglu_limit=5.0)
+    (site, *_) = find_experts(model, resolve_arch("gpt_oss"), "gpt_oss")
+    assert dict(site.layout.activation_kwargs) == {"alpha": pytest.approx(1.702), "limit": 5.0}
+
+
+@pytest.mark.parametrize(
+    ("hidden_act", "engine_name"), [("gelu", "gelu"), ("gelu_pytorch_tanh", "gelu_pytorch_tanh")]
+)
+def test_activation_read_from_act_fn(hidden_act, engine_name):
+    model = _meta("qwen3_moe", hidden_act=hidden_act)
+    (site, *_) = find_experts(model, resolve_arch("qwen3_moe"), "qwen3_moe")
+    assert site.layout.activation == engine_name
+
+
+def test_unsupported_activation():
+    with pytest.raises(ArchError, match="ReLUSquaredActivation is not one the engine computes"):
+        find_experts(_meta("mixtral", hidden_act="relu2"), resolve_arch("mixtral"), "mixtral")
+
+
+def test_dense_model_has_no_experts():
+    from transformers import LlamaConfig
+
+    model = empty_model(
+        LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2),
+        torch.float32,
+        "x",
+    )
+    with pytest.raises(
+        ArchError, match=r"model_type 'llama' \(LlamaForCausalLM\) is not a supported MoE(.|\n)*gpt_oss"
+    ):
+        find_experts(model, resolve_arch("llama"), "llama")
+
+
+def _experts_class(**flags):
+    from transformers.integrations.moe import use_experts_implementation
+
+    class Experts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.empty(4, 2 * 6, 10))
+            self.down_proj = nn.Parameter(torch.empty(4, 10, 6))
+            self.act_fn = nn.SiLU()
+
+    return use_experts_implementation(Experts, **flags)
+
+
+def _config():
+    from transformers import PretrainedConfig
+
+    return PretrainedConfig()
+
+
+def test_generic_detection_from_flags():
+    layout = read_layout(_experts_class()(_config()), resolve_arch("x"), "m.experts")
+    assert (layout.num_experts, layout.hidden_size, layout.intermediate_size) == (4, 10, 6)
+    assert not (layout.transposed or layout.interleaved or layout.has_bias)
+
+
+def test_own_gate_activation_needs_a_spec():
+    cls = _experts_class()
+    cls._apply_gate = lambda self, gate_up: gate_up[..., :6] * gate_up[..., 6:]
+    with pytest.raises(ArchError, match="computes its own gated activation"):
+        read_layout(cls(_config()), resolve_arch("x"), "m.experts")
+
+
+def test_post_expert_norm_and_unmarked_modules_are_refused():
+    with pytest.raises(ArchError, match="post-expert norm"):
+        read_layout(_experts_class(has_post_expert_norm=True)(_config()), resolve_arch("x"), "m.experts")
+
+    class Unmarked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.empty(4, 12, 10))
+            self.down_proj = nn.Parameter(torch.empty(4, 10, 6))
+
+    with pytest.raises(ArchError, match="not the layout flags"):
+        read_layout(Unmarked(), resolve_arch("x"), "m.experts")
+
+
+def test_inconsistent_shapes():
+    module = _experts_class()(_config())
+    module.down_proj = nn.Parameter(torch.empty(4, 6, 10))
+    with pytest.raises(ArchError, match=r"down_proj is \(4, 6, 10\), expected \(4, 10, 6\)"):
+        read_layout(module, resolve_arch("x"), "m.experts")
