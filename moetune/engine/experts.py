@@ -144,6 +144,9 @@ class ExpertGrads:
 
 _engine_ids = itertools.count()
 
+# Up to this many rows per expert, GEMMs take the weight block as their left operand (see _matmul_wt).
+SMALL_ROWS = 128
+
 
 class ExpertEngine:
     """One MoE layer's routed experts in host memory, with forward and backward.
@@ -249,16 +252,26 @@ class ExpertEngine:
             yield 0, d_out, self.weights.tile(proj, e, cd, None)
             return
         align = self.weights.row_align(proj)
-        step = d_out if whole else min(d_out, -(-(64 if n < 256 else 128) // align) * align)  # whole blocks
+        step = d_out if whole else min(d_out, -(-(128 if n < 256 else 256) // align) * align)  # whole blocks
         buf = self.ws.get(f"tile_{proj}", (step, d_in), cd)
         for r0 in range(0, d_out, step):
             r1 = min(r0 + step, d_out)
             yield r0, r1, self.weights.tile(proj, e, cd, buf[: r1 - r0], rows=slice(r0, r1))
 
     def _matmul_wt(self, proj: Projection, e: int, inp: torch.Tensor, out: torch.Tensor) -> None:
-        """out ``[n, D_out]`` = inp ``[n, D_in]`` @ W_e^T, block by block of W's rows (= out's columns)."""
-        for r0, r1, w in self._row_blocks(proj, e, inp.shape[0]):
-            torch.mm(inp, w.t(), out=out[:, r0:r1])
+        """out ``[n, D_out]`` = inp ``[n, D_in]`` @ W_e^T, block by block of W's rows (= out's columns).
+
+        Few rows: computed as ``W_blk @ inp^T`` (``[R, n]``) then written transposed. MKL runs the weight as
+        the left operand 1.3-3x faster for n <= 128 (measured: n = 16, 1.95 vs 3.84 ms per [1536, 2048] tile).
+        """
+        n = inp.shape[0]
+        for r0, r1, w in self._row_blocks(proj, e, n):
+            if n <= SMALL_ROWS:
+                tmp = self.ws.get("wt_tmp", (r1 - r0, n), inp.dtype)
+                torch.mm(w, inp.t(), out=tmp)
+                out[:, r0:r1].copy_(tmp.t())
+            else:
+                torch.mm(inp, w.t(), out=out[:, r0:r1])
 
     def _matmul_w(self, proj: Projection, e: int, grad: torch.Tensor, out: torch.Tensor) -> None:
         """out ``[n, D_in]`` = grad ``[n, D_out]`` @ W_e, summed over blocks of W's rows.
@@ -267,11 +280,17 @@ class ExpertEngine:
         round every partial sum to 8 bits, so it takes the whole matrix in one GEMM (fp32 accumulation inside).
         """
         exact_sums = self.compute_dtype in (torch.float32, torch.float64)
-        for r0, r1, w in self._row_blocks(proj, e, grad.shape[0], whole=not exact_sums):
+        n = grad.shape[0]
+        # few rows: accumulate out^T = sum W_blk^T @ grad_blk^T ([D_in, n]), weight as the left operand (as above)
+        acc = self.ws.get("w_acc", (out.shape[1], n), out.dtype) if n <= SMALL_ROWS else out
+        for r0, r1, w in self._row_blocks(proj, e, n, whole=not exact_sums):
+            a, b = (w.t(), grad[:, r0:r1].t()) if n <= SMALL_ROWS else (grad[:, r0:r1], w)
             if r0 == 0:
-                torch.mm(grad[:, r0:r1], w, out=out)
+                torch.mm(a, b, out=acc)
             else:
-                out.addmm_(grad[:, r0:r1], w)
+                acc.addmm_(a, b)
+        if n <= SMALL_ROWS:
+            out.copy_(acc.t())
 
     def _bias(self, bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
         return None if bias is None else bias[e].detach().to(self.compute_dtype)

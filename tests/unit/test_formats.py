@@ -191,7 +191,7 @@ def test_layer_output_error_within_bound(case, built):
 def test_engine_equals_dense_engine_on_dequantized_weights(case, built, policy, compute):
     """Forward and backward read the very same effective weights (``tile``), so the engine on a format equals
     a dense engine holding ``dequantize(compute)``: same GEMMs on the same numbers. Bound 1e-6 relative
-    (max-abs) in fp32 and 1e-3 in bf16; they are bit-identical on this machine."""
+    (max-abs) in fp32 and 1e-3 in bf16."""
     fmt, _, _ = built[case.id]
     dense = DenseExperts(*fmt.dequantize(compute))
     x, ids, w = make_routing(T=24, E=E, k=2, H=H, dtype=torch.float32)
@@ -199,7 +199,9 @@ def test_engine_equals_dense_engine_on_dequantized_weights(case, built, policy, 
     lora = _lora()
     y_q, g_q = run_module(_module(fmt, lora, policy=policy, compute_dtype=compute), x, ids, w, gy)
     y_d, g_d = run_module(_module(dense, lora, policy=policy, compute_dtype=compute), x, ids, w, gy)
-    bound = 1e-6 if compute == torch.float32 else 1e-3
+    # fp32: 1e-5 relative (summation order differs: quantized tiles arrive in row blocks, dense ones whole;
+    # a different effective weight would show as ~1e-2, the quantization error)
+    bound = 1e-5 if compute == torch.float32 else 1e-3
     assert set(g_q) == {"x", "w"} | {f"lora_{n}" for n in LORA_NAMES} == set(g_d)
     for name, got, ref in [("y", y_q, y_d)] + [(n, g_q[n], g_d[n]) for n in g_d]:
         assert got is not None and ref is not None, name
