@@ -91,7 +91,8 @@ def print_notes(out: TextIO, records: list[dict[str, Any]]) -> None:
     """What the columns mean, and why any baseline is missing."""
     print(
         "\nroofline = max(GEMM FLOPs / peak, expert weight bytes read / bandwidth); of roofline = roofline / "
-        "(fwd + bwd).\nvs loop / vs hf = baseline fwd+bwd time / engine fwd+bwd time, bf16 weights: loop = "
+        "(fwd + bwd).\nvs loop / vs hf = baseline fwd+bwd time / engine fwd+bwd time; baselines hold the same "
+        f"weights computed in {records[0]['baseline_dtype'] if records else '-'} (--baseline-dtype): loop = "
         "per-expert eager autograd loop (transformers v4 style); hf = transformers Qwen3MoeExperts grouped_mm "
         "(+ PEFT target_parameters in lora mode). saved MiB = activations the engine keeps for backward.",
         file=out,
