@@ -144,7 +144,8 @@ class ExpertGrads:
 
 _engine_ids = itertools.count()
 
-# Up to this many rows per expert, GEMMs take the weight block as their left operand (see _matmul_wt).
+# Up to this many rows per expert, forward GEMMs take the weight block as their left operand (_matmul_wt);
+# backward keeps grad @ W, which measured faster at every n.
 SMALL_ROWS = 128
 
 

@@ -24,7 +24,6 @@ class Dispatch:
     inverse: torch.Tensor  # [N] int64: sorted position of each slot (inverse permutation of order)
     token: torch.Tensor  # [N] int64: token of each sorted row (order // k)
     counts: tuple[int, ...]  # [E] rows per expert
-    active: tuple[int, ...]  # experts with at least one row, ascending
 
     def segments(self) -> list[tuple[int, int, int]]:
         """``(expert, start, end)`` of each active expert's rows in sorted order."""
@@ -89,7 +88,6 @@ def dispatch(topk_ids: torch.Tensor, num_experts: int) -> Dispatch:
         inverse=inverse,
         token=torch.div(order, k, rounding_mode="floor"),
         counts=tuple(counts),
-        active=tuple(e for e, n in enumerate(counts) if n),
     )
 
 

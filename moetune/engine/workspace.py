@@ -30,6 +30,3 @@ class Workspace:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self._bufs.values())
-
-    def clear(self) -> None:
-        self._bufs.clear()
