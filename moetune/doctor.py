@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from importlib import metadata
-from pathlib import Path
 
 import psutil
 import torch
@@ -29,7 +28,7 @@ from packaging.specifiers import SpecifierSet
 
 import moetune
 from moetune.engine import resolve_compute_dtype
-from moetune.sysinfo import CpuInfo, cpu_info, default_num_threads
+from moetune.sysinfo import CpuInfo, cgroup_cpu_quota, cpu_info, default_num_threads
 from moetune.testing.selftest import SELFTEST_TOLERANCE, SelftestResult, engine_selftest_case
 
 GIB = 1024**3
@@ -248,44 +247,6 @@ def check_gemm(bf16: float, fp32: float, kernel: str | None) -> Check:
     return Check("gemm", Status.OK, summary, details)
 
 
-def parse_cpu_quota(quota: str, period: str) -> float | None:
-    """CPUs a CFS quota allows (``quota / period``); None when unlimited (``max`` or ``-1``)."""
-    if quota.strip() in ("max", "-1"):
-        return None
-    return int(quota) / int(period)
-
-
-def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
-    """CPUs this process's cgroup may use, or None when unlimited or unknown (cgroup v2, else v1).
-
-    A v2 limit set on any ancestor binds too, so the tightest one along the path counts.
-    """
-    own = Path()
-    try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            if line.startswith("0::"):  # the cgroup v2 entry: 0::/path/of/our/cgroup
-                own = Path(line[3:].strip().lstrip("/"))
-    except OSError:
-        pass
-    quotas, v2 = [], False
-    for rel in (own, *own.parents):
-        try:
-            quotas.append(parse_cpu_quota(*(root / rel / "cpu.max").read_text().split()))
-            v2 = True
-        except (OSError, ValueError, TypeError):
-            continue
-    if not v2:
-        try:
-            v1 = root / "cpu"
-            quotas.append(
-                parse_cpu_quota((v1 / "cpu.cfs_quota_us").read_text(), (v1 / "cpu.cfs_period_us").read_text())
-            )
-        except (OSError, ValueError):
-            pass
-    limits = [q for q in quotas if q is not None]
-    return min(limits) if limits else None
-
-
 def check_threads(info: CpuInfo, engine_threads: int, total_cpus: int, cpu_quota: float | None) -> Check:
     """The threads the engine will start against the CPUs the process may actually run on."""
     summary = (
@@ -301,8 +262,8 @@ def check_threads(info: CpuInfo, engine_threads: int, total_cpus: int, cpu_quota
             Status.WARN,
             summary + f", but the CPU quota allows only {cpu_quota:g}",
             details,
-            fix=f"raise the container's CPU limit, or pin moetune to {cpus} CPU(s) "
-            f"(e.g. `taskset -c 0-{cpus - 1} moetune ...`): the engine starts one thread per visible core",
+            fix=f"raise the container's CPU limit, or run the engine on {cpus} thread(s) "
+            f"(`num_threads={cpus}` in load_model, `moetune: {{num_threads: {cpus}}}` in a training config)",
         )
     return Check("threads", Status.OK, summary, details)
 

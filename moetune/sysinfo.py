@@ -5,6 +5,7 @@ Read from Linux's /proc and /sys where present; every function degrades to a saf
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -94,6 +95,48 @@ def cpu_info() -> CpuInfo:
     )
 
 
+def parse_cpu_quota(quota: str, period: str) -> float | None:
+    """CPUs a CFS quota allows (``quota / period``); None when unlimited (``max`` or ``-1``)."""
+    if quota.strip() in ("max", "-1"):
+        return None
+    return int(quota) / int(period)
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs this process's cgroup may use, or None when unlimited or unknown (cgroup v2, else v1).
+
+    A v2 limit set on any ancestor binds too, so the tightest one along the path counts.
+    """
+    own = Path()
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            if line.startswith("0::"):  # the cgroup v2 entry: 0::/path/of/our/cgroup
+                own = Path(line[3:].strip().lstrip("/"))
+    except OSError:
+        pass
+    quotas, v2 = [], False
+    for rel in (own, *own.parents):
+        try:
+            quotas.append(parse_cpu_quota(*(root / rel / "cpu.max").read_text().split()))
+            v2 = True
+        except (OSError, ValueError, TypeError):
+            continue
+    if not v2:
+        try:
+            v1 = root / "cpu"
+            quotas.append(
+                parse_cpu_quota((v1 / "cpu.cfs_quota_us").read_text(), (v1 / "cpu.cfs_period_us").read_text())
+            )
+        except (OSError, ValueError):
+            pass
+    limits = [q for q in quotas if q is not None]
+    return min(limits) if limits else None
+
+
 def default_num_threads() -> int:
-    """Physical cores visible to the process: SMT siblings share the GEMM units, so they add little."""
-    return cpu_info().physical_cores
+    """Physical cores visible to the process (SMT siblings share the GEMM units, so they add little),
+    capped by the cgroup CPU quota: containers often show every host CPU while a quota throttles the
+    process to a few, and threads beyond the quota only stall each other's GEMMs."""
+    cores = cpu_info().physical_cores
+    quota = cgroup_cpu_quota()
+    return cores if quota is None else max(1, min(cores, math.floor(quota)))

@@ -3,7 +3,8 @@
 ``y = routed_experts(engine, x, topk_ids, topk_weights)``; ``y.sum().backward()`` fills the grads of x,
 of topk_weights (the router's gradient) and of every tensor in ``engine.trained_tensors()`` that requires
 grad (expert LoRA parameters, and base weights in full mode). Inputs may live on any device; the engine
-computes on host copies and results return to the device of ``x``.
+computes on host copies and results return to the device of ``x`` (``moetune.layer.transfer``: pinned
+staging, non-blocking copies, no device-wide synchronisation).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from moetune.engine import ExpertEngine, SavedForward
 from moetune.layer.memo import ForwardMemo
+from moetune.layer.transfer import to_device, to_host
 
 
 class ExpertsFunction(torch.autograd.Function):
@@ -31,8 +33,7 @@ class ExpertsFunction(torch.autograd.Function):
         *trained: torch.Tensor,
     ) -> torch.Tensor:
         needs_backward = any(ctx.needs_input_grad[3:])
-        cpu = torch.device("cpu")
-        inputs = (x.to(cpu), topk_ids.to(cpu), topk_weights.to(cpu))
+        inputs = to_host(x, topk_ids, topk_weights)
         saved: SavedForward | None
         if needs_backward and memo is not None:
             y, saved = memo.forward(engine, *inputs, training=training)
@@ -45,7 +46,7 @@ class ExpertsFunction(torch.autograd.Function):
             ctx.save_for_backward(*saved.tensors())
             ctx.saved = saved.with_tensors((None,) * len(saved.TENSOR_FIELDS))
         ctx.x_device, ctx.w_device = x.device, topk_weights.device
-        return y.to(x.device)
+        return to_device(y, x.device)
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -53,14 +54,15 @@ class ExpertsFunction(torch.autograd.Function):
         saved = ctx.saved.with_tensors(ctx.saved_tensors) if ctx.saved is not None else None
         if ctx.memo is not None and saved is not None:
             ctx.memo.forget(saved)
-        grads = engine.backward(saved, grad_y.to("cpu"))
+        (grad_y_host,) = to_host(grad_y)
+        grads = engine.backward(saved, grad_y_host)
         trained = engine.trained_tensors()
         trained_grads = tuple(
             g.to(t.dtype) if need else None
             for g, t, need in zip(grads.flat(), trained, ctx.needs_input_grad[6:])
         )
-        grad_x = grads.x.to(ctx.x_device) if ctx.needs_input_grad[3] else None
-        grad_w = grads.topk_weights.to(ctx.w_device) if ctx.needs_input_grad[5] else None
+        grad_x = to_device(grads.x, ctx.x_device) if ctx.needs_input_grad[3] else None
+        grad_w = to_device(grads.topk_weights, ctx.w_device) if ctx.needs_input_grad[5] else None
         return (None, None, None, grad_x, None, grad_w, *trained_grads)
 
 

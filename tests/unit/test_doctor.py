@@ -16,7 +16,6 @@ from moetune.doctor import (
     GpuFacts,
     Status,
     _guarded,
-    cgroup_cpu_quota,
     check_cpu,
     check_engine,
     check_gpu,
@@ -24,7 +23,6 @@ from moetune.doctor import (
     check_packages,
     check_python,
     check_threads,
-    parse_cpu_quota,
     run_checks,
 )
 from moetune.sysinfo import CpuInfo
@@ -102,24 +100,6 @@ def test_cpu_isa():
     assert check_cpu(cpu(isa=()), "aarch64", "DEFAULT", torch.float32).status is Status.OK
     native = check_cpu(cpu(isa=("AMX-BF16", "AVX512F", "AVX2")), "x86_64", "AVX512", torch.bfloat16)
     assert any("compute in bfloat16 (native" in d for d in native.details)
-
-
-def test_parse_cpu_quota():
-    assert parse_cpu_quota("max", "100000") is None
-    assert parse_cpu_quota("-1\n", "100000\n") is None
-    assert parse_cpu_quota("250000", "100000") == 2.5
-
-
-def test_cgroup_quota_files(tmp_path):
-    assert cgroup_cpu_quota(tmp_path) is None  # nothing readable: unknown, not zero
-    (tmp_path / "cpu").mkdir()
-    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("300000\n")
-    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
-    assert cgroup_cpu_quota(tmp_path) == 3.0  # v1
-    (tmp_path / "cpu.max").write_text("150000 100000\n")
-    assert cgroup_cpu_quota(tmp_path) == 1.5  # v2 wins over v1
-    (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert cgroup_cpu_quota(tmp_path) is None
 
 
 def test_threads_against_quota():
