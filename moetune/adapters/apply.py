@@ -141,6 +141,7 @@ def set_expert_lora(model: nn.Module, path: str, lora: ExpertLoRA) -> CpuExperts
     assert isinstance(old, CpuExperts), path
     new = CpuExperts(old.engine.with_lora(lora))
     new.train(old.training)
+    new.shared_ahead = old.shared_ahead
     model.set_submodule(path, new)
     return new
 

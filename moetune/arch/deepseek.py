@@ -8,7 +8,8 @@ the uncorrected scores weight them, renormalised (``norm_topk_prob``) and scaled
 In all three the block calls ``self.experts(x, topk_indices, topk_weights)`` after its ``gate`` router, then
 adds the always-on shared experts; the first ``first_k_dense_replace`` layers are dense MLPs without
 routed experts. moetune swaps only ``experts``; the router (fp32 weights, correction bias), the shared
-experts and the dense layers stay on the model's device.
+experts and the dense layers stay on the model's device, the shared experts queued ahead of the CPU
+engine's work so the two overlap.
 """
 
 from moetune.arch.spec import ArchSpec, Routing, register
@@ -19,6 +20,7 @@ DEEPSEEK_V2 = register(
         model_types=("deepseek_v2",),
         routing=Routing.SOFTMAX_GROUP_LIMITED,
         router_attr="gate",
+        shared_attr="shared_experts",
     )
 )
 
@@ -28,5 +30,6 @@ DEEPSEEK_V3 = register(
         model_types=("deepseek_v3", "glm4_moe"),
         routing=Routing.SIGMOID_GROUP_LIMITED,
         router_attr="gate",
+        shared_attr="shared_experts",
     )
 )

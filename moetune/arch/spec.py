@@ -48,6 +48,9 @@ class ArchSpec:
             future transformers fails loudly; None where unknown (generic).
         activation: resolves the engine activation of an experts module whose ``_apply_gate`` is not
             transformers' default ``act_fn(gate) * up``; None for families that use the default.
+        shared_attr: attribute of the MoE block holding shared experts that the block calls after its
+            experts, as ``shared(x)`` on the experts' input; moetune queues them before the CPU engine runs
+            so the device computes them meanwhile (``moetune.layer.overlap``). None: not known to.
     """
 
     name: str
@@ -55,6 +58,7 @@ class ArchSpec:
     routing: Routing
     router_attr: str | None = "gate"
     activation: ActivationResolver | None = field(default=None, compare=False)
+    shared_attr: str | None = None
 
     def describe(self) -> str:
         """One line for error messages: the model types and the routing."""

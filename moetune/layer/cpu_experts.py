@@ -16,6 +16,8 @@ from torch import nn
 from moetune.engine import LORA_NAMES, DenseExperts, ExpertEngine, TrainMode
 from moetune.layer.function import routed_experts
 from moetune.layer.memo import ForwardMemo
+from moetune.layer.overlap import SharedAhead
+from moetune.layer.transfer import HostCopy
 
 
 class CpuExperts(nn.Module):
@@ -25,6 +27,7 @@ class CpuExperts(nn.Module):
         super().__init__()
         self.engine = engine
         self.memo = ForwardMemo()  # lets activation checkpointing's recompute skip the engine
+        self.shared_ahead: SharedAhead | None = None  # set by the loader where the block has shared experts
         if engine.lora is not None:
             for name in LORA_NAMES:
                 param = nn.Parameter(getattr(engine.lora, name).detach())
@@ -44,14 +47,23 @@ class CpuExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """hidden_states ``[T, H]`` (any device), top_k_index ``[T, k]``, top_k_weights ``[T, k]`` -> ``[T, H]``."""
+        """hidden_states ``[T, H]`` (any device), top_k_index ``[T, k]``, top_k_weights ``[T, k]`` -> ``[T, H]``.
+
+        The host copies of the inputs are queued first, then the block's shared experts (if attached), so the
+        device computes those while the engine runs (``moetune.layer.overlap``).
+        """
+        top_k_index = top_k_index.to(torch.int64)
+        host = HostCopy(hidden_states, top_k_index, top_k_weights)
+        if self.shared_ahead is not None:
+            self.shared_ahead.launch(hidden_states)
         return routed_experts(
             self.engine,
             hidden_states,
-            top_k_index.to(torch.int64),
+            top_k_index,
             top_k_weights,
             training=self.training,
             memo=self.memo,
+            host=host,
         )
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> CpuExperts:

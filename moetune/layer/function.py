@@ -15,7 +15,7 @@ import torch
 
 from moetune.engine import ExpertEngine, SavedForward
 from moetune.layer.memo import ForwardMemo
-from moetune.layer.transfer import to_device, to_host
+from moetune.layer.transfer import HostCopy, to_device, to_host
 
 
 class ExpertsFunction(torch.autograd.Function):
@@ -27,13 +27,14 @@ class ExpertsFunction(torch.autograd.Function):
         engine: ExpertEngine,
         training: bool,
         memo: ForwardMemo | None,
+        host: HostCopy | None,
         x: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         *trained: torch.Tensor,
     ) -> torch.Tensor:
-        needs_backward = any(ctx.needs_input_grad[3:])
-        inputs = to_host(x, topk_ids, topk_weights)
+        needs_backward = any(ctx.needs_input_grad[4:])
+        inputs = (host if host is not None else HostCopy(x, topk_ids, topk_weights)).wait()
         saved: SavedForward | None
         if needs_backward and memo is not None:
             y, saved = memo.forward(engine, *inputs, training=training)
@@ -59,11 +60,11 @@ class ExpertsFunction(torch.autograd.Function):
         trained = engine.trained_tensors()
         trained_grads = tuple(
             g.to(t.dtype) if need else None
-            for g, t, need in zip(grads.flat(), trained, ctx.needs_input_grad[6:])
+            for g, t, need in zip(grads.flat(), trained, ctx.needs_input_grad[7:])
         )
-        grad_x = to_device(grads.x, ctx.x_device) if ctx.needs_input_grad[3] else None
-        grad_w = to_device(grads.topk_weights, ctx.w_device) if ctx.needs_input_grad[5] else None
-        return (None, None, None, grad_x, None, grad_w, *trained_grads)
+        grad_x = to_device(grads.x, ctx.x_device) if ctx.needs_input_grad[4] else None
+        grad_w = to_device(grads.topk_weights, ctx.w_device) if ctx.needs_input_grad[6] else None
+        return (None, None, None, None, grad_x, None, grad_w, *trained_grads)
 
 
 def routed_experts(
@@ -74,10 +75,14 @@ def routed_experts(
     *,
     training: bool = True,
     memo: ForwardMemo | None = None,
+    host: HostCopy | None = None,
 ) -> torch.Tensor:
     """x ``[T, H]``, topk_ids ``[T, k]`` int64, topk_weights ``[T, k]`` -> y ``[T, H]``, differentiable.
 
     With ``memo``, a recompute of the same forward (activation checkpointing) reuses it instead of running
-    the engine again (see ``moetune.layer.memo``).
+    the engine again (see ``moetune.layer.memo``). ``host``: host copies of the three inputs already queued
+    by the caller (so device work queued after them overlaps the engine); by default they are made here.
     """
-    return ExpertsFunction.apply(engine, training, memo, x, topk_ids, topk_weights, *engine.trained_tensors())
+    return ExpertsFunction.apply(
+        engine, training, memo, host, x, topk_ids, topk_weights, *engine.trained_tensors()
+    )

@@ -24,6 +24,7 @@ from torch import nn
 from moetune.arch import ExpertsSite, find_experts, resolve_arch
 from moetune.errors import LoadError
 from moetune.layer import CpuExperts
+from moetune.layer.overlap import attach_shared_ahead
 from moetune.loading import hf
 from moetune.loading.checkpoint import Checkpoint
 from moetune.loading.expert_plan import plan_experts
@@ -111,6 +112,8 @@ def load_model(
     ):
         model.set_submodule(layer.site.path, CpuExperts(engine))
     hf.finish(model, checkpoint)
+    if spec.shared_attr is not None:
+        attach_shared_ahead(model, [s.path for s in sites], spec.shared_attr)
 
     routers = [s.router for s in sites if s.router is not None]
     logger.info(
