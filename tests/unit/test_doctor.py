@@ -107,7 +107,7 @@ def test_threads_against_quota():
     assert check_threads(cpu(), 4, 8, 4.0).status is Status.OK
     c = check_threads(cpu(), 4, 8, 1.5)
     assert c.status is Status.WARN and "quota allows only 1.5" in c.summary
-    assert "taskset -c 0-0" in c.fix
+    assert "num_threads=1" in c.fix
 
 
 def test_gpu_verdicts():
