@@ -42,6 +42,10 @@ class ArchError(MoetuneError):
     """A model's architecture is not one moetune can run (unknown family, experts layout or activation)."""
 
 
+class SaveError(MoetuneError):
+    """A model cannot be saved as asked (e.g. a full checkpoint of a model whose routed experts are in the engine)."""
+
+
 class LoadError(MoetuneError):
     """A checkpoint cannot be loaded: missing or extra files or tensors, wrong shapes, unsupported formats."""
 

@@ -2,12 +2,19 @@
 
     model (from ``moetune.load_model``)
       -> resolve ``lora_target`` against the model: ``all`` = every ``nn.Linear`` except ``lm_head`` and the
-         MoE routers, plus every routed-experts module (``CpuExperts``); names = modules whose path ends
-         with the name (``q_proj``, ``experts``, ``gate`` for a linear router)
+         MoE routers (attention, dense MLPs, shared experts, shared-expert gates), plus every routed-experts
+         module (``CpuExperts``); names = modules whose path ends with the name (``q_proj``, ``experts``,
+         ``gate`` for a linear router)
       -> each targeted ``CpuExperts`` is swapped, on the instance, for one whose engine (same weights object)
          carries an :class:`~moetune.engine.ExpertLoRA` (fp32 CPU parameters ``lora_gate_up_A`` ...)
-      -> ``peft.get_peft_model`` wraps the linear targets; PEFT leaves trainable exactly the parameters whose
-         names contain ``lora_``, which includes the experts' ``lora_*`` parameters.
+      -> linear modules whose names stock PEFT rewrites for this model type (see :func:`peft_renamed`) are
+         wrapped in PEFT's ``lora.Linear`` directly; ``peft.get_peft_model`` wraps the other linear targets by
+         name, then casts and marks trainable all of PEFT's LoRA layers. The experts' ``lora_*`` parameters
+         are made trainable again after it (PEFT freezes everything that is not one of its layers).
+
+The live PEFT config records the directly wrapped modules as ``target_parameters`` (``<module>.weight``): that
+is how stock PEFT must target them when it loads the saved adapter (PEFT's ``ParamWrapper`` over a 2-D weight
+computes ``(W + s B A) x``, the same as a LoRA ``Linear``, with the same state-dict keys).
 
 Expert LoRA is initialised as PEFT initialises it (A kaiming-uniform, B zero) from the global torch RNG, so
 seed with ``torch.manual_seed`` first for a reproducible run.
@@ -139,7 +146,7 @@ def set_expert_lora(model: nn.Module, path: str, lora: ExpertLoRA) -> CpuExperts
     """Replace the ``CpuExperts`` at ``path`` by one over the same weights with ``lora``; return the new module."""
     old = model.get_submodule(path)
     assert isinstance(old, CpuExperts), path
-    new = CpuExperts(old.engine.with_lora(lora))
+    new = CpuExperts(old.engine.with_lora(lora), layout=old.layout)
     new.train(old.training)
     new.shared_ahead = old.shared_ahead
     model.set_submodule(path, new)
@@ -166,39 +173,75 @@ def peft_target_modules(model: nn.Module, paths: Sequence[str]) -> list[str]:
     return out
 
 
-def _without_remapped(model: nn.Module, linear: Sequence[str], settings: LoraSettings) -> list[str]:
-    """``linear`` minus modules whose names stock PEFT rewrites for this model type, so that the adapter means
-    the same thing when stock PEFT loads it.
+def peft_renamed(model: nn.Module, linear: Sequence[str]) -> list[str]:
+    """The modules among ``linear`` that stock PEFT cannot target by module name for this model type.
 
-    PEFT (0.19+) converts transformers-v4 MoE target names for some families when it injects an adapter,
-    including when loading one: in Qwen2/Qwen3-MoE ``gate_proj``/``up_proj``/``down_proj`` become the fused
-    experts' ``target_parameters`` (with doubled rank), so a dense or shared MLP with those names cannot carry
-    a portable LoRA there. With ``all`` they are skipped (and logged); named explicitly, that is an error.
+    PEFT (0.19+) converts transformers-v4 MoE target names whenever it injects an adapter, also when it loads
+    a saved one (``convert_peft_config_for_transformers``): for model types converted with the Qwen2-MoE
+    pattern (Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE, ERNIE-4.5-MoE, ...) every ``target_modules``
+    entry ending in ``gate_proj`` / ``up_proj`` / ``down_proj`` becomes the routed experts' fused
+    ``gate_up_proj`` / ``down_proj`` (with doubled rank), and a lone ``gate_proj`` is an error. A dense MLP
+    or a shared expert with those names therefore cannot be targeted by name; moetune targets its weight
+    instead. The rule is PEFT's own, asked per leaf name (the conversion matches names as dotted suffixes).
     """
     from peft import LoraConfig
     from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
 
-    names = peft_target_modules(model, linear)
-    probe = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, target_modules=list(names))  # type: ignore[arg-type]
-    convert_peft_config_for_transformers(probe, model, None)
-    kept_names = set(probe.target_modules or ())
-    remapped = [n for n in names if n not in kept_names]
-    if not remapped:
-        return list(linear)
-    dropped = [p for p in linear if any(p == n or p.endswith("." + n) for n in remapped)]
-    if tuple(settings.targets) != (ALL,):
-        raise AdapterError(
-            f"lora_target names {remapped} in {getattr(model.config, 'model_type', '?')} cannot be saved as a stock PEFT adapter: "
-            f"PEFT rewrites them into the routed experts' target_parameters when loading (modules {dropped}). "
-            "Leave them out (the routed experts are targeted as 'experts')."
+    renamed = set()
+    for leaf in sorted({p.rpartition(".")[2] for p in linear}):
+        probe = LoraConfig(target_modules=[leaf])
+        try:
+            convert_peft_config_for_transformers(probe, model, None)
+        except ValueError:  # a fused pair named alone (gate_proj without up_proj): PEFT refuses to load it
+            renamed.add(leaf)
+            continue
+        if leaf not in (probe.target_modules or ()):
+            renamed.add(leaf)
+    return [p for p in linear if p.rpartition(".")[2] in renamed]
+
+
+def peft_model_with(
+    model: nn.Module, config: Any, by_weight: Sequence[str], weight_entries: Sequence[str]
+) -> Any:
+    """``get_peft_model(model, config)``, plus LoRA on the ``nn.Linear`` modules at ``by_weight``.
+
+    Those get PEFT's own ``lora.Linear`` for adapter ``"default"``, the layer ``get_peft_model`` would create
+    (``config``'s rank, alpha, dropout, rsLoRA and init), made here because PEFT would rename them (see
+    :func:`peft_renamed`); ``get_peft_model`` then casts their dtype like its own layers. ``weight_entries``
+    (their ``target_parameters``, how stock PEFT must target them) go into the live config, so that the saved
+    config carries them.
+    """
+    from peft import get_peft_model
+    from peft.tuners.lora import Linear as LoraLinear
+
+    # PEFT freezes the base model only when it finds no LoRA layer in it; with the ones below in place it keeps
+    # the trainability it finds, so freeze first (it makes its adapters trainable itself).
+    model.requires_grad_(False)
+    for path in by_weight:
+        base = model.get_submodule(path)
+        assert isinstance(base, nn.Linear), path
+        model.set_submodule(
+            path, LoraLinear(base, "default", config=config, r=config.r, lora_alpha=config.lora_alpha)
         )
-    logger.warning(
-        "moetune: lora_target all skips %d linear modules PEFT would reinterpret as routed experts for %s: %s",
-        len(dropped),
-        getattr(model.config, "model_type", "?"),
-        ", ".join(dropped),
-    )
-    return [p for p in linear if p not in dropped]
+    peft_model = get_peft_model(model, config)
+    if weight_entries:
+        peft_model.peft_config["default"].target_parameters = list(weight_entries)
+    return peft_model
+
+
+def linear_weight_paths(model: nn.Module, target_parameters: Sequence[str]) -> dict[str, list[str]]:
+    """``{entry: nn.Linear module paths}`` for the ``target_parameters`` entries that name Linear weights.
+
+    An entry matches ``<module path>.weight`` exactly or as a dotted suffix, as in PEFT; entries naming no
+    Linear weight (the routed experts' ``gate_up_proj`` / ``down_proj``) are left out.
+    """
+    weights = [p for p, m in model.named_modules() if isinstance(m, nn.Linear)]
+    out: dict[str, list[str]] = {}
+    for entry in target_parameters:
+        hits = [p for p in weights if f"{p}.weight" == entry or f"{p}.weight".endswith("." + entry)]
+        if hits:
+            out[entry] = hits
+    return out
 
 
 def attach_lora(model: nn.Module, settings: LoraSettings | None = None, **kwargs: Any) -> Any:
@@ -208,27 +251,31 @@ def attach_lora(model: nn.Module, settings: LoraSettings | None = None, **kwargs
     ``use_rslora``). Linear targets get stock PEFT LoRA; routed experts get engine expert LoRA. Everything
     else is frozen. Save the result with :func:`moetune.adapters.save_adapter` (stock PEFT format).
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     settings = settings or LoraSettings(**kwargs)
     targets = resolve_targets(model, settings.targets)
-    add_expert_lora(model, targets.experts, settings)
-    if not targets.linear:
+    by_weight = peft_renamed(model, targets.linear)
+    by_name = [p for p in targets.linear if p not in by_weight]
+    if not by_name:
         raise AdapterError(
-            f"lora_target {list(settings.targets)} selects only routed experts; moetune trains them through a "
-            "PEFT model, which needs at least one linear target too (add e.g. q_proj, v_proj, or use 'all')"
+            f"lora_target {list(settings.targets)} selects {len(targets.experts)} routed-experts modules and "
+            f"{len(by_weight)} MLP projections whose names PEFT rewrites, but no linear layer PEFT targets by "
+            "name; moetune trains through a PEFT model, which needs at least one (add e.g. q_proj, v_proj, or "
+            "use 'all')"
         )
-    linear = _without_remapped(model, targets.linear, settings)
+    add_expert_lora(model, targets.experts, settings)
     config = LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,  # type: ignore[arg-type]  # PEFT annotates int; float works
         lora_dropout=settings.dropout,
-        target_modules=peft_target_modules(model, linear),
+        target_modules=peft_target_modules(model, by_name),
         use_rslora=settings.use_rslora,
         bias="none",
         task_type="CAUSAL_LM",
     )
-    peft_model = get_peft_model(model, config)
+    weight_entries = [f"{entry}.weight" for entry in peft_target_modules(model, by_weight)]
+    peft_model = peft_model_with(model, config, by_weight, weight_entries)
     # PEFT 0.21 finds adapter parameters structurally (its own tuner layers), not by the "lora_" in their names,
     # so it freezes the experts' LoRA parameters too: make them trainable again.
     for experts in expert_modules(peft_model).values():
@@ -236,10 +283,12 @@ def attach_lora(model: nn.Module, settings: LoraSettings | None = None, **kwargs
             p.requires_grad_(True)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     logger.info(
-        "moetune: LoRA r=%d alpha=%g on %d linear modules and %d routed-experts modules; %d trainable parameters",
+        "moetune: LoRA r=%d alpha=%g on %d linear modules (%d by weight, as stock PEFT will load them) and %d "
+        "routed-experts modules; %d trainable parameters",
         settings.rank,
         settings.alpha,
-        len(linear),
+        len(targets.linear),
+        len(by_weight),
         len(targets.experts),
         trainable,
     )

@@ -23,8 +23,11 @@ Tensor layout, one projection.
     The asymmetry is PEFT's; the engine stores ``A`` ``[E, r, in]`` and ``B`` ``[E, out, r]``.
     Expert ``e`` computes with ``W_e + s * B_e @ A_e`` (``[out, in]``), ``s = lora_alpha / r`` or
     ``lora_alpha / sqrt(r)`` with ``use_rslora``. Rows of ``out`` follow the base parameter's own order
-    (Qwen: ``[gate; up]`` halves; gpt-oss: interleaved gate/up): whoever reorders gate_up's rows for the
-    engine must permute gate_up's ``B`` rows the same way. This module never reorders.
+    (Qwen: ``[gate; up]`` halves; gpt-oss, ``is_concatenated = False``: gate at even, up at odd indices of
+    2I). The engine always keeps gate rows first (the loader de-interleaves gpt-oss's weights), so for an
+    interleaved module gate_up's ``B`` rows are interleaved on the way to PEFT and de-interleaved on the way
+    back (``ExpertParamNames.interleaved``). Nothing else moves: gate_up's ``A`` (in = H) and down's ``A``
+    (in = I, the same intermediate index j = act(gate_j, up_j) either way) and ``B`` (out = H) keep their order.
 
 Key names.
     One ``ParamWrapper`` per targeted parameter; several on one module nest, and the nesting follows the
@@ -71,8 +74,9 @@ from torch import nn
 from moetune.engine import ExpertLoRA
 from moetune.errors import AdapterError, EngineError
 from moetune.layer import CpuExperts
+from moetune.layer.cpu_experts import PEFT_WRAPPED_PREFIX
 
-PEFT_MODEL_PREFIX = "base_model.model."
+PEFT_MODEL_PREFIX = PEFT_WRAPPED_PREFIX
 """What PEFT's saved keys put before a module path of the original model."""
 
 
@@ -117,16 +121,30 @@ def lora_from_peft(
     return a, b
 
 
+def interleave_rows(b: torch.Tensor) -> torch.Tensor:
+    """gate_up ``B`` ``[E, 2I, r]`` with gate rows then up rows -> gate at even, up at odd rows (gpt-oss)."""
+    e, two_i, r = b.shape
+    return torch.stack((b[:, : two_i // 2], b[:, two_i // 2 :]), dim=2).reshape(e, two_i, r)
+
+
+def deinterleave_rows(b: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`interleave_rows`: ``[E, 2I, r]`` interleaved -> gate rows then up rows."""
+    return torch.cat((b[:, 0::2], b[:, 1::2]), dim=1)
+
+
 @dataclass(frozen=True)
 class ExpertParamNames:
-    """The experts module's fused parameter names and which one the module registers first.
+    """How the transformers experts module PEFT targets lays out its fused parameters.
 
-    Registration order decides PEFT's ``ParamWrapper`` nesting and so the key names (see the module docstring).
+    Its gate-up and down parameter names, which one it registers first (registration order decides PEFT's
+    ``ParamWrapper`` nesting and so the key names, see the module docstring), and whether gate_up's 2I
+    outputs interleave gate and up (gpt-oss) instead of gate block then up block.
     """
 
     gate_up: str = "gate_up_proj"
     down: str = "down_proj"
     gate_up_first: bool = True
+    interleaved: bool = False
 
     @classmethod
     def from_module(
@@ -140,7 +158,15 @@ class ExpertParamNames:
                 f"{type(experts).__name__} has no parameter(s) {missing}; its parameters are {order}. "
                 "Pass the names of its fused gate-up and down expert parameters."
             )
-        return cls(gate_up, down, order.index(gate_up) < order.index(down))
+        interleaved = not getattr(experts, "is_concatenated", True)  # transformers v5's layout flag
+        return cls(gate_up, down, order.index(gate_up) < order.index(down), interleaved)
+
+    @classmethod
+    def of(cls, experts: CpuExperts) -> ExpertParamNames:
+        """For a moetune ``CpuExperts``: the transformers module it replaced, as recorded at load
+        (``experts.layout``; None: the engine's own gate-rows-first layout). transformers v5 experts modules all
+        name their parameters ``gate_up_proj`` / ``down_proj`` and register gate_up first."""
+        return cls(interleaved=experts.layout is not None and experts.layout.interleaved)
 
     def key_prefixes(self, module_prefix: str) -> dict[str, str]:
         """``{"gate_up": ..., "down": ...}``: where each projection's ``lora_A.weight`` / ``lora_B.weight`` live.
@@ -173,12 +199,15 @@ def expert_lora_to_peft_state(
     """One layer's expert LoRA as PEFT state-dict entries (the four keys in the module docstring).
 
     Tensors keep their dtype (fp32 master weights stay fp32); gate_up ``lora_A`` ``[E * r, H]``, ``lora_B``
-    ``[2I, r * E]``; down ``lora_A`` ``[E * r, I]``, ``lora_B`` ``[H, r * E]``.
+    ``[2I, r * E]`` (rows interleaved when ``names.interleaved``); down ``lora_A`` ``[E * r, I]``, ``lora_B``
+    ``[H, r * E]``.
     """
     lora = _lora_of(source)
-    prefixes = (names or ExpertParamNames()).key_prefixes(module_prefix)
+    names = names or ExpertParamNames()
+    prefixes = names.key_prefixes(module_prefix)
+    gate_up_b = interleave_rows(lora.gate_up_B.detach()) if names.interleaved else lora.gate_up_B
     state: dict[str, torch.Tensor] = {}
-    for proj, (a, b) in (("gate_up", (lora.gate_up_A, lora.gate_up_B)), ("down", (lora.down_A, lora.down_B))):
+    for proj, (a, b) in (("gate_up", (lora.gate_up_A, gate_up_b)), ("down", (lora.down_A, lora.down_B))):
         state[f"{prefixes[proj]}.lora_A.weight"], state[f"{prefixes[proj]}.lora_B.weight"] = lora_to_peft(
             a, b
         )
@@ -197,9 +226,11 @@ def expert_lora_from_peft_state(
     """One layer's expert LoRA from PEFT state-dict entries under ``module_prefix``, in the engine layout.
 
     ``scaling`` comes from the adapter config (``moetune.engine.lora_scaling(r, lora_alpha, use_rslora)``);
-    tensors keep the stored dtype (cast to the fp32 master dtype at the caller).
+    tensors keep the stored dtype (cast to the fp32 master dtype at the caller); gate_up's ``B`` rows are
+    de-interleaved when ``names.interleaved``.
     """
-    prefixes = (names or ExpertParamNames()).key_prefixes(module_prefix)
+    names = names or ExpertParamNames()
+    prefixes = names.key_prefixes(module_prefix)
     wanted = [f"{prefixes[p]}.lora_{m}.weight" for p in ("gate_up", "down") for m in "AB"]
     missing = [k for k in wanted if k not in state]
     if missing:
@@ -212,6 +243,8 @@ def expert_lora_from_peft_state(
     for proj in ("gate_up", "down"):
         p = prefixes[proj]
         a, b = lora_from_peft(state[f"{p}.lora_A.weight"], state[f"{p}.lora_B.weight"], num_experts, label=p)
+        if proj == "gate_up" and names.interleaved:
+            b = deinterleave_rows(b)
         tensors[f"{proj}_A"], tensors[f"{proj}_B"] = a, b
     try:
         return ExpertLoRA(**tensors, scaling=scaling, dropout=dropout)

@@ -6,9 +6,12 @@ written in PEFT's ``target_parameters`` (``ParamWrapper``) layout by ``peft_layo
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter_dir)
 
 computes what the moetune model computed. The config gets ``target_parameters`` (e.g.
-``["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``) and ``lora_dropout: 0`` when experts are
-targeted (PEFT's ``ParamWrapper`` refuses dropout; dropout changes no saved weight). Files are written to a
-temporary folder next to ``output_dir`` and renamed into place, so a crash leaves no half-written adapter.
+``["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``, preceded by ``"gate_proj.weight"``-style entries
+for dense and shared-expert MLPs whose names PEFT rewrites, see ``moetune.adapters.apply``) and
+``lora_dropout: 0`` when it has any (PEFT's ``ParamWrapper`` refuses dropout; dropout changes no saved
+weight). gpt-oss-style experts (gate/up interleaved) get their gate_up ``lora_B`` rows interleaved, as the
+module they replaced orders its outputs (``CpuExperts.layout``). Files are written to a temporary folder
+next to ``output_dir`` and renamed into place, so a crash leaves no half-written adapter.
 
 ``load_adapter(model, dir)`` attaches a saved adapter to a ``moetune.load_model`` model;
 ``load_adapter_weights(peft_model, dir)`` copies a saved adapter's values into one that is already attached
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moetune.adapters.apply import expert_modules, set_expert_lora
+from moetune.adapters.apply import expert_modules, linear_weight_paths, peft_model_with, set_expert_lora
 from moetune.adapters.peft_layout import (
     PEFT_MODEL_PREFIX,
     ExpertParamNames,
@@ -66,12 +69,14 @@ def adapter_config(peft_model: Any) -> dict[str, Any]:
     config["target_modules"] = sorted(config["target_modules"] or [])
     config["base_model_name_or_path"] = getattr(peft_model.base_model.model, "name_or_path", None)
     config["inference_mode"] = True
+    # Linear weights PEFT cannot target by name (moetune.adapters.apply.peft_renamed), then the routed experts
+    params = sorted(config.get("target_parameters") or [])
     if experts:
         names = ExpertParamNames()
-        config["target_parameters"] = _suffix_targets(experts, (names.gate_up, names.down))
-        config["lora_dropout"] = (
-            0.0  # ParamWrapper requires it; training dropout does not change saved weights
-        )
+        params += _suffix_targets(experts, (names.gate_up, names.down))
+    config["target_parameters"] = params or None
+    if params:  # ParamWrapper requires no dropout; training dropout does not change the saved weights
+        config["lora_dropout"] = 0.0
     return config
 
 
@@ -85,7 +90,8 @@ def adapter_state(peft_model: Any) -> dict[str, torch.Tensor]:
         if not any(k.endswith(f".lora_{n}") for n in LORA_NAMES)
     }
     for path, module in expert_modules(peft_model).items():
-        for k, v in expert_lora_to_peft_state(module, PEFT_MODEL_PREFIX + path).items():
+        names = ExpertParamNames.of(module)
+        for k, v in expert_lora_to_peft_state(module, PEFT_MODEL_PREFIX + path, names).items():
             state[k] = v.cpu().contiguous()
     return state
 
@@ -157,7 +163,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: boo
     Expert LoRA goes into the engines (fp32), linear LoRA through PEFT. Every tensor of the file must find its
     place and every target its tensors (``AdapterError`` otherwise). ``is_trainable`` keeps the LoRA trainable.
     """
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from peft import LoraConfig, set_peft_model_state_dict
 
     config, state = read_adapter(adapter_dir)
     r, alpha, rslora = int(config["r"]), float(config["lora_alpha"]), bool(config.get("use_rslora", False))
@@ -165,7 +171,8 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: boo
         raise AdapterError(f"{adapter_dir}: rank_pattern / alpha_pattern are not supported by moetune yet")
     scaling = lora_scaling(r, alpha, rslora)
     used: set[str] = set()
-    if config.get("target_parameters"):
+    target_parameters = list(config.get("target_parameters") or [])
+    if target_parameters:
         for path in _expert_paths(model):
             prefix = PEFT_MODEL_PREFIX + path
             if not any(k.startswith(prefix + ".") for k in state):
@@ -173,11 +180,16 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: boo
             experts = model.get_submodule(path)
             assert isinstance(experts, CpuExperts)
             lora = expert_lora_from_peft_state(
-                state, prefix, num_experts=experts.engine.num_experts, scaling=scaling
+                state,
+                prefix,
+                num_experts=experts.engine.num_experts,
+                scaling=scaling,
+                names=ExpertParamNames.of(experts),
             )
             lora = lora.astype(torch.float32)
             set_expert_lora(model, path, lora)
             used |= {k for k in state if k.startswith(prefix + ".")}
+    dense = linear_weight_paths(model, target_parameters)  # Linear weights targeted as parameters
     linear_state = {k: v for k, v in state.items() if k not in used}
     peft_config = LoraConfig(
         r=r,
@@ -188,7 +200,8 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: boo
         bias="none",
         task_type="CAUSAL_LM",
     )
-    peft_model = get_peft_model(model, peft_config)
+    by_weight = [p for paths in dense.values() for p in paths]
+    peft_model = peft_model_with(model, peft_config, by_weight, list(dense))
     result: Any = set_peft_model_state_dict(peft_model, linear_state)
     lora_missing = [
         k
@@ -234,6 +247,7 @@ def load_adapter_weights(peft_model: Any, adapter_dir: str | Path) -> None:
                 PEFT_MODEL_PREFIX + path,
                 num_experts=module.engine.num_experts,
                 scaling=_expert_lora(module).scaling,
+                names=ExpertParamNames.of(module),
             )
             for name in LORA_NAMES:
                 getattr(module, f"lora_{name}").copy_(getattr(lora, name))

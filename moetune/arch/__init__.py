@@ -2,8 +2,9 @@
 
 ``resolve_arch(model_type)`` gives the family's ``ArchSpec`` (or the generic v5-layout spec);
 ``find_experts(model, spec, model_type)`` lists the model's experts modules with their ``ExpertsLayout``.
-Family files register their specs at import: softmax top-k (Qwen3/Qwen2-MoE, Mixtral, OLMoE),
-DeepSeek-V2, DeepSeek-V3 / GLM-4-MoE, gpt-oss, and the generic fallback.
+Family files register their specs at import: softmax top-k (Qwen3/Qwen2-MoE, Mixtral, OLMoE, and the
+vision-language Qwen3-VL-MoE / Qwen3.5-MoE), DeepSeek-V2, DeepSeek-V3 / GLM-4-MoE, gpt-oss, and the generic
+fallback.
 """
 
 from moetune.arch import deepseek, generic, gpt_oss, softmax_topk  # noqa: F401  (registration)

@@ -11,7 +11,9 @@ from moetune.sysinfo import CpuInfo
 
 BUSY_LOAD = 0.5  # a 1-minute load average above this means another process was using a core
 
-_COLUMNS = (  # (title, width, record key, format)
+Columns = tuple[tuple[str, int, str, str], ...]  # (title, width, record key, format) per column
+
+ENGINE_COLUMNS: Columns = (
     ("case", 28, "case", "{}"),
     ("fwd ms", 10, "fwd_ms", "{:.1f}"),
     ("bwd ms", 10, "bwd_ms", "{:.1f}"),
@@ -69,18 +71,17 @@ def print_header(
         )
 
 
-def print_table_head(out: TextIO) -> None:
-    line = "".join(
-        title.ljust(w) if i == 0 else title.rjust(w) for i, (title, w, _, _) in enumerate(_COLUMNS)
-    )
+def print_table_head(out: TextIO, columns: Columns = ENGINE_COLUMNS) -> None:
+    """The column titles (first left-aligned, the rest right-aligned) and a rule."""
+    line = "".join(title.ljust(w) if i == 0 else title.rjust(w) for i, (title, w, _, _) in enumerate(columns))
     print(line, file=out)
-    print("-" * len(line), file=out)
+    print("-" * len(line), file=out, flush=True)
 
 
-def print_row(out: TextIO, record: dict[str, Any]) -> None:
-    """One case; a value that was not measured prints as ``-``."""
+def print_row(out: TextIO, record: dict[str, Any], columns: Columns = ENGINE_COLUMNS) -> None:
+    """One record; a value that was not measured prints as ``-``."""
     cells = []
-    for i, (_, width, key, fmt) in enumerate(_COLUMNS):
+    for i, (_, width, key, fmt) in enumerate(columns):
         value = record.get(key)
         text = "-" if value is None else fmt.format(value)
         cells.append(text.ljust(width) if i == 0 else text.rjust(width))

@@ -182,14 +182,23 @@ def _check_cross_fields(
         problems.add("eval_steps", "is set but eval_strategy is not 'steps'; set eval_strategy: steps")
     if training.report_to != ("none",) and not problems.has("report_to"):
         _check_report_to(training.report_to, problems)
-    if engine.expert_format != "auto":
-        from moetune.engine.formats import FORMATS
+    expert_keys = [f"{ENGINE_KEY}.{k}" for k in ("expert_format", "int4_group_size", "int4_symmetric")]
+    if not problems.has(*expert_keys):
+        # the check load_model runs, run here before any work
+        from moetune.loading.options import expert_format_problems
 
-        if engine.expert_format not in FORMATS:
-            problems.add(
-                f"{ENGINE_KEY}.expert_format",
-                f"got {engine.expert_format!r}; allowed: auto, {', '.join(FORMATS.names())}",
-            )
+        for key, message in expert_format_problems(
+            engine.expert_format, engine.int4_group_size, engine.int4_symmetric
+        ):
+            problems.add(f"{ENGINE_KEY}.{key}", message)
+    store_keys = [f"{ENGINE_KEY}.{k}" for k in ("expert_path", "expert_residency", "expert_residency_budget")]
+    if not problems.has(*store_keys):
+        from moetune.loading.from_store import residency_problems
+
+        for key, message in residency_problems(
+            engine.expert_path, engine.expert_residency, engine.expert_residency_budget
+        ):
+            problems.add(f"{ENGINE_KEY}.{key}", message)
 
 
 def _check_report_to(report_to: tuple[str, ...], problems: Problems) -> None:

@@ -213,13 +213,24 @@ class TrainingConfig:
 class EngineConfig:
     """moetune's own options: the ``moetune:`` mapping of the YAML.
 
-    ``expert_format`` is the storage format of routed experts in host RAM (``auto``: as the checkpoint
-    stores them, otherwise a registered format name). ``device`` runs the dense part (``auto``: cuda when
+    ``expert_format`` is the storage format of routed experts in host RAM: ``auto`` (as the checkpoint stores
+    them: fp8 for FP8 checkpoints, else dense), ``bf16`` (dense in the training dtype), ``int8``, ``int4``,
+    ``fp8`` (quantized at load time from float checkpoints), or a registered format name (``dense``,
+    ``fp8_block``); ``int4_group_size`` (32, 64 or 128; unset: 64) and ``int4_symmetric`` (unset: true) apply
+    to ``int4`` only. docs/formats.md compares the formats. ``expert_path`` takes the routed experts from a store
+    written by ``moetune convert`` (memory-mapped), held in RAM (``expert_residency: ram``) or paged from disk
+    layer by layer (``disk``) within ``expert_residency_budget`` (bytes or a size like ``64GB``; unset: the two
+    largest layers). ``device`` runs the dense part (``auto``: cuda when
     available). ``num_threads`` is the CPU expert engine's thread count (unset: the physical cores visible
     to the process). ``check_finite`` makes the engine raise on NaN/Inf, naming tensor and expert.
     """
 
     expert_format: str = option("auto")
+    int4_group_size: int | None = option(None)
+    int4_symmetric: bool | None = option(None)
+    expert_path: Path | None = option(None)
+    expert_residency: str = option("ram")
+    expert_residency_budget: int | str | None = option(None)
     activation_policy: ActivationPolicy = option(ActivationPolicy.RETAIN)
     num_threads: int | None = option(None, check=_min_one)
     device: str = option("auto", check=_device)

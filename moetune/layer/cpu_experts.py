@@ -4,28 +4,46 @@
 place of ``block.experts`` on a model instance. Base expert weights stay inside the engine (host memory,
 any format) and are not module parameters unless full mode trains them; expert LoRA tensors are
 registered as CPU ``nn.Parameter``s that any torch optimizer can update.
+
+Because the base expert weights are not module tensors, a state dict of the model itself lacks the routed
+experts: ``model.save_pretrained`` would write a checkpoint without them. ``CpuExperts`` therefore refuses
+to be collected into a state dict unless the model is wrapped by PEFT (the key prefix ``base_model.model.``),
+whose ``get_peft_model_state_dict`` / ``PeftModel.save_pretrained`` only pick LoRA tensors out of it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from moetune.engine import LORA_NAMES, DenseExperts, ExpertEngine, TrainMode
+from moetune.errors import SaveError
 from moetune.layer.function import routed_experts
 from moetune.layer.memo import ForwardMemo
 from moetune.layer.overlap import SharedAhead
 from moetune.layer.transfer import HostCopy
 
+if TYPE_CHECKING:
+    from moetune.arch.detect import ExpertsLayout
+
+PEFT_WRAPPED_PREFIX = "base_model.model."
+"""Where a ``peft.PeftModel`` keeps the model it wraps: state-dict keys of a wrapped model contain it."""
+
 
 class CpuExperts(nn.Module):
-    """Holds one :class:`ExpertEngine`; its trainable tensors are this module's parameters."""
+    """Holds one :class:`ExpertEngine`; its trainable tensors are this module's parameters.
 
-    def __init__(self, engine: ExpertEngine) -> None:
+    ``layout`` describes the transformers experts module this one replaced (set by the loader; None: the
+    engine's own ``[E, 2I, H]`` gate-rows-first layout), so adapters can be saved in that module's layout.
+    """
+
+    def __init__(self, engine: ExpertEngine, layout: ExpertsLayout | None = None) -> None:
         super().__init__()
         self.engine = engine
+        self.layout = layout
         self.memo = ForwardMemo()  # lets activation checkpointing's recompute skip the engine
         self.shared_ahead: SharedAhead | None = None  # set by the loader where the block has shared experts
         if engine.lora is not None:
@@ -65,6 +83,17 @@ class CpuExperts(nn.Module):
             memo=self.memo,
             host=host,
         )
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        if PEFT_WRAPPED_PREFIX not in prefix:
+            raise SaveError(
+                f"{prefix.rstrip('.') or 'this module'}: the routed experts live in moetune's CPU engine, not in "
+                "torch parameters, so a state dict or save_pretrained of this model would silently leave them out. "
+                "Save what you trained as an adapter instead, moetune.save_adapter(peft_model, dir) (stock PEFT "
+                "format, loads on the original checkpoint), and keep using the original base checkpoint; "
+                "exporting merged full weights is not supported yet."
+            )
+        super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> CpuExperts:
         # model.to("cuda") / model.bfloat16() must not move or down-cast host-resident expert state:

@@ -2,7 +2,9 @@
 
 ``load_model`` (in ``load``) orchestrates; ``checkpoint`` reads safetensors headers, ``expert_plan`` decides
 which tensors feed which experts module, ``stream`` fills the engines, ``hf`` is the seam with
-transformers' own loader, ``options`` parses the call's keyword arguments.
+transformers' own loader, ``options`` parses the call's keyword arguments. ``convert`` writes pre-quantized
+expert stores (``store``: the files and their ``manifest``; ``mapped``: memory-mapped reading) and
+``from_store`` builds engines over one, in RAM or paged from disk.
 """
 
 from moetune.loading.load import load_model

@@ -11,11 +11,14 @@ last tensor has been read, so a streamed checkpoint never keeps every shard mapp
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from moetune.errors import LoadError
 
@@ -24,6 +27,21 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # Weight files of other formats: named in the error when a directory has no safetensors.
 OTHER_WEIGHT_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.h5", "*.msgpack", "*.npz")
+# safetensors dtype codes ``ShardReader.read`` reads into torch tensors
+TORCH_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 @dataclass(frozen=True)
@@ -35,6 +53,7 @@ class TensorInfo:
     dtype: str  # safetensors dtype code: "BF16", "F32", "F8_E4M3", ...
     shape: tuple[int, ...]
     nbytes: int
+    offset: int = 0  # byte offset of its data in the file
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
@@ -63,7 +82,9 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             raise LoadError(
                 f"{path} is truncated: tensor {key!r} ends at byte {end} of a {data_size}-byte data section"
             )
-        out[key] = TensorInfo(key, path.name, meta["dtype"], tuple(meta["shape"]), end - begin)
+        out[key] = TensorInfo(
+            key, path.name, meta["dtype"], tuple(meta["shape"]), end - begin, 8 + size + begin
+        )
     return out
 
 
@@ -157,6 +178,7 @@ class ShardReader:
     def __init__(self, checkpoint: Checkpoint, steps: Iterable[Iterable[str]]):
         self._ckpt = checkpoint
         self._open: dict[str, Any] = {}
+        self._fds: dict[str, int] = {}
         self._last_step: dict[str, int] = {}
         for i, files in enumerate(steps):
             for name in files:
@@ -170,15 +192,42 @@ class ShardReader:
             self._open[name] = safe_open(str(self._ckpt.file_path(name)), framework="pt")
         return self._open[name]
 
+    def read(self, info: TensorInfo, index: int | None = None) -> torch.Tensor:
+        """Tensor ``info``, or its ``index``-th slice along dim 0, read into fresh memory with plain file reads.
+
+        Not through a memory mapping: the pages of a mapped shard count in the process's resident size until
+        the shard is unmapped, so streaming experts through ``safe_open`` held up to two whole shards on top
+        of the engines (measured 1.29x the final RSS loading 1.6 GB of experts). Read pages stay in the
+        kernel's page cache, which is not the process's memory.
+        """
+        if info.file not in self._fds:
+            self._fds[info.file] = os.open(self._ckpt.file_path(info.file), os.O_RDONLY)
+        shape = info.shape if index is None else info.shape[1:]
+        out = torch.empty(shape, dtype=TORCH_DTYPES[info.dtype])
+        buf = out.reshape(-1).view(torch.uint8).numpy().data  # a memoryview of out's bytes
+        offset = info.offset + (0 if index is None else index * len(buf))
+        got = 0
+        while got < len(buf):
+            n = os.preadv(self._fds[info.file], [buf[got:]], offset + got)
+            if n == 0:
+                raise LoadError(f"{self._ckpt.file_path(info.file)} ended while reading {info.key}")
+            got += n
+        return out
+
     def done(self, step: int) -> None:
         """Close every shard whose last planned read was in ``step``."""
         for name in [n for n in self._open if self._last_step.get(n, step) <= step]:
             self._open.pop(name).__exit__(None, None, None)
+        for name in [n for n in self._fds if self._last_step.get(n, step) <= step]:
+            os.close(self._fds.pop(name))
 
     def close(self) -> None:
         for handle in self._open.values():
             handle.__exit__(None, None, None)
         self._open.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def __enter__(self) -> ShardReader:
         return self

@@ -12,21 +12,31 @@ yet merged) name, in one of the on-disk layouts:
                  or with the last two dimensions swapped (Qwen3-VL stores ``[E, H, 2I]`` for ``[E, 2I, H]``),
                  told apart by shape as transformers does (the runtime layout wins when H = 2I)
 
+In FP8 checkpoints (``loading.quantized``) a layer's per-expert matrices may all be float8 e4m3fn, each
+with its ``weight_scale_inv`` (paired and shape-checked by ``quantized.fp8_scales``); the scales travel with
+their weights (``ExpertSource.scale``). Fused FP8 expert tensors and layers mixing FP8 and float experts are
+not read.
+
 Every layer must have exactly one complete set; anything missing, extra, misshapen or not floating point
 is a ``LoadError`` naming the file and key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
+
+import torch
 
 from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS, ExpertsSite
 from moetune.errors import LoadError
 from moetune.loading.checkpoint import Checkpoint, TensorInfo
 from moetune.loading.hf import KeyTarget
+from moetune.loading.quantized import FP8_DTYPE
 
-FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # dense formats the engine stores as they are
+# dense formats the engine stores as they are, widest first
+FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 ROLES = ("gate", "up", "down")  # per-expert projections
 # On-disk per-expert projection names, one naming scheme per tuple (gate, up, down).
 PER_EXPERT_SCHEMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
@@ -43,6 +53,7 @@ class ExpertSource:
     ``swapped``: a fused 3-D tensor stored with its last two dimensions swapped relative to the module.
     ``stem``: the key up to the experts container (``model.layers.0.block_sparse_moe.experts.``), as stored;
     ``proj``: a per-expert tensor's projection name (``gate_proj``, ``w1``, ...), for messages.
+    ``scale``: an FP8 matrix's ``weight_scale_inv`` ``[ceil(out/128), ceil(in/128)]`` fp32 (None: float).
     """
 
     info: TensorInfo
@@ -51,6 +62,7 @@ class ExpertSource:
     swapped: bool = False
     stem: str = ""
     proj: str = ""
+    scale: TensorInfo | None = None
 
 
 @dataclass
@@ -62,16 +74,28 @@ class LayerPlan:
 
     @property
     def files(self) -> list[str]:
-        return sorted({s.info.file for s in self.sources})
+        return sorted({t.file for s in self.sources for t in (s.info, s.scale) if t is not None})
 
     @property
     def nbytes(self) -> int:
-        return sum(s.info.nbytes for s in self.sources)
+        return sum(t.nbytes for s in self.sources for t in (s.info, s.scale) if t is not None)
+
+    @property
+    def float_dtype(self) -> torch.dtype:
+        """The widest float dtype the checkpoint stores this layer's expert tensors in (FP8 layers: fp32)."""
+        codes = {s.info.dtype for s in self.sources}
+        return next((t for code, t in FLOAT_DTYPES.items() if code in codes), torch.float32)
+
+    @property
+    def fp8(self) -> bool:
+        """The checkpoint stores this layer's experts in FP8 with block scales (all of them: never mixed)."""
+        return bool(self.sources) and self.sources[0].scale is not None
 
 
 @dataclass
 class ExpertPlan:
-    """Expert layers in reading order, and the checkpoint keys left for transformers to load."""
+    """Expert layers in reading order, and the checkpoint keys left for transformers to load (FP8 scales
+    excluded: they travel with their weights)."""
 
     layers: list[LayerPlan]
     other_keys: list[str]
@@ -187,20 +211,40 @@ def _missing(layer: LayerPlan) -> list[str]:
     return out
 
 
+def _mixed(layer: LayerPlan) -> list[str]:
+    """A layer whose expert matrices are partly FP8 and partly float: one example of each."""
+    fp8 = [s for s in layer.sources if s.scale is not None]
+    dense = [s for s in layer.sources if s.scale is None]
+    if fp8 and dense:
+        return [
+            f"{layer.site.path}: mixes FP8 expert tensors ({fp8[0].info.key}) with float ones "
+            f"({dense[0].info.key}); a layer's experts must all be FP8 with block scales or all be float"
+        ]
+    return []
+
+
 def plan_experts(
-    checkpoint: Checkpoint, sites: list[ExpertsSite], targets: dict[str, KeyTarget]
+    checkpoint: Checkpoint,
+    sites: list[ExpertsSite],
+    targets: dict[str, KeyTarget],
+    scales: dict[str, TensorInfo] | None = None,
 ) -> ExpertPlan:
     """Split the checkpoint's keys into expert tensors per experts module and the rest.
 
-    ``targets`` maps each checkpoint key to its destination under transformers' rules for the model.
+    ``targets`` maps each checkpoint key to its destination under transformers' rules for the model;
+    ``scales`` each FP8 weight key to its ``weight_scale_inv`` (``quantized.fp8_scales``).
     Raises one ``LoadError`` listing every unexpected, duplicate, misshapen, non-float or missing tensor.
     """
+    scales = scales or {}
+    scale_keys = {info.key for info in scales.values()}
     by_path = {s.path: s for s in sites}
     layers = {s.path: LayerPlan(s) for s in sites}
     seen: dict[tuple[str, str, int | None], str] = {}
     other: list[str] = []
     problems = _Problems()
     for key, info in checkpoint.tensors.items():
+        if key in scale_keys:
+            continue
         site = _site_of(targets[key].target, by_path)
         if site is None:
             other.append(key)
@@ -209,10 +253,20 @@ def plan_experts(
         if isinstance(parsed, str):
             problems.add(f"{info.file}: unexpected expert tensor {key} for {site.path}: {parsed}")
             continue
-        if info.dtype not in FLOAT_DTYPES:
+        if info.dtype == FP8_DTYPE and key in scales:
+            if parsed.expert is None:
+                problems.add(
+                    f"{info.file}: expert tensor {key} is a fused FP8 tensor; moetune reads FP8 experts stored "
+                    "per expert ({e}.gate_proj/up_proj/down_proj.weight with weight_scale_inv), as DeepSeek-V3 "
+                    "does"
+                )
+                continue
+            parsed = dataclasses.replace(parsed, scale=scales[key])
+        elif info.dtype not in FLOAT_DTYPES:
             problems.add(
-                f"{info.file}: expert tensor {key} is {info.dtype}; the dense engine loads "
-                f"{', '.join(FLOAT_DTYPES)} (quantized expert checkpoints are not supported yet)"
+                f"{info.file}: expert tensor {key} is {info.dtype}; moetune loads expert tensors in "
+                f"{', '.join(FLOAT_DTYPES)}, or {FP8_DTYPE} with 128 x 128 weight_scale_inv in FP8 "
+                "checkpoints"
             )
             continue
         slot = (site.path, parsed.role, parsed.expert)
@@ -222,7 +276,7 @@ def plan_experts(
         seen[slot] = key
         layers[site.path].sources.append(parsed)
     for layer in layers.values():
-        for message in _missing(layer):
+        for message in _missing(layer) + _mixed(layer):
             problems.add(message)
     problems.raise_if_any(str(checkpoint.path))
     # Read shard by shard: a layer's place is its first shard's place in the checkpoint, then module order.

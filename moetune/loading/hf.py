@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -29,7 +30,8 @@ import torch
 
 from moetune.arch.spec import supported_summary
 from moetune.errors import ArchError, LoadError
-from moetune.loading.checkpoint import Checkpoint, ShardReader
+from moetune.loading.checkpoint import Checkpoint, ShardReader, TensorInfo
+from moetune.loading.quantized import Fp8Dequantized
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -54,40 +56,56 @@ def load_config(checkpoint: Checkpoint) -> Any:
             f"model_type {model_type!r} ({checkpoint.path}/config.json) is not an architecture transformers "
             f"{transformers.__version__} knows. moetune supports:\n{supported_summary()}"
         ) from e
-    quant = getattr(config, "quantization_config", None)
-    if quant:
-        method = (
-            quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
-        )
-        raise LoadError(
-            f"{checkpoint.path} is a quantized checkpoint (quantization_config: {method}); moetune loads "
-            "dense bf16/fp16/fp32 checkpoints so far. Use the unquantized release of the model."
-        )
+    if hasattr(config, "quantization_config"):
+        # moetune reads the quantization itself (loading.quantized): it dequantizes every non-expert weight and
+        # holds the experts in its engine, so the transformers model is not a quantized one.
+        del config.quantization_config
     return config
 
 
-def causal_lm_class(config: Any) -> type[PreTrainedModel]:
-    """The ``...ForCausalLM`` class transformers' ``AutoModelForCausalLM`` picks for ``config``."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+def model_class(config: Any) -> tuple[type[PreTrainedModel], Any]:
+    """The class ``load_model`` builds for ``config`` (the checkpoint's own model), and the config it takes.
 
-    try:
-        return cast("type[PreTrainedModel]", MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
-    except KeyError:
+    The class the checkpoint's ``architectures`` names, where transformers' ``AutoModelForCausalLM`` or
+    ``AutoModelForImageTextToText`` maps ``config``'s type to it; else, for a vision-language config, the
+    ``AutoModelForImageTextToText`` class (``...ForConditionalGeneration``, vision tower included), else the
+    ``AutoModelForCausalLM`` one. A class built on the text sub-config (``Qwen3_5MoeForCausalLM`` named by a
+    ``qwen3_5_moe`` checkpoint) gets that sub-config, as transformers' auto classes do.
+    """
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    found = [
+        m[type(config)]
+        for m in (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING)
+        if type(config) in m
+    ]
+    candidates = [
+        c for entry in found for c in (entry if isinstance(entry, tuple) else (entry,)) if c is not None
+    ]
+    if not candidates:
         raise ArchError(
-            f"model_type {config.model_type!r} has no causal-LM class in transformers (not a text generation "
-            f"model). moetune supports:\n{supported_summary()}"
-        ) from None
+            f"model_type {config.model_type!r} has no causal-LM or image-text-to-text class in transformers "
+            f"(not a text generation model). moetune supports:\n{supported_summary()}"
+        )
+    named = [c for c in candidates if c.__name__ in (getattr(config, "architectures", None) or [])]
+    cls = cast("type[PreTrainedModel]", (named or candidates)[0])
+    text_config_class = config.sub_configs.get("text_config")
+    if text_config_class is not None and getattr(cls, "config_class", None) is text_config_class:
+        config = config.get_text_config()
+    return cls, config
 
 
 def empty_model(config: Any, dtype: torch.dtype, name_or_path: str) -> PreTrainedModel:
-    """The causal LM of ``config`` on the meta device, built the way ``from_pretrained`` builds it."""
+    """The model of ``config`` (``model_class``) on the meta device, built the way ``from_pretrained`` builds it."""
     from transformers.monkey_patching import patch_output_recorders
     from transformers.utils import ContextManagers
 
-    cls = causal_lm_class(config)
+    cls, config = model_class(config)
     config = copy.deepcopy(config)
-    config.dtype = dtype
     config.name_or_path = name_or_path
+    for sub in [config, *(getattr(config, key) for key in config.sub_configs)]:
+        if sub is not None:  # as from_pretrained: every sub-config (vision, text) in the load dtype
+            sub.dtype = dtype
     with ContextManagers(cls.get_init_context(dtype, False, False, False)):
         model = cls(config)
         patch_output_recorders(model)
@@ -155,9 +173,17 @@ def check_non_expert(
 
 
 def load_weights(
-    model: PreTrainedModel, checkpoint: Checkpoint, keys: list[str], device: torch.device, dtype: torch.dtype
+    model: PreTrainedModel,
+    checkpoint: Checkpoint,
+    keys: list[str],
+    device: torch.device,
+    dtype: torch.dtype,
+    fp8_scales: Mapping[str, TensorInfo] | None = None,
 ) -> None:
     """Load tensors ``keys`` of ``checkpoint`` into ``model`` on ``device`` through transformers' own loader.
+
+    ``fp8_scales`` maps FP8 weight keys among ``keys`` to their ``weight_scale_inv``; those weights reach
+    transformers dequantized (``quantized.Fp8Dequantized``), as plain float tensors it casts to ``dtype``.
 
     ``LoadError`` if the model still has parameters without a value afterwards (a non-expert tensor missing
     from the checkpoint): training would silently start from random weights.
@@ -174,9 +200,12 @@ def load_weights(
         weight_mapping=get_model_conversion_mapping(model),  # type: ignore[arg-type]  # transformers' hints
         use_safetensors=True,
     )
-    files = {checkpoint.tensors[k].file for k in keys}
+    fp8_scales = fp8_scales or {}
+    files = {checkpoint.tensors[k].file for k in keys} | {s.file for s in fp8_scales.values()}
     with ShardReader(checkpoint, [files]) as reader:
         lazy = {k: reader.file(checkpoint.tensors[k].file).get_slice(k) for k in keys}  # read on assignment
+        for k, scale in fp8_scales.items():
+            lazy[k] = Fp8Dequantized(lazy[k], reader.file(scale.file).get_slice(scale.key))
         # transformers raises RuntimeError for size mismatches and failed conversions
         try:
             info, _ = cls._load_pretrained_model(model, lazy, None, load_config)

@@ -1,8 +1,9 @@
 """``load_model``: a Hugging Face MoE checkpoint as its own transformers model, experts in the CPU engine.
 
-    path -> Checkpoint (headers)  -> config -> ArchSpec -> model on meta -> experts sites
-         -> plan: expert tensors per site; experts modules replaced on the instance by placeholders;
-            non-expert keys checked against the model (every check before any tensor is read)
+    path -> Checkpoint (headers; FP8 weights paired with their block scales) -> config -> ArchSpec
+         -> model on meta -> experts sites -> plan: expert tensors per site, each layer's expert format
+            (``plan_load``, shared with ``moetune convert``); experts modules replaced on the instance by
+            placeholders; non-expert keys checked against the model (every check before any tensor is read)
          -> non-expert weights through transformers' loader onto ``device``
          -> each layer's experts streamed from the shards into an engine; placeholder -> CpuExperts
 
@@ -15,20 +16,24 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from moetune.arch import ExpertsSite, find_experts, resolve_arch
+from moetune.arch import ArchSpec, ExpertsSite, find_experts, resolve_arch
 from moetune.errors import LoadError
 from moetune.layer import CpuExperts
 from moetune.layer.overlap import attach_shared_ahead
 from moetune.loading import hf
-from moetune.loading.checkpoint import Checkpoint
-from moetune.loading.expert_plan import plan_experts
-from moetune.loading.options import LoadOptions
+from moetune.loading.checkpoint import Checkpoint, TensorInfo
+from moetune.loading.expert_plan import ExpertPlan, plan_experts
+from moetune.loading.from_store import open_store, store_engines
+from moetune.loading.hf import KeyTarget
+from moetune.loading.options import ExpertFormatChoice, LoadOptions
+from moetune.loading.quantized import checkpoint_quantization, fp8_scales
 from moetune.loading.stream import format_bytes, stream_experts
 
 if TYPE_CHECKING:
@@ -67,6 +72,44 @@ def layer_summary(paths: list[str]) -> str:
     return ", ".join(out)
 
 
+@dataclass
+class PlannedLoad:
+    """Everything decided from headers and config before any tensor is read.
+
+    ``model`` is on the meta device with its experts modules still in place; ``scales`` maps each FP8 weight
+    key to its ``weight_scale_inv``; ``formats[j]`` is the format of ``plan.layers[j]``.
+    """
+
+    checkpoint: Checkpoint
+    spec: ArchSpec
+    model: PreTrainedModel
+    sites: list[ExpertsSite]
+    targets: dict[str, KeyTarget]
+    scales: dict[str, TensorInfo]
+    plan: ExpertPlan
+    formats: list[ExpertFormatChoice]
+
+
+def plan_load(path: str | Path, opts: LoadOptions) -> PlannedLoad:
+    """Open ``path``, build its model on the meta device and plan its experts; every check that needs no
+    tensor data (files, config, quantization, expert tensors and their scales, formats) runs here."""
+    checkpoint = Checkpoint.open(path)
+    scales = fp8_scales(checkpoint, checkpoint_quantization(checkpoint))
+    config = hf.load_config(checkpoint)
+    spec = resolve_arch(config.model_type)
+    model = hf.empty_model(config, opts.dtype, str(checkpoint.path))
+    sites = find_experts(model, spec, config.model_type)
+    targets = hf.checkpoint_targets(model, list(checkpoint.tensors))
+    plan = plan_experts(checkpoint, sites, targets, scales)
+    formats = [
+        opts.layer_format(
+            layer.fp8, layer.site.layout.hidden_size, layer.site.layout.intermediate_size, layer.site.path
+        )
+        for layer in plan.layers
+    ]
+    return PlannedLoad(checkpoint, spec, model, sites, targets, scales, plan, formats)
+
+
 def load_model(
     path: str | Path,
     *,
@@ -74,55 +117,79 @@ def load_model(
     dtype: str | torch.dtype = "bfloat16",
     **options: Any,
 ) -> PreTrainedModel:
-    """Load a local Hugging Face MoE checkpoint into its transformers causal-LM class, experts on the CPU.
+    """Load a local Hugging Face MoE checkpoint into its own transformers class, experts on the CPU.
 
     Args:
         path: directory with config.json and safetensors weights (one file, or shards with an index).
         device: where everything but the routed experts lives; default ``cuda:0`` when CUDA is available,
             else ``cpu``.
         dtype: ``"bfloat16"`` (default), ``"float16"``, ``"float32"`` (exactness tests) or ``"float64"``: the
-            dtype of every weight, routed experts included.
+            dtype of every weight, dense routed experts included (FP8 checkpoints: dequantized to it).
         **options: the other fields of :class:`LoadOptions` (``num_threads``, ``progress``, ``adapter``,
-            ``adapter_trainable``).
+            ``adapter_trainable``, ``expert_format``, ``int4_group_size``, ``int4_symmetric``, ``expert_path``,
+            ``expert_residency``, ``expert_residency_budget``).
 
     Returns:
-        The model's own class (e.g. ``Qwen3MoeForCausalLM``) in eval mode; every experts module is a
-        :class:`~moetune.layer.CpuExperts` whose weights never were torch model parameters.
+        The model's own class (e.g. ``Qwen3MoeForCausalLM``; for a vision-language checkpoint its
+        ``...ForConditionalGeneration``, vision tower on ``device``: see ``hf.model_class``) in eval mode;
+        every experts module is a :class:`~moetune.layer.CpuExperts` whose weights never were torch model
+        parameters.
 
     Raises:
         ConfigError: a bad option. LoadError: a checkpoint problem (named file and key).
         ArchError: an architecture moetune cannot run (the supported ones are listed).
     """
     opts = LoadOptions.create(device=device, dtype=dtype, **options)
-    checkpoint = Checkpoint.open(path)
-    config = hf.load_config(checkpoint)
-    spec = resolve_arch(config.model_type)
-    model = hf.empty_model(config, opts.dtype, str(checkpoint.path))
-    sites = find_experts(model, spec, config.model_type)
-    keys = list(checkpoint.tensors)
-    targets = hf.checkpoint_targets(model, keys)
-    plan = plan_experts(checkpoint, sites, targets)
+    planned = plan_load(path, opts)
+    checkpoint, spec, model, sites, plan = (
+        planned.checkpoint,
+        planned.spec,
+        planned.model,
+        planned.sites,
+        planned.plan,
+    )
     for site in sites:
         model.set_submodule(site.path, PendingExperts(site))
-    hf.check_non_expert(model, checkpoint, targets, plan.other_keys)
+    hf.check_non_expert(model, checkpoint, planned.targets, plan.other_keys)
+    store = None if opts.expert_path is None else open_store(opts, checkpoint, sites)  # before any read
 
-    hf.load_weights(model, checkpoint, plan.other_keys, opts.device, opts.dtype)
-    for layer, engine in stream_experts(
-        checkpoint, plan.layers, opts.dtype, opts.engine, progress=opts.progress
-    ):
-        model.set_submodule(layer.site.path, CpuExperts(engine))
+    fp8_other = {k: planned.scales[k] for k in plan.other_keys if k in planned.scales}  # dequantized
+    hf.load_weights(model, checkpoint, plan.other_keys, opts.device, opts.dtype, fp8_other)
+    held = 0
+    experts = (
+        stream_experts(
+            checkpoint, plan.layers, planned.formats, opts.dtype, opts.engine, progress=opts.progress
+        )
+        if store is None
+        else store_engines(
+            store,
+            plan.layers,
+            opts.dtype,
+            opts.engine,
+            opts.expert_residency,
+            opts.expert_residency_budget,
+            progress=opts.progress,
+        )
+    )
+    for layer, engine in experts:
+        model.set_submodule(layer.site.path, CpuExperts(engine, layout=layer.site.layout))
+        held += engine.weights.nbytes
     hf.finish(model, checkpoint)
     if spec.shared_attr is not None:
         attach_shared_ahead(model, [s.path for s in sites], spec.shared_attr)
 
     routers = [s.router for s in sites if s.router is not None]
     logger.info(
-        "moetune: %s (%s routing): %d experts modules run in the CPU engine (%s, %s): %s; "
-        "routers kept on %s%s",
+        "moetune: %s (%s routing): %d experts modules run in the CPU engine (%s read; held as %s, %s; %s): "
+        "%s; routers kept on %s%s",
         type(model).__name__,
         spec.name,
         len(sites),
         format_bytes(plan.nbytes),
+        ", ".join(sorted({str(f) for f in planned.formats}))
+        if store is None
+        else f"{store.manifest.format} from {store.root}, {opts.expert_residency.value} residency",
+        format_bytes(held),
         opts.dtype,
         layer_summary([s.path for s in sites]),
         opts.device,

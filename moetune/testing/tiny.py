@@ -5,6 +5,10 @@ H = 64 and I = 24 (so H != 2I and H != I: a transposed or swapped weight cannot 
 accident), with every routing feature of the family switched on (shared experts, dense layers, groups,
 score-correction bias, biases). ``save_tiny_model`` writes a random model of it as safetensors with a
 tiny word-level tokenizer, the way users' checkpoints look. Tests, benchmarks and the demo share them.
+
+Vision-language families (``qwen3_vl_moe``, ``qwen3_5_moe``) are the real composite configs: the MoE language
+model above as ``text_config`` plus a 2-block vision tower (hidden 32, 4x4 patches, 2x2 merge) whose
+merged patches come out at H; their special vision tokens take the ids just above the tokenizer's words.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ EXPERT_INTERMEDIATE = 24  # I
 NUM_EXPERTS = 8  # E
 TOP_K = 2  # k
 VOCAB = 96
+
+# Vision-language families: the vision special tokens sit above the VOCAB word ids, so text drawn from
+# [3, VOCAB) never contains one (an image token without an image is an error in these models).
+VISION_START, VISION_END, IMAGE_TOKEN, VIDEO_TOKEN = VOCAB, VOCAB + 1, VOCAB + 2, VOCAB + 3
 
 TINY_FAMILIES: Registry[Callable[[], tuple[str, dict[str, Any]]]] = Registry("tiny model family")
 """family -> () -> (transformers config class name, the family's fields)."""
@@ -190,12 +198,101 @@ def _minimax() -> tuple[str, dict[str, Any]]:
     }
 
 
+_VISION: dict[str, Any] = {
+    "depth": 2,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_heads": 2,
+    "patch_size": 4,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "out_hidden_size": HIDDEN,  # merged patches replace image-token embeddings
+    "num_position_embeddings": 16,  # a 4 x 4 learned grid, interpolated to each image's grid
+    "initializer_range": 0.1,
+}
+
+
+def _vision_language(text: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a composite vision-language config around the text model ``text``."""
+    return {
+        "text_config": {**_COMMON, "vocab_size": VOCAB + 4, **text},
+        "vision_config": {**_VISION, **vision},
+        "vision_start_token_id": VISION_START,
+        "vision_end_token_id": VISION_END,
+        "image_token_id": IMAGE_TOKEN,
+        "video_token_id": VIDEO_TOKEN,
+        "tie_word_embeddings": False,
+    }
+
+
+@TINY_FAMILIES.register("qwen3_vl_moe")
+def _qwen3_vl_moe() -> tuple[str, dict[str, Any]]:
+    text = {
+        "num_hidden_layers": 3,
+        "intermediate_size": 80,
+        "moe_intermediate_size": EXPERT_INTERMEDIATE,
+        "num_experts": NUM_EXPERTS,
+        "num_experts_per_tok": TOP_K,
+        "mlp_only_layers": [1],
+        "head_dim": 16,
+        # multimodal RoPE: the 8 frequencies split over (time, height, width), interleaved as in the release
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [4, 2, 2],
+            "mrope_interleaved": True,
+        },
+    }
+    # DeepStack: the first vision block's features are added to the first language layer's hidden states
+    return "Qwen3VLMoeConfig", _vision_language(text, {"deepstack_visual_indexes": [0]})
+
+
+@TINY_FAMILIES.register("qwen3_5_moe")
+def _qwen3_5_moe() -> tuple[str, dict[str, Any]]:
+    text = {
+        "num_hidden_layers": 2,
+        "moe_intermediate_size": EXPERT_INTERMEDIATE,
+        "shared_expert_intermediate_size": 40,
+        "num_experts": NUM_EXPERTS,
+        "num_experts_per_tok": TOP_K,
+        "head_dim": 16,
+        "layer_types": ["linear_attention", "full_attention"],  # gated DeltaNet, then gated attention
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        # rotary on half of each head (8 dims, 4 frequencies) split over (time, height, width)
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+    }
+    return "Qwen3_5MoeConfig", _vision_language(text, {})
+
+
+def is_vision_language(config: Any) -> bool:
+    """Whether ``config`` is a composite vision-language config (its model is an image-text-to-text one)."""
+    return "vision_config" in getattr(config, "sub_configs", {})
+
+
+def auto_class(config: Any) -> Any:
+    """transformers' auto class of ``config``'s whole model: ``AutoModelForImageTextToText`` for a
+    vision-language config, else ``AutoModelForCausalLM``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
 def tiny_config(family: str, **overrides: Any):
     """A small config of ``family``'s real transformers config class (``overrides`` win)."""
     import transformers
 
     class_name, fields = TINY_FAMILIES.get(family)()
-    return getattr(transformers, class_name)(**{**_COMMON, **fields, **overrides})
+    common = {} if "text_config" in fields else _COMMON  # vision-language: the text config holds them
+    return getattr(transformers, class_name)(**{**common, **fields, **overrides})
 
 
 @torch.no_grad()
@@ -221,12 +318,12 @@ def randomize_(model: Any, seed: int = 0, std: float = 0.1) -> None:
 
 
 def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
-    """A random ``<Family>ForCausalLM`` of ``tiny_config(family, **overrides)`` in ``dtype``, in eval mode."""
-    from transformers import AutoModelForCausalLM
-
+    """A random model of ``tiny_config(family, **overrides)`` in ``dtype``, in eval mode: ``<Family>ForCausalLM``,
+    or ``<Family>ForConditionalGeneration`` for a vision-language family."""
+    config = tiny_config(family, **overrides)
     with torch.random.fork_rng(devices=[]):  # transformers' own init draws from the global RNG: leave it be
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32)
+        model = auto_class(config).from_config(config, dtype=torch.float32)
     randomize_(model, seed)
     return model.to(dtype).eval()
 

@@ -10,35 +10,36 @@ import torch
 
 
 def load_for_inference(model_dir: str | Path, adapter_dir: str | Path | None = None, **load_kwargs: Any):
-    """(model, tokenizer): ``moetune.load_model`` (fp32 on CPU unless told otherwise) plus ``adapter_dir`` if given."""
+    """(model, tokenizer): ``moetune.load_model`` (fp32 on CPU unless told otherwise) plus ``adapter_dir`` if given.
+
+    The tokenizer comes from ``adapter_dir`` when it holds one (``moetune train`` saves it there), else from
+    ``model_dir``.
+    """
     from transformers import AutoTokenizer
 
     from moetune.adapters.save import load_adapter
     from moetune.loading import load_model
 
     load_kwargs = {"dtype": "float32", **load_kwargs}
-    tokenizer = AutoTokenizer.from_pretrained(str(adapter_dir or model_dir))
+    has_tokenizer = adapter_dir is not None and (Path(adapter_dir) / "tokenizer_config.json").is_file()
+    tokenizer = AutoTokenizer.from_pretrained(str(adapter_dir if has_tokenizer else model_dir))
     model = load_model(model_dir, **load_kwargs)
     if adapter_dir is not None:
         model = load_adapter(model, adapter_dir)
     return model.eval(), tokenizer
 
 
+def render(tokenizer: Any, messages: Sequence[dict[str, str]]) -> str:
+    """A conversation (``[{"role", "content"}, ...]``, last message the user's) as the prompt text of the
+    tokenizer's chat template, ending where the assistant's reply starts."""
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+
+
 @torch.no_grad()
-def answer(
-    model: Any, tokenizer: Any, prompts: Sequence[str], *, max_new_tokens: int = 32, chat: bool = True
-) -> list[str]:
-    """Greedy completions of ``prompts`` (each a user message rendered with the chat template when ``chat``)."""
-    texts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-        )
-        if chat and tokenizer.chat_template
-        else p
-        for p in prompts
-    ]
+def complete(model: Any, tokenizer: Any, texts: Sequence[str], *, max_new_tokens: int = 32) -> list[str]:
+    """Greedy continuations of prompt ``texts`` (already rendered: no special tokens are added), batched."""
     tokenizer.padding_side = "left"  # generation appends on the right
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = tokenizer(list(texts), return_tensors="pt", padding=True, add_special_tokens=False)
     device = next(p.device for p in model.parameters())
     out = model.generate(
         input_ids=enc["input_ids"].to(device),
@@ -51,6 +52,15 @@ def answer(
     )
     new = out[:, enc["input_ids"].shape[1] :]
     return [t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True)]
+
+
+def answer(
+    model: Any, tokenizer: Any, prompts: Sequence[str], *, max_new_tokens: int = 32, chat: bool = True
+) -> list[str]:
+    """Greedy answers to ``prompts`` (each a user message rendered with the chat template when ``chat``)."""
+    use_template = chat and tokenizer.chat_template
+    texts = [render(tokenizer, [{"role": "user", "content": p}]) if use_template else p for p in prompts]
+    return complete(model, tokenizer, texts, max_new_tokens=max_new_tokens)
 
 
 def exact_match(model: Any, tokenizer: Any, rows: Sequence[dict[str, str]], *, batch_size: int = 50) -> float:

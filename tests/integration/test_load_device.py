@@ -15,7 +15,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_vl_moe"])
 def test_cuda_matches_cpu(family, tmp_path):
     path = save_tiny_model(family, tmp_path / family, tokenizer=False)
     cpu = moetune.load_model(path, device="cpu", dtype="float32", progress=False)

@@ -56,3 +56,85 @@ def test_user_trainer_trains_expert_lora(tmp_path, model_dir) -> None:
     assert all(e.lora_down_B.abs().max() > 0 for e in experts.values())
     out = save_adapter(model, tmp_path / "adapter")
     assert (out / "adapter_model.safetensors").is_file()
+
+
+def test_full_save_pretrained_refuses_but_the_peft_adapter_saves(tmp_path, model_dir) -> None:
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from moetune.adapters import attach_lora
+    from moetune.errors import SaveError
+
+    model = _load(model_dir)
+    # the experts live in the engine, not in parameters: a full checkpoint would silently lack them
+    with pytest.raises(SaveError, match=r"model\.layers\.0\.mlp\.experts: .*moetune\.save_adapter"):
+        model.save_pretrained(tmp_path / "full")
+    assert not list((tmp_path / "full").glob("*.safetensors"))
+    peft = attach_lora(model, rank=4, alpha=8, targets=("q_proj", "v_proj", "experts"))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()
+    peft.save_pretrained(tmp_path / "peft")  # PEFT's own save: collects the state dict through its wrapper
+    saved = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    live = {n.replace(".default", ""): p for n, p in peft.named_parameters() if ".lora_" in n}
+    assert saved and all(torch.equal(t, live[k]) for k, t in saved.items())
+    stock = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), tmp_path / "peft")
+    q_b = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"
+    assert torch.equal(stock.state_dict()[q_b], live[q_b.replace(".default", "")])
+    with pytest.raises(SaveError):  # the model under the adapter is still refused on its own
+        peft.get_base_model().save_pretrained(tmp_path / "base")
+
+
+def test_trl_sft_trainer_trains_expert_lora(tmp_path, model_dir) -> None:
+    """The library path with TRL: load_model -> attach_lora -> trl.SFTTrainer with its defaults (gradient
+    checkpointing on; conversational prompt/completion through the tokenizer's chat template, loss on the
+    completion) -> save_adapter."""
+    trl = pytest.importorskip("trl")
+    import json
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from moetune.adapters import attach_lora, load_adapter_weights, save_adapter
+    from moetune.adapters.apply import expert_modules
+
+    rows = json.loads((ROOT / "examples/data/demo_train.json").read_text())[:48]
+    data = Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": f"{r['instruction']}\n{r['input']}"}],
+                "completion": [{"role": "assistant", "content": r["output"]}],
+            }
+            for r in rows
+        ]
+    )
+    model = attach_lora(_load(model_dir), rank=4, alpha=8)
+    experts = expert_modules(model)
+    before = {p: [t.detach().clone() for t in e.parameters()] for p, e in experts.items()}
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path / "sft"),
+        max_steps=6,
+        per_device_train_batch_size=8,
+        learning_rate=1e-2,
+        logging_steps=1,
+        max_length=32,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = trl.SFTTrainer(
+        model=model, args=args, train_dataset=data, processing_class=AutoTokenizer.from_pretrained(model_dir)
+    )
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 6 and max(losses[-2:]) < min(losses[:2])
+    for path, module in experts.items():  # every expert LoRA tensor moved (B from its zero init)
+        assert all(not torch.equal(a, b) for a, b in zip(module.parameters(), before[path])), path
+    out = save_adapter(model, tmp_path / "adapter")
+    fresh = attach_lora(_load(model_dir), rank=4, alpha=8)
+    load_adapter_weights(fresh, out)  # the saved adapter holds the trained expert LoRA
+    for path, module in expert_modules(fresh).items():
+        assert all(torch.equal(a, b) for a, b in zip(module.parameters(), experts[path].parameters()))

@@ -1,8 +1,10 @@
-"""Training end to end on a tiny Qwen3-MoE: stock-PEFT adapter equivalence, exact resume, checkpointing reuse."""
+"""Training end to end on a tiny Qwen3-MoE: stock-PEFT adapter equivalence, exact resume, atomic checkpoints,
+checkpointing reuse."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -72,7 +74,14 @@ def test_adapter_loads_in_stock_peft_and_moetune(tmp_path, demo_model) -> None:
     ):
         assert (out / name).is_file(), name
     conf = json.loads((out / "adapter_config.json").read_text())
-    assert conf["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    # the dense MLP of layer 1 by weight (PEFT renames gate/up/down_proj targets for qwen3_moe), then the experts
+    assert conf["target_parameters"] == [
+        "down_proj.weight",
+        "gate_proj.weight",
+        "up_proj.weight",
+        "mlp.experts.gate_up_proj",
+        "mlp.experts.down_proj",
+    ]
     ids = torch.randint(4, 17, (2, 10))
     model = result.model.eval()
     want = model(input_ids=ids).logits
@@ -136,3 +145,42 @@ def test_gradient_checkpointing_runs_each_expert_forward_once(demo_model) -> Non
     _, without = grads(False)
     for a, b in zip(with_ckpt, without):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_checkpoint_appears_only_when_complete_and_resume_skips_a_failed_one(
+    tmp_path, demo_model, monkeypatch
+) -> None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from moetune.train.recipe import run
+    from moetune.train.trainer import MoetuneTrainer
+
+    out = tmp_path / "out"
+    seen: dict = {}
+    save_rng_state = MoetuneTrainer._save_rng_state
+
+    def fail_at_step_4(self, output_dir: str) -> None:  # after adapter, optimizer and scheduler are written
+        if self.state.global_step == 4:
+            seen["visible"] = sorted(p.name for p in out.iterdir())
+            seen["staged"] = sorted(os.listdir(output_dir))
+            seen["losses"] = [h["loss"] for h in self.state.log_history if "loss" in h]
+            raise OSError("disk full (injected)")
+        save_rng_state(self, output_dir)
+
+    monkeypatch.setattr(MoetuneTrainer, "_save_rng_state", fail_at_step_4)
+    with pytest.raises(OSError, match="injected"):
+        run(load_config(_config(tmp_path, demo_model, save_total_limit=1)), progress=False)
+    # mid-save, the half-written checkpoint sat in the staging folder, not under its final name
+    assert "checkpoint-4" not in seen["visible"] and "tmp-checkpoint-4" in seen["visible"]
+    assert {"adapter_model.safetensors", "optimizer.pt"} <= set(seen["staged"])
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]  # the failed save left nothing behind
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")
+
+    monkeypatch.undo()
+    resumed = _config(tmp_path, demo_model, save_total_limit=1, resume_from_checkpoint=True)
+    run(load_config(resumed), progress=False)
+    assert (out / "checkpoint-4" / "trainer_state.json").is_file()
+    # checkpoint-2 rotated away (save_total_limit 1), nothing staged left
+    assert sorted(p.name for p in out.glob("*checkpoint-*")) == ["checkpoint-4"]
+    assert len(seen["losses"]) == 4  # the failed run trained and logged all 4 steps before its last save
+    assert _losses(out)[2:] == pytest.approx(seen["losses"][2:], abs=1e-6)

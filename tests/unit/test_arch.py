@@ -28,6 +28,7 @@ def _meta(family: str, **overrides):
 def test_registered_families():
     assert supported_model_types() == sorted(
         ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss"]
+        + ["qwen3_vl_moe", "qwen3_5_moe", "qwen3_5_moe_text"]
     )
     assert resolve_arch("glm4_moe").name == "deepseek_v3"
     assert resolve_arch("gpt_oss").routing is Routing.TOPK_SOFTMAX

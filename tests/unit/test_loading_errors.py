@@ -198,14 +198,10 @@ def test_missing_tensor_caught_by_transformers_loader(source, tmp_path, monkeypa
 def test_quantized_checkpoint(source, tmp_path, no_heavy_work):
     dst = shutil.copytree(source, tmp_path / "ckpt")
     config = json.loads((dst / "config.json").read_text())
-    quant = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "weight_block_size": [128, 128],
-        "activation_scheme": "dynamic",
-    }
+    # FP8 checkpoints load (tests/integration/test_fp8_checkpoint.py); other methods do not
+    quant = {"quant_method": "gptq", "bits": 4, "group_size": 128}
     (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
-    with pytest.raises(LoadError, match="quantized checkpoint"):
+    with pytest.raises(LoadError, match="quantization_config.quant_method is 'gptq'; moetune loads .* fp8"):
         _load(dst)
 
 

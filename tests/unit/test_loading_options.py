@@ -36,8 +36,14 @@ def test_dtype_spellings(dtype):
         ({"progress": "yes"}, "progress must be True or False"),
         (
             {"lora": {}},
-            r"unknown load_model option\(s\) \['lora'\]; known: device, dtype, adapter, adapter_trainable, num_threads, progress",
+            r"unknown load_model option\(s\) \['lora'\]; known: device, dtype, activation_policy, adapter, "
+            r"adapter_trainable, check_finite, expert_format, .*num_threads, progress",
         ),
+        (
+            {"activation_policy": "keep"},
+            r"activation_policy must be one of \['retain', 'recompute'\]; got 'keep'",
+        ),
+        ({"check_finite": 1}, "check_finite must be True or False; got 1"),
     ],
 )
 def test_invalid(kwargs, message):

@@ -114,6 +114,19 @@ def test_peft_to_engine_to_peft_is_identity_with_peft_keys(kind):
         assert back[key].dtype == t.dtype and torch.equal(back[key], t), key
 
 
+def test_interleaving_is_read_off_the_module_and_round_trips():
+    assert not ExpertParamNames.from_module(make_experts("qwen")).interleaved
+    assert ExpertParamNames.from_module(make_experts("gpt_oss")).interleaved
+    lora = random_engine_lora()
+    names = ExpertParamNames(interleaved=True)
+    state = expert_lora_to_peft_state(lora, PREFIX, names)
+    gate_up = f"{PREFIX}.base_layer"
+    b = lora_from_peft(state[f"{gate_up}.lora_A.weight"], state[f"{gate_up}.lora_B.weight"], E)[1]
+    assert torch.equal(b[:, 0::2], lora.gate_up_B[:, :I]) and torch.equal(b[:, 1::2], lora.gate_up_B[:, I:])
+    back = expert_lora_from_peft_state(state, PREFIX, num_experts=E, scaling=lora.scaling, names=names)
+    assert all(torch.equal(x, y) for x, y in zip(back.tensors(), lora.tensors()))
+
+
 def test_key_names_follow_registration_order():
     prefixes = {
         "qwen": {"gate_up": f"{PREFIX}.base_layer", "down": PREFIX},
@@ -180,7 +193,10 @@ def test_peft_delta_weight_is_scaled_B_at_A(kind, use_rslora):
     scaling = ALPHA / math.sqrt(R) if use_rslora else ALPHA / R
     for proj, param in (("gate_up", names.gate_up), ("down", names.down)):
         a, b = getattr(lora, f"{proj}_A"), getattr(lora, f"{proj}_B")
-        want = torch.einsum("eor,eri->eoi", b, a) * scaling  # [E, out, in]
+        want = torch.einsum("eor,eri->eoi", b, a) * scaling  # [E, out, in], engine rows (gate rows first)
+        if proj == "gate_up" and kind == "gpt_oss":  # gpt-oss interleaves gate (even) and up (odd) outputs
+            gate, up = want.chunk(2, dim=1)
+            want = torch.stack((gate, up), dim=2).flatten(1, 2)
         if kind == "gpt_oss":  # is_transposed: the parameter and its delta are [E, in, out]
             want = want.transpose(1, 2)
         got = wrappers[param].get_delta_weight("default")

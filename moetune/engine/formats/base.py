@@ -4,15 +4,23 @@ A format holds one layer's routed experts in host memory: gate_up ``[E, 2I, H]``
 down ``[E, H, I]``, stored however the format likes. The engine only asks for one expert's matrix at a
 time, in the dtype it computes in, written into a buffer it owns (``tile``); tests and exports ask for
 everything at once (``dequantize``). Optional biases are part of the layer, not the format.
+
+Serialization (pre-quantized stores) is one implementation for every format: ``state_tensors()`` gives the
+tensors the stored-tensor constructor takes, by argument name (``STATE_FIELDS``), and ``params()`` the
+``from_dense`` options that reproduce the quantization (int4's group size and symmetry);
+``from_state_tensors(tensors, **params)`` calls that constructor, which checks every tensor.
 """
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
 import torch
 
+from moetune.errors import EngineError
 from moetune.registry import Registry
 
 Projection = Literal["gate_up", "down"]
@@ -25,6 +33,9 @@ class ExpertFormat(ABC):
     num_experts: int  # E
     hidden_size: int  # H
     intermediate_size: int  # I
+    # The stored-tensor constructor's tensor arguments, each also an attribute of the same name; optional
+    # ones (int4's zero points) may be None.
+    STATE_FIELDS: ClassVar[tuple[str, ...]]
 
     @classmethod
     @abstractmethod
@@ -74,6 +85,46 @@ class ExpertFormat(ABC):
                 full[e].copy_(self.tile(proj, e, dtype, full[e]))
             out.append(full)
         return out[0], out[1]
+
+    def params(self) -> dict[str, Any]:
+        """The keyword options of ``from_dense`` that reproduce this quantization, as JSON values (none here)."""
+        return {}
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The stored tensors by ``STATE_FIELDS`` name, absent optional ones left out; the tensors themselves,
+        not copies. ``from_state_tensors(fmt.state_tensors(), **fmt.params())`` rebuilds an equal format."""
+        return {f: t for f in self.STATE_FIELDS if (t := getattr(self, f)) is not None}
+
+    @classmethod
+    def from_state_tensors(cls, tensors: Mapping[str, torch.Tensor], **params: Any) -> ExpertFormat:
+        """Rebuild from ``state_tensors()`` and ``params()`` without copying (the constructor checks dtypes and
+        shapes). ``EngineError`` for unknown or missing tensor names, unknown parameters, or parameters the
+        tensors contradict (int4 ``symmetric=False`` without zero points)."""
+        options = [
+            p.name for p in inspect.signature(cls.from_dense).parameters.values() if p.kind is p.KEYWORD_ONLY
+        ]
+        init = inspect.signature(cls.__init__).parameters
+        required = {n for n, p in init.items() if n != "self" and p.default is p.empty}
+        problems = []
+        if unknown := sorted(set(params) - set(options)):
+            problems.append(f"unknown parameter(s) {unknown} (allowed: {options})")
+        if unknown := sorted(set(tensors) - set(cls.STATE_FIELDS)):
+            problems.append(f"unknown tensor(s) {unknown} (allowed: {list(cls.STATE_FIELDS)})")
+        if missing := sorted(required & set(cls.STATE_FIELDS) - set(tensors)):
+            problems.append(f"missing tensor(s) {missing}")
+        if missing := sorted(required - set(cls.STATE_FIELDS) - set(params)):
+            problems.append(f"missing parameter(s) {missing}")
+        if problems:
+            raise EngineError(f"{cls.name}.from_state_tensors: {'; '.join(problems)}")
+        build: Any = cls  # the stored-tensor constructor of the subclass
+        fmt: ExpertFormat = build(**tensors, **{k: v for k, v in params.items() if k in init})
+        held = fmt.params()
+        if wrong := {k: v for k, v in params.items() if held.get(k) != v}:
+            actual = {k: held.get(k) for k in wrong}
+            raise EngineError(
+                f"{cls.name}.from_state_tensors: parameters {wrong} disagree with the tensors, which hold {actual}"
+            )
+        return fmt
 
     @property
     @abstractmethod

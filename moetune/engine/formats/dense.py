@@ -15,6 +15,7 @@ class DenseExperts(ExpertFormat):
     """gate_up ``[E, 2I, H]`` and down ``[E, H, I]`` held as they are (made contiguous once)."""
 
     name = "dense"
+    STATE_FIELDS = ("gate_up", "down")
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         if gate_up.dim() != 3 or down.dim() != 3:

@@ -112,6 +112,7 @@ class Fp8BlockExperts(QuantizedExperts):
     """
 
     name = "fp8_block"
+    STATE_FIELDS = ("gate_up", "gate_up_scale_inv", "down", "down_scale_inv")
 
     def __init__(
         self,

@@ -21,6 +21,8 @@ nibble, so unpacking writes two contiguous halves (interleaved nibbles make the 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from moetune.engine.formats.base import FORMATS, Projection
@@ -100,6 +102,7 @@ class Int4Experts(QuantizedExperts):
     """
 
     name = "int4"
+    STATE_FIELDS = ("gate_up", "gate_up_scale", "down", "down_scale", "gate_up_zero", "down_zero")
 
     def __init__(
         self,
@@ -178,6 +181,9 @@ class Int4Experts(QuantizedExperts):
     def symmetric(self) -> bool:
         """True when there are no zero points (z = 8 for every group)."""
         return self.gate_up_zero is None
+
+    def params(self) -> dict[str, Any]:
+        return {"group_size": self.group_size, "symmetric": self.symmetric}
 
     def _dequant_rows(self, proj: Projection, expert: int, r0: int, r1: int, out: torch.Tensor) -> None:
         if proj == "gate_up":

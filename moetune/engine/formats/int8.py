@@ -44,6 +44,7 @@ class Int8Experts(QuantizedExperts):
     """
 
     name = "int8"
+    STATE_FIELDS = ("gate_up", "gate_up_scale", "down", "down_scale")
 
     def __init__(
         self,

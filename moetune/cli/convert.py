@@ -1,0 +1,66 @@
+"""``moetune convert SRC DST --format int8|int4|fp8|bf16``: write a checkpoint's routed experts once, quantized,
+as a store that ``load_model(..., expert_path=DST)`` memory-maps (``moetune.loading.convert``)."""
+
+from __future__ import annotations
+
+import argparse
+
+FORMAT_CHOICES = ("int8", "int4", "fp8", "bf16")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "convert",
+        help="quantize a checkpoint's routed experts once into a store (load it with expert_path)",
+        description="Read SRC's routed experts layer by layer (bounded RAM: one layer at a time), quantize them "
+        "and write DST: one safetensors file per experts module plus manifest.json (format, shapes, "
+        "quantization parameters, each file's size and SHA-256, SRC's identity), written last so an "
+        "interrupted conversion never looks complete. Load with moetune.load_model(SRC, expert_path=DST) or "
+        "`expert_path: DST` under `moetune:` in a training YAML.",
+    )
+    p.add_argument("src", metavar="SRC", help="Hugging Face checkpoint directory (safetensors)")
+    p.add_argument("dst", metavar="DST", help="store directory to write (new, or an unfinished store)")
+    p.add_argument(
+        "--format",
+        required=True,
+        choices=FORMAT_CHOICES,
+        help="int8 (per channel), int4 (group-wise), fp8 (e4m3, 128x128 blocks; FP8 checkpoints kept as "
+        "stored) or bf16 (unquantized, for disk residency)",
+    )
+    p.add_argument("--group-size", type=int, help="int4: inputs per scale, 32, 64 or 128 (default 64)")
+    sym = p.add_mutually_exclusive_group()
+    sym.add_argument(
+        "--symmetric",
+        dest="symmetric",
+        action="store_true",
+        default=None,
+        help="int4: no zero points (default)",
+    )
+    sym.add_argument("--asymmetric", dest="symmetric", action="store_false", help="int4: uint8 zero points")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it is a finished store")
+    p.add_argument("--threads", type=int, help="CPU threads for quantizing (default: the physical cores)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moetune.loading.convert import convert_checkpoint
+    from moetune.loading.stream import format_bytes
+
+    manifest = convert_checkpoint(
+        args.src,
+        args.dst,
+        args.format,
+        int4_group_size=args.group_size,
+        int4_symmetric=args.symmetric,
+        overwrite=args.overwrite,
+        num_threads=args.threads,
+        progress=not args.quiet,
+    )
+    params = ", ".join(f"{k}={v}" for k, v in manifest.params.items())
+    stored = sum(f.size for f in manifest.files.values())
+    print(
+        f"wrote {len(manifest.layers)} experts modules of {manifest.model_type} as {manifest.format}"
+        f"{f' ({params})' if params else ''} to {args.dst}: {format_bytes(stored)}"
+    )
+    return 0

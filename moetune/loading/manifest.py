@@ -1,0 +1,186 @@
+"""``manifest.json`` of a pre-quantized expert store: what was converted, from what, into which files.
+
+    {
+      "moetune_store": 1,                       format version of this layout
+      "model_type": "qwen3_moe",
+      "format": "int4", "params": {"group_size": 64, "symmetric": true},
+      "source": {"path": ..., "config_sha256": ..., "files": [[name, size], ...], "fingerprint": ...},
+      "layers": [{"module": "model.layers.0.mlp.experts", "file": "model.layers.0.mlp.experts.safetensors",
+                  "num_experts": 8, "hidden_size": 64, "intermediate_size": 24, "bias": false}, ...],
+      "files": {"model.layers.0.mlp.experts.safetensors": {"size": ..., "sha256": ...}, ...}
+    }
+
+The source identity ties a store to the checkpoint it came from, cheaply: the SHA-256 of config.json's
+content (keys sorted; ``transformers_version`` and ``_name_or_path``, which re-saving changes, left out),
+the safetensors file names and sizes, and a fingerprint hashing each shard's first MiB (its header and the
+start of its data), which differs between two fine-tunes of one architecture. Hashing whole shards would
+cost a full read of the checkpoint at every load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from moetune.errors import LoadError
+from moetune.loading.checkpoint import Checkpoint
+
+MANIFEST = "manifest.json"
+VERSION = 1  # bump when the layout of stores changes; older readers then refuse newer stores by name
+FINGERPRINT_BYTES = 1 << 20  # per shard: its header and the start of its data
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
+
+
+@dataclass(frozen=True)
+class SourceIdentity:
+    """The checkpoint a store was converted from (``path`` is informational, not compared)."""
+
+    path: str
+    config_sha256: str
+    files: tuple[tuple[str, int], ...]  # safetensors shards: (name, size in bytes)
+    fingerprint: str
+
+    @classmethod
+    def of(cls, checkpoint: Checkpoint) -> SourceIdentity:
+        """Read from the checkpoint directory: config.json plus the first MiB of every shard."""
+        config = {k: v for k, v in checkpoint.config.items() if k not in _VOLATILE_CONFIG_KEYS}
+        config_sha = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+        files = []
+        h = hashlib.sha256()
+        for name in checkpoint.files:
+            path = checkpoint.file_path(name)
+            files.append((name, path.stat().st_size))
+            with path.open("rb") as f:
+                h.update(f.read(FINGERPRINT_BYTES))
+        return cls(str(checkpoint.path), config_sha, tuple(files), h.hexdigest())
+
+    def differences(self, other: SourceIdentity) -> list[str]:
+        """What differs between the store's source (``self``) and checkpoint ``other``, in words."""
+        out = []
+        if self.config_sha256 != other.config_sha256:
+            out.append("config.json differs")
+        if self.files != other.files:
+            out.append(
+                f"the safetensors files differ (store: {_files(self.files)}; checkpoint: {_files(other.files)})"
+            )
+        elif self.fingerprint != other.fingerprint:
+            out.append("the safetensors files hold other bytes (their first MiB differs)")
+        return out
+
+
+def _files(files: tuple[tuple[str, int], ...]) -> str:
+    shown = ", ".join(f"{n} ({s} B)" for n, s in files[:3])
+    return shown + (f", ... ({len(files)} files)" if len(files) > 3 else "")
+
+
+@dataclass(frozen=True)
+class StoredLayer:
+    """One experts module's entry: its module path, its file and its sizes E, H, I."""
+
+    module: str
+    file: str
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    bias: bool  # the file also holds gate_up_bias [E, 2I] and down_bias [E, H]
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A store's manifest, parsed and type-checked (``read``) or about to be written (``write``)."""
+
+    model_type: str
+    format: str  # a FORMATS name
+    params: dict[str, Any]  # the format's params(): from_dense options reproducing the quantization
+    source: SourceIdentity
+    layers: tuple[StoredLayer, ...]
+    files: dict[str, StoredFile]
+    version: int = VERSION
+
+    def to_json(self) -> str:
+        body = {
+            "moetune_store": self.version,
+            "model_type": self.model_type,
+            "format": self.format,
+            "params": self.params,
+            "source": asdict(self.source),
+            "layers": [asdict(layer) for layer in self.layers],
+            "files": {name: asdict(f) for name, f in self.files.items()},
+        }
+        return json.dumps(body, indent=1) + "\n"
+
+    @classmethod
+    def read(cls, path: Path) -> Manifest:
+        """Parse ``path``; ``LoadError`` naming it and the field for anything missing, mistyped or too new."""
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise LoadError(f"cannot read the store manifest {path}: {e}") from e
+        field = "moetune_store"
+        try:
+            version = raw[field]
+            if not isinstance(version, int) or not 1 <= version <= VERSION:
+                raise LoadError(
+                    f"{path}: store format version {version!r}; this moetune reads versions 1..{VERSION}. "
+                    "Upgrade moetune, or convert the checkpoint again with this one"
+                )
+            field = "source"
+            src = raw[field]
+            source = SourceIdentity(
+                _typed(src["path"], str),
+                _typed(src["config_sha256"], str),
+                tuple((_typed(n, str), _typed(s, int)) for n, s in src["files"]),
+                _typed(src["fingerprint"], str),
+            )
+            field = "layers"
+            layers = tuple(
+                StoredLayer(
+                    _typed(e["module"], str),
+                    _typed(e["file"], str),
+                    _typed(e["num_experts"], int),
+                    _typed(e["hidden_size"], int),
+                    _typed(e["intermediate_size"], int),
+                    _typed(e["bias"], bool),
+                )
+                for e in raw[field]
+            )
+            field = "files"
+            files = {
+                _typed(n, str): StoredFile(_typed(f["size"], int), _typed(f["sha256"], str))
+                for n, f in raw[field].items()
+            }
+            field = "model_type/format/params"
+            manifest = cls(
+                _typed(raw["model_type"], str),
+                _typed(raw["format"], str),
+                _typed(raw["params"], dict),
+                source,
+                layers,
+                files,
+                version,
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise LoadError(
+                f"{path} is not a valid store manifest: field {field!r} is missing or malformed ({e!r}); "
+                "convert the checkpoint again (moetune convert SRC DST --overwrite)"
+            ) from e
+        unlisted = sorted({layer.file for layer in layers} - set(files))
+        if unlisted:
+            raise LoadError(f"{path}: layer file(s) {unlisted} have no size and SHA-256 under 'files'")
+        return manifest
+
+
+def _typed(value: Any, kind: type) -> Any:
+    """``value`` if it is a ``kind`` (bool is not an int here); else ``TypeError``."""
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TypeError(f"{value!r} is not a {kind.__name__}")
+    return value

@@ -1,0 +1,333 @@
+"""Pre-quantized expert stores: one safetensors file per experts module plus ``manifest.json``.
+
+Writing (``StoreWriter``) is atomic per file and for the store as a whole. Each layer goes to
+``<module>.safetensors.tmp``, is fsynced and renamed; the manifest, with every file's size and SHA-256, is
+written the same way after the last layer. A store without a manifest is therefore an unfinished
+conversion, and a rerun simply writes it again. Overwriting a finished store removes its manifest first.
+
+Reading (``ExpertStore``) memory-maps the files (``MappedFile``): a format's tensors are views of the
+mapping, and nothing is copied. ``ExpertStore.open`` checks every file's presence, size and safetensors
+header against the manifest. ``check_model`` compares the manifest with the model (model type, experts
+modules, E/H/I, biases, format, the source checkpoint's identity). Both run before any weight is read, and
+each problem is a ``LoadError`` naming the file.
+
+SHA-256 verification reads every byte, which is far too slow to run as an extra pass over a terabyte store
+at every load. So each file is hashed in the pass that reads it anyway, before its weights are used:
+``ram`` residency hashes each file while loading (that pass is also what brings its pages into memory);
+``disk`` residency hashes each file the first time the prefetcher reads it, during the first training step.
+An altered byte then fails that load or that step with a ``LoadError`` naming the file. ``verify()`` checks
+everything up front.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetune.arch import ExpertsSite
+from moetune.engine.formats import FORMATS, ExpertFormat
+from moetune.errors import ConfigError, EngineError, LoadError, RegistryError
+from moetune.loading.checkpoint import read_header
+from moetune.loading.manifest import MANIFEST, Manifest, SourceIdentity, StoredFile, StoredLayer
+from moetune.loading.mapped import MappedFile, page_rounded
+
+BIASES = ("gate_up_bias", "down_bias")  # [E, 2I], [E, H]: stored next to the format's tensors, in float
+SUFFIX = ".safetensors"
+TMP = ".tmp"
+_STORE_FILE = re.compile(rf"(.+{re.escape(SUFFIX)}|{re.escape(MANIFEST)})({re.escape(TMP)})?")
+_READ_CHUNK = 64 << 20
+MAX_LISTED = 12
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(final: Path, write: Any) -> None:
+    """``write(tmp_path)``, fsync it, rename it onto ``final``, fsync the directory."""
+    tmp = final.with_name(final.name + TMP)
+    write(tmp)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class StoreWriter:
+    """Writes a store into ``root``: ``prepare`` (checks only), ``begin``, ``add`` per layer, ``finish``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.layers: list[StoredLayer] = []
+        self.files: dict[str, StoredFile] = {}
+        self.format: tuple[str, dict[str, Any]] | None = None
+
+    @classmethod
+    def prepare(cls, dst: str | Path, *, overwrite: bool = False) -> StoreWriter:
+        """Check that ``dst`` may be written, before any long work: ``ConfigError`` for a finished store
+        (unless ``overwrite``), a file, or a directory holding anything but a store's files."""
+        root = Path(dst).expanduser()
+        if root.exists() and not root.is_dir():
+            raise ConfigError(f"store destination {root} exists and is not a directory")
+        if (root / MANIFEST).exists() and not overwrite:
+            raise ConfigError(
+                f"{root} already holds a converted store ({MANIFEST}); pass --overwrite (overwrite=True) to "
+                "replace it, or choose another destination"
+            )
+        foreign = (
+            sorted(p.name for p in root.iterdir() if not _STORE_FILE.fullmatch(p.name))
+            if root.exists()
+            else []
+        )
+        if foreign:
+            shown = ", ".join(foreign[:MAX_LISTED]) + (" ..." if len(foreign) > MAX_LISTED else "")
+            raise ConfigError(
+                f"store destination {root} holds files that are not part of a moetune store ({shown}); "
+                "choose a new or empty directory"
+            )
+        return cls(root)
+
+    def begin(self) -> None:
+        """Create the directory and remove a previous store's files, manifest first (so it stops being whole)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / MANIFEST).unlink(missing_ok=True)
+        _fsync_dir(self.root)
+        for p in self.root.iterdir():
+            if _STORE_FILE.fullmatch(p.name):
+                p.unlink()
+
+    def add(
+        self,
+        module: str,
+        fmt: ExpertFormat,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+    ) -> None:
+        """Write experts module ``module``'s weights (and biases ``[E, 2I]`` / ``[E, H]``) as one file."""
+        from safetensors.torch import save_file
+
+        this = (fmt.name, fmt.params())
+        assert self.format in (None, this), f"one format per store: {self.format} then {this}"
+        self.format = this
+        tensors = dict(fmt.state_tensors())
+        for name, bias in zip(BIASES, (gate_up_bias, down_bias)):
+            if bias is not None:
+                tensors[name] = bias.detach()
+        tensors = {k: t.contiguous() for k, t in tensors.items()}
+        final = self.root / f"{module}{SUFFIX}"
+        metadata = {"moetune_store": "1", "module": module, "format": fmt.name}
+        _write_atomically(final, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+        self.files[final.name] = StoredFile(final.stat().st_size, file_sha256(final))
+        e, h, i = fmt.num_experts, fmt.hidden_size, fmt.intermediate_size
+        self.layers.append(StoredLayer(module, final.name, e, h, i, gate_up_bias is not None))
+
+    def finish(self, model_type: str, source: SourceIdentity) -> Manifest:
+        """Write the manifest (last, atomically): from now on the store is whole."""
+        if self.format is None:
+            raise LoadError(f"no experts module was written to {self.root}; a store needs at least one")
+        manifest = Manifest(
+            model_type, self.format[0], self.format[1], source, tuple(self.layers), self.files
+        )
+        _write_atomically(self.root / MANIFEST, lambda tmp: tmp.write_text(manifest.to_json()))
+        return manifest
+
+
+class ExpertStore:
+    """A finished store, opened: manifest parsed, files present with the sizes and headers it lists."""
+
+    def __init__(self, root: Path, manifest: Manifest) -> None:
+        self.root = root
+        self.manifest = manifest
+        self.layers = {layer.module: layer for layer in manifest.layers}
+        self._verified: set[str] = set()
+
+    @classmethod
+    def open(cls, path: str | Path) -> ExpertStore:
+        root = Path(path).expanduser()
+        if not root.is_dir():
+            raise LoadError(f"expert store {root} does not exist (make one with: moetune convert SRC {root})")
+        if not (root / MANIFEST).is_file():
+            raise LoadError(
+                f"{root} has no {MANIFEST}: not a moetune store, or a conversion that did not finish (the "
+                f"manifest is written last). Run moetune convert SRC {root} again"
+            )
+        manifest = Manifest.read(root / MANIFEST)
+        try:
+            allowed = set(FORMATS.get(manifest.format).STATE_FIELDS) | set(BIASES)
+        except RegistryError as e:
+            raise LoadError(f"{root / MANIFEST}: {e}") from None
+        for layer in manifest.layers:
+            cls._check_file(root, layer, manifest.files[layer.file], allowed)
+        return cls(root, manifest)
+
+    @staticmethod
+    def _check_file(root: Path, layer: StoredLayer, stored: StoredFile, allowed: set[str]) -> None:
+        """Presence, size and header of ``layer``'s file; reads only the header."""
+        path = root / layer.file
+        if not path.is_file():
+            raise LoadError(
+                f"{path} is missing ({layer.module}'s experts); the store is incomplete: convert again"
+            )
+        size = path.stat().st_size
+        if size != stored.size:
+            how = "truncated" if size < stored.size else "longer than written"
+            raise LoadError(f"{path} is {how}: {size} bytes, the manifest says {stored.size}; convert again")
+        tensors = read_header(path)
+        names = set(tensors)
+        want_bias = set(BIASES) if layer.bias else set()
+        problems = [f"unexpected tensor(s) {sorted(names - allowed)}"] if names - allowed else []
+        if names & set(BIASES) != want_bias:
+            problems.append(f"biases {sorted(names & set(BIASES))}, the manifest says {sorted(want_bias)}")
+        problems += [
+            f"{k} has {info.shape[0] if info.shape else 'no'} experts, the manifest says {layer.num_experts}"
+            for k, info in tensors.items()
+            if not info.shape or info.shape[0] != layer.num_experts
+        ]
+        if problems:
+            raise LoadError(f"{path} does not match {MANIFEST}: {'; '.join(problems)}")
+
+    def check_model(
+        self,
+        model_type: str,
+        sites: list[ExpertsSite],
+        source: SourceIdentity,
+        expected_format: str | None = None,
+        expected_params: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``LoadError`` listing every way the store does not fit the model about to load (before any read).
+
+        ``expected_format`` / ``expected_params``: what the caller asked for explicitly (None: anything)."""
+        m = self.manifest
+        problems = []
+        if m.model_type != model_type:
+            problems.append(f"model_type is {m.model_type!r}, the checkpoint's is {model_type!r}")
+        if expected_format is not None and expected_format != m.format:
+            problems.append(f"format is {m.format!r}, but expert_format {expected_format!r} was asked for")
+        differ = {k: v for k, v in (expected_params or {}).items() if m.params.get(k) != v}
+        if differ:
+            problems.append(f"format parameters are {m.params}, but {differ} was asked for")
+        by_path = {s.path: s for s in sites}
+        missing = [p for p in by_path if p not in self.layers]
+        extra = [p for p in self.layers if p not in by_path]
+        if missing:
+            problems.append(f"no experts for the model's module(s) {_listed(missing)}")
+        if extra:
+            problems.append(f"experts for module(s) the model does not have: {_listed(extra)}")
+        for path, layer in self.layers.items():
+            site = by_path.get(path)
+            if site is None:
+                continue
+            lay = site.layout
+            want = (lay.num_experts, lay.hidden_size, lay.intermediate_size, lay.has_bias)
+            got = (layer.num_experts, layer.hidden_size, layer.intermediate_size, layer.bias)
+            if got != want:
+                problems.append(f"{layer.file}: (E, H, I, bias) = {got}, the model's {path} has {want}")
+        if not problems:
+            problems += [
+                f"{d}: it was converted from another checkpoint ({m.source.path})"
+                for d in m.source.differences(source)
+            ]
+        if problems:
+            shown = "\n  ".join(problems[:MAX_LISTED])
+            raise LoadError(
+                f"expert store {self.root} does not fit the model being loaded ({self.root / MANIFEST}):\n  {shown}"
+                f"\nConvert this checkpoint: moetune convert {source.path} {self.root} --overwrite"
+            )
+
+    def layer_nbytes(self, module: str) -> int:
+        """Size of ``module``'s file."""
+        return self.manifest.files[self.layers[module].file].size
+
+    def layer_resident_bytes(self, module: str) -> int:
+        """Memory ``module``'s file occupies when all its pages are resident (whole pages)."""
+        return page_rounded(self.layer_nbytes(module))
+
+    def map_layer(self, module: str) -> MappedFile:
+        """Layer ``module``'s file, memory-mapped (nothing read yet)."""
+        return MappedFile(self.root / self.layers[module].file)
+
+    def build(
+        self, module: str, mapped: MappedFile
+    ) -> tuple[ExpertFormat, torch.Tensor | None, torch.Tensor | None]:
+        """The layer's format over views of ``mapped`` (no copy), and its biases (views, or None)."""
+        tensors: Mapping[str, torch.Tensor] = mapped.tensors
+        weights = {k: t for k, t in tensors.items() if k not in BIASES}
+        try:
+            fmt = FORMATS.get(self.manifest.format).from_state_tensors(weights, **self.manifest.params)
+        except EngineError as e:
+            raise LoadError(f"{mapped.path} does not hold valid {self.manifest.format} experts: {e}") from e
+        if (fmt.num_experts, fmt.hidden_size, fmt.intermediate_size) != self._sizes(module):
+            raise LoadError(
+                f"{mapped.path}: its tensors hold (E, H, I) = "
+                f"{(fmt.num_experts, fmt.hidden_size, fmt.intermediate_size)}, the manifest says {self._sizes(module)}"
+            )
+        return fmt, tensors.get(BIASES[0]), tensors.get(BIASES[1])
+
+    def _sizes(self, module: str) -> tuple[int, int, int]:
+        layer = self.layers[module]
+        return layer.num_experts, layer.hidden_size, layer.intermediate_size
+
+    def is_verified(self, mapped: MappedFile) -> bool:
+        return mapped.path.name in self._verified
+
+    def verify_mapped(self, mapped: MappedFile) -> None:
+        """SHA-256 of ``mapped`` (read through the mapping, which populates it) against the manifest, once."""
+        name = mapped.path.name
+        if name in self._verified:
+            return
+        want = self.manifest.files[name].sha256
+        got = mapped.sha256()
+        if got != want:
+            raise LoadError(
+                f"{mapped.path} was altered after conversion: its SHA-256 is {got}, the manifest says {want}. "
+                "Convert the checkpoint again (moetune convert SRC DST --overwrite)"
+            )
+        self._verified.add(name)
+
+    def verify(self) -> None:
+        """Hash every file now (one full read of the store)."""
+        for module in self.layers:
+            self.verify_mapped(self.map_layer(module))
+
+
+def _listed(items: list[str]) -> str:
+    return ", ".join(items[:MAX_LISTED]) + (f" ... ({len(items)} in all)" if len(items) > MAX_LISTED else "")
+
+
+class StorePages:
+    """One layer file as a ``Pageable`` for disk residency: the first ``warm`` verifies it (SHA-256 through
+    the mapping, which also brings its pages in), later ones only populate it."""
+
+    def __init__(self, store: ExpertStore, mapped: MappedFile) -> None:
+        self.store, self.mapped = store, mapped
+        self.nbytes = page_rounded(mapped.nbytes)  # what it occupies resident
+
+    def warm(self) -> None:
+        if self.store.is_verified(self.mapped):
+            self.mapped.populate()
+        else:
+            self.store.verify_mapped(self.mapped)
+
+    def release(self) -> None:
+        self.mapped.release()

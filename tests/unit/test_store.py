@@ -1,0 +1,365 @@
+"""Format serialization (``state_tensors`` / ``from_state_tensors``) and expert stores: writing, memory-mapped
+reading without copies, atomic conversion, and every manifest failure as a ``LoadError`` naming the file.
+
+Stores here are written from formats built directly (the shared battery's Gaussian layers); the convert ->
+load round trip through a real checkpoint is in tests/integration/test_convert.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetune.arch import ExpertsSite
+from moetune.arch.detect import ExpertsLayout
+from moetune.config import parse_config
+from moetune.engine.formats import FORMATS, DenseExperts
+from moetune.errors import ConfigError, EngineError, LoadError
+from moetune.loading.manifest import MANIFEST, SourceIdentity
+from moetune.loading.store import ExpertStore, StoreWriter
+from moetune.testing.memory import mapped_usage, rss_anon
+from tests.unit.test_config import minimal, problems_of, workdir  # noqa: F401  (workdir: a fixture)
+from tests.unit.test_formats import CASES, E, H, I, case_params, gaussian
+
+SOURCE = SourceIdentity("/ckpt", "c0nf1g", (("model.safetensors", 1234),), "f1ngerpr1nt")
+MODULES = [f"model.layers.{n}.mlp.experts" for n in range(3)]
+
+
+def _site(path: str, e: int = E, h: int = H, i: int = I, bias: bool = True) -> ExpertsSite:
+    return ExpertsSite(path, ExpertsLayout(e, h, i, False, False, bias, "silu"), None)
+
+
+def _write(
+    root: Path, case=CASES[1], layers=MODULES, bias: bool = True, fail_after: int | None = None
+) -> Path:
+    """A store of ``case``'s format, one Gaussian layer per module (seed = its index), biases included."""
+    writer = StoreWriter.prepare(root)
+    writer.begin()
+    for n, module in enumerate(layers):
+        if n == fail_after:
+            raise RuntimeError("injected failure mid-conversion")
+        gate_up, down = gaussian(seed=n)
+        gen = torch.Generator().manual_seed(100 + n)
+        biases = (
+            (torch.randn(E, 2 * I, generator=gen), torch.randn(E, H, generator=gen)) if bias else (None, None)
+        )
+        writer.add(module, case.build(gate_up, down), *biases)
+    writer.finish("qwen3_moe", SOURCE)
+    return root
+
+
+def _build(store: ExpertStore, module: str):
+    return store.build(module, store.map_layer(module))
+
+
+# ---- serialization: one implementation for every format
+
+
+@case_params
+def test_state_tensors_round_trip_without_copies(case):
+    fmt = case.build(*gaussian())
+    tensors = fmt.state_tensors()
+    assert set(tensors) <= set(type(fmt).STATE_FIELDS) and {"gate_up", "down"} <= set(tensors)
+    again = FORMATS.get(case.format).from_state_tensors(tensors, **fmt.params())
+    assert type(again) is type(fmt) and again.params() == fmt.params() == json.loads(json.dumps(fmt.params()))
+    for name, t in again.state_tensors().items():
+        assert t.data_ptr() == tensors[name].data_ptr(), name  # the very tensors, not copies
+    for a, b in zip(again.dequantize(), fmt.dequantize()):
+        assert torch.equal(a, b)
+
+
+@case_params
+def test_store_round_trip_is_bit_exact(case, tmp_path):
+    store = ExpertStore.open(_write(tmp_path / "s", case))
+    for n, module in enumerate(MODULES):
+        fmt, gate_up_bias, down_bias = _build(store, module)
+        want = case.build(*gaussian(seed=n))
+        assert type(fmt) is type(want) and store.manifest.params == want.params()
+        full = want.dequantize()
+        for got, ref in zip(fmt.dequantize(), full):
+            assert torch.equal(got, ref)
+        for proj, ref in zip(("gate_up", "down"), full):
+            buf = torch.empty(fmt.shape(proj)) if fmt.needs_buffer(torch.float32) else None
+            assert torch.equal(fmt.tile(proj, E - 1, torch.float32, buf), ref[E - 1])
+        gen = torch.Generator().manual_seed(100 + n)
+        assert torch.equal(gate_up_bias, torch.randn(E, 2 * I, generator=gen))
+        assert torch.equal(down_bias, torch.randn(E, H, generator=gen))
+
+
+def test_from_state_tensors_names_what_is_wrong():
+    fmt = FORMATS.get("int4").from_dense(*gaussian(), group_size=64)
+    tensors = fmt.state_tensors()
+    with pytest.raises(
+        EngineError, match=r"unknown parameter\(s\) \['bits'\] \(allowed: \['group_size', 'symmetric'\]"
+    ):
+        type(fmt).from_state_tensors(tensors, bits=4, **fmt.params())
+    with pytest.raises(EngineError, match=r"unknown tensor\(s\) \['extra'\]"):
+        type(fmt).from_state_tensors({**tensors, "extra": tensors["down"]}, **fmt.params())
+    with pytest.raises(
+        EngineError, match=r"missing tensor\(s\) \['down_scale'\]; missing parameter\(s\) \['group_size'\]"
+    ):
+        type(fmt).from_state_tensors({k: v for k, v in tensors.items() if k != "down_scale"})
+    with pytest.raises(
+        EngineError, match=r"parameters \{'symmetric': False\} disagree with the tensors.*'symmetric': True"
+    ):
+        type(fmt).from_state_tensors(tensors, group_size=64, symmetric=False)
+    with pytest.raises(EngineError, match=r"gate_up_scale must be torch.bfloat16"):
+        type(fmt).from_state_tensors(
+            {**tensors, "gate_up_scale": tensors["gate_up_scale"].float()}, group_size=64
+        )
+
+
+# ---- memory mapping
+
+
+def test_reading_maps_the_file_and_copies_nothing(tmp_path):
+    """The format's tensors point into the file's mapping; reading every byte makes the mapping resident as
+    file pages, with no anonymous (copied) pages and no growth of the process's anonymous memory."""
+    gate_up, down = gaussian(e=8, h=512, i=512)  # fp32: a 25 MB file, far above the allocator's noise
+    root = tmp_path / "s"
+    writer = StoreWriter.prepare(root)
+    writer.begin()
+    writer.add(MODULES[0], DenseExperts(gate_up, down), torch.randn(8, 1024), torch.randn(8, 512))
+    writer.finish("qwen3_moe", SOURCE)
+    store = ExpertStore.open(root)
+    size = store.layer_nbytes(MODULES[0])
+    before = rss_anon()
+    mapped = store.map_layer(MODULES[0])
+    store.verify_mapped(mapped)  # SHA-256 through the mapping: reads every byte
+    fmt, bias, _ = store.build(MODULES[0], mapped)
+    usage = mapped_usage(root)
+    grew = rss_anon() - before
+    for t in (*fmt.state_tensors().values(), bias):
+        assert usage.contains(t.data_ptr()) and usage.contains(t.data_ptr() + t.nbytes - 1)
+    assert usage.rss >= size - 4096 and usage.anonymous == 0
+    assert grew < size // 8, (grew, size)  # a copy would add the whole file as anonymous memory
+    mapped.release()
+    assert mapped_usage(root).rss == 0
+    assert torch.equal(fmt.tile("down", 7, torch.float32, None), down[7])  # paged in again from the file
+
+
+# ---- writing: atomic, refusing to clobber
+
+
+def test_interrupted_write_leaves_no_manifest_and_a_rerun_succeeds(tmp_path):
+    root = tmp_path / "s"
+    with pytest.raises(RuntimeError, match="injected"):
+        _write(root, fail_after=2)
+    assert not (root / MANIFEST).exists() and (root / f"{MODULES[1]}.safetensors").exists()
+    with pytest.raises(LoadError, match=rf"{root} has no {MANIFEST}: .* conversion that did not finish"):
+        ExpertStore.open(root)
+    ExpertStore.open(_write(root))  # no --overwrite needed: an unfinished store is not a store
+
+
+def test_a_finished_store_is_refused_unless_overwritten(tmp_path):
+    root = _write(tmp_path / "s")
+    with pytest.raises(ConfigError, match=rf"{root} already holds a converted store .* --overwrite"):
+        StoreWriter.prepare(root)
+    writer = StoreWriter.prepare(root, overwrite=True)
+    assert (root / MANIFEST).exists()  # prepare only checks
+    writer.begin()
+    assert list(root.iterdir()) == []  # the manifest went first, then the layer files
+
+
+def test_a_directory_with_other_files_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(
+        ConfigError, match=r"holds files that are not part of a moetune store \(config.json\)"
+    ):
+        StoreWriter.prepare(tmp_path)
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ConfigError, match="exists and is not a directory"):
+        StoreWriter.prepare(tmp_path / "f")
+
+
+# ---- every manifest failure: a LoadError naming the file
+
+
+def test_missing_file(tmp_path):
+    root = _write(tmp_path / "s")
+    (root / f"{MODULES[1]}.safetensors").unlink()
+    with pytest.raises(LoadError, match=rf"{root}/{MODULES[1]}.safetensors is missing"):
+        ExpertStore.open(root)
+
+
+def test_truncated_file(tmp_path):
+    root = _write(tmp_path / "s")
+    path = root / f"{MODULES[2]}.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(LoadError, match=rf"{path} is truncated: \d+ bytes, the manifest says \d+"):
+        ExpertStore.open(root)
+
+
+def test_altered_byte_fails_verification(tmp_path):
+    root = _write(tmp_path / "s")
+    path = root / f"{MODULES[1]}.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01  # one bit of one code: the size and header still match
+    path.write_bytes(bytes(data))
+    store = ExpertStore.open(root)  # cheap checks pass
+    _build(store, MODULES[0])
+    with pytest.raises(LoadError, match=rf"{path} was altered after conversion: its SHA-256 is [0-9a-f]+"):
+        store.verify()
+
+
+def test_header_that_disagrees_with_the_manifest(tmp_path):
+    root = _write(tmp_path / "s")
+    manifest = json.loads((root / MANIFEST).read_text())
+    manifest["layers"][0]["bias"] = False
+    manifest["layers"][1]["num_experts"] = E + 1
+    (root / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(LoadError, match=rf"{MODULES[0]}.safetensors does not match {MANIFEST}: biases"):
+        ExpertStore.open(root)
+    manifest["layers"][0]["bias"] = True
+    (root / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(
+        LoadError,
+        match=rf"{MODULES[1]}.safetensors does not match .* has {E} experts, the manifest says {E + 1}",
+    ):
+        ExpertStore.open(root)
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda m: m.pop("layers"), r"field 'layers' is missing or malformed"),
+        (lambda m: m["files"].clear(), r"layer file\(s\) \[.*\] have no size and SHA-256"),
+        (lambda m: m.update(moetune_store=99), r"store format version 99; this moetune reads versions 1..1"),
+        (
+            lambda m: m.update(format="int3"),
+            r"unknown expert weight format 'int3'; supported: dense, fp8_block",
+        ),
+        (lambda m: m["source"].update(files="x"), r"field 'source' is missing or malformed"),
+    ],
+)
+def test_malformed_manifest(tmp_path, edit, match):
+    root = _write(tmp_path / "s")
+    manifest = json.loads((root / MANIFEST).read_text())
+    edit(manifest)
+    (root / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(LoadError, match=rf"{root / MANIFEST}.*{match}"):
+        ExpertStore.open(root)
+
+
+def test_params_the_tensors_contradict(tmp_path):
+    root = _write(tmp_path / "s", next(c for c in CASES if c.id == "int4-g64-sym"), bias=False)
+    manifest = json.loads((root / MANIFEST).read_text())
+    manifest["params"]["group_size"] = 32
+    (root / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(
+        LoadError, match=rf"{MODULES[0]}.safetensors does not hold valid int4 experts: .*gate_up_scale"
+    ):
+        _build(ExpertStore.open(root), MODULES[0])
+
+
+def _sites() -> list[ExpertsSite]:
+    return [_site(m) for m in MODULES]
+
+
+def test_a_matching_model_passes(tmp_path):
+    ExpertStore.open(_write(tmp_path / "s")).check_model("qwen3_moe", _sites(), SOURCE, "int8")
+
+
+def test_format_parameters_other_than_asked(tmp_path):
+    root = _write(tmp_path / "s", next(c for c in CASES if c.id == "int4-g64-sym"))
+    store = ExpertStore.open(root)
+    store.check_model("qwen3_moe", _sites(), SOURCE, "int4", {"symmetric": True})
+    with pytest.raises(
+        LoadError,
+        match=r"format parameters are \{'group_size': 64, 'symmetric': True\}, but \{'group_size': 32\}",
+    ):
+        store.check_model("qwen3_moe", _sites(), SOURCE, "int4", {"group_size": 32, "symmetric": True})
+
+
+@pytest.mark.parametrize(
+    "model_type,sites,source,fmt,match",
+    [
+        ("mixtral", None, SOURCE, None, r"model_type is 'qwen3_moe', the checkpoint's is 'mixtral'"),
+        (None, None, SOURCE, "int4", r"format is 'int8', but expert_format 'int4' was asked for"),
+        (
+            None,
+            [_site(m, e=E * 2) for m in MODULES],
+            SOURCE,
+            None,
+            rf"{MODULES[0]}.safetensors: \(E, H, I, bias\) = \({E}, {H}, {I}, True\), the model's .* has \({2 * E}, ",
+        ),
+        (
+            None,
+            [_site(m, i=I // 2) for m in MODULES],
+            SOURCE,
+            None,
+            r"the model's model.layers.2.mlp.experts has",
+        ),
+        (None, [_site(m, bias=False) for m in MODULES], SOURCE, None, r"True\), the model's .* False\)"),
+        (
+            None,
+            _sites()[:2],
+            SOURCE,
+            None,
+            r"experts for module\(s\) the model does not have: model.layers.2.mlp.experts",
+        ),
+        (
+            None,
+            [*_sites(), _site("model.layers.3.mlp.experts")],
+            SOURCE,
+            None,
+            r"no experts for the model's module\(s\) model.layers.3",
+        ),
+        (
+            None,
+            None,
+            replace(SOURCE, config_sha256="other"),
+            None,
+            r"config.json differs: it was converted from another checkpoint \(/ckpt\)",
+        ),
+        (
+            None,
+            None,
+            replace(SOURCE, files=(("model.safetensors", 99),)),
+            None,
+            r"the safetensors files differ",
+        ),
+        (
+            None,
+            None,
+            replace(SOURCE, fingerprint="other"),
+            None,
+            r"hold other bytes \(their first MiB differs\)",
+        ),
+    ],
+)
+def test_model_mismatch(tmp_path, model_type, sites, source, fmt, match):
+    root = _write(tmp_path / "s")
+    with pytest.raises(
+        LoadError, match=rf"(?s)expert store {root} does not fit .*{MANIFEST}\):\n  .*{match}"
+    ):
+        ExpertStore.open(root).check_model(model_type or "qwen3_moe", sites or _sites(), source, fmt)
+
+
+# ---- the YAML's `moetune:` section
+
+
+@pytest.mark.usefixtures("workdir")
+def test_yaml_store_options():
+    engine = {"expert_path": "store", "expert_residency": "disk", "expert_residency_budget": "2GB"}
+    cfg = parse_config(minimal(moetune=engine)).engine
+    assert (cfg.expert_path, cfg.expert_residency, cfg.expert_residency_budget) == (
+        Path("store"),
+        "disk",
+        "2GB",
+    )
+    assert (
+        parse_config(
+            minimal(moetune={**engine, "expert_residency_budget": 4096})
+        ).engine.expert_residency_budget
+        == 4096
+    )
+    text = problems_of(minimal(moetune={"expert_residency": "disk", "expert_format": "int3"}))
+    assert "moetune.expert_residency: 'disk' pages experts from a converted store" in text
+    assert "moetune.expert_format: got 'int3'" in text  # every problem at once
+    text = problems_of(minimal(moetune={"expert_path": "s", "expert_residency_budget": "lots"}))
+    assert "moetune.expert_residency_budget: got 'lots'; allowed: a positive number of bytes" in text
