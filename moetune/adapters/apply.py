@@ -146,9 +146,7 @@ def set_expert_lora(model: nn.Module, path: str, lora: ExpertLoRA) -> CpuExperts
     """Replace the ``CpuExperts`` at ``path`` by one over the same weights with ``lora``; return the new module."""
     old = model.get_submodule(path)
     assert isinstance(old, CpuExperts), path
-    new = CpuExperts(old.engine.with_lora(lora), layout=old.layout)
-    new.train(old.training)
-    new.shared_ahead = old.shared_ahead
+    new = old.with_engine(old.engine.with_lora(lora))
     model.set_submodule(path, new)
     return new
 

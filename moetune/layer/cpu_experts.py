@@ -84,6 +84,13 @@ class CpuExperts(nn.Module):
             host=host,
         )
 
+    def with_engine(self, engine: ExpertEngine) -> CpuExperts:
+        """A module like this one (layout, shared-experts overlap, train/eval mode) around ``engine``."""
+        new = CpuExperts(engine, layout=self.layout)
+        new.shared_ahead = self.shared_ahead
+        new.train(self.training)
+        return new
+
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         if PEFT_WRAPPED_PREFIX not in prefix:
             raise SaveError(

@@ -21,7 +21,6 @@ from safetensors.torch import load_file, save_file
 
 import moetune
 from moetune.errors import LoadError
-from moetune.loading import load as load_module
 from moetune.testing.fp8_checkpoint import dequantize_reference, save_fp8_checkpoint
 from tests.integration.quantized_checks import (
     LOGITS_TOL,
@@ -147,15 +146,6 @@ def test_other_formats_dequantize_the_fp8_experts(checkpoints, references, fmt, 
 
 
 # --- errors: raised from the headers, before any weight is read ------------------------------------------
-
-
-@pytest.fixture
-def no_heavy_work(monkeypatch):
-    def forbidden(*args, **kwargs):
-        raise AssertionError("heavy work started before the error was raised")
-
-    monkeypatch.setattr(load_module.hf, "load_weights", forbidden)
-    monkeypatch.setattr(load_module, "stream_experts", forbidden)
 
 
 def _copy(checkpoints, tmp_path, edit_tensors=None, edit_quant=None) -> Path:
