@@ -15,15 +15,15 @@ from pathlib import Path
 import torch
 
 from moetune.errors import ConfigError
+from moetune.loading.expert_plan import FLOAT_DTYPES
 from moetune.loading.load import plan_load
 from moetune.loading.manifest import Manifest, SourceIdentity
 from moetune.loading.options import AUTO, LoadOptions
+from moetune.loading.progress import format_bytes
 from moetune.loading.store import StoreWriter
-from moetune.loading.stream import format_bytes, stream_experts
+from moetune.loading.stream import stream_experts
 
 logger = logging.getLogger(__name__)
-
-_FLOAT_CODES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def convert_checkpoint(
@@ -86,5 +86,5 @@ def _stream_dtype(planned, opts: LoadOptions) -> torch.dtype:
     if opts.expert_format == "dense":
         return torch.bfloat16
     codes = {s.info.dtype for layer in planned.plan.layers for s in layer.sources}
-    floats = [_FLOAT_CODES[c] for c in codes if c in _FLOAT_CODES]
+    floats = [FLOAT_DTYPES[c] for c in codes if c in FLOAT_DTYPES]
     return max(floats, key=lambda d: d.itemsize) if floats else torch.bfloat16

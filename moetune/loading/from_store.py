@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import enum
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +27,7 @@ from moetune.errors import ConfigError
 from moetune.loading.checkpoint import Checkpoint
 from moetune.loading.expert_plan import LayerPlan
 from moetune.loading.manifest import SourceIdentity
+from moetune.loading.progress import LayerProgress
 from moetune.loading.store import ExpertStore, StorePages
 
 if TYPE_CHECKING:
@@ -126,8 +126,6 @@ def store_engines(
     Biases are copied in ``dtype``; the expert weights stay as stored (views of the mappings).
     ``ConfigError`` before anything is read if a disk ``budget`` cannot hold the two largest layers.
     """
-    from tqdm.auto import tqdm
-
     window = None
     if residency is ExpertResidency.DISK:
         largest = sorted(store.layer_resident_bytes(layer.site.path) for layer in layers)[-2:]
@@ -139,9 +137,7 @@ def store_engines(
             )
         window = ResidencyWindow(sum(largest) if budget is None else budget)
     total = sum(store.layer_nbytes(layer.site.path) for layer in layers)
-    bar = tqdm(total=len(layers), desc="moetune: routed experts (store)", unit="layer", disable=not progress)
-    start, done = time.perf_counter(), 0
-    with bar:
+    with LayerProgress(len(layers), total, "moetune: routed experts (store)", progress) as bar:
         for layer in layers:
             path, lay = layer.site.path, layer.site.layout
             mapped = store.map_layer(path)
@@ -160,8 +156,5 @@ def store_engines(
                 options=options,
                 name=path,
             )
-            done += store.layer_nbytes(path)
-            rate = done / max(time.perf_counter() - start, 1e-9) / 1e9
-            bar.set_postfix_str(f"{rate:.2f} GB/s, {done / 1e9:.2f} of {total / 1e9:.2f} GB")
-            bar.update(1)
+            bar.advance(store.layer_nbytes(path))
             yield layer, engine

@@ -33,8 +33,9 @@ from moetune.loading.expert_plan import ExpertPlan, plan_experts
 from moetune.loading.from_store import open_store, store_engines
 from moetune.loading.hf import KeyTarget
 from moetune.loading.options import ExpertFormatChoice, LoadOptions
+from moetune.loading.progress import format_bytes
 from moetune.loading.quantized import checkpoint_quantization, fp8_scales
-from moetune.loading.stream import format_bytes, stream_experts
+from moetune.loading.stream import stream_experts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -125,7 +126,8 @@ def load_model(
             else ``cpu``.
         dtype: ``"bfloat16"`` (default), ``"float16"``, ``"float32"`` (exactness tests) or ``"float64"``: the
             dtype of every weight, dense routed experts included (FP8 checkpoints: dequantized to it).
-        **options: the other fields of :class:`LoadOptions` (``num_threads``, ``progress``, ``adapter``,
+        **options: the other fields of :class:`LoadOptions` (``num_threads``, ``activation_policy``,
+            ``check_finite``, ``progress``, ``adapter``,
             ``adapter_trainable``, ``expert_format``, ``int4_group_size``, ``int4_symmetric``, ``expert_path``,
             ``expert_residency``, ``expert_residency_budget``).
 

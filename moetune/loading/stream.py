@@ -19,7 +19,6 @@ The layer's ``ExpertFormatChoice`` (``LoadOptions.layer_format``) then decides w
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -30,14 +29,7 @@ from moetune.engine.formats import ExpertFormat, Fp8BlockExperts
 from moetune.loading.checkpoint import Checkpoint, ShardReader, TensorInfo
 from moetune.loading.expert_plan import ROLES, ExpertSource, LayerPlan
 from moetune.loading.options import ExpertFormatChoice
-
-
-def format_bytes(n: int) -> str:
-    """``1.23 GB`` / ``45.6 MB`` / ``789 KB``, for logs and the progress bar."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n / 1e3:.0f} KB"
+from moetune.loading.progress import LayerProgress
 
 
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:
@@ -181,18 +173,12 @@ def stream_experts(
 
     A tqdm bar counts layers and shows the read rate (checkpoint bytes per second).
     """
-    from tqdm.auto import tqdm
-
     total = sum(layer.nbytes for layer in layers)
-    bar = tqdm(total=len(layers), desc="moetune: routed experts", unit="layer", disable=not progress)
-    start, done = time.perf_counter(), 0
+    bar = LayerProgress(len(layers), total, "moetune: routed experts", progress)
     spare: _LayerBuffers | None = None
     with ShardReader(checkpoint, [layer.files for layer in layers]) as reader, bar:
         for step, (layer, choice) in enumerate(zip(layers, formats, strict=True)):
             engine, spare = build_engine(layer, reader, dtype, options, choice, spare)
             reader.done(step)
-            done += layer.nbytes
-            rate = done / max(time.perf_counter() - start, 1e-9) / 1e9
-            bar.set_postfix_str(f"{rate:.2f} GB/s, {format_bytes(done)} of {format_bytes(total)}")
-            bar.update(1)
+            bar.advance(layer.nbytes)
             yield layer, engine
