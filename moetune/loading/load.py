@@ -178,7 +178,14 @@ def load_model(
         held += engine.weights.nbytes
     hf.finish(model, checkpoint)
     if spec.shared_attr is not None:
-        attach_shared_ahead(model, [s.path for s in sites], spec.shared_attr)
+        blocks = [model.get_submodule(s.path.rpartition(".")[0]) for s in sites]
+        shared = [getattr(block, spec.shared_attr, None) for block in blocks]
+        attach_shared_ahead(
+            [
+                (model.get_submodule(s.path), m if isinstance(m, nn.Module) else None)
+                for s, m in zip(sites, shared)
+            ]
+        )
 
     routers = [s.router for s in sites if s.router is not None]
     logger.info(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -62,6 +63,74 @@ def test_other_inputs_run_the_module_and_a_result_is_used_once():
     mlp.rows = 0
     mlp(x)
     assert mlp.rows == 4
+
+
+class Block(nn.Module):
+    """DeepSeek-V3's MoE block order: the experts on ``x.view(-1, H)`` (here a stand-in that launches the
+    shared experts as ``CpuExperts`` does), then ``shared_experts(x)`` on the block's own input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared_experts = Mlp()
+        self.ahead = SharedAhead(self.shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.view(-1, x.shape[-1])
+        self.ahead.launch(flat)
+        routed = torch.sin(flat).view(*x.shape)
+        return routed + self.shared_experts(x)
+
+
+def test_a_call_that_never_finished_cannot_hand_its_result_to_a_later_call():
+    mlp = Mlp()
+    ahead = SharedAhead(mlp)
+    x = torch.randn(3, 6, dtype=torch.float64)
+    ahead.launch(x)
+
+    def stop(module, args):
+        raise RuntimeError("stopped")  # as activation checkpointing stops a recompute between the hooks
+
+    handle = mlp.register_forward_pre_hook(stop)
+    with pytest.raises(RuntimeError, match="stopped"):
+        mlp(x)
+    handle.remove()
+    y = torch.randn(5, 6, dtype=torch.float64)
+    ahead.launch(y)  # the launch's own run must compute y, not return what was prepared for x
+    assert torch.equal(mlp(y), Mlp()(y))
+
+
+def test_same_address_is_not_the_same_tensor():
+    mlp = Mlp()
+    ahead = SharedAhead(mlp)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    ahead.launch(x)
+    alias = torch.empty(0, dtype=x.dtype).set_(x.untyped_storage(), 0, x.shape, x.stride())  # no view of x
+    assert alias.data_ptr() == x.data_ptr() and alias._base is None
+    mlp.rows = 0
+    mlp(alias)
+    assert mlp.rows == 4  # computed, not served from the launch
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_blocks_of_changing_shapes_match_the_plain_module(checkpointed):
+    """Several steps of different lengths, optionally under non-reentrant activation checkpointing (whose
+    recompute may stop early between the hooks): outputs and every gradient equal the un-hooked block."""
+    block, plain = Block(), Mlp()
+    for shape in [(4, 7, 6), (4, 3, 6), (2, 9, 6), (4, 7, 6)]:
+        x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+        got = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)
+        (got * got).sum().backward()
+        got_grads = [x.grad.clone()] + [p.grad.clone() for p in block.shared_experts.parameters()]
+        x.grad = None
+        block.zero_grad()
+        want = torch.sin(x) + plain(x)
+        (want * want).sum().backward()
+        want_grads = [x.grad.clone()] + [p.grad.clone() for p in plain.parameters()]
+        x.grad = None
+        plain.zero_grad()
+        assert torch.equal(got, want)
+        for g, w in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
 def test_deepseek_blocks_compute_each_token_of_the_shared_experts_once(tmp_path):
