@@ -21,7 +21,6 @@ next to ``output_dir`` and renamed into place, so a crash leaves no half-written
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -37,6 +36,7 @@ from moetune.adapters.peft_layout import (
     expert_lora_from_peft_state,
     expert_lora_to_peft_state,
 )
+from moetune.atomic import replace_folder, write_atomically, write_text_atomically
 from moetune.engine import LORA_NAMES, ExpertLoRA, lora_scaling
 from moetune.errors import AdapterError
 from moetune.layer import CpuExperts
@@ -105,21 +105,24 @@ def save_adapter(peft_model: Any, output_dir: str | Path) -> Path:
     from safetensors.torch import save_file
 
     out = Path(output_dir)
+    state = adapter_state(peft_model)
+    config = json.dumps(adapter_config(peft_model), indent=2, sort_keys=True) + "\n"
+
+    def write_weights(path: Path) -> None:
+        save_file(state, str(path), metadata={"format": "pt"})
+
+    if out.is_dir():  # each file replaced atomically; the pair is written last
+        write_atomically(out / WEIGHTS_NAME, write_weights)
+        write_text_atomically(out / CONFIG_NAME, config)
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        save_file(adapter_state(peft_model), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(
-            json.dumps(adapter_config(peft_model), indent=2, sort_keys=True) + "\n"
-        )
-        if out.is_dir():
-            for f in (CONFIG_NAME, WEIGHTS_NAME):  # each rename is atomic; the pair is written last
-                os.replace(tmp / f, out / f)
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, out)
+    staged = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:  # a new folder appears whole
+        write_weights(staged / WEIGHTS_NAME)
+        (staged / CONFIG_NAME).write_text(config)
+        replace_folder(staged, out, aside=staged.with_name(staged.name + "-old"))
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(staged, ignore_errors=True)
         raise
     return out
 

@@ -29,6 +29,7 @@ from typing import Any, TextIO
 
 import torch
 
+from moetune.atomic import write_text_atomically
 from moetune.bench.model_worker import VARIANTS
 from moetune.bench.report import BUSY_LOAD, Columns, dtype_name, print_row, print_table_head
 from moetune.bench.timing import TimingPolicy
@@ -405,9 +406,7 @@ def config_from_args(args: argparse.Namespace) -> ModelBenchConfig:
 
 
 def _write_json(path: Path, records: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(records, indent=2) + "\n")
-    tmp.replace(path)  # atomic: a reader never sees half a file
+    write_text_atomically(path, json.dumps(records, indent=2) + "\n", durable=False)
 
 
 def main(argv: list[str] | None = None, out: TextIO | None = None) -> int:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moetune.atomic import write_text_atomically
 from moetune.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -112,8 +113,6 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--json {args.json}: directory {args.json.parent} does not exist")
     records = run_engine_bench(config)
     if args.json is not None:
-        tmp = args.json.with_name(args.json.name + ".tmp")
-        tmp.write_text(json.dumps(records, indent=2) + "\n")
-        tmp.replace(args.json)  # atomic: a reader never sees half a file
+        write_text_atomically(args.json, json.dumps(records, indent=2) + "\n", durable=False)
         print(f"wrote {len(records)} records to {args.json}")
     return 0

@@ -22,7 +22,6 @@ everything up front.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 
 from moetune.arch import ExpertsSite
+from moetune.atomic import TMP_SUFFIX, fsync_folder, write_atomically
 from moetune.engine.formats import FORMATS, ExpertFormat
 from moetune.errors import ConfigError, EngineError, LoadError, RegistryError
 from moetune.loading.checkpoint import read_header
@@ -39,31 +39,9 @@ from moetune.loading.mapped import MappedFile, page_rounded
 
 BIASES = ("gate_up_bias", "down_bias")  # [E, 2I], [E, H]: stored next to the format's tensors, in float
 SUFFIX = ".safetensors"
-TMP = ".tmp"
-_STORE_FILE = re.compile(rf"(.+{re.escape(SUFFIX)}|{re.escape(MANIFEST)})({re.escape(TMP)})?")
+_STORE_FILE = re.compile(rf"(.+{re.escape(SUFFIX)}|{re.escape(MANIFEST)})({re.escape(TMP_SUFFIX)})?")
 _READ_CHUNK = 64 << 20
 MAX_LISTED = 12
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomically(final: Path, write: Any) -> None:
-    """``write(tmp_path)``, fsync it, rename it onto ``final``, fsync the directory."""
-    tmp = final.with_name(final.name + TMP)
-    write(tmp)
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
 
 
 def file_sha256(path: Path) -> str:
@@ -112,7 +90,7 @@ class StoreWriter:
         """Create the directory and remove a previous store's files, manifest first (so it stops being whole)."""
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / MANIFEST).unlink(missing_ok=True)
-        _fsync_dir(self.root)
+        fsync_folder(self.root)
         for p in self.root.iterdir():
             if _STORE_FILE.fullmatch(p.name):
                 p.unlink()
@@ -137,7 +115,7 @@ class StoreWriter:
         tensors = {k: t.contiguous() for k, t in tensors.items()}
         final = self.root / f"{module}{SUFFIX}"
         metadata = {"moetune_store": "1", "module": module, "format": fmt.name}
-        _write_atomically(final, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+        write_atomically(final, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
         self.files[final.name] = StoredFile(final.stat().st_size, file_sha256(final))
         e, h, i = fmt.num_experts, fmt.hidden_size, fmt.intermediate_size
         self.layers.append(StoredLayer(module, final.name, e, h, i, gate_up_bias is not None))
@@ -149,7 +127,7 @@ class StoreWriter:
         manifest = Manifest(
             model_type, self.format[0], self.format[1], source, tuple(self.layers), self.files
         )
-        _write_atomically(self.root / MANIFEST, lambda tmp: tmp.write_text(manifest.to_json()))
+        write_atomically(self.root / MANIFEST, lambda tmp: tmp.write_text(manifest.to_json()))
         return manifest
 
 

@@ -12,7 +12,6 @@ Files appear atomically (temp file, then ``os.replace``).
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from moetune.atomic import write_atomically, write_text_atomically
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 CODES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}  # safetensors dtype codes
@@ -129,13 +130,15 @@ def write_safetensors(
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for key, size in entries:
-            f.write(make(key, size).to(dtype).contiguous().view(torch.uint8).numpy())
-    os.replace(tmp, path)
+
+    def write(tmp: Path) -> None:
+        with tmp.open("wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for key, size in entries:
+                f.write(make(key, size).to(dtype).contiguous().view(torch.uint8).numpy())
+
+    write_atomically(path, write, durable=False)
 
 
 def write_wide_checkpoint(
@@ -163,12 +166,6 @@ def write_wide_checkpoint(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     config = shape.config()
     config.dtype = dtype
-    _write_text(path / "model.safetensors.index.json", json.dumps(index, indent=2))
-    _write_text(path / "config.json", config.to_json_string())
+    write_text_atomically(path / "model.safetensors.index.json", json.dumps(index, indent=2))
+    write_text_atomically(path / "config.json", config.to_json_string())
     return path
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

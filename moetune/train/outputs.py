@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 from pathlib import Path
 from typing import Any
+
+from moetune.atomic import write_atomically, write_text_atomically
 
 LOSS_CURVE = "loss_curve.png"
 SUMMARY = "run_summary.json"
@@ -48,16 +49,13 @@ def write_loss_curve(log_history: list[dict[str, Any]], path: Path) -> Path | No
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    finally:
+        plt.close(fig)
     return path
 
 
 def write_summary(summary: dict[str, Any], path: Path) -> Path:
     """Write ``summary`` as JSON atomically."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomically(path, json.dumps(summary, indent=2, default=str) + "\n")

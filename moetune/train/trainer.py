@@ -29,6 +29,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from moetune.adapters.save import load_adapter_weights, save_adapter
+from moetune.atomic import replace_folder
 
 STAGING_PREFIX = "tmp-"  # tmp-checkpoint-N: matched neither by get_last_checkpoint nor by checkpoint rotation
 
@@ -58,9 +59,7 @@ class MoetuneTrainer(Trainer):
                 if self.state.best_model_checkpoint == staged:  # the best is this one: record its final path
                     self.state.best_model_checkpoint = final
                     self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
-                if os.path.exists(final):  # rename cannot replace a non-empty folder: move it aside
-                    os.rename(final, os.path.join(staging, "replaced"))
-                os.rename(staged, final)
+                replace_folder(staged, final, aside=os.path.join(staging, "replaced"))
         finally:
             self._staging = None
             if self.args.should_save:
