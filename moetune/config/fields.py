@@ -79,7 +79,7 @@ def yaml_fields(cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("derived")}
 
 
-class _BadValue(Exception):
+class _BadValue(ValueError):
     """Raised by ``coerce``; the message says what was expected."""
 
 

@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from moetune.config.datasets import resolve_datasets
-from moetune.config.fields import Problems, parse_section, yaml_fields
+from moetune.config.experts import ExpertOptions, expert_option_problems
+from moetune.config.fields import Problems, coerce, parse_section, yaml_fields
 from moetune.config.llamafactory import is_rejected, rejection
 from moetune.config.schema import (
     ENGINE_KEY,
+    ENGINE_KEYS,
     FLAT_SECTIONS,
     DataConfig,
     EngineConfig,
@@ -72,10 +74,8 @@ def parse_config(
     _check_keys(flat, engine_raw, problems)
 
     model, finetune, data, training = (parse_section(cls, flat, problems) for cls in FLAT_SECTIONS)
-    engine = parse_section(
-        EngineConfig, engine_raw if isinstance(engine_raw, Mapping) else {}, problems, f"{ENGINE_KEY}."
-    )
-    _check_cross_fields(finetune, data, training, engine, problems)
+    engine = _parse_engine(engine_raw if isinstance(engine_raw, Mapping) else {}, problems)
+    _check_cross_fields(finetune, data, training, problems)
     data = _resolve_data(data, problems)
     _check_files(model, data, training, problems, check_model_path)
     problems.raise_if_any()
@@ -108,9 +108,44 @@ def _translate_aliases(flat: dict[str, Any], problems: Problems) -> dict[str, An
     return flat
 
 
+def _parse_engine(raw: Mapping[str, Any], problems: Problems) -> EngineConfig:
+    """The `moetune:` mapping: ``device``, then the expert options through the check ``load_model`` runs,
+    after coercing YAML strings as LLaMA-Factory does (``"4"`` for a number, ``"true"`` for a bool, any case
+    for a mode). Unknown keys were reported by ``_check_keys``."""
+    device = parse_section(
+        EngineConfig, {k: v for k, v in raw.items() if k == "device"}, problems, f"{ENGINE_KEY}."
+    )
+    values = {k: _coerce_expert_option(k, v) for k, v in raw.items() if k in ExpertOptions.names()}
+    found = expert_option_problems(values)
+    for key, message in found:
+        problems.add(f"{ENGINE_KEY}.{key}", message)
+    bad = {key for key, _ in found}
+    experts = ExpertOptions.from_valid({k: v for k, v in values.items() if k not in bad})
+    return dataclasses.replace(device, experts=experts)
+
+
+_EXPERT_OPTION_TYPES: dict[str, Any] = {
+    "int4_group_size": int,
+    "num_threads": int,
+    "int4_symmetric": bool,
+    "check_finite": bool,
+}
+
+
+def _coerce_expert_option(key: str, value: Any) -> Any:
+    if key in ("activation_policy", "expert_residency", "expert_format") and isinstance(value, str):
+        return value.lower()
+    if key in _EXPERT_OPTION_TYPES:
+        try:
+            return coerce(value, _EXPERT_OPTION_TYPES[key])
+        except ValueError:
+            return value  # the check reports it as given
+    return value
+
+
 def _check_keys(flat: Mapping[str, Any], engine_raw: Any, problems: Problems) -> None:
     known = known_keys()
-    engine_keys = set(yaml_fields(EngineConfig))
+    engine_keys = set(ENGINE_KEYS)
     for key, value in flat.items():
         if key in known:
             continue
@@ -151,7 +186,6 @@ def _check_cross_fields(
     finetune: FinetuneConfig,
     data: DataConfig,
     training: TrainingConfig,
-    engine: EngineConfig,
     problems: Problems,
 ) -> None:
     if not finetune.do_train and not problems.has("do_train"):
@@ -182,23 +216,6 @@ def _check_cross_fields(
         problems.add("eval_steps", "is set but eval_strategy is not 'steps'; set eval_strategy: steps")
     if training.report_to != ("none",) and not problems.has("report_to"):
         _check_report_to(training.report_to, problems)
-    expert_keys = [f"{ENGINE_KEY}.{k}" for k in ("expert_format", "int4_group_size", "int4_symmetric")]
-    if not problems.has(*expert_keys):
-        # the check load_model runs, run here before any work
-        from moetune.loading.options import expert_format_problems
-
-        for key, message in expert_format_problems(
-            engine.expert_format, engine.int4_group_size, engine.int4_symmetric
-        ):
-            problems.add(f"{ENGINE_KEY}.{key}", message)
-    store_keys = [f"{ENGINE_KEY}.{k}" for k in ("expert_path", "expert_residency", "expert_residency_budget")]
-    if not problems.has(*store_keys):
-        from moetune.loading.from_store import residency_problems
-
-        for key, message in residency_problems(
-            engine.expert_path, engine.expert_residency, engine.expert_residency_budget
-        ):
-            problems.add(f"{ENGINE_KEY}.{key}", message)
 
 
 def _check_report_to(report_to: tuple[str, ...], problems: Problems) -> None:

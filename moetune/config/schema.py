@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from moetune.config.datasets import DatasetSpec
+from moetune.config.experts import ActivationPolicy, ExpertOptions
 from moetune.config.fields import (
     derived,
     non_negative,
@@ -26,7 +27,6 @@ from moetune.config.fields import (
     steps_or_ratio,
     unit_interval,
 )
-from moetune.engine.experts import ActivationPolicy
 
 __all__ = [
     "ActivationPolicy",
@@ -213,28 +213,15 @@ class TrainingConfig:
 class EngineConfig:
     """moetune's own options: the ``moetune:`` mapping of the YAML.
 
-    ``expert_format`` is the storage format of routed experts in host RAM: ``auto`` (as the checkpoint stores
-    them: fp8 for FP8 checkpoints, else dense), ``bf16`` (dense in the training dtype), ``int8``, ``int4``,
-    ``fp8`` (quantized at load time from float checkpoints), or a registered format name (``dense``,
-    ``fp8_block``); ``int4_group_size`` (32, 64 or 128; unset: 64) and ``int4_symmetric`` (unset: true) apply
-    to ``int4`` only. docs/formats.md compares the formats. ``expert_path`` takes the routed experts from a store
-    written by ``moetune convert`` (memory-mapped), held in RAM (``expert_residency: ram``) or paged from disk
-    layer by layer (``disk``) within ``expert_residency_budget`` (bytes or a size like ``64GB``; unset: the two
-    largest layers). ``device`` runs the dense part (``auto``: cuda when
-    available). ``num_threads`` is the CPU expert engine's thread count (unset: the physical cores visible
-    to the process). ``check_finite`` makes the engine raise on NaN/Inf, naming tensor and expert.
+    ``device`` runs the dense part (``auto``: cuda when available); every other key is a field of
+    :class:`~moetune.config.experts.ExpertOptions` (``expert_format``, ``int4_group_size``, ``int4_symmetric``,
+    ``expert_path``, ``expert_residency``, ``expert_residency_budget``, ``activation_policy``, ``num_threads``,
+    ``check_finite``), validated by the same check as ``load_model``'s keywords and passed to it whole.
+    docs/formats.md compares the expert formats.
     """
 
-    expert_format: str = option("auto")
-    int4_group_size: int | None = option(None)
-    int4_symmetric: bool | None = option(None)
-    expert_path: Path | None = option(None)
-    expert_residency: str = option("ram")
-    expert_residency_budget: int | str | None = option(None)
-    activation_policy: ActivationPolicy = option(ActivationPolicy.RETAIN)
-    num_threads: int | None = option(None, check=_min_one)
     device: str = option("auto", check=_device)
-    check_finite: bool = option(False)
+    experts: ExpertOptions = derived(ExpertOptions())
 
 
 @dataclass(frozen=True)
@@ -270,3 +257,4 @@ def _plain(value: Any) -> Any:
 # sections parsed from the flat top level, in order; the `moetune:` mapping is EngineConfig
 FLAT_SECTIONS: tuple[type, ...] = (ModelConfig, FinetuneConfig, DataConfig, TrainingConfig)
 ENGINE_KEY = "moetune"
+ENGINE_KEYS = ("device", *ExpertOptions.names())  # the keys of the `moetune:` mapping

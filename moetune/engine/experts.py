@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from moetune.config.experts import ActivationPolicy
 from moetune.engine.activations import GluActivation, get_activation
 from moetune.engine.formats import DenseExperts, ExpertFormat
 from moetune.engine.formats.base import Projection
@@ -41,13 +42,6 @@ from moetune.engine.routing import (
 from moetune.engine.workspace import Workspace
 from moetune.errors import EngineError, EngineStateError, NonFiniteError
 from moetune.sysinfo import cpu_info, default_num_threads
-
-
-class ActivationPolicy(str, Enum):
-    """What a forward keeps for its backward."""
-
-    RETAIN = "retain"  # gate_up pre-activations [N, 2I] and the LoRA A-projections [N, r]
-    RECOMPUTE = "recompute"  # only the inputs; backward recomputes gate_up (one third of forward's GEMMs)
 
 
 class TrainMode(str, Enum):

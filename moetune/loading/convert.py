@@ -14,11 +14,12 @@ from pathlib import Path
 
 import torch
 
+from moetune.config.experts import AUTO
 from moetune.errors import ConfigError
 from moetune.loading.expert_plan import FLOAT_DTYPES
 from moetune.loading.load import plan_load
 from moetune.loading.manifest import Manifest, SourceIdentity
-from moetune.loading.options import AUTO, LoadOptions
+from moetune.loading.options import LoadOptions
 from moetune.loading.progress import format_bytes
 from moetune.loading.store import StoreWriter
 from moetune.loading.stream import stream_experts
@@ -83,7 +84,7 @@ def convert_checkpoint(
 def _stream_dtype(planned, opts: LoadOptions) -> torch.dtype:
     """The dtype dense experts are read in: bf16 for a bf16 store, else the checkpoint's own float dtype
     (quantizing from it exactly as ``load_model`` does), bf16 for FP8 checkpoints."""
-    if opts.expert_format == "dense":
+    if opts.experts.expert_format == "dense":
         return torch.bfloat16
     codes = {s.info.dtype for layer in planned.plan.layers for s in layer.sources}
     floats = [FLOAT_DTYPES[c] for c in codes if c in FLOAT_DTYPES]

@@ -13,14 +13,12 @@
 
 from __future__ import annotations
 
-import enum
-import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from moetune.config.experts import AUTO, ExpertResidency
 from moetune.engine import EngineOptions, ExpertEngine, get_activation
 from moetune.engine.residency import PagedExperts, ResidencyWindow
 from moetune.errors import ConfigError
@@ -34,78 +32,19 @@ if TYPE_CHECKING:
     from moetune.arch import ExpertsSite
     from moetune.loading.options import LoadOptions
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-
-
-class ExpertResidency(str, enum.Enum):
-    """Where routed experts read from a store live while training."""
-
-    RAM = "ram"  # every layer's pages in memory
-    DISK = "disk"  # paged in just in time, at most the budget at once
-
-
-def parse_bytes(value: object) -> int | None:
-    """``1073741824``, ``"64GB"``, ``"1.5 GiB"``, ``"512MB"`` -> bytes; None if it is none of these."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value if value > 0 else None
-    if not isinstance(value, str):
-        return None
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
-    if m is None or m.group(2).lower() not in _UNITS:
-        return None
-    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    return n if n > 0 else None
-
-
-def residency_problems(
-    expert_path: object, expert_residency: object, expert_residency_budget: object
-) -> list[tuple[str, str]]:
-    """``(option, what is wrong and what is allowed)`` for each bad store option; shared by ``load_model``'s
-    keyword arguments and the YAML's ``moetune:`` section."""
-    problems = []
-    if expert_path is not None and not isinstance(expert_path, (str, Path)):
-        problems.append(("expert_path", f"must be a directory path; got {expert_path!r}"))
-    allowed = [r.value for r in ExpertResidency]
-    if expert_residency not in allowed and not isinstance(expert_residency, ExpertResidency):
-        problems.append(("expert_residency", f"got {expert_residency!r}; allowed: {', '.join(allowed)}"))
-    elif ExpertResidency(expert_residency) is ExpertResidency.DISK and expert_path is None:
-        problems.append(
-            (
-                "expert_residency",
-                "'disk' pages experts from a converted store: convert once (moetune convert SRC DST --format "
-                "int8) and set expert_path to DST",
-            )
-        )
-    if expert_residency_budget is not None:
-        if parse_bytes(expert_residency_budget) is None:
-            problems.append(
-                (
-                    "expert_residency_budget",
-                    f"got {expert_residency_budget!r}; allowed: a positive number of bytes, or a size such as '64GB' or '512MiB'",
-                )
-            )
-        elif expert_residency != ExpertResidency.DISK:
-            problems.append(
-                (
-                    "expert_residency_budget",
-                    f"is set ({expert_residency_budget!r}) but applies to expert_residency disk only",
-                )
-            )
-    return problems
-
 
 def open_store(opts: LoadOptions, checkpoint: Checkpoint, sites: list[ExpertsSite]) -> ExpertStore:
-    """``opts.expert_path`` opened and checked against the model about to load (``LoadError`` naming the file),
+    """``opts.experts.expert_path`` opened and checked against the model about to load (``LoadError`` naming the file),
     including an ``expert_format`` and int4 options given explicitly."""
-    assert opts.expert_path is not None
-    store = ExpertStore.open(opts.expert_path)
-    asked = {"group_size": opts.int4_group_size, "symmetric": opts.int4_symmetric}
+    experts = opts.experts
+    assert experts.expert_path is not None
+    store = ExpertStore.open(experts.expert_path)
+    asked = {"group_size": experts.int4_group_size, "symmetric": experts.int4_symmetric}
     store.check_model(
         checkpoint.model_type,
         sites,
         SourceIdentity.of(checkpoint),
-        None if opts.expert_format == "auto" else opts.expert_format,
+        None if experts.expert_format == AUTO else experts.expert_format,
         {k: v for k, v in asked.items() if v is not None},
     )
     return store

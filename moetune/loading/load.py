@@ -126,10 +126,11 @@ def load_model(
             else ``cpu``.
         dtype: ``"bfloat16"`` (default), ``"float16"``, ``"float32"`` (exactness tests) or ``"float64"``: the
             dtype of every weight, dense routed experts included (FP8 checkpoints: dequantized to it).
-        **options: the other fields of :class:`LoadOptions` (``num_threads``, ``activation_policy``,
-            ``check_finite``, ``progress``, ``adapter``,
-            ``adapter_trainable``, ``expert_format``, ``int4_group_size``, ``int4_symmetric``, ``expert_path``,
-            ``expert_residency``, ``expert_residency_budget``).
+        **options: ``progress``, ``adapter``, ``adapter_trainable`` (see :class:`LoadOptions`), and the routed
+            experts' options, either as ``experts=`` (a validated
+            :class:`~moetune.config.experts.ExpertOptions`, e.g. a training config's) or one by one
+            (``expert_format``, ``int4_group_size``, ``int4_symmetric``, ``expert_path``, ``expert_residency``,
+            ``expert_residency_budget``, ``activation_policy``, ``num_threads``, ``check_finite``).
 
     Returns:
         The model's own class (e.g. ``Qwen3MoeForCausalLM``; for a vision-language checkpoint its
@@ -153,7 +154,9 @@ def load_model(
     for site in sites:
         model.set_submodule(site.path, PendingExperts(site))
     hf.check_non_expert(model, checkpoint, planned.targets, plan.other_keys)
-    store = None if opts.expert_path is None else open_store(opts, checkpoint, sites)  # before any read
+    store = (
+        None if opts.experts.expert_path is None else open_store(opts, checkpoint, sites)
+    )  # before any read
 
     fp8_other = {k: planned.scales[k] for k in plan.other_keys if k in planned.scales}  # dequantized
     hf.load_weights(model, checkpoint, plan.other_keys, opts.device, opts.dtype, fp8_other)
@@ -168,8 +171,8 @@ def load_model(
             plan.layers,
             opts.dtype,
             opts.engine,
-            opts.expert_residency,
-            opts.expert_residency_budget,
+            opts.experts.expert_residency,
+            opts.experts.expert_residency_budget,
             progress=opts.progress,
         )
     )
@@ -197,7 +200,7 @@ def load_model(
         format_bytes(plan.nbytes),
         ", ".join(sorted({str(f) for f in planned.formats}))
         if store is None
-        else f"{store.manifest.format} from {store.root}, {opts.expert_residency.value} residency",
+        else f"{store.manifest.format} from {store.root}, {opts.experts.expert_residency.value} residency",
         format_bytes(held),
         opts.dtype,
         layer_summary([s.path for s in sites]),

@@ -50,16 +50,8 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
         device=_device(cfg),
         # bf16 training keeps bf16 weights; otherwise fp32 (exact, twice the memory)
         dtype="bfloat16" if cfg.training.bf16 else "float32",
-        num_threads=cfg.engine.num_threads,
-        activation_policy=cfg.engine.activation_policy,
-        check_finite=cfg.engine.check_finite,
+        experts=cfg.engine.experts,
         progress=progress,
-        expert_format=cfg.engine.expert_format,
-        int4_group_size=cfg.engine.int4_group_size,
-        int4_symmetric=cfg.engine.int4_symmetric,
-        expert_path=cfg.engine.expert_path,
-        expert_residency=cfg.engine.expert_residency,
-        expert_residency_budget=cfg.engine.expert_residency_budget,
     )
     model.config.use_cache = False  # packed rows need the no-cache mask path; training never uses the cache
     torch.manual_seed(

@@ -106,7 +106,9 @@ def test_llamafactory_yaml_parses_into_typed_sections(workdir: Path) -> None:
     assert cfg.data.dataset == ("alpaca_demo",) and cfg.data.max_samples == 1000
     (source,) = cfg.data.train_sources
     assert source.path == Path("data/alpaca.json") and source.formatting is None
-    assert cfg.engine.activation_policy is ActivationPolicy.RETAIN and cfg.source == Path("train.yaml")
+    assert cfg.engine.experts.activation_policy is ActivationPolicy.RETAIN and cfg.source == Path(
+        "train.yaml"
+    )
     json.dumps(cfg.summary())  # plain values only
 
 
@@ -135,8 +137,8 @@ def test_every_problem_is_reported_at_once(workdir: Path) -> None:
         "deepspeed: is a LLaMA-Factory option moetune does not support",
         "use_kt: is a LLaMA-Factory option moetune does not support: moetune replaces KTransformers",
         "bf16: got 'sometimes'; expected true or false",
-        "moetune.num_threads: got 0; must be >= 1",
-        "moetune.activation_policy: got 'keep'; expected one of: retain, recompute",
+        "moetune.num_threads: got 0; must be a positive integer",
+        "moetune.activation_policy: got 'keep'; allowed: retain, recompute",
         "moetune.turbo: is not an engine option",
         "'missing_set' is neither a dataset name in data/dataset_info.json (names there: alpaca_demo)",
         "model_name_or_path: no/such/model/dir does not exist",
@@ -203,12 +205,16 @@ def test_keys_switched_off_are_accepted(workdir: Path) -> None:
 def test_engine_options(workdir: Path) -> None:
     engine = {"activation_policy": "recompute", "num_threads": 4, "device": "cuda:1", "check_finite": True}
     cfg = parse_config(minimal(moetune=engine))
-    assert cfg.engine.activation_policy is ActivationPolicy.RECOMPUTE
-    assert (cfg.engine.num_threads, cfg.engine.device, cfg.engine.check_finite) == (4, "cuda:1", True)
+    assert cfg.engine.experts.activation_policy is ActivationPolicy.RECOMPUTE
+    assert (cfg.engine.experts.num_threads, cfg.engine.device, cfg.engine.experts.check_finite) == (
+        4,
+        "cuda:1",
+        True,
+    )
     text = problems_of(minimal(moetune={"device": "gpu", "expert_format": "int3"}))
     assert "moetune.device: got 'gpu'; must be auto, cpu, cuda or cuda:N" in text
     assert "moetune.expert_format: got 'int3'; allowed: auto, dense" in text  # then the registered formats
-    assert parse_config(minimal(moetune={"expert_format": "dense"})).engine.expert_format == "dense"
+    assert parse_config(minimal(moetune={"expert_format": "dense"})).engine.experts.expert_format == "dense"
 
 
 def test_cross_field_rules(workdir: Path) -> None:

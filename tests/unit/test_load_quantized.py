@@ -157,10 +157,10 @@ def test_bad_expert_format_options(options, message):
 
 
 def test_expert_format_resolution():
-    assert LoadOptions.create(device="cpu", expert_format="bf16").expert_format == "dense"
-    assert LoadOptions.create(device="cpu", expert_format="fp8").expert_format == "fp8_block"
+    assert LoadOptions.create(device="cpu", expert_format="bf16").experts.expert_format == "dense"
+    assert LoadOptions.create(device="cpu", expert_format="fp8").experts.expert_format == "fp8_block"
     auto = LoadOptions.create(device="cpu")
-    assert auto.expert_format == "auto"
+    assert auto.experts.expert_format == "auto"
     assert auto.layer_format(True, 256, 128, "x").name == "fp8_block"
     assert auto.layer_format(False, 256, 128, "x").name == "dense"
     int4 = LoadOptions.create(device="cpu", expert_format="int4")
@@ -195,12 +195,18 @@ def test_yaml_expert_options(workdir):  # noqa: F811  (the fixture imported abov
     cfg = parse_config(
         minimal(moetune={"expert_format": "int4", "int4_group_size": 32, "int4_symmetric": False})
     )
-    assert (cfg.engine.expert_format, cfg.engine.int4_group_size, cfg.engine.int4_symmetric) == (
+    assert (
+        cfg.engine.experts.expert_format,
+        cfg.engine.experts.int4_group_size,
+        cfg.engine.experts.int4_symmetric,
+    ) == (
         "int4",
         32,
         False,
     )
-    assert parse_config(minimal(moetune={"expert_format": "bf16"})).engine.expert_format == "bf16"
+    assert (
+        parse_config(minimal(moetune={"expert_format": "bf16"})).engine.experts.expert_format == "dense"
+    )  # the alias, canonical as in load_model
     text = problems_of(minimal(moetune={"expert_format": "int8", "int4_group_size": 48}))
     assert "moetune.int4_group_size: got 48; allowed: 32, 64, 128" in text
     text = problems_of(minimal(moetune={"expert_format": "int8", "int4_group_size": 64}))

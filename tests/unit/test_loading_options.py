@@ -14,7 +14,7 @@ from moetune.loading.load import layer_summary
 
 def test_defaults():
     opts = LoadOptions.create()
-    assert opts.dtype == torch.bfloat16 and opts.progress and opts.num_threads is None
+    assert opts.dtype == torch.bfloat16 and opts.progress and opts.experts.num_threads is None
     assert opts.device == torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     assert opts.engine.num_threads is None
 
@@ -31,19 +31,19 @@ def test_dtype_spellings(dtype):
         ({"dtype": torch.int8}, "is not supported"),
         ({"device": "gpu"}, "device 'gpu' is not a torch device"),
         ({"device": "meta"}, "holds no weights"),
-        ({"num_threads": 0}, "num_threads must be a positive int"),
-        ({"num_threads": True}, "num_threads must be a positive int"),
+        ({"num_threads": 0}, "num_threads got 0; must be a positive integer"),
+        ({"num_threads": True}, "num_threads got True; must be a positive integer"),
         ({"progress": "yes"}, "progress must be True or False"),
         (
             {"lora": {}},
             r"unknown load_model option\(s\) \['lora'\]; known: device, dtype, activation_policy, adapter, "
-            r"adapter_trainable, check_finite, expert_format, .*num_threads, progress",
+            r"adapter_trainable, check_finite, expert_format, .*experts, .*num_threads, progress",
         ),
         (
             {"activation_policy": "keep"},
-            r"activation_policy must be one of \['retain', 'recompute'\]; got 'keep'",
+            r"activation_policy got 'keep'; allowed: retain, recompute",
         ),
-        ({"check_finite": 1}, "check_finite must be True or False; got 1"),
+        ({"check_finite": 1}, "check_finite got 1; allowed: true or false"),
     ],
 )
 def test_invalid(kwargs, message):

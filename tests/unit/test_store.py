@@ -346,16 +346,16 @@ def test_model_mismatch(tmp_path, model_type, sites, source, fmt, match):
 @pytest.mark.usefixtures("workdir")
 def test_yaml_store_options():
     engine = {"expert_path": "store", "expert_residency": "disk", "expert_residency_budget": "2GB"}
-    cfg = parse_config(minimal(moetune=engine)).engine
+    cfg = parse_config(minimal(moetune=engine)).engine.experts  # parsed once: bytes, enum, path
     assert (cfg.expert_path, cfg.expert_residency, cfg.expert_residency_budget) == (
         Path("store"),
         "disk",
-        "2GB",
+        2 * 10**9,
     )
     assert (
         parse_config(
             minimal(moetune={**engine, "expert_residency_budget": 4096})
-        ).engine.expert_residency_budget
+        ).engine.experts.expert_residency_budget
         == 4096
     )
     text = problems_of(minimal(moetune={"expert_residency": "disk", "expert_format": "int3"}))

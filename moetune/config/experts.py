@@ -1,0 +1,209 @@
+"""The routed experts' options: one frozen, typed object for ``load_model``'s keywords and the YAML.
+
+``ExpertOptions`` is what ``moetune.load_model(..., expert_format=..., num_threads=...)`` accepts and what the
+training YAML's ``moetune:`` mapping holds (besides ``device``); ``LoadOptions`` contains it, the training
+recipe passes it whole, and ``LoadOptions.engine`` is the one place that turns it into the engine's settings.
+:func:`expert_option_problems` is the one validation behind both; it reports every problem at once.
+
+The YAML path first coerces strings as LLaMA-Factory's argument parser does (``"true"``, ``"4"``), then runs
+the same checks; the library path checks Python values as given (``num_threads=True`` is an error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moetune.errors import ConfigError
+
+AUTO = "auto"  # expert_format resolved per layer from what the checkpoint stores
+# Spellings accepted besides the registered format names.
+FORMAT_ALIASES = {"bf16": "dense", "fp8": "fp8_block"}
+INT4_OPTIONS = ("int4_group_size", "int4_symmetric")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+class ActivationPolicy(str, enum.Enum):
+    """What the engine's forward keeps for its backward."""
+
+    RETAIN = "retain"  # gate_up pre-activations [N, 2I] and the LoRA A-projections [N, r]
+    RECOMPUTE = "recompute"  # only the inputs; backward recomputes gate_up (one third of forward's GEMMs)
+
+
+class ExpertResidency(str, enum.Enum):
+    """Where routed experts read from a converted store live while training."""
+
+    RAM = "ram"  # every layer's pages in memory
+    DISK = "disk"  # paged in just in time, at most the budget at once
+
+
+def parse_bytes(value: object) -> int | None:
+    """``1073741824``, ``"64GB"``, ``"1.5 GiB"``, ``"512MB"`` -> bytes; None if it is none of these."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if value > 0 else None
+    if not isinstance(value, str):
+        return None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+    if m is None or m.group(2).lower() not in _UNITS:
+        return None
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return n if n > 0 else None
+
+
+def expert_format_names() -> list[str]:
+    """Every accepted ``expert_format``: ``auto``, the names in the engine's format registry, the aliases."""
+    from moetune.engine.formats import FORMATS  # the registry is the source of truth for format names
+
+    return [AUTO, *FORMATS.names(), *FORMAT_ALIASES]
+
+
+def int4_group_sizes() -> tuple[int, ...]:
+    """The int4 group sizes the int4 format implements."""
+    from moetune.engine.formats.int4 import GROUP_SIZES
+
+    return tuple(GROUP_SIZES)
+
+
+@dataclass(frozen=True)
+class ExpertOptions:
+    """How routed experts are held and computed. Build with :meth:`create` (validated).
+
+    Attributes:
+        expert_format: how routed experts are held in host RAM: ``auto`` (default: as the checkpoint stores
+            them, e.g. ``fp8_block`` for FP8 checkpoints, else dense in the load dtype), a name in the engine's
+            format registry (``dense``, ``int8``, ``int4``, ``fp8_block``, ...) or an alias (``bf16`` = dense,
+            ``fp8`` = fp8_block). Stored as the registered name, or ``auto``.
+        int4_group_size: int4 only: inputs per scale (None: 64); must divide H and I.
+        int4_symmetric: int4 only: no zero points (None: True).
+        expert_path: a store written by ``moetune convert`` to take the routed experts from.
+        expert_residency: with ``expert_path``: ``ram`` or ``disk`` (paged layer by layer).
+        expert_residency_budget: disk only: bytes (an int or a size such as ``"64GB"``); None: the two
+            largest layers' files.
+        activation_policy: ``retain`` (forward keeps what backward needs) or ``recompute``.
+        num_threads: CPU threads of the expert engine (None: the physical cores visible to the process).
+        check_finite: the engine raises ``NonFiniteError`` on NaN/Inf, naming tensor and expert.
+    """
+
+    expert_format: str = AUTO
+    int4_group_size: int | None = None
+    int4_symmetric: bool | None = None
+    expert_path: Path | None = None
+    expert_residency: ExpertResidency = ExpertResidency.RAM
+    expert_residency_budget: int | None = None
+    activation_policy: ActivationPolicy = ActivationPolicy.RETAIN
+    num_threads: int | None = None
+    check_finite: bool = False
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """The option names (the keyword arguments and YAML keys)."""
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def create(cls, **values: Any) -> ExpertOptions:
+        """Validate ``values`` (a subset of :meth:`names`; others raise) into options; ``ConfigError``
+        listing every problem."""
+        problems = expert_option_problems(values)
+        if problems:
+            raise ConfigError("; ".join(f"{name} {message}" for name, message in problems))
+        return cls.from_valid(values)
+
+    @classmethod
+    def from_valid(cls, values: Mapping[str, Any]) -> ExpertOptions:
+        """Options from values :func:`expert_option_problems` found nothing wrong with (canonical forms)."""
+        out = dict(values)
+        if "expert_format" in out:
+            out["expert_format"] = FORMAT_ALIASES.get(out["expert_format"], out["expert_format"])
+        if out.get("expert_path") is not None:
+            out["expert_path"] = Path(out["expert_path"]).expanduser()
+        if "expert_residency" in out:
+            out["expert_residency"] = ExpertResidency(out["expert_residency"])
+        if out.get("expert_residency_budget") is not None:
+            out["expert_residency_budget"] = parse_bytes(out["expert_residency_budget"])
+        if "activation_policy" in out:
+            out["activation_policy"] = ActivationPolicy(out["activation_policy"])
+        return cls(**out)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _one_of(allowed: list[str]) -> Callable[[object], str | None]:
+    def check(value: object) -> str | None:
+        return None if value in allowed else f"allowed: {', '.join(allowed)}"  # str enums equal their values
+
+    return check
+
+
+def _field_checks() -> dict[str, Callable[[object], str | None]]:
+    """Per option: what is wrong with a value (None: nothing). None values are the defaults, always valid
+    where the default is None."""
+    sizes = int4_group_sizes()
+    return {
+        "expert_format": _one_of(expert_format_names()),
+        "int4_group_size": lambda v: (
+            None if _is_int(v) and v in sizes else f"allowed: {', '.join(map(str, sizes))}"
+        ),
+        "int4_symmetric": lambda v: None if isinstance(v, bool) else "allowed: true or false",
+        "expert_path": lambda v: None if isinstance(v, (str, Path)) else "must be a directory path",
+        "expert_residency": _one_of([r.value for r in ExpertResidency]),
+        "expert_residency_budget": lambda v: (
+            None
+            if parse_bytes(v) is not None
+            else "allowed: a positive number of bytes, or a size such as '64GB' or '512MiB'"
+        ),
+        "activation_policy": _one_of([p.value for p in ActivationPolicy]),
+        "num_threads": lambda v: None if _is_int(v) and v >= 1 else "must be a positive integer",
+        "check_finite": lambda v: None if isinstance(v, bool) else "allowed: true or false",
+    }
+
+
+def expert_option_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(option, what is wrong and what is allowed)`` for every problem of ``values``: unknown names, bad
+    values, and options that contradict each other. The one check behind ``load_model`` and the YAML."""
+    checks = _field_checks()
+    problems = [
+        (name, f"is not an expert option; allowed: {', '.join(ExpertOptions.names())}")
+        for name in values
+        if name not in checks
+    ]
+    for name, check in checks.items():
+        value = values.get(name)
+        if value is not None and (message := check(value)) is not None:
+            problems.append((name, f"got {value!r}; {message}"))
+    bad = {name for name, _ in problems}
+    expert_format = values.get("expert_format", AUTO)
+    if "expert_format" not in bad and FORMAT_ALIASES.get(expert_format, expert_format) != "int4":
+        problems += [
+            (
+                name,
+                f"is set ({values[name]!r}) but applies to expert_format int4 only; expert_format is "
+                f"{expert_format!r}. Set expert_format: int4, or remove {name}",
+            )
+            for name in INT4_OPTIONS
+            if values.get(name) is not None and name not in bad
+        ]
+    residency = values.get("expert_residency", ExpertResidency.RAM)
+    if "expert_residency" not in bad:
+        disk = ExpertResidency(residency) is ExpertResidency.DISK
+        if disk and values.get("expert_path") is None:
+            problems.append(
+                (
+                    "expert_residency",
+                    "'disk' pages experts from a converted store: convert once (moetune convert SRC DST "
+                    "--format int8) and set expert_path to DST",
+                )
+            )
+        budget = values.get("expert_residency_budget")
+        if not disk and budget is not None and "expert_residency_budget" not in bad:
+            problems.append(
+                ("expert_residency_budget", f"is set ({budget!r}) but applies to expert_residency disk only")
+            )
+    return problems
