@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 _LAZY = {
-    "load_model": "moetune.loading",
+    "load_model": "moetune.adapters.load",  # loading, plus an adapter when asked
     "LoadOptions": "moetune.loading",
     "attach_lora": "moetune.adapters",
     "load_adapter": "moetune.adapters",

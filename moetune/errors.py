@@ -52,3 +52,18 @@ class LoadError(MoetuneError):
 
 class DataError(MoetuneError, ValueError):
     """A dataset cannot be loaded or turned into training examples (missing fields, wrong format, no labels)."""
+
+
+LISTED = 12  # items an error message shows; the rest are counted
+
+
+def listing(items: list[str], *, inline: bool = False, total: int | None = None) -> str:
+    """The first ``LISTED`` of ``items`` for a message, the rest counted: one per line, each on a new line
+    after the text it follows (``"\\n  - a\\n  - b\\n  ... and 3 more"``), or ``inline`` (``"a, b, ... and 3
+    more"``). ``total``: how many there are, when the caller kept only the first ones."""
+    count = len(items) if total is None else total
+    shown = items[:LISTED]
+    more = count - len(shown)
+    if inline:
+        return ", ".join(shown) + (f", ... and {more} more" if more > 0 else "")
+    return "".join(f"\n  - {m}" for m in shown) + (f"\n  ... and {more} more" if more > 0 else "")

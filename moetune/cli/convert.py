@@ -45,7 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moetune.loading.convert import convert_checkpoint
-    from moetune.loading.progress import format_bytes
+    from moetune.progress import format_bytes
 
     manifest = convert_checkpoint(
         args.src,

@@ -1,7 +1,7 @@
 """Disk residency: experts larger than RAM, each layer's weights paged in just in time within a byte budget.
 
 Each layer's stored weights live in memory-mapped pages (``Pageable``: a store file, see
-``moetune.loading.mapped``) and are wrapped in :class:`PagedExperts`, a format that tells the shared
+``moetune.store.mapped``) and are wrapped in :class:`PagedExperts`, a format that tells the shared
 :class:`ResidencyWindow` whenever the engine starts reading a different layer. The window then
 
 1. waits for that layer's pages (prefetched in the background, or faulted in now: a miss);

@@ -18,11 +18,11 @@ from moetune.config.experts import AUTO
 from moetune.errors import ConfigError
 from moetune.loading.expert_plan import FLOAT_DTYPES
 from moetune.loading.load import plan_load
-from moetune.loading.manifest import Manifest, SourceIdentity
 from moetune.loading.options import LoadOptions
-from moetune.loading.progress import format_bytes
-from moetune.loading.store import StoreWriter
 from moetune.loading.stream import stream_experts
+from moetune.progress import format_bytes
+from moetune.store.files import StoreWriter
+from moetune.store.manifest import Manifest, SourceIdentity
 
 logger = logging.getLogger(__name__)
 

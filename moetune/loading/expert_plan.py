@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS, ExpertsSite
-from moetune.errors import LoadError
+from moetune.errors import LoadError, listing
 from moetune.loading.checkpoint import Checkpoint, TensorInfo
 from moetune.loading.hf import KeyTarget
 from moetune.loading.quantized import FP8_DTYPE
@@ -41,7 +41,6 @@ ROLES = ("gate", "up", "down")  # per-expert projections
 # On-disk per-expert projection names, one naming scheme per tuple (gate, up, down).
 PER_EXPERT_SCHEMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 _ROLE_OF = {name: role for scheme in PER_EXPERT_SCHEMES for name, role in zip(scheme, ROLES)}
-MAX_REPORTED = 12  # problems listed in one error; the rest are counted
 
 
 @dataclass(frozen=True)
@@ -127,10 +126,8 @@ class _Problems:
     def raise_if_any(self, root: str) -> None:
         if not self.items:
             return
-        shown = "\n".join(f"  - {m}" for m in self.items[:MAX_REPORTED])
-        more = f"\n  ... and {len(self.items) - MAX_REPORTED} more" if len(self.items) > MAX_REPORTED else ""
         raise LoadError(
-            f"checkpoint {root}: {len(self.items)} problem(s) with the routed-expert tensors:\n{shown}{more}"
+            f"checkpoint {root}: {len(self.items)} problem(s) with the routed-expert tensors:{listing(self.items)}"
         )
 
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from moetune.arch.spec import supported_summary
-from moetune.errors import ArchError, LoadError
+from moetune.errors import ArchError, LoadError, listing
 from moetune.loading.checkpoint import Checkpoint, ShardReader, TensorInfo
 from moetune.loading.quantized import Fp8Dequantized
 
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
-MAX_LISTED = 20  # keys listed in one error message
 
 
 def load_config(checkpoint: Checkpoint) -> Any:
@@ -168,8 +167,7 @@ def check_non_expert(
         missing = sorted(k for k in meta if k not in covered and not any(p.search(k) for p in ignored))
         problems += [f"no tensor for {k} in any shard" for k in missing]
     if problems:
-        listed = "\n  ".join(problems[:MAX_LISTED]) + ("\n  ..." if len(problems) > MAX_LISTED else "")
-        raise LoadError(f"checkpoint {checkpoint.path} does not fit its config.json:\n  {listed}")
+        raise LoadError(f"checkpoint {checkpoint.path} does not fit its config.json:{listing(problems)}")
 
 
 def load_weights(
@@ -216,10 +214,9 @@ def load_weights(
             ) from e
     missing = sorted(info.missing_keys)
     if missing:
-        listed = ", ".join(missing[:MAX_LISTED]) + (" ..." if len(missing) > MAX_LISTED else "")
         raise LoadError(
             f"checkpoint {checkpoint.path} lacks {len(missing)} non-expert tensor(s) the model needs: "
-            f"{listed}"
+            f"{listing(missing, inline=True)}"
         )
     if info.unexpected_keys:
         logger.warning(
@@ -227,7 +224,7 @@ def load_weights(
             len(info.unexpected_keys),
             checkpoint.path,
             cls.__name__,
-            ", ".join(sorted(info.unexpected_keys)[:MAX_LISTED]),
+            listing(sorted(info.unexpected_keys), inline=True),
         )
 
 

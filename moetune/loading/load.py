@@ -30,12 +30,13 @@ from moetune.layer.overlap import attach_shared_ahead
 from moetune.loading import hf
 from moetune.loading.checkpoint import Checkpoint, TensorInfo
 from moetune.loading.expert_plan import ExpertPlan, plan_experts
-from moetune.loading.from_store import open_store, store_engines
 from moetune.loading.hf import KeyTarget
 from moetune.loading.options import ExpertFormatChoice, LoadOptions
-from moetune.loading.progress import format_bytes
 from moetune.loading.quantized import checkpoint_quantization, fp8_scales
 from moetune.loading.stream import stream_experts
+from moetune.progress import format_bytes
+from moetune.store.engines import open_store, store_engines
+from moetune.store.manifest import SourceIdentity
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -126,7 +127,7 @@ def load_model(
             else ``cpu``.
         dtype: ``"bfloat16"`` (default), ``"float16"``, ``"float32"`` (exactness tests) or ``"float64"``: the
             dtype of every weight, dense routed experts included (FP8 checkpoints: dequantized to it).
-        **options: ``progress``, ``adapter``, ``adapter_trainable`` (see :class:`LoadOptions`), and the routed
+        **options: ``progress`` (see :class:`LoadOptions`), and the routed
             experts' options, either as ``experts=`` (a validated
             :class:`~moetune.config.experts.ExpertOptions`, e.g. a training config's) or one by one
             (``expert_format``, ``int4_group_size``, ``int4_symmetric``, ``expert_path``, ``expert_residency``,
@@ -155,7 +156,9 @@ def load_model(
         model.set_submodule(site.path, PendingExperts(site))
     hf.check_non_expert(model, checkpoint, planned.targets, plan.other_keys)
     store = (
-        None if opts.experts.expert_path is None else open_store(opts, checkpoint, sites)
+        None
+        if opts.experts.expert_path is None
+        else open_store(opts.experts, checkpoint.model_type, SourceIdentity.of(checkpoint), sites)
     )  # before any read
 
     fp8_other = {k: planned.scales[k] for k in plan.other_keys if k in planned.scales}  # dequantized
@@ -166,14 +169,17 @@ def load_model(
             checkpoint, plan.layers, planned.formats, opts.dtype, opts.engine, progress=opts.progress
         )
         if store is None
-        else store_engines(
-            store,
+        else zip(
             plan.layers,
-            opts.dtype,
-            opts.engine,
-            opts.experts.expert_residency,
-            opts.experts.expert_residency_budget,
-            progress=opts.progress,
+            store_engines(
+                store,
+                [layer.site for layer in plan.layers],
+                opts.dtype,
+                opts.engine,
+                opts.experts.expert_residency,
+                opts.experts.expert_residency_budget,
+                progress=opts.progress,
+            ),
         )
     )
     for layer, engine in experts:
@@ -207,8 +213,4 @@ def load_model(
         opts.device,
         f": {layer_summary(routers)}" if routers else "",
     )
-    if opts.adapter is not None:
-        from moetune.adapters import load_adapter
-
-        return load_adapter(model, opts.adapter, is_trainable=opts.adapter_trainable)
     return model

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -84,8 +83,6 @@ class LoadOptions:
         dtype: dtype of those weights and of the stored routed experts (the engine computes bf16 experts in
             fp32 tiles where the CPU lacks bf16 dot products).
         progress: show tqdm bars while loading.
-        adapter: a saved moetune/PEFT adapter directory to attach after loading (returns a ``PeftModel``).
-        adapter_trainable: keep that adapter's LoRA trainable (to continue training it).
         experts: the routed experts' options (format, store, residency, activation policy, threads, checks):
             :class:`moetune.config.experts.ExpertOptions`.
     """
@@ -93,8 +90,6 @@ class LoadOptions:
     device: torch.device
     dtype: torch.dtype
     progress: bool = True
-    adapter: Path | None = None
-    adapter_trainable: bool = False
     experts: ExpertOptions = field(default_factory=ExpertOptions)
 
     @classmethod
@@ -108,7 +103,7 @@ class LoadOptions:
         """Parse ``load_model``'s keyword arguments: the load options above, and either ``experts`` (validated
         options, e.g. a training config's) or the expert options one by one. ``ConfigError`` names every
         unknown or invalid one."""
-        own = {"progress", "adapter", "adapter_trainable"}
+        own = {"progress"}
         expert_names = set(ExpertOptions.names())
         unknown = sorted(set(options) - own - expert_names)
         if unknown:
@@ -122,23 +117,10 @@ class LoadOptions:
         progress = options.get("progress", True)
         if not isinstance(progress, bool):
             raise ConfigError(f"progress must be True or False; got {progress!r}")
-        adapter = options.get("adapter")
-        if adapter is not None:
-            adapter = Path(adapter)
-            if not (adapter / "adapter_config.json").is_file():
-                raise ConfigError(
-                    f"adapter {str(adapter)!r} is not an adapter directory: no adapter_config.json in it "
-                    "(pass the output_dir of `moetune train`, or a PEFT save_pretrained directory)"
-                )
-        trainable = options.get("adapter_trainable", False)
-        if not isinstance(trainable, bool):
-            raise ConfigError(f"adapter_trainable must be True or False; got {trainable!r}")
         return cls(
             device=_device(device),
             dtype=_dtype(dtype),
             progress=progress,
-            adapter=adapter,
-            adapter_trainable=trainable,
             experts=experts if experts is not None else ExpertOptions.create(**given),
         )
 

@@ -29,7 +29,7 @@ from moetune.engine.formats import ExpertFormat, Fp8BlockExperts
 from moetune.loading.checkpoint import Checkpoint, ShardReader, TensorInfo
 from moetune.loading.expert_plan import ROLES, ExpertSource, LayerPlan
 from moetune.loading.options import ExpertFormatChoice
-from moetune.loading.progress import LayerProgress
+from moetune.progress import LayerProgress
 
 
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:

@@ -36,12 +36,11 @@ from moetune.config.datasets import (
     is_saved_dataset,
 )
 from moetune.config.schema import DataConfig
-from moetune.errors import DataError
+from moetune.errors import LISTED, DataError, listing
 from moetune.train.templates import IGNORE_INDEX, ExampleEncoder, Sample
 
 log = logging.getLogger(__name__)
 
-MAX_REPORTED = 10  # row problems listed per dataset; the rest are counted
 COLUMNS = ("input_ids", "attention_mask", "labels")  # what an unpacked example holds
 PACKED_COLUMNS = ("input_ids", "labels", "position_ids")  # what a packed row holds
 
@@ -324,14 +323,13 @@ def _validate(ds: Any, layout: Layout, spec: DatasetSpec) -> None:
                 to_sample(row, layout)
             except RowError as err:
                 count += 1
-                if len(problems) < MAX_REPORTED:
+                if len(problems) < LISTED:
                     problems.append(f"row {index}: {err}")
             index += 1
     if count:
-        more = f"\n  ... and {count - len(problems)} more" if count > len(problems) else ""
         raise DataError(
             f"dataset {spec.name!r} ({spec.path}): {count} of {len(ds)} rows do not fit the {layout.format.value} "
-            f"format:\n  " + "\n  ".join(problems) + more
+            f"format:{listing(problems, total=count)}"
         )
 
 

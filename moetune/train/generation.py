@@ -17,15 +17,12 @@ def load_for_inference(model_dir: str | Path, adapter_dir: str | Path | None = N
     """
     from transformers import AutoTokenizer
 
-    from moetune.adapters.save import load_adapter
-    from moetune.loading import load_model
+    from moetune.adapters.load import load_model
 
     load_kwargs = {"dtype": "float32", **load_kwargs}
     has_tokenizer = adapter_dir is not None and (Path(adapter_dir) / "tokenizer_config.json").is_file()
     tokenizer = AutoTokenizer.from_pretrained(str(adapter_dir if has_tokenizer else model_dir))
-    model = load_model(model_dir, **load_kwargs)
-    if adapter_dir is not None:
-        model = load_adapter(model, adapter_dir)
+    model = load_model(model_dir, adapter=adapter_dir, **load_kwargs)
     return model.eval(), tokenizer
 
 

@@ -18,8 +18,8 @@ import moetune
 from moetune.cli.main import main
 from moetune.errors import ConfigError, LoadError
 from moetune.layer import CpuExperts
-from moetune.loading.manifest import MANIFEST
-from moetune.loading.store import StoreWriter
+from moetune.store.files import StoreWriter
+from moetune.store.manifest import MANIFEST
 from moetune.testing.tiny import save_tiny_model
 
 # I = 32 so that int4's group size 32 divides H = 64 and I

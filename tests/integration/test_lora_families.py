@@ -66,7 +66,7 @@ def test_all_targets_every_linear_and_expert_and_round_trips_through_stock_peft(
     from transformers import AutoModelForCausalLM
 
     from moetune.adapters import attach_lora, load_adapter_weights, save_adapter
-    from moetune.loading import load_model
+    from moetune.adapters.load import load_model
 
     name, path = family
     stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

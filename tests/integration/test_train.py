@@ -58,7 +58,7 @@ def test_adapter_loads_in_stock_peft_and_moetune(tmp_path, demo_model) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from moetune.loading import load_model
+    from moetune.adapters.load import load_model
     from moetune.train.recipe import run
 
     result = run(load_config(_config(tmp_path, demo_model)), progress=False)
@@ -123,7 +123,7 @@ def test_resume_matches_uninterrupted_run(tmp_path, demo_model) -> None:
 
 def test_gradient_checkpointing_runs_each_expert_forward_once(demo_model) -> None:
     from moetune.adapters.apply import attach_lora, expert_modules
-    from moetune.loading import load_model
+    from moetune.adapters.load import load_model
 
     def grads(checkpointing: bool):
         model = load_model(demo_model, device="cpu", dtype="float32", progress=False)

@@ -228,7 +228,7 @@ def test_rows_that_do_not_fit_are_reported_with_index_and_field(workdir: Path, t
     with pytest.raises(DataError) as info:
         prepare(tok, f"bad.json, {other}")  # every dataset's problems, in one error
     assert "row 1: field 'output' is missing" in str(info.value)
-    assert "1 of 1 rows do not fit the text format:\n  row 0: field 'text' is missing" in str(info.value)
+    assert "1 of 1 rows do not fit the text format:\n  - row 0: field 'text' is missing" in str(info.value)
 
 
 def test_many_bad_rows_are_counted(workdir: Path, tok: Any) -> None:
@@ -237,9 +237,11 @@ def test_many_bad_rows_are_counted(workdir: Path, tok: Any) -> None:
     with pytest.raises(DataError) as info:
         prepare(tok, write(workdir / "bad.jsonl", rows))
     text = str(info.value)
-    assert "26 of 26 rows do not fit the sharegpt format" in text and "... and 16 more" in text
+    assert (
+        "26 of 26 rows do not fit the sharegpt format" in text and "... and 14 more" in text
+    )  # the first LISTED (12) rows shown
     assert "row 0: field 'messages' has no assistant message to train on" in text
-    assert "row 9:" in text and "row 10:" not in text
+    assert "row 11:" in text and "row 12:" not in text
 
 
 def test_sharegpt_message_problems(workdir: Path, tok: Any) -> None:

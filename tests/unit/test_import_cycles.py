@@ -84,3 +84,21 @@ def test_no_import_cycle_in_the_package():
     assert len(graph) > 50 and graph["moetune.loading.load"]  # the graph really was read
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_store_is_below_loading():
+    """``moetune.loading`` imports ``moetune.store``, never the other way (lazy imports included)."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    for name, path in files.items():
+        if name.startswith("moetune.store"):
+            every = {
+                n.module
+                for n in ast.walk(ast.parse(path.read_text()))
+                if isinstance(n, ast.ImportFrom) and n.module
+            } | {
+                a.name
+                for n in ast.walk(ast.parse(path.read_text()))
+                if isinstance(n, ast.Import)
+                for a in n.names
+            }
+            assert not {m for m in every if m.startswith("moetune.loading")}, name

@@ -36,8 +36,8 @@ def test_dtype_spellings(dtype):
         ({"progress": "yes"}, "progress must be True or False"),
         (
             {"lora": {}},
-            r"unknown load_model option\(s\) \['lora'\]; known: device, dtype, activation_policy, adapter, "
-            r"adapter_trainable, check_finite, expert_format, .*experts, .*num_threads, progress",
+            r"unknown load_model option\(s\) \['lora'\]; known: device, dtype, activation_policy, "
+            r"check_finite, expert_format, .*experts, .*num_threads, progress",
         ),
         (
             {"activation_policy": "keep"},
@@ -103,16 +103,16 @@ def test_import_stays_cheap():
 
     code = (
         "import sys, moetune; assert 'torch' not in sys.modules and 'transformers' not in sys.modules; "
-        "from moetune.loading.load import load_model; assert moetune.load_model is load_model"
+        "from moetune.adapters.load import load_model; assert moetune.load_model is load_model"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_adapter_must_be_an_adapter_directory(tmp_path):
+def test_adapter_must_be_an_adapter_directory(tmp_path, no_heavy_work):
+    import moetune
     from moetune.errors import ConfigError
-    from moetune.loading import LoadOptions
 
     with pytest.raises(ConfigError, match="no adapter_config.json"):
-        LoadOptions.create(device="cpu", adapter=tmp_path)
+        moetune.load_model(tmp_path / "model", device="cpu", adapter=tmp_path)  # before the model is read
     with pytest.raises(ConfigError, match="adapter_trainable must be True or False"):
-        LoadOptions.create(device="cpu", adapter_trainable="yes")
+        moetune.load_model(tmp_path / "model", device="cpu", adapter=tmp_path, adapter_trainable="yes")

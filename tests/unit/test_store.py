@@ -19,8 +19,8 @@ from moetune.arch.detect import ExpertsLayout
 from moetune.config import parse_config
 from moetune.engine.formats import FORMATS, DenseExperts
 from moetune.errors import ConfigError, EngineError, LoadError
-from moetune.loading.manifest import MANIFEST, SourceIdentity
-from moetune.loading.store import ExpertStore, StoreWriter
+from moetune.store.files import ExpertStore, StoreWriter
+from moetune.store.manifest import MANIFEST, SourceIdentity
 from moetune.testing.memory import mapped_usage, rss_anon
 from tests.unit.test_config import minimal, problems_of, workdir  # noqa: F401  (workdir: a fixture)
 from tests.unit.test_formats import CASES, E, H, I, case_params, gaussian

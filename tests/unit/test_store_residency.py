@@ -13,7 +13,7 @@ import torch
 from moetune.engine import EngineOptions, ExpertEngine, ExpertLoRA
 from moetune.engine.residency import PagedExperts, ResidencyWindow
 from moetune.errors import EngineError, LoadError
-from moetune.loading.store import ExpertStore, StorePages
+from moetune.store.files import ExpertStore, StorePages
 from moetune.testing.memory import mapped_usage
 from tests.unit.engine_cases import make_routing
 from tests.unit.test_formats import CASES, E, H, I

@@ -32,16 +32,15 @@ import torch
 from moetune.arch import ExpertsSite
 from moetune.atomic import TMP_SUFFIX, fsync_folder, write_atomically
 from moetune.engine.formats import FORMATS, ExpertFormat
-from moetune.errors import ConfigError, EngineError, LoadError, RegistryError
-from moetune.loading.checkpoint import read_header
-from moetune.loading.manifest import MANIFEST, Manifest, SourceIdentity, StoredFile, StoredLayer
-from moetune.loading.mapped import MappedFile, page_rounded
+from moetune.errors import ConfigError, EngineError, LoadError, RegistryError, listing
+from moetune.store.manifest import MANIFEST, Manifest, SourceIdentity, StoredFile, StoredLayer
+from moetune.store.mapped import MappedFile, page_rounded
+from moetune.tensorfile import read_header
 
 BIASES = ("gate_up_bias", "down_bias")  # [E, 2I], [E, H]: stored next to the format's tensors, in float
 SUFFIX = ".safetensors"
 _STORE_FILE = re.compile(rf"(.+{re.escape(SUFFIX)}|{re.escape(MANIFEST)})({re.escape(TMP_SUFFIX)})?")
 _READ_CHUNK = 64 << 20
-MAX_LISTED = 12
 
 
 def file_sha256(path: Path) -> str:
@@ -79,9 +78,9 @@ class StoreWriter:
             else []
         )
         if foreign:
-            shown = ", ".join(foreign[:MAX_LISTED]) + (" ..." if len(foreign) > MAX_LISTED else "")
             raise ConfigError(
-                f"store destination {root} holds files that are not part of a moetune store ({shown}); "
+                f"store destination {root} holds files that are not part of a moetune store "
+                f"({listing(foreign, inline=True)}); "
                 "choose a new or empty directory"
             )
         return cls(root)
@@ -209,9 +208,9 @@ class ExpertStore:
         missing = [p for p in by_path if p not in self.layers]
         extra = [p for p in self.layers if p not in by_path]
         if missing:
-            problems.append(f"no experts for the model's module(s) {_listed(missing)}")
+            problems.append(f"no experts for the model's module(s) {listing(missing, inline=True)}")
         if extra:
-            problems.append(f"experts for module(s) the model does not have: {_listed(extra)}")
+            problems.append(f"experts for module(s) the model does not have: {listing(extra, inline=True)}")
         for path, layer in self.layers.items():
             site = by_path.get(path)
             if site is None:
@@ -227,9 +226,9 @@ class ExpertStore:
                 for d in m.source.differences(source)
             ]
         if problems:
-            shown = "\n  ".join(problems[:MAX_LISTED])
             raise LoadError(
-                f"expert store {self.root} does not fit the model being loaded ({self.root / MANIFEST}):\n  {shown}"
+                f"expert store {self.root} does not fit the model being loaded ({self.root / MANIFEST}):"
+                f"{listing(problems)}"
                 f"\nConvert this checkpoint: moetune convert {source.path} {self.root} --overwrite"
             )
 
@@ -287,10 +286,6 @@ class ExpertStore:
         """Hash every file now (one full read of the store)."""
         for module in self.layers:
             self.verify_mapped(self.map_layer(module))
-
-
-def _listed(items: list[str]) -> str:
-    return ", ".join(items[:MAX_LISTED]) + (f" ... ({len(items)} in all)" if len(items) > MAX_LISTED else "")
 
 
 class StorePages:

@@ -18,32 +18,31 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moetune.config.experts import AUTO, ExpertResidency
+from moetune.config.experts import AUTO, ExpertOptions, ExpertResidency
 from moetune.engine import EngineOptions, ExpertEngine, get_activation
 from moetune.engine.residency import PagedExperts, ResidencyWindow
 from moetune.errors import ConfigError
-from moetune.loading.checkpoint import Checkpoint
-from moetune.loading.expert_plan import LayerPlan
-from moetune.loading.manifest import SourceIdentity
-from moetune.loading.progress import LayerProgress
-from moetune.loading.store import ExpertStore, StorePages
+from moetune.progress import LayerProgress
+from moetune.store.files import ExpertStore, StorePages
+from moetune.store.manifest import SourceIdentity
 
 if TYPE_CHECKING:
     from moetune.arch import ExpertsSite
-    from moetune.loading.options import LoadOptions
 
 
-def open_store(opts: LoadOptions, checkpoint: Checkpoint, sites: list[ExpertsSite]) -> ExpertStore:
-    """``opts.experts.expert_path`` opened and checked against the model about to load (``LoadError`` naming the file),
-    including an ``expert_format`` and int4 options given explicitly."""
-    experts = opts.experts
+def open_store(
+    experts: ExpertOptions, model_type: str, source: SourceIdentity, sites: list[ExpertsSite]
+) -> ExpertStore:
+    """``experts.expert_path`` opened and checked against the model about to load, of ``model_type`` from the
+    checkpoint ``source`` (``LoadError`` naming the file), including an ``expert_format`` and int4 options
+    given explicitly."""
     assert experts.expert_path is not None
     store = ExpertStore.open(experts.expert_path)
     asked = {"group_size": experts.int4_group_size, "symmetric": experts.int4_symmetric}
     store.check_model(
-        checkpoint.model_type,
+        model_type,
         sites,
-        SourceIdentity.of(checkpoint),
+        source,
         None if experts.expert_format == AUTO else experts.expert_format,
         {k: v for k, v in asked.items() if v is not None},
     )
@@ -52,22 +51,22 @@ def open_store(opts: LoadOptions, checkpoint: Checkpoint, sites: list[ExpertsSit
 
 def store_engines(
     store: ExpertStore,
-    layers: list[LayerPlan],
+    sites: list[ExpertsSite],
     dtype: torch.dtype,
     options: EngineOptions,
     residency: ExpertResidency = ExpertResidency.RAM,
     budget: int | None = None,
     *,
     progress: bool = True,
-) -> Iterator[tuple[LayerPlan, ExpertEngine]]:
-    """Yield ``(layer, engine)`` in plan order over ``store``'s files (checked with ``check_model`` before).
+) -> Iterator[ExpertEngine]:
+    """Yield one engine per site, in order, over ``store``'s files (checked with ``check_model`` before).
 
     Biases are copied in ``dtype``; the expert weights stay as stored (views of the mappings).
     ``ConfigError`` before anything is read if a disk ``budget`` cannot hold the two largest layers.
     """
     window = None
     if residency is ExpertResidency.DISK:
-        largest = sorted(store.layer_resident_bytes(layer.site.path) for layer in layers)[-2:]
+        largest = sorted(store.layer_resident_bytes(site.path) for site in sites)[-2:]
         if budget is not None and budget < sum(largest):
             raise ConfigError(
                 f"expert_residency_budget {budget} bytes cannot hold the two largest layers of {store.root} "
@@ -75,10 +74,10 @@ def store_engines(
                 f"set it to at least {sum(largest)}"
             )
         window = ResidencyWindow(sum(largest) if budget is None else budget)
-    total = sum(store.layer_nbytes(layer.site.path) for layer in layers)
-    with LayerProgress(len(layers), total, "moetune: routed experts (store)", progress) as bar:
-        for layer in layers:
-            path, lay = layer.site.path, layer.site.layout
+    total = sum(store.layer_nbytes(site.path) for site in sites)
+    with LayerProgress(len(sites), total, "moetune: routed experts (store)", progress) as bar:
+        for site in sites:
+            path, lay = site.path, site.layout
             mapped = store.map_layer(path)
             if window is None:
                 store.verify_mapped(mapped)  # the pass that brings the pages in
@@ -96,4 +95,4 @@ def store_engines(
                 name=path,
             )
             bar.advance(store.layer_nbytes(path))
-            yield layer, engine
+            yield engine

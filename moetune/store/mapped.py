@@ -26,7 +26,7 @@ from typing import cast
 import torch
 
 from moetune.errors import LoadError
-from moetune.loading.checkpoint import TORCH_DTYPES, read_header
+from moetune.tensorfile import TORCH_DTYPES, read_header
 
 HASH_CHUNK = 64 << 20  # bytes hashed per hashlib call: large enough to run without the GIL, small for RAM
 

@@ -23,15 +23,26 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from moetune.errors import LoadError
-from moetune.loading.checkpoint import Checkpoint
 
 MANIFEST = "manifest.json"
 VERSION = 1  # bump when the layout of stores changes; older readers then refuse newer stores by name
 FINGERPRINT_BYTES = 1 << 20  # per shard: its header and the start of its data
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
+
+
+class CheckpointFiles(Protocol):
+    """What a source identity reads of a checkpoint (``moetune.loading.checkpoint.Checkpoint`` is one)."""
+
+    @property
+    def path(self) -> Path: ...
+    @property
+    def config(self) -> dict[str, Any]: ...
+    @property
+    def files(self) -> list[str]: ...
+    def file_path(self, name: str) -> Path: ...
 
 
 @dataclass(frozen=True)
@@ -44,7 +55,7 @@ class SourceIdentity:
     fingerprint: str
 
     @classmethod
-    def of(cls, checkpoint: Checkpoint) -> SourceIdentity:
+    def of(cls, checkpoint: CheckpointFiles) -> SourceIdentity:
         """Read from the checkpoint directory: config.json plus the first MiB of every shard."""
         config = {k: v for k, v in checkpoint.config.items() if k not in _VOLATILE_CONFIG_KEYS}
         config_sha = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
