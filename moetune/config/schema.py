@@ -214,9 +214,9 @@ class EngineConfig:
     """moetune's own options: the ``moetune:`` mapping of the YAML.
 
     ``expert_format`` is the storage format of routed experts in host RAM: ``auto`` (as the checkpoint stores
-    them: fp8 for FP8 checkpoints, else dense), ``bf16`` (dense in the training dtype), ``int8``, ``int4``,
-    ``fp8`` (quantized at load time from float checkpoints), or a registered format name (``dense``,
-    ``fp8_block``); ``int4_group_size`` (32, 64 or 128; unset: 64) and ``int4_symmetric`` (unset: true) apply
+    them: fp8 for FP8 checkpoints, mxfp4 for MXFP4 ones (gpt-oss), else dense), ``bf16`` (dense in the training
+    dtype), ``int8``, ``int4``, ``fp8`` (quantized at load time from float checkpoints), or a registered format
+    name (``dense``, ``fp8_block``, ``mxfp4``); ``int4_group_size`` (32, 64 or 128; unset: 64) and ``int4_symmetric`` (unset: true) apply
     to ``int4`` only. docs/formats.md compares the formats. ``expert_path`` takes the routed experts from a store
     written by ``moetune convert`` (memory-mapped), held in RAM (``expert_residency: ram``) or paged from disk
     layer by layer (``disk``) within ``expert_residency_budget`` (bytes or a size like ``64GB``; unset: the two

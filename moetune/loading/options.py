@@ -11,6 +11,7 @@ import torch
 from moetune.engine import ActivationPolicy, EngineOptions
 from moetune.engine.formats import FORMATS, ExpertFormat
 from moetune.engine.formats.int4 import GROUP_SIZES
+from moetune.engine.formats.mxfp4 import BLOCK as MXFP4_BLOCK
 from moetune.errors import ConfigError
 from moetune.loading.from_store import ExpertResidency, parse_bytes, residency_problems
 
@@ -51,7 +52,7 @@ def _device(value: str | torch.device | None) -> torch.device:
     return device
 
 
-AUTO = "auto"  # expert_format resolved per layer: fp8_block where the checkpoint stores FP8, else dense
+AUTO = "auto"  # expert_format resolved per layer: as the checkpoint stores it (fp8_block, mxfp4), else dense
 # Spellings accepted besides the FORMATS names: the issue's names for the dense and FP8 formats.
 FORMAT_ALIASES = {"bf16": "dense", "fp8": "fp8_block"}
 INT4_OPTIONS = ("int4_group_size", "int4_symmetric")
@@ -135,10 +136,11 @@ class LoadOptions:
         adapter: a saved moetune/PEFT adapter directory to attach after loading (returns a ``PeftModel``).
         adapter_trainable: keep that adapter's LoRA trainable (to continue training it).
         expert_format: how routed experts are held in host RAM: ``auto`` (default: as the checkpoint stores
-            them, i.e. ``fp8_block`` for FP8 checkpoints, else dense in ``dtype``), ``bf16``/``dense`` (dense in
-            ``dtype``: bf16 for a bfloat16 load, fp32 for a float32 one; FP8 checkpoints are dequantized),
-            ``int8``, ``int4`` (quantized at load time, layer by layer) or ``fp8``/``fp8_block`` (native for FP8
-            checkpoints, quantized at load time otherwise). Stored as the ``FORMATS`` name, or ``auto``.
+            them, i.e. ``fp8_block`` for FP8 checkpoints, ``mxfp4`` for MXFP4 ones (gpt-oss), else dense in
+            ``dtype``), ``bf16``/``dense`` (dense in ``dtype``: bf16 for a bfloat16 load, fp32 for a float32 one;
+            FP8 and MXFP4 checkpoints are dequantized), ``int8``, ``int4`` (quantized at load time, layer by
+            layer), ``fp8``/``fp8_block`` or ``mxfp4`` (native for checkpoints stored so, quantized at load time
+            otherwise). Stored as the ``FORMATS`` name, or ``auto``.
         int4_group_size: int4 only: 32, 64 or 128 inputs per scale (None: 64); must divide H and I.
         int4_symmetric: int4 only: no zero points (None: True).
         expert_path: a store written by ``moetune convert``: the routed experts come from its memory-mapped
@@ -238,14 +240,19 @@ class LoadOptions:
         )
 
     def layer_format(
-        self, stored_fp8: bool, hidden: int, intermediate: int, where: str
+        self, native: str | None, hidden: int, intermediate: int, where: str
     ) -> ExpertFormatChoice:
-        """The format of one experts module (``where``, H = ``hidden``, I = ``intermediate``), given whether the
-        checkpoint stores it in FP8: the one place that decides it. ``ConfigError`` if int4's group size does
-        not divide H and I."""
+        """The format of one experts module (``where``, H = ``hidden``, I = ``intermediate``), given the format
+        the checkpoint stores it in (``native``: ``fp8_block``, ``mxfp4``, or None for float): the one place
+        that decides it. ``ConfigError`` if int4's group size, or mxfp4's block of 32, does not divide H and I."""
         name = self.expert_format
         if name == AUTO:
-            name = "fp8_block" if stored_fp8 else "dense"
+            name = native or "dense"
+        if name == "mxfp4" and (hidden % MXFP4_BLOCK or intermediate % MXFP4_BLOCK):
+            raise ConfigError(
+                f"expert_format mxfp4 needs H and I that are multiples of {MXFP4_BLOCK} (one scale per "
+                f"{MXFP4_BLOCK} inputs); {where} has H = {hidden}, I = {intermediate}. Use int8, int4 or fp8"
+            )
         if name != "int4":
             return ExpertFormatChoice(name)
         g = INT4_DEFAULT_GROUP_SIZE if self.int4_group_size is None else self.int4_group_size
