@@ -2,7 +2,8 @@
 
     python bench/formats.py [--experts 16 --hidden 2048 --inter 768 --tokens 512 --top-k 8 --rank 8 --reps 5]
 
-One fp32 Gaussian layer is stored as bf16 (the baseline), int8, int4 (group 64, symmetric) and fp8_block.
+One fp32 Gaussian layer is stored as bf16 (the baseline), int8, int4 (group 64, symmetric), fp8_block and mxfp4
+(gpt-oss's shipped format; H and I must be multiples of 32).
 Each rep runs every format once, in turn, so machine noise falls on all of them alike. Printed per format:
 resident bytes per parameter, relative Frobenius error of the dequantized weights, the time to dequantize
 every expert's two tiles once (what one forward adds over fp32 weights), fwd+bwd ms with expert LoRA
@@ -30,6 +31,7 @@ FORMAT_SPECS: dict[str, tuple[str, dict[str, object], torch.dtype]] = {
     "int8": ("int8", {}, torch.float32),
     "int4-g64": ("int4", {"group_size": 64}, torch.float32),
     "fp8_block": ("fp8_block", {}, torch.float32),
+    "mxfp4": ("mxfp4", {}, torch.float32),
 }
 
 

@@ -1,11 +1,11 @@
-"""``moetune convert SRC DST --format int8|int4|fp8|bf16``: write a checkpoint's routed experts once, quantized,
+"""``moetune convert SRC DST --format int8|int4|fp8|mxfp4|bf16``: write a checkpoint's routed experts once, quantized,
 as a store that ``load_model(..., expert_path=DST)`` memory-maps (``moetune.loading.convert``)."""
 
 from __future__ import annotations
 
 import argparse
 
-FORMAT_CHOICES = ("int8", "int4", "fp8", "bf16")
+FORMAT_CHOICES = ("int8", "int4", "fp8", "mxfp4", "bf16")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -25,7 +25,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         required=True,
         choices=FORMAT_CHOICES,
         help="int8 (per channel), int4 (group-wise), fp8 (e4m3, 128x128 blocks; FP8 checkpoints kept as "
-        "stored) or bf16 (unquantized, for disk residency)",
+        "stored), mxfp4 (e2m1, a power-of-two scale per 32; MXFP4 checkpoints such as gpt-oss kept as stored) "
+        "or bf16 (unquantized, for disk residency)",
     )
     p.add_argument("--group-size", type=int, help="int4: inputs per scale, 32, 64 or 128 (default 64)")
     sym = p.add_mutually_exclusive_group()

@@ -76,7 +76,8 @@ class ExpertOptions:
 
     Attributes:
         expert_format: how routed experts are held in host RAM: ``auto`` (default: as the checkpoint stores
-            them, e.g. ``fp8_block`` for FP8 checkpoints, else dense in the load dtype), a name in the engine's
+            them: ``fp8_block`` for FP8 checkpoints, ``mxfp4`` for MXFP4 ones (gpt-oss), else dense in the load
+            dtype), a name in the engine's
             format registry (``dense``, ``int8``, ``int4``, ``fp8_block``, ...) or an alias (``bf16`` = dense,
             ``fp8`` = fp8_block). Stored as the registered name, or ``auto``.
         int4_group_size: int4 only: inputs per scale (None: 64); must divide H and I.

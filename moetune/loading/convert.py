@@ -39,13 +39,16 @@ def convert_checkpoint(
     progress: bool = True,
 ) -> Manifest:
     """Write ``src``'s routed experts to store ``dst`` in ``expert_format`` (``int8``, ``int4``, ``fp8``/
-    ``fp8_block``, or ``bf16``/``dense``: unquantized bf16, for disk residency).
+    ``fp8_block``, ``mxfp4``, or ``bf16``/``dense``: unquantized bf16, for disk residency). FP8 and MXFP4
+    checkpoints written in their own format keep their bytes as shipped.
 
     Every check (destination, options, checkpoint headers, int4 group size against H and I) runs before
     anything is read or removed. Returns the manifest written last.
     """
     if expert_format == AUTO:
-        raise ConfigError("a store needs an explicit expert format: int8, int4, fp8 or bf16 (not 'auto')")
+        raise ConfigError(
+            "a store needs an explicit expert format: int8, int4, fp8, mxfp4 or bf16 (not 'auto')"
+        )
     writer = StoreWriter.prepare(dst, overwrite=overwrite)
     opts = LoadOptions.create(
         device="cpu",
@@ -83,7 +86,7 @@ def convert_checkpoint(
 
 def _stream_dtype(planned, opts: LoadOptions) -> torch.dtype:
     """The dtype dense experts are read in: bf16 for a bf16 store, else the checkpoint's own float dtype
-    (quantizing from it exactly as ``load_model`` does), bf16 for FP8 checkpoints."""
+    (quantizing from it exactly as ``load_model`` does), bf16 for FP8 and MXFP4 checkpoints."""
     if opts.experts.expert_format == "dense":
         return torch.bfloat16
     codes = {s.info.dtype for layer in planned.plan.layers for s in layer.sources}

@@ -14,8 +14,12 @@ yet merged) name, in one of the on-disk layouts:
 
 In FP8 checkpoints (``loading.quantized``) a layer's per-expert matrices may all be float8 e4m3fn, each
 with its ``weight_scale_inv`` (paired and shape-checked by ``quantized.fp8_scales``); the scales travel with
-their weights (``ExpertSource.scale``). Fused FP8 expert tensors and layers mixing FP8 and float experts are
-not read.
+their weights (``ExpertSource.scale``). Fused FP8 expert tensors are not read.
+
+In MXFP4 checkpoints (gpt-oss; ``loading.mxfp4``) the fused ``gate_up_proj`` / ``down_proj`` are stored as
+uint8 ``<name>_blocks [E, out, in/32, 16]`` with ``<name>_scales [E, out, in/32]`` (paired by
+``mxfp4.mxfp4_scales``), the biases in float. A layer's expert matrices are all stored one way (float, FP8
+or MXFP4); mixing them is an error.
 
 Every layer must have exactly one complete set; anything missing, extra, misshapen or not floating point
 is a ``LoadError`` naming the file and key.
@@ -31,6 +35,7 @@ import torch
 
 from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS, ExpertsSite
 from moetune.errors import LoadError, listing
+from moetune.loading import mxfp4
 from moetune.loading.checkpoint import Checkpoint, TensorInfo
 from moetune.loading.hf import KeyTarget
 from moetune.loading.quantized import FP8_DTYPE
@@ -52,7 +57,8 @@ class ExpertSource:
     ``swapped``: a fused 3-D tensor stored with its last two dimensions swapped relative to the module.
     ``stem``: the key up to the experts container (``model.layers.0.block_sparse_moe.experts.``), as stored;
     ``proj``: a per-expert tensor's projection name (``gate_proj``, ``w1``, ...), for messages.
-    ``scale``: an FP8 matrix's ``weight_scale_inv`` ``[ceil(out/128), ceil(in/128)]`` fp32 (None: float).
+    ``scale``: an FP8 matrix's ``weight_scale_inv`` ``[ceil(out/128), ceil(in/128)]`` fp32, or the
+    ``_scales`` of MXFP4 blocks (``info``: the ``_blocks``); None: float.
     """
 
     info: TensorInfo
@@ -62,6 +68,14 @@ class ExpertSource:
     stem: str = ""
     proj: str = ""
     scale: TensorInfo | None = None
+
+    @property
+    def stored(self) -> str | None:
+        """The engine format this tensor is stored in, kept as shipped: ``fp8_block``, ``mxfp4``, or None
+        (float)."""
+        if self.scale is None:
+            return None
+        return "mxfp4" if self.info.dtype == mxfp4.PACKED_DTYPE else "fp8_block"
 
 
 @dataclass
@@ -86,9 +100,10 @@ class LayerPlan:
         return next((t for code, t in FLOAT_DTYPES.items() if code in codes), torch.float32)
 
     @property
-    def fp8(self) -> bool:
-        """The checkpoint stores this layer's experts in FP8 with block scales (all of them: never mixed)."""
-        return bool(self.sources) and self.sources[0].scale is not None
+    def native(self) -> str | None:
+        """The format the checkpoint stores this layer's expert matrices in, when not float: ``fp8_block``
+        or ``mxfp4`` (all of them: never mixed); None for float."""
+        return next((s.stored for s in self.sources if s.stored is not None), None)
 
 
 @dataclass
@@ -192,7 +207,12 @@ def _missing(layer: LayerPlan) -> list[str]:
     where = f"the layer's other expert tensors are in {', '.join(layer.files)}"
     if fused:
         have = {s.role for s in fused}
-        return [f"missing {stem}{n} ({site.path}; {where})" for n in lay.tensor_names if n not in have]
+        packed = {GATE_UP, DOWN} if layer.native == "mxfp4" else set()
+        return [
+            f"missing {stem}{n}{mxfp4.BLOCKS if n in packed else ''} ({site.path}; {where})"
+            for n in lay.tensor_names
+            if n not in have
+        ]
     scheme = next(s for s in PER_EXPERT_SCHEMES if per[0].proj in s)
     have_pe = {(s.expert, s.role) for s in per}
     out = [
@@ -208,16 +228,37 @@ def _missing(layer: LayerPlan) -> list[str]:
     return out
 
 
+_STORED_NAMES = {None: "float", "fp8_block": "FP8", "mxfp4": "MXFP4"}
+
+
 def _mixed(layer: LayerPlan) -> list[str]:
-    """A layer whose expert matrices are partly FP8 and partly float: one example of each."""
-    fp8 = [s for s in layer.sources if s.scale is not None]
-    dense = [s for s in layer.sources if s.scale is None]
-    if fp8 and dense:
-        return [
-            f"{layer.site.path}: mixes FP8 expert tensors ({fp8[0].info.key}) with float ones "
-            f"({dense[0].info.key}); a layer's experts must all be FP8 with block scales or all be float"
-        ]
-    return []
+    """A layer whose expert matrices (biases aside) are stored in more than one way: one example of each."""
+    first: dict[str | None, str] = {}
+    for s in layer.sources:
+        if s.role not in (GATE_UP_BIAS, DOWN_BIAS):
+            first.setdefault(s.stored, s.info.key)
+    if len(first) < 2:
+        return []
+    listed = " with ".join(
+        f"{name} ones ({first[kind]})" for kind, name in _STORED_NAMES.items() if kind in first
+    )
+    return [
+        f"{layer.site.path}: mixes expert tensors: {listed}; a layer's experts must all be float, all FP8 with "
+        "block scales or all MXFP4"
+    ]
+
+
+def _parse_mxfp4(info: TensorInfo, renamed: str, site: ExpertsSite, scale: TensorInfo) -> ExpertSource | str:
+    """An ``ExpertSource`` for MXFP4 blocks ``info`` (scales ``scale``) in ``site``, or why it is not one."""
+    name = mxfp4.fused_name(renamed, site.path.rpartition(".")[2])
+    if name is None:
+        return f"MXFP4 blocks of no fused expert weight moetune reads ({GATE_UP}{mxfp4.BLOCKS}, {DOWN}{mxfp4.BLOCKS})"
+    want = mxfp4.blocks_shape(site.layout, name)
+    if isinstance(want, str):
+        return want
+    if info.shape != want:
+        return f"shape {info.shape}, expected {want} (MXFP4 blocks [E, out, in/32, 16])"
+    return ExpertSource(info, name, stem=_stem(info.key, renamed, name + mxfp4.BLOCKS), scale=scale)
 
 
 def plan_experts(
@@ -229,7 +270,8 @@ def plan_experts(
     """Split the checkpoint's keys into expert tensors per experts module and the rest.
 
     ``targets`` maps each checkpoint key to its destination under transformers' rules for the model;
-    ``scales`` each FP8 weight key to its ``weight_scale_inv`` (``quantized.fp8_scales``).
+    ``scales`` each FP8 weight key to its ``weight_scale_inv`` (``quantized.fp8_scales``) and each MXFP4
+    blocks key to its ``_scales`` (``mxfp4.mxfp4_scales``).
     Raises one ``LoadError`` listing every unexpected, duplicate, misshapen, non-float or missing tensor.
     """
     scales = scales or {}
@@ -243,10 +285,18 @@ def plan_experts(
         if key in scale_keys:
             continue
         site = _site_of(targets[key].target, by_path)
+        packed = mxfp4.is_blocks(info, scales)
         if site is None:
-            other.append(key)
+            if packed:
+                problems.add(
+                    f"{info.file}: {key} is MXFP4 but not part of a routed-experts module; moetune (like "
+                    "transformers) reads MXFP4 for routed experts only"
+                )
+            else:
+                other.append(key)
             continue
-        parsed = _parse(info, targets[key].renamed, site)
+        renamed = targets[key].renamed
+        parsed = _parse_mxfp4(info, renamed, site, scales[key]) if packed else _parse(info, renamed, site)
         if isinstance(parsed, str):
             problems.add(f"{info.file}: unexpected expert tensor {key} for {site.path}: {parsed}")
             continue
@@ -259,11 +309,11 @@ def plan_experts(
                 )
                 continue
             parsed = dataclasses.replace(parsed, scale=scales[key])
-        elif info.dtype not in FLOAT_DTYPES:
+        elif info.dtype not in FLOAT_DTYPES and not packed:  # MXFP4 blocks: paired in _parse_mxfp4
             problems.add(
                 f"{info.file}: expert tensor {key} is {info.dtype}; moetune loads expert tensors in "
-                f"{', '.join(FLOAT_DTYPES)}, or {FP8_DTYPE} with 128 x 128 weight_scale_inv in FP8 "
-                "checkpoints"
+                f"{', '.join(FLOAT_DTYPES)}, {FP8_DTYPE} with 128 x 128 weight_scale_inv in FP8 checkpoints, or "
+                f"{mxfp4.PACKED_DTYPE} _blocks with _scales in MXFP4 checkpoints"
             )
             continue
         slot = (site.path, parsed.role, parsed.expert)

@@ -1,6 +1,6 @@
 """``load_model``: a Hugging Face MoE checkpoint as its own transformers model, experts in the CPU engine.
 
-    path -> Checkpoint (headers; FP8 weights paired with their block scales) -> config -> ArchSpec
+    path -> Checkpoint (headers; FP8 weights / MXFP4 blocks paired with their scales) -> config -> ArchSpec
          -> model on meta -> experts sites -> plan: expert tensors per site, each layer's expert format
             (``plan_load``, shared with ``moetune convert``); experts modules replaced on the instance by
             placeholders; non-expert keys checked against the model (every check before any tensor is read)
@@ -31,6 +31,7 @@ from moetune.loading import hf
 from moetune.loading.checkpoint import Checkpoint, TensorInfo
 from moetune.loading.expert_plan import ExpertPlan, plan_experts
 from moetune.loading.hf import KeyTarget
+from moetune.loading.mxfp4 import mxfp4_quantization, mxfp4_scales
 from moetune.loading.options import ExpertFormatChoice, LoadOptions
 from moetune.loading.quantized import checkpoint_quantization, fp8_scales
 from moetune.loading.stream import stream_experts
@@ -79,7 +80,8 @@ class PlannedLoad:
     """Everything decided from headers and config before any tensor is read.
 
     ``model`` is on the meta device with its experts modules still in place; ``scales`` maps each FP8 weight
-    key to its ``weight_scale_inv``; ``formats[j]`` is the format of ``plan.layers[j]``.
+    key to its ``weight_scale_inv`` and each MXFP4 blocks key to its ``_scales``; ``formats[j]`` is the format
+    of ``plan.layers[j]``.
     """
 
     checkpoint: Checkpoint
@@ -96,7 +98,10 @@ def plan_load(path: str | Path, opts: LoadOptions) -> PlannedLoad:
     """Open ``path``, build its model on the meta device and plan its experts; every check that needs no
     tensor data (files, config, quantization, expert tensors and their scales, formats) runs here."""
     checkpoint = Checkpoint.open(path)
-    scales = fp8_scales(checkpoint, checkpoint_quantization(checkpoint))
+    scales = {
+        **fp8_scales(checkpoint, checkpoint_quantization(checkpoint)),
+        **mxfp4_scales(checkpoint, mxfp4_quantization(checkpoint)),
+    }
     config = hf.load_config(checkpoint)
     spec = resolve_arch(config.model_type)
     model = hf.empty_model(config, opts.dtype, str(checkpoint.path))
@@ -105,7 +110,7 @@ def plan_load(path: str | Path, opts: LoadOptions) -> PlannedLoad:
     plan = plan_experts(checkpoint, sites, targets, scales)
     formats = [
         opts.layer_format(
-            layer.fp8, layer.site.layout.hidden_size, layer.site.layout.intermediate_size, layer.site.path
+            layer.native, layer.site.layout.hidden_size, layer.site.layout.intermediate_size, layer.site.path
         )
         for layer in plan.layers
     ]

@@ -11,6 +11,7 @@ from moetune.config.experts import AUTO, ExpertOptions
 from moetune.engine import EngineOptions
 from moetune.engine.formats import FORMATS, ExpertFormat
 from moetune.engine.formats.int4 import GROUP_SIZES
+from moetune.engine.formats.mxfp4 import BLOCK as MXFP4_BLOCK
 from moetune.errors import ConfigError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -138,15 +139,20 @@ class LoadOptions:
         )
 
     def layer_format(
-        self, stored_fp8: bool, hidden: int, intermediate: int, where: str
+        self, native: str | None, hidden: int, intermediate: int, where: str
     ) -> ExpertFormatChoice:
-        """The format of one experts module (``where``, H = ``hidden``, I = ``intermediate``), given whether the
-        checkpoint stores it in FP8: the one place that decides it. ``ConfigError`` if int4's group size does
-        not divide H and I."""
+        """The format of one experts module (``where``, H = ``hidden``, I = ``intermediate``), given the format
+        the checkpoint stores it in (``native``: ``fp8_block``, ``mxfp4``, or None for float): the one place
+        that decides it. ``ConfigError`` if int4's group size, or mxfp4's block of 32, does not divide H and I."""
         experts = self.experts
         name = experts.expert_format
         if name == AUTO:
-            name = "fp8_block" if stored_fp8 else "dense"
+            name = native or "dense"
+        if name == "mxfp4" and (hidden % MXFP4_BLOCK or intermediate % MXFP4_BLOCK):
+            raise ConfigError(
+                f"expert_format mxfp4 needs H and I that are multiples of {MXFP4_BLOCK} (one scale per "
+                f"{MXFP4_BLOCK} inputs); {where} has H = {hidden}, I = {intermediate}. Use int8, int4 or fp8"
+            )
         if name != "int4":
             return ExpertFormatChoice(name)
         g = INT4_DEFAULT_GROUP_SIZE if experts.int4_group_size is None else experts.int4_group_size

@@ -30,6 +30,7 @@ import torch
 from moetune.engine.formats.fp8_block import BLOCK, grid
 from moetune.errors import LoadError
 from moetune.loading.checkpoint import Checkpoint, TensorInfo
+from moetune.loading.mxfp4 import METHOD as MXFP4_METHOD
 
 FP8_DTYPE = "F8_E4M3"  # safetensors' code for float8 e4m3fn
 SCALE_SUFFIX = "_scale_inv"  # <name>.weight -> <name>.weight_scale_inv
@@ -56,11 +57,14 @@ def checkpoint_quantization(checkpoint: Checkpoint) -> Fp8Quantization | None:
     if not isinstance(quant, dict):
         raise LoadError(f"{where} must be a mapping; got {quant!r}")
     method = quant.get("quant_method")
+    if method == MXFP4_METHOD:  # gpt-oss's experts: read by loading.mxfp4
+        return None
     if method not in SUPPORTED_METHODS:
         raise LoadError(
             f"{where}.quant_method is {method!r}; moetune loads quantized checkpoints of quant_method "
-            f"{', '.join(SUPPORTED_METHODS)} (DeepSeek-V3-style FP8 with 128 x 128 block scales) and float "
-            "(bf16/fp16/fp32) checkpoints. Use the model's bf16 release, or convert it to one of those."
+            f"{', '.join(SUPPORTED_METHODS)} (DeepSeek-V3-style FP8 with 128 x 128 block scales), "
+            f"{MXFP4_METHOD} (gpt-oss's MXFP4 experts) and float (bf16/fp16/fp32) checkpoints. Use the model's "
+            "bf16 release, or convert it to one of those."
         )
     checks: dict[str, tuple[Any, tuple[Any, ...]]] = {
         "weight_block_size": (quant.get("weight_block_size"), ([BLOCK, BLOCK], (BLOCK, BLOCK))),

@@ -3,8 +3,10 @@
 Peak resident set size is a per-process high-water mark (``getrusage(RUSAGE_SELF).ru_maxrss``: KiB on Linux,
 bytes on macOS), so every measurement that must not inherit another's peak runs in a fresh process.
 ``measure_load`` runs ``python -m moetune.testing.rss PATH ...`` and reads back one JSON line: the resident
-size once torch, transformers and moetune are imported (``baseline``), the peak while loading, and the
-resident size once ``load_model`` returned (``final``, after a garbage collection), all in bytes. Resident
+size once torch, transformers and moetune are imported (``baseline``; with ``warmup``, once a first, small
+checkpoint of the same family is loaded too, so the model's own modules and moetune's code paths are resident
+and ``final - baseline`` is the second model's weights alone), the peak while loading, and the resident size
+once ``load_model`` returned (``final``, after a garbage collection), all in bytes. Resident
 means every page the process maps that is in RAM: anonymous memory and file pages (mapped shards) alike.
 """
 
@@ -36,13 +38,23 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-def measure_load(path: str | Path, *, dtype: str = "bfloat16", timeout: float = 1800) -> dict[str, Any]:
-    """Load checkpoint ``path`` with ``moetune.load_model(device="cpu")`` in a fresh Python process.
+def measure_load(
+    path: str | Path,
+    *,
+    dtype: str = "bfloat16",
+    warmup: str | Path | None = None,
+    timeout: float = 1800,
+) -> dict[str, Any]:
+    """Load checkpoint ``path`` with ``moetune.load_model(device="cpu")`` in a fresh Python process (after
+    loading ``warmup`` there, when given, and keeping it).
 
     Returns ``{"baseline", "peak", "final"}`` in bytes and ``"seconds"`` (the load alone); raises
-    ``MoetuneError`` with the child's stderr when it fails.
+    ``MoetuneError`` with the child's stderr when it fails. The peak is the process's high-water mark, which
+    Linux carries over from the parent's resident size at fork: spawn from a small parent.
     """
     cmd = [sys.executable, "-m", "moetune.testing.rss", str(path), "--dtype", dtype]
+    if warmup is not None:
+        cmd += ["--warmup", str(warmup)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise MoetuneError(
@@ -58,18 +70,25 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m moetune.testing.rss")
     parser.add_argument("path")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--warmup", help="a checkpoint loaded (and kept) before the baseline")
     args = parser.parse_args(argv)
     from transformers import PreTrainedModel  # noqa: F401  (the libraries are resident before the baseline)
 
     import moetune
 
+    warm = (
+        None
+        if args.warmup is None
+        else moetune.load_model(args.warmup, device="cpu", dtype=args.dtype, progress=False)
+    )
+    gc.collect()
     baseline = rss_bytes()
     start = time.perf_counter()
     model = moetune.load_model(args.path, device="cpu", dtype=args.dtype, progress=False)
     seconds = time.perf_counter() - start
     gc.collect()
     out = {"baseline": baseline, "peak": peak_rss_bytes(), "final": rss_bytes(), "seconds": seconds}
-    del model
+    del model, warm
     print(json.dumps(out))
 
 

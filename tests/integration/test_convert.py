@@ -22,7 +22,7 @@ from moetune.store.files import StoreWriter
 from moetune.store.manifest import MANIFEST
 from moetune.testing.tiny import save_tiny_model
 
-# I = 32 so that int4's group size 32 divides H = 64 and I
+# I = 32 so that int4's group size 32 (and mxfp4's block of 32) divides H = 64 and I
 OVERRIDES = {"moe_intermediate_size": 32}
 FORMATS = {
     "int8": ([], {"expert_format": "int8"}),
@@ -31,6 +31,7 @@ FORMATS = {
         {"expert_format": "int4", "int4_group_size": 32, "int4_symmetric": False},
     ),
     "fp8": ([], {"expert_format": "fp8"}),
+    "mxfp4": ([], {"expert_format": "mxfp4"}),
 }
 
 

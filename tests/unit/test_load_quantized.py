@@ -135,7 +135,7 @@ def test_online_quantization_of_other_layouts(tmp_path, family):
     [
         (
             {"expert_format": "int3"},
-            r"expert_format got 'int3'; allowed: auto, dense, fp8_block, int4, int8, bf16, fp8",
+            r"expert_format got 'int3'; allowed: auto, dense, fp8_block, int4, int8, mxfp4, bf16, fp8",
         ),
         ({"expert_format": 8}, "expert_format got 8"),
         ({"expert_format": "int4", "int4_group_size": 48}, "int4_group_size got 48; allowed: 32, 64, 128"),
@@ -161,17 +161,22 @@ def test_expert_format_resolution():
     assert LoadOptions.create(device="cpu", expert_format="fp8").experts.expert_format == "fp8_block"
     auto = LoadOptions.create(device="cpu")
     assert auto.experts.expert_format == "auto"
-    assert auto.layer_format(True, 256, 128, "x").name == "fp8_block"
-    assert auto.layer_format(False, 256, 128, "x").name == "dense"
+    assert auto.layer_format("fp8_block", 256, 128, "x").name == "fp8_block"
+    assert auto.layer_format("mxfp4", 256, 128, "x").name == "mxfp4"
+    assert auto.layer_format(None, 256, 128, "x").name == "dense"
     int4 = LoadOptions.create(device="cpu", expert_format="int4")
-    assert int4.layer_format(False, 256, 128, "x").options == (("group_size", 64), ("symmetric", True))
-    assert int4.layer_format(True, 256, 128, "x").name == "int4"  # FP8 layers: dequantized, then quantized
+    assert int4.layer_format(None, 256, 128, "x").options == (("group_size", 64), ("symmetric", True))
+    assert int4.layer_format("fp8_block", 256, 128, "x").name == "int4"  # FP8: dequantized, then quantized
     with pytest.raises(
         ConfigError,
         match=r"int4_group_size 64 \(the default\) does not divide .*layer 3.*"
         r"H = 256, I = 96.*int4_group_size 32 fits",
     ):
-        int4.layer_format(False, 256, 96, "layer 3")
+        int4.layer_format(None, 256, 96, "layer 3")
+    mx = LoadOptions.create(device="cpu", expert_format="mxfp4")
+    assert mx.layer_format(None, 256, 128, "x").name == "mxfp4"  # float checkpoints: quantized at load
+    with pytest.raises(ConfigError, match=r"mxfp4 needs H and I that are multiples of 32.*layer 2.*I = 24"):
+        mx.layer_format(None, 64, 24, "layer 2")
     # float32 / float64 loads compute every format in that dtype; bf16 loads let the machine choose
     assert LoadOptions.create(device="cpu", dtype="float32").engine.compute_dtype == torch.float32
     assert LoadOptions.create(device="cpu").engine.compute_dtype is None
