@@ -74,10 +74,20 @@ def _fp8_checkpoint(root: Path) -> tuple[Path, Path]:
     return save_fp8_checkpoint("deepseek_v3", root / "m", dequantized_path=ref), ref
 
 
+def _mxfp4_checkpoint(root: Path) -> tuple[Path, Path]:
+    """gpt-oss's release layout (MXFP4 experts: e2m1 blocks with e8m0 scales), and its twin dequantized by
+    transformers' own MXFP4 code."""
+    from moetune.testing.mxfp4_checkpoint import save_mxfp4_checkpoint
+
+    ref = root / "dequantized"
+    return save_mxfp4_checkpoint(root / "m", dequantized_path=ref), ref
+
+
 # name -> root -> (the checkpoint moetune trains on, the float checkpoint the reference trains on)
 CHECKPOINTS = {
     **{f: (lambda root, f=f: _float_checkpoint(f, root)) for f in FAMILIES},
     "deepseek_v3-fp8": _fp8_checkpoint,
+    "gpt_oss-mxfp4": _mxfp4_checkpoint,
 }
 
 
