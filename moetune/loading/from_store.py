@@ -25,13 +25,13 @@ from moetune.engine import EngineOptions, ExpertEngine, get_activation
 from moetune.engine.residency import PagedExperts, ResidencyWindow
 from moetune.errors import ConfigError
 from moetune.loading.checkpoint import Checkpoint
-from moetune.loading.expert_plan import LayerPlan
 from moetune.loading.manifest import SourceIdentity
 from moetune.loading.progress import LayerProgress
 from moetune.loading.store import ExpertStore, StorePages
 
 if TYPE_CHECKING:
     from moetune.arch import ExpertsSite
+    from moetune.loading.expert_plan import LayerPlan
     from moetune.loading.options import LoadOptions
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}

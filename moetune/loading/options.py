@@ -51,7 +51,7 @@ def _device(value: str | torch.device | None) -> torch.device:
     return device
 
 
-AUTO = "auto"  # expert_format resolved per layer: fp8_block where the checkpoint stores FP8, else dense
+AUTO = "auto"  # expert_format resolved per layer: as a quantized checkpoint stores it, else dense
 # Spellings accepted besides the FORMATS names: the issue's names for the dense and FP8 formats.
 FORMAT_ALIASES = {"bf16": "dense", "fp8": "fp8_block"}
 INT4_OPTIONS = ("int4_group_size", "int4_symmetric")
@@ -135,11 +135,14 @@ class LoadOptions:
         adapter: a saved moetune/PEFT adapter directory to attach after loading (returns a ``PeftModel``).
         adapter_trainable: keep that adapter's LoRA trainable (to continue training it).
         expert_format: how routed experts are held in host RAM: ``auto`` (default: as the checkpoint stores
-            them, i.e. ``fp8_block`` for FP8 checkpoints, else dense in ``dtype``), ``bf16``/``dense`` (dense in
-            ``dtype``: bf16 for a bfloat16 load, fp32 for a float32 one; FP8 checkpoints are dequantized),
-            ``int8``, ``int4`` (quantized at load time, layer by layer) or ``fp8``/``fp8_block`` (native for FP8
-            checkpoints, quantized at load time otherwise). Stored as the ``FORMATS`` name, or ``auto``.
-        int4_group_size: int4 only: 32, 64 or 128 inputs per scale (None: 64); must divide H and I.
+            them, i.e. ``fp8_block`` for FP8 checkpoints, ``int4`` with the checkpoint's groups for
+            compressed-tensors INT4 ones, else dense in ``dtype``), ``bf16``/``dense`` (dense in ``dtype``: bf16
+            for a bfloat16 load, fp32 for a float32 one; quantized checkpoints are dequantized), ``int8``,
+            ``int4`` (quantized at load time, layer by layer; an INT4 checkpoint's own bytes unless the int4
+            options ask for other groups) or ``fp8``/``fp8_block`` (native for FP8 checkpoints, quantized at load
+            time otherwise). Stored as the ``FORMATS`` name, or ``auto``.
+        int4_group_size: int4 only: 32, 64 or 128 inputs per scale (None: 64, or an INT4 checkpoint's own);
+            must divide H and I.
         int4_symmetric: int4 only: no zero points (None: True).
         expert_path: a store written by ``moetune convert``: the routed experts come from its memory-mapped
             files instead of the checkpoint (checked against the model before any weight is read).
@@ -147,6 +150,11 @@ class LoadOptions:
             layer, the next one prefetched, at most ``expert_residency_budget`` bytes at once).
         expert_residency_budget: disk only: bytes, as an int or a size like ``"64GB"`` (None: the least that
             works, the two largest layer files).
+        trust_remote_code: the YAML's ``model.trust_remote_code`` (LLaMA-Factory's key), passed on as the
+            config loader's. It changes no model: moetune always builds transformers' own classes, whose
+            experts it swaps, and never runs a checkpoint's ``auto_map`` code (``kimi_k2`` loads as
+            transformers' DeepSeek-V3 either way, ``hf.load_config``); with it set, the log names the class
+            that runs instead. It matters to the tokenizer, which ``moetune train`` loads with it.
     """
 
     device: torch.device
@@ -163,6 +171,7 @@ class LoadOptions:
     expert_path: Path | None = None
     expert_residency: ExpertResidency = ExpertResidency.RAM
     expert_residency_budget: int | None = None
+    trust_remote_code: bool = False
 
     @classmethod
     def create(
@@ -199,6 +208,9 @@ class LoadOptions:
         trainable = options.get("adapter_trainable", False)
         if not isinstance(trainable, bool):
             raise ConfigError(f"adapter_trainable must be True or False; got {trainable!r}")
+        remote = options.get("trust_remote_code", False)
+        if not isinstance(remote, bool):
+            raise ConfigError(f"trust_remote_code must be True or False; got {remote!r}")
         expert_format = options.get("expert_format", AUTO)
         int4 = {name: options.get(name) for name in INT4_OPTIONS}
         store = {
@@ -223,6 +235,7 @@ class LoadOptions:
             expert_path=None if store["expert_path"] is None else Path(store["expert_path"]).expanduser(),
             expert_residency=ExpertResidency(store["expert_residency"]),
             expert_residency_budget=parse_bytes(store["expert_residency_budget"]),
+            trust_remote_code=remote,
         )
 
     @property
@@ -238,14 +251,21 @@ class LoadOptions:
         )
 
     def layer_format(
-        self, stored_fp8: bool, hidden: int, intermediate: int, where: str
+        self, stored: ExpertFormatChoice | None, hidden: int, intermediate: int, where: str
     ) -> ExpertFormatChoice:
-        """The format of one experts module (``where``, H = ``hidden``, I = ``intermediate``), given whether the
-        checkpoint stores it in FP8: the one place that decides it. ``ConfigError`` if int4's group size does
-        not divide H and I."""
+        """The format of one experts module (``where``, H = ``hidden``, I = ``intermediate``), given the format
+        a quantized checkpoint stores it in (``stored``: its method's ``native``; None for float experts):
+        the one place that decides it. ``ConfigError`` if int4's group size does not divide H and I.
+
+        A quantized layer stays as stored under ``auto``, and under its own format name unless int4 options
+        ask for other groups; any other choice dequantizes it (and quantizes it again for int8/int4).
+        """
         name = self.expert_format
         if name == AUTO:
-            name = "fp8_block" if stored_fp8 else "dense"
+            return stored if stored is not None else ExpertFormatChoice("dense")
+        int4_options = self.int4_group_size is not None or self.int4_symmetric is not None
+        if stored is not None and name == stored.name and not int4_options:
+            return stored
         if name != "int4":
             return ExpertFormatChoice(name)
         g = INT4_DEFAULT_GROUP_SIZE if self.int4_group_size is None else self.int4_group_size

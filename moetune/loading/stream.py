@@ -12,24 +12,26 @@ The layer's ``ExpertFormatChoice`` (``LoadOptions.layer_format``) then decides w
 * int8 / int4 / fp8_block from a float checkpoint: quantized from them, layer by layer, the dense tensors
   read in the checkpoint's own float dtype into one buffer reused for every layer (peak beyond the quantized
   engines: one layer's dense experts);
-* an FP8 checkpoint's layer: its e4m3 bytes and block scales copied, one expert matrix at a time, into
-  ``Fp8BlockExperts`` (no float round trip); for another format they are dequantized (``dequantize``, one
-  layer) and, for int8/int4, quantized again.
+* a quantized checkpoint's layer: read by its method (``loading.quant``) one expert matrix at a time into
+  the format it is held in as stored (FP8: its e4m3 bytes and block scales into ``Fp8BlockExperts``;
+  compressed-tensors INT4: its codes and bf16 scales into ``Int4Experts``), no float round trip; for
+  another format that layer is dequantized (``dequantize``, one layer) and, for int8/int4, quantized again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 
 from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS, ExpertsLayout
 from moetune.engine import EngineOptions, ExpertEngine, get_activation
-from moetune.engine.formats import ExpertFormat, Fp8BlockExperts
-from moetune.loading.checkpoint import Checkpoint, ShardReader, TensorInfo
+from moetune.engine.formats import ExpertFormat
+from moetune.loading.checkpoint import Checkpoint, ShardReader
 from moetune.loading.expert_plan import ROLES, ExpertSource, LayerPlan
 from moetune.loading.options import ExpertFormatChoice
 from moetune.loading.progress import LayerProgress
+from moetune.loading.quant import QuantizedWeight
 
 
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:
@@ -79,35 +81,14 @@ def _fill(buffers: _LayerBuffers, source: ExpertSource, reader: ShardReader) -> 
         buffers.put_fused(source.role, e, reader.read(source.info, e), source.swapped)
 
 
-class _Tensors(Sequence[torch.Tensor]):
-    """Checkpoint tensors read on indexing (converted to ``dtype`` if given), so a consumer walking them holds
-    one at a time."""
-
-    def __init__(
-        self, infos: list[TensorInfo], reader: ShardReader, dtype: torch.dtype | None = None
-    ) -> None:
-        self.infos, self.reader, self.dtype = infos, reader, dtype
-
-    def __len__(self) -> int:
-        return len(self.infos)
-
-    def __getitem__(self, i):  # type: ignore[override]  # int indices only: from_per_expert's use
-        t = self.reader.read(self.infos[i])
-        return t if self.dtype is None else t.to(self.dtype)
-
-
-def read_fp8(layer: LayerPlan, reader: ShardReader) -> Fp8BlockExperts:
-    """An FP8 checkpoint layer as stored: gate/up/down ``[out, in]`` e4m3fn per expert with their fp32 block
-    scales, copied one matrix at a time into ``Fp8BlockExperts``' stacked tensors."""
-    by_role: dict[str, list[ExpertSource]] = {role: [] for role in ROLES}
+def read_quantized(layer: LayerPlan, reader: ShardReader) -> ExpertFormat:
+    """A quantized layer as stored, in its method's native format (``QuantMethod.read_experts``)."""
+    assert layer.method is not None, "a quantized layer carries its method"
+    by_role: dict[str, list[QuantizedWeight]] = {role: [] for role in ROLES}
     for source in sorted(layer.sources, key=lambda s: (s.role, s.expert)):
-        by_role[source.role].append(source)
-    lists = {}
-    for role, sources in by_role.items():
-        lists[role] = _Tensors([s.info for s in sources], reader)
-        scales = [s.scale for s in sources if s.scale is not None]
-        lists[f"{role}_scale_inv"] = _Tensors(scales, reader, torch.float32)  # bf16/fp16 scales: exact
-    return Fp8BlockExperts.from_per_expert(**lists)
+        assert source.quantized is not None
+        by_role[source.role].append(source.quantized)
+    return layer.method.read_experts(by_role["gate"], by_role["up"], by_role["down"], reader)
 
 
 def _copy(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -126,16 +107,16 @@ def build_engine(
     in ``dtype``. ``spare``: dense buffers a previous layer no longer needs, reused when their layout fits.
 
     Quantized formats are quantized from the checkpoint's own float precision (``LayerPlan.float_dtype``, as
-    ``moetune convert`` does, so both give the same engines), or, for an FP8 layer, from its weights
-    dequantized to ``dtype``. Returns the engine and the dense buffers the next layer may reuse (None when the
+    ``moetune convert`` does, so both give the same engines), or, for a quantized layer held in another
+    format than its own, from its weights dequantized to ``dtype``. Returns the engine and the dense buffers the next layer may reuse (None when the
     engine holds them).
     """
     lay = layer.site.layout
     weights: ExpertFormat
     biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # per-expert checkpoints: none
-    if layer.fp8:
-        stored = read_fp8(layer, reader)
-        weights = stored if choice.name == stored.name else choice.from_dense(*stored.dequantize(dtype))
+    if layer.method is not None:
+        stored = read_quantized(layer, reader)
+        weights = stored if choice == layer.method.native else choice.from_dense(*stored.dequantize(dtype))
     else:
         read_dtype = dtype if choice.keeps_input else layer.float_dtype
         fits = spare is not None and spare.layout == lay and spare.gate_up.dtype == read_dtype
