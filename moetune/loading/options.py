@@ -257,18 +257,21 @@ class LoadOptions:
         a quantized checkpoint stores it in (``stored``: its method's ``native``; None for float experts):
         the one place that decides it. ``ConfigError`` if int4's group size does not divide H and I.
 
-        A quantized layer stays as stored under ``auto``, and under its own format name unless int4 options
-        ask for other groups; any other choice dequantizes it (and quantizes it again for int8/int4).
+        A quantized layer stays as stored under ``auto`` and under its own format name; int4 options the
+        checkpoint's INT4 does not have (a group size, zero points) ask for it quantized again, and any other
+        format dequantizes it (and quantizes it again for int8/int4).
         """
         name = self.expert_format
         if name == AUTO:
             return stored if stored is not None else ExpertFormatChoice("dense")
-        int4_options = self.int4_group_size is not None or self.int4_symmetric is not None
-        if stored is not None and name == stored.name and not int4_options:
-            return stored
         if name != "int4":
-            return ExpertFormatChoice(name)
-        g = INT4_DEFAULT_GROUP_SIZE if self.int4_group_size is None else self.int4_group_size
+            return stored if stored is not None and stored.name == name else ExpertFormatChoice(name)
+        own = dict(stored.options) if stored is not None and stored.name == "int4" else {}
+        g = (
+            own.get("group_size", INT4_DEFAULT_GROUP_SIZE)
+            if self.int4_group_size is None
+            else self.int4_group_size
+        )
         if hidden % g or intermediate % g:
             fits = [s for s in GROUP_SIZES if hidden % s == 0 and intermediate % s == 0]
             hint = (
@@ -279,5 +282,5 @@ class LoadOptions:
                 f"the expert sizes of {where} (H = {hidden}, I = {intermediate}; groups run along each matrix's "
                 f"input dimension); {hint}"
             )
-        symmetric = True if self.int4_symmetric is None else self.int4_symmetric
+        symmetric = own.get("symmetric", True) if self.int4_symmetric is None else self.int4_symmetric
         return ExpertFormatChoice("int4", (("group_size", g), ("symmetric", symmetric)))

@@ -60,6 +60,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
         expert_path=cfg.engine.expert_path,
         expert_residency=cfg.engine.expert_residency,
         expert_residency_budget=cfg.engine.expert_residency_budget,
+        trust_remote_code=cfg.model.trust_remote_code,
     )
     model.config.use_cache = False  # packed rows need the no-cache mask path; training never uses the cache
     torch.manual_seed(
