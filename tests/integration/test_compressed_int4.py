@@ -241,6 +241,20 @@ def test_int4_with_other_options_requantizes(thinking):
     assert 0 < error <= WEIGHT_ERROR["int4"]
 
 
+def test_int4_store_holds_the_checkpoint_bytes(thinking, tmp_path):
+    """``moetune convert --format int4`` of an INT4 checkpoint writes its own codes and scales (its groups are
+    the defaults), and a load from that store equals the native load bit for bit."""
+    from moetune.loading.convert import convert_checkpoint
+
+    path, _ = thinking["release"]
+    manifest = convert_checkpoint(path, tmp_path / "store", "int4", progress=False)
+    assert (manifest.format, manifest.params) == ("int4", {"group_size": 32, "symmetric": True})
+    native, stored = engines(_load(path)), engines(_load(path, expert_path=tmp_path / "store"))
+    for site, engine in native.items():
+        mine, theirs = engine.weights.state_tensors(), stored[site].weights.state_tensors()
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), site
+
+
 # --- refused before any weight is read: config fields, then tensors against the config -------------------------
 
 

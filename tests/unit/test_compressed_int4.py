@@ -3,7 +3,8 @@ built from per-expert codes.
 
 ``compressed_tensors.compressors.pack_quantized`` is the code that wrote Kimi-K2-Thinking's tensors; its
 ``pack_to_int32`` / ``unpack_from_int32`` and ``PackedQuantizationCompressor`` define the bytes. moetune's
-reader (``loading.quant.compressed_tensors.unpack_codes``), the test-checkpoint writer
+reader (``loading.quant.compressed_tensors``: ``unpack_codes``, and ``repack`` into the ``int4`` format's
+nibble order), the test-checkpoint writer
 (``testing.kimi.quantize_int4`` / ``pack_int4`` / ``dequantize_int4``) and ``Int4Experts.from_per_expert``
 must agree with them bit for bit.
 """
@@ -14,8 +15,9 @@ import pytest
 import torch
 
 from moetune.engine.formats import Int4Experts
+from moetune.engine.formats.int4 import pack_codes
 from moetune.errors import EngineError
-from moetune.loading.quant.compressed_tensors import unpack_codes
+from moetune.loading.quant.compressed_tensors import repack, unpack_codes
 from moetune.testing.kimi import dequantize_int4, pack_int4, quantize_int4
 
 ct = pytest.importorskip("compressed_tensors")  # a dev dependency (pyproject's dev extra)
@@ -36,14 +38,25 @@ def signed_codes(o: int, d: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(-8, 8, (o, d), generator=gen, dtype=torch.int8)
 
 
-@pytest.mark.parametrize(("o", "d"), [(1, 8), (5, 64), (24, 96), (7, 2048)])
+def int4_layout(u: torch.Tensor) -> torch.Tensor:
+    """codes ``[O, D]`` uint8 -> the int4 format's packing ``[O, D/2]`` (its own ``pack_codes``)."""
+    out = torch.empty(u.shape[0], u.shape[1] // 2, dtype=torch.uint8)
+    pack_codes(u, out)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("o", "d"), [(1, 32), (5, 64), (24, 96), (70, 2048)]
+)  # 70 rows: several repack chunks
 def test_packing_is_compressed_tensors_own(o, d):
     q = signed_codes(o, d)
     packed = pack_to_int32(q, 4)
     assert packed.dtype == torch.int32 and packed.shape == (o, d // 8)
-    assert torch.equal(pack_int4(q), packed)  # the test-checkpoint writer
-    assert torch.equal(unpack_codes(packed), (q.to(torch.int16) + 8).to(torch.uint8))  # moetune's reader
     assert torch.equal(unpack_from_int32(packed, 4, torch.Size((o, d))), q)
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    assert torch.equal(pack_int4(q), packed)  # the test-checkpoint writer
+    assert torch.equal(unpack_codes(packed), u)  # moetune's reader
+    assert torch.equal(repack(packed), int4_layout(u))  # ... and its re-packing into the int4 format
 
 
 def test_quantizer_and_decompressor_are_compressed_tensors_own():
@@ -65,7 +78,7 @@ def test_quantizer_and_decompressor_are_compressed_tensors_own():
     assert shipped.dtype == torch.bfloat16 and torch.equal(dequantize_int4(packed, scale).bfloat16(), shipped)
 
 
-def test_int4_from_per_expert_codes_dequantizes_to_q_times_s():
+def test_int4_from_per_expert_dequantizes_to_q_times_s():
     e, h, i = 3, 64, 32
     gen = torch.Generator().manual_seed(2)
     mats = {"gate": (i, h), "up": (i, h), "down": (h, i)}
@@ -73,9 +86,9 @@ def test_int4_from_per_expert_codes_dequantizes_to_q_times_s():
     s = {
         p: [torch.rand(o, d // 32, generator=gen).bfloat16() for _ in range(e)] for p, (o, d) in mats.items()
     }
-    codes = {p: [(c.to(torch.int16) + 8).to(torch.uint8) for c in q[p]] for p in mats}
+    packed = {p: [repack(pack_to_int32(c, 4)) for c in q[p]] for p in mats}
     fmt = Int4Experts.from_per_expert(
-        codes["gate"], s["gate"], codes["up"], s["up"], codes["down"], s["down"], group_size=32
+        packed["gate"], s["gate"], packed["up"], s["up"], packed["down"], s["down"], group_size=32
     )
     assert fmt.symmetric and fmt.group_size == 32 and fmt.nbytes == e * 3 * h * i * (0.5 + 2 / 32)
     gate_up, down = fmt.dequantize(torch.float32)
@@ -86,19 +99,21 @@ def test_int4_from_per_expert_codes_dequantizes_to_q_times_s():
         assert torch.equal(down[x], want["down"])
 
 
-def test_int4_from_per_expert_rejects_bad_codes():
+def test_int4_from_per_expert_rejects_bad_tensors():
     h, i = 64, 32
     good = {
-        "gate": [torch.zeros(i, h, dtype=torch.uint8)],
+        "gate": [torch.zeros(i, h // 2, dtype=torch.uint8)],
         "gate_scale": [torch.ones(i, h // 32, dtype=torch.bfloat16)],
-        "up": [torch.zeros(i, h, dtype=torch.uint8)],
+        "up": [torch.zeros(i, h // 2, dtype=torch.uint8)],
         "up_scale": [torch.ones(i, h // 32, dtype=torch.bfloat16)],
-        "down": [torch.zeros(h, i, dtype=torch.uint8)],
+        "down": [torch.zeros(h, i // 2, dtype=torch.uint8)],
         "down_scale": [torch.ones(h, i // 32, dtype=torch.bfloat16)],
     }
-    with pytest.raises(EngineError, match=r"up\[0\] holds code 16; 4-bit codes are 0..15"):
+    with pytest.raises(
+        EngineError, match=r"up\[0\] must be torch.uint8 \[I, H/2\] = \(32, 32\); got torch.int32"
+    ):
         Int4Experts.from_per_expert(
-            **{**good, "up": [torch.full((i, h), 16, dtype=torch.uint8)]}, group_size=32
+            **{**good, "up": [torch.zeros(i, h // 8, dtype=torch.int32)]}, group_size=32
         )
     with pytest.raises(EngineError, match=r"down_scale\[0\] must be torch.bfloat16 \[H, I/g\]"):
         Int4Experts.from_per_expert(**{**good, "down_scale": [torch.ones(h, 1)]}, group_size=32)

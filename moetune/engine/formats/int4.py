@@ -9,7 +9,7 @@ consecutive inputs (``g`` = 32, 64 or 128). Group ``j`` of row ``o`` has a bf16 
 * symmetric: ``z = 8`` for every group (not stored), ``s = max|w| / 7``, so codes use [1, 15] = -7..7 and
   the largest weight is on the grid (nothing clips). Code 0 (-8) is never produced here but is part of the
   format: pre-quantized checkpoints (compressed-tensors' signed int4, stored as ``q + 8``) use it, and
-  ``from_per_expert`` takes their codes as they are.
+  ``from_per_expert`` takes their codes as they are, re-packed into this format's nibble order.
 * asymmetric: the group's range widened to include 0, ``[min(w, 0), max(w, 0)]``, spans 15 steps; ``z`` is
   the uint8 code of 0 (so zeros stay exact), in [0, 15].
 
@@ -199,10 +199,11 @@ class Int4Experts(QuantizedExperts):
         *,
         group_size: int,
     ) -> Int4Experts:
-        """Symmetric experts (z = 8) from per-expert codes as quantized checkpoints hold them: gate[e], up[e]
-        ``[I, H]`` uint8 codes in [0, 15], one per byte, with ``[I, H/g]`` bf16 scales; down[e] ``[H, I]`` with
-        ``[H, I/g]``. Each tensor is checked, then packed or copied once into the stacked layout, so a caller
-        producing them one at a time (the checkpoint loader) holds one expert matrix beyond the result.
+        """Symmetric experts (z = 8) from per-expert matrices as a pre-quantized checkpoint's loader produces
+        them, already in this format's packing: gate[e], up[e] ``[I, H/2]`` uint8 (byte ``j`` of a row holds
+        codes ``j`` and ``j + H/2``) with ``[I, H/g]`` bf16 scales; down[e] ``[H, I/2]`` with ``[H, I/g]``. Each
+        tensor is checked and copied once into the stacked layout, so a caller producing them one at a time
+        holds one expert matrix beyond the result.
         """
         lists = {
             "gate": gate,
@@ -220,35 +221,27 @@ class Int4Experts(QuantizedExperts):
             )
         if not isinstance(gate[0], torch.Tensor) or gate[0].dim() != 2:
             raise EngineError(
-                f"{cls.name}.from_per_expert: gate[0] must be a 2-D [I, H] tensor; got {gate[0]!r:.80}"
+                f"{cls.name}.from_per_expert: gate[0] must be a 2-D [I, H/2] tensor; got {gate[0]!r:.80}"
             )
-        i, h = gate[0].shape
+        i, h = gate[0].shape[0], 2 * gate[0].shape[1]
         g = check_group_size(cls.name, group_size, h, i)
         gu = torch.empty(e, 2 * i, h // 2, dtype=torch.uint8)
         dn = torch.empty(e, h, i // 2, dtype=torch.uint8)
         gu_s = torch.empty(e, 2 * i, h // g, dtype=torch.bfloat16)
         dn_s = torch.empty(e, h, i // g, dtype=torch.bfloat16)
-        # field -> (its destination in expert x, shape and dtype it must have, symbols, packed)
-        targets = {
-            "gate": (lambda x: gu[x, :i], (i, h), torch.uint8, "[I, H]", True),
-            "up": (lambda x: gu[x, i:], (i, h), torch.uint8, "[I, H]", True),
-            "down": (lambda x: dn[x], (h, i), torch.uint8, "[H, I]", True),
-            "gate_scale": (lambda x: gu_s[x, :i], (i, h // g), torch.bfloat16, "[I, H/g]", False),
-            "up_scale": (lambda x: gu_s[x, i:], (i, h // g), torch.bfloat16, "[I, H/g]", False),
-            "down_scale": (lambda x: dn_s[x], (h, i // g), torch.bfloat16, "[H, I/g]", False),
+        targets = {  # field -> (its destination in expert x, the symbols of its shape)
+            "gate": (lambda x: gu[x, :i], "[I, H/2]"),
+            "up": (lambda x: gu[x, i:], "[I, H/2]"),
+            "down": (lambda x: dn[x], "[H, I/2]"),
+            "gate_scale": (lambda x: gu_s[x, :i], "[I, H/g]"),
+            "up_scale": (lambda x: gu_s[x, i:], "[I, H/g]"),
+            "down_scale": (lambda x: dn_s[x], "[H, I/g]"),
         }
         for field, tensors in lists.items():
-            dest, shape, dtype, symbols, packed = targets[field]
+            dest, symbols = targets[field]
             for x, t in enumerate(tensors):
-                t = check_stored(cls.name, f"{field}[{x}]", t, dtype, shape, symbols)
-                if not packed:
-                    dest(x).copy_(t)
-                    continue
-                if t.numel() and int(t.max()) > QMAX:
-                    raise EngineError(
-                        f"{cls.name}.from_per_expert: {field}[{x}] holds code {int(t.max())}; 4-bit codes are 0..{QMAX}"
-                    )
-                pack_codes(t, dest(x))
+                d = dest(x)
+                d.copy_(check_stored(cls.name, f"{field}[{x}]", t, d.dtype, tuple(d.shape), symbols))
         return cls(gu, gu_s, dn, dn_s, group_size=g)
 
     @property

@@ -24,10 +24,11 @@ lm_head) stay bf16 ``<name>.weight`` tensors and load as any float weight.
 That is moetune's symmetric ``int4`` format exactly: codes ``u`` with the zero point 8 and bf16 group scales,
 ``w = (u - 8) * s`` (``engine/formats/int4.py``). Only the nibble order differs: read as little-endian bytes,
 byte ``j`` of a row here holds codes ``2j`` and ``2j + 1``; in ``int4`` it holds codes ``j`` and ``j + D/2``
-so that unpacking writes two contiguous halves. ``read_experts`` therefore unpacks one expert matrix at a
-time into its codes and ``Int4Experts.from_per_expert`` packs them into the stacked layout, the scales
-copied as they are: exact, no float in between, one expert matrix of codes as the only temporary, and the
-engine holds the bytes the checkpoint ships (less the 8-byte ``weight_shape`` per matrix). Every other
+so that unpacking writes two contiguous halves. ``read_experts`` therefore re-packs the nibbles of one expert
+matrix at a time (``repack``: byte operations, no codes unpacked) and ``Int4Experts.from_per_expert`` copies
+them and the scales, as they are, into the stacked layout: exact, no float in between, one expert matrix as
+the only temporary, and the engine holds the bytes the checkpoint ships (less the 8-byte ``weight_shape``
+per matrix). Every other
 quantized weight (none in Kimi's releases) is dequantized to fp32 here, ``q * s`` exactly, and loads as a
 float weight.
 
@@ -58,6 +59,7 @@ from moetune.loading.quant.base import QUANT_METHODS, LazyTensors, QuantizedWeig
 FORMAT = "pack-quantized"
 STATUS = "compressed"
 CODES_PER_WORD = 8  # 4-bit codes per int32
+REPACK_ROWS = 32  # rows re-packed at a time: 32 x 7168 / 4 bytes per temporary stays in L2
 PACKED, SCALE, SHAPE = ".weight_packed", ".weight_scale", ".weight_shape"
 ZERO_POINT, G_IDX = ".weight_zero_point", ".weight_g_idx"  # asymmetric / activation-ordered checkpoints
 SCALE_DTYPES = ("BF16", "F16", "F32")  # dequantized in fp32 (routed experts: BF16 only, int4 holds bf16)
@@ -100,6 +102,27 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     o, words = packed.shape
     b = packed.contiguous().view(torch.uint8)  # [O, D/2]: little-endian words (checked in from_config)
     return torch.stack((b & 0x0F, b >> 4), dim=-1).view(o, words * CODES_PER_WORD)
+
+
+def repack(packed: torch.Tensor) -> torch.Tensor:
+    """packed ``[O, D/8]`` int32 -> ``[O, D/2]`` uint8 in the ``int4`` format's packing (byte ``j``: codes ``j``
+    and ``j + D/2``), bit for bit the same codes.
+
+    With ``A`` the first and ``B`` the second half of a row's bytes (``D/4`` each; byte ``k`` of ``A`` holds
+    codes ``2k``, ``2k + 1``, of ``B`` codes ``D/2 + 2k``, ``D/2 + 2k + 1``), output byte ``2k`` is
+    ``A[k] & 0xF | B[k] << 4`` and byte ``2k + 1`` is ``A[k] >> 4 | B[k] & 0xF0``: two byte ops per output
+    byte, no unpacked codes. ``REPACK_ROWS`` rows at a time keep the temporaries in cache (measured 6 ms for
+    a [2048, 7168] matrix on one core, against 28 ms unpacking to codes and packing them again).
+    """
+    o, words = packed.shape
+    b = packed.contiguous().view(torch.uint8)  # [O, D/2]: little-endian words (checked in from_config)
+    q = words * CODES_PER_WORD // 4  # D/4
+    out = torch.empty(o, q, 2, dtype=torch.uint8)
+    for r in range(0, o, REPACK_ROWS):
+        a, b2 = b[r : r + REPACK_ROWS, :q], b[r : r + REPACK_ROWS, q:]
+        torch.bitwise_or(a & 0x0F, b2 << 4, out=out[r : r + REPACK_ROWS, :, 0])
+        torch.bitwise_or(a >> 4, b2 & 0xF0, out=out[r : r + REPACK_ROWS, :, 1])
+    return out.view(o, 2 * q)
 
 
 @QUANT_METHODS.register("compressed-tensors")
@@ -265,8 +288,8 @@ class CompressedInt4(QuantMethod):
             "as shipped"
         )
 
-    def _codes(self, weight: QuantizedWeight, reader: ShardReader) -> torch.Tensor:
-        """``weight``'s codes ``u`` ``[O, D]`` uint8, after checking its stored ``weight_shape``."""
+    def _packed(self, weight: QuantizedWeight, reader: ShardReader) -> torch.Tensor:
+        """``weight``'s ``weight_packed`` ``[O, D/8]`` int32, after checking its stored ``weight_shape``."""
         stored = reader.read(weight.parts["shape"]).tolist()
         if stored != list(weight.info.shape):
             shape = weight.parts["shape"]
@@ -274,7 +297,7 @@ class CompressedInt4(QuantMethod):
                 f"{shape.file}: {shape.key} holds {stored}, but its packed weight and scales are of a "
                 f"{list(weight.info.shape)} weight"
             )
-        return unpack_codes(reader.read(weight.parts["packed"]))
+        return reader.read(weight.parts["packed"])
 
     def read_experts(
         self,
@@ -284,7 +307,7 @@ class CompressedInt4(QuantMethod):
         reader: ShardReader,
     ) -> Int4Experts:
         def codes(w: QuantizedWeight) -> torch.Tensor:
-            return self._codes(w, reader)
+            return repack(self._packed(w, reader))
 
         def scale(w: QuantizedWeight) -> torch.Tensor:
             return reader.read(w.parts["scale"])
@@ -299,7 +322,7 @@ class CompressedInt4(QuantMethod):
         """``(u - 8) * s`` in fp32 ``[O, D]``: exact for bf16 and fp16 scales (a 4-bit code times an 11-bit
         significand fits fp32's 24 bits)."""
         o, d = weight.info.shape
-        out = self._codes(weight, reader).to(torch.float32)
+        out = unpack_codes(self._packed(weight, reader)).to(torch.float32)
         scale = reader.read(weight.parts["scale"]).to(torch.float32)  # [O, D/g]
         out.view(o, d // self.group_size, self.group_size).sub_(SYMMETRIC_ZERO).mul_(scale[:, :, None])
         return out
