@@ -238,15 +238,15 @@ def load_weights(
         weight_mapping=get_model_conversion_mapping(model),  # type: ignore[arg-type]  # transformers' hints
         use_safetensors=True,
     )
-    quantized = {k: w for k, w in (quantized or {}).items() if k in set(keys)}
-    assert method is not None or not quantized, "quantized weights come with their method"
-    plain = [k for k in keys if k not in quantized]
-    files = {checkpoint.tensors[k].file for k in plain} | {f for w in quantized.values() for f in w.files}
+    wanted = set(keys)
+    dequantized = {k: w for k, w in (quantized or {}).items() if k in wanted}
+    plain = [k for k in keys if k not in dequantized]
+    files = {checkpoint.tensors[k].file for k in plain} | {f for w in dequantized.values() for f in w.files}
     with ShardReader(checkpoint, [files]) as reader:
         lazy: dict[str, Any] = {k: reader.file(checkpoint.tensors[k].file).get_slice(k) for k in plain}
-        for k, weight in quantized.items():  # read on assignment, like the slices
-            assert method is not None
-            lazy[k] = Dequantized(method, weight, reader)
+        if dequantized:  # read on assignment, like the slices
+            assert method is not None, "quantized weights come with their method"
+            lazy.update({k: Dequantized(method, w, reader) for k, w in dequantized.items()})
         # transformers raises RuntimeError for size mismatches and failed conversions
         try:
             info, _ = cls._load_pretrained_model(model, lazy, None, load_config)
