@@ -56,29 +56,8 @@ def load_config(checkpoint: Checkpoint, trust_remote_code: bool = False) -> Any:
     if not model_type:
         raise LoadError(f"{checkpoint.path}/config.json has no model_type: cannot tell the architecture")
     remote = checkpoint.config.get("auto_map")
-    if model_type in MODEL_TYPE_ALIASES:
-        alias = MODEL_TYPE_ALIASES.get(model_type)
-        mapped = alias.config_dict(checkpoint.config, f"{checkpoint.path}/config.json")
-        config = CONFIG_MAPPING[alias.target].from_dict(mapped)
-        logger.info(
-            "moetune: %s: model_type %r loads as transformers' %r (%s)%s",
-            checkpoint.path,
-            model_type,
-            alias.target,
-            alias.source,
-            f"; its remote code (auto_map {remote}) is not run" if remote else "",
-        )
-    elif model_type in CONFIG_MAPPING:
-        config = AutoConfig.from_pretrained(str(checkpoint.path), trust_remote_code=False)
-        if trust_remote_code and remote:
-            logger.info(
-                "moetune: trust_remote_code is set, but %s loads as transformers' own %s: the checkpoint's "
-                "remote code (auto_map %s) is not run",
-                checkpoint.path,
-                type(config).__name__,
-                remote,
-            )
-    else:
+    alias = MODEL_TYPE_ALIASES.get(model_type) if model_type in MODEL_TYPE_ALIASES else None
+    if alias is None and model_type not in CONFIG_MAPPING:
         import transformers
 
         code = (
@@ -91,6 +70,22 @@ def load_config(checkpoint: Checkpoint, trust_remote_code: bool = False) -> Any:
             f"model_type {model_type!r} ({checkpoint.path}/config.json) is not an architecture transformers "
             f"{transformers.__version__} knows, nor one moetune maps onto one "
             f"({', '.join(MODEL_TYPE_ALIASES.names())}).{code} moetune supports:\n{supported_summary()}"
+        )
+    where = f"{checkpoint.path}/config.json"
+    try:
+        if alias is not None:
+            config = CONFIG_MAPPING[alias.target].from_dict(alias.config_dict(checkpoint.config, where))
+        else:
+            config = AutoConfig.from_pretrained(str(checkpoint.path), trust_remote_code=False)
+    except (ValueError, KeyError, TypeError) as e:
+        raise LoadError(f"transformers cannot read {where} as a {model_type!r} config: {e}") from e
+    if alias is not None or (trust_remote_code and remote):
+        logger.info(
+            "moetune: %s (model_type %r) loads as transformers' own %s%s",
+            checkpoint.path,
+            model_type,
+            type(config).__name__,
+            f"; the checkpoint's remote code (auto_map {remote}) is not run" if remote else "",
         )
     if hasattr(config, "quantization_config"):
         # moetune reads the quantization itself (loading.quant): it dequantizes every non-expert weight and

@@ -108,8 +108,8 @@ def build_engine(
 
     Quantized formats are quantized from the checkpoint's own float precision (``LayerPlan.float_dtype``, as
     ``moetune convert`` does, so both give the same engines), or, for a quantized layer held in another
-    format than its own, from its weights dequantized to ``dtype``. Returns the engine and the dense buffers the next layer may reuse (None when the
-    engine holds them).
+    format than its own, from its weights dequantized to ``dtype``. Returns the engine and the dense buffers
+    the next layer may reuse (None when the engine holds them).
     """
     lay = layer.site.layout
     weights: ExpertFormat

@@ -21,17 +21,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
 from moetune.engine.formats.base import ExpertFormat
 from moetune.errors import LoadError
 from moetune.loading.checkpoint import Checkpoint, ShardReader, TensorInfo
+from moetune.loading.options import ExpertFormatChoice
 from moetune.registry import Registry
-
-if TYPE_CHECKING:  # options imports the expert plan, which imports this module
-    from moetune.loading.options import ExpertFormatChoice
 
 MAX_LISTED = 12  # problems listed in one error
 T = TypeVar("T")
