@@ -2,8 +2,11 @@
 
     python bench/formats.py [--experts 16 --hidden 2048 --inter 768 --tokens 512 --top-k 8 --rank 8 --reps 5]
 
-One fp32 Gaussian layer is stored as bf16 (the baseline), int8, int4 (group 64, symmetric), fp8_block and mxfp4
-(gpt-oss's shipped format; H and I must be multiples of 32).
+One fp32 Gaussian layer is stored as bf16 (the baseline), int8, int4 (group 64, symmetric), fp8_block, mxfp4
+(gpt-oss's shipped format; H and I must be multiples of 32) and compressed-int4: int4 as a compressed-tensors INT4 checkpoint (Kimi-K2-Thinking) loads, i.e. each expert
+matrix quantized the way compressed-tensors does it (groups of 32, scale max|w| / 7.5, codes -8..7), packed
+as its int32 words, then re-packed into int4's nibble order by the checkpoint loader's own path (the time that takes,
+the load cost per layer, is printed too).
 Each rep runs every format once, in turn, so machine noise falls on all of them alike. Printed per format:
 resident bytes per parameter, relative Frobenius error of the dequantized weights, the time to dequantize
 every expert's two tiles once (what one forward adds over fp32 weights), fwd+bwd ms with expert LoRA
@@ -22,16 +25,43 @@ from collections.abc import Callable
 import torch
 
 from moetune.engine import EngineOptions, ExpertEngine, ExpertFormat, ExpertLoRA
-from moetune.engine.formats import FORMATS
+from moetune.engine.formats import FORMATS, Int4Experts
 from moetune.engine.formats.base import Projection
+from moetune.loading.quant.compressed_tensors import repack
+from moetune.testing.kimi import INT4_GROUP, quantize_int4
 
 PROJS: tuple[Projection, ...] = ("gate_up", "down")
-FORMAT_SPECS: dict[str, tuple[str, dict[str, object], torch.dtype]] = {
-    "bf16": ("dense", {}, torch.bfloat16),
-    "int8": ("int8", {}, torch.float32),
-    "int4-g64": ("int4", {"group_size": 64}, torch.float32),
-    "fp8_block": ("fp8_block", {}, torch.float32),
-    "mxfp4": ("mxfp4", {}, torch.float32),
+Build = Callable[
+    [torch.Tensor, torch.Tensor], ExpertFormat
+]  # gate_up [E, 2I, H], down [E, H, I] fp32 -> format
+
+
+def from_compressed_int4(gate_up: torch.Tensor, down: torch.Tensor) -> ExpertFormat:
+    """int4 from compressed-tensors INT4 bytes of these weights, through the loader's unpack and re-pack."""
+    i = down.shape[2]
+    stored: dict[str, list[torch.Tensor]] = {}
+    for e in range(down.shape[0]):
+        for role, w in (("gate", gate_up[e, :i]), ("up", gate_up[e, i:]), ("down", down[e])):
+            packed, scale = quantize_int4(w)
+            stored.setdefault(role, []).append(packed)
+            stored.setdefault(f"{role}_scale", []).append(scale)
+    t0 = time.perf_counter()
+    int4 = {k: v if k.endswith("_scale") else [repack(p) for p in v] for k, v in stored.items()}
+    fmt = Int4Experts.from_per_expert(**int4, group_size=INT4_GROUP)
+    packed_mb = sum(p.nbytes for k, v in stored.items() if not k.endswith("_scale") for p in v) / 1e6
+    print(
+        f"compressed-int4: re-packing {packed_mb:.1f} MB of codes took {(time.perf_counter() - t0) * 1e3:.1f} ms"
+    )
+    return fmt
+
+
+FORMAT_BUILDS: dict[str, tuple[Build, torch.dtype]] = {  # label -> (build, dtype of the weights it is given)
+    "bf16": (FORMATS.get("dense").from_dense, torch.bfloat16),
+    "int8": (FORMATS.get("int8").from_dense, torch.float32),
+    "int4-g64": (lambda gu, dn: FORMATS.get("int4").from_dense(gu, dn, group_size=64), torch.float32),
+    "fp8_block": (FORMATS.get("fp8_block").from_dense, torch.float32),
+    "compressed-int4": (from_compressed_int4, torch.float32),
+    "mxfp4": (FORMATS.get("mxfp4").from_dense, torch.float32),
 }
 
 
@@ -67,8 +97,8 @@ def main() -> None:
 
     engines: dict[str, ExpertEngine] = {}
     info: dict[str, tuple[float, float, float]] = {}
-    for label, (name, opts, src_dtype) in FORMAT_SPECS.items():
-        fmt: ExpertFormat = FORMATS.get(name).from_dense(gate_up.to(src_dtype), down.to(src_dtype), **opts)
+    for label, (build, src_dtype) in FORMAT_BUILDS.items():
+        fmt = build(gate_up.to(src_dtype), down.to(src_dtype))
         engine = ExpertEngine(fmt, lora=lora, options=EngineOptions(num_threads=args.threads))
         gq, dq = fmt.dequantize(torch.float32)
         err = float(torch.cat([(gq - gate_up).flatten(), (dq - down).flatten()]).norm())
@@ -107,7 +137,7 @@ def main() -> None:
         f"compute={first.compute_dtype} reps={args.reps}"
     )
     print(
-        f"{'format':<10} {'B/param':>8} {'w err':>7} {'dequant ms':>11} {'wall min':>9} {'median':>8} "
+        f"{'format':<15} {'B/param':>8} {'w err':>7} {'dequant ms':>11} {'wall min':>9} {'median':>8} "
         f"{'cpu min':>8} {'vs bf16 wall':>13} {'cpu':>6}"
     )
     for label in engines:
@@ -115,7 +145,7 @@ def main() -> None:
         ratio_wall = min(wall["bf16"]) / min(wall[label])
         ratio_cpu = min(cpu["bf16"]) / min(cpu[label])
         print(
-            f"{label:<10} {bpp:>8.3f} {err:>7.2%} {deq:>11.1f} {min(wall[label]):>9.1f} "
+            f"{label:<15} {bpp:>8.3f} {err:>7.2%} {deq:>11.1f} {min(wall[label]):>9.1f} "
             f"{statistics.median(wall[label]):>8.1f} {min(cpu[label]):>8.1f} {ratio_wall:>12.2f}x {ratio_cpu:>5.2f}x"
         )
 

@@ -98,7 +98,9 @@ class ModelConfig:
     """The base model."""
 
     model_name_or_path: str = required()  # a local folder, or a hub id in the local HF cache
-    trust_remote_code: bool = option(False)  # passed to transformers when loading config and tokenizer
+    # passed to transformers' tokenizer loader and to load_model's config loader, which never runs a
+    # checkpoint's code (kimi_k2 loads as transformers' DeepSeek-V3 either way: loading/model_types.py)
+    trust_remote_code: bool = option(False)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
 """Checkpoints -> a transformers model whose routed experts stream into CPU engines.
 
-``load_model`` (in ``load``) orchestrates; ``checkpoint`` reads safetensors headers, ``expert_plan`` decides
-which tensors feed which experts module, ``stream`` fills the engines, ``hf`` is the seam with
-transformers' own loader, ``options`` parses the call's keyword arguments. ``convert`` writes pre-quantized
-expert stores (``store``: the files and their ``manifest``; ``mapped``: memory-mapped reading) and
-``from_store`` builds engines over one, in RAM or paged from disk.
+``load_model`` (in ``load``) orchestrates; ``checkpoint`` reads safetensors headers, ``quant`` reads
+quantized checkpoints (one file per ``quant_method``), ``model_types`` maps checkpoint model types
+transformers lacks (``kimi_k2``) onto its own, ``expert_plan`` decides which tensors feed which experts
+module, ``stream`` fills the engines, ``hf`` is the seam with transformers' own loader, ``options`` parses
+the call's keyword arguments. ``convert`` writes pre-quantized expert stores (``store``: the files and their
+``manifest``; ``mapped``: memory-mapped reading) and ``from_store`` builds engines over one, in RAM or paged
+from disk.
 """
 
 from moetune.loading.load import load_model

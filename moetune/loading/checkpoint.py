@@ -69,6 +69,11 @@ class Checkpoint:
                 raise LoadError(f"{root / INDEX} maps {key!r} to {name}, but it is {where}")
         return cls(root, config, files, tensors)
 
+    def with_tensors(self, tensors: dict[str, TensorInfo]) -> Checkpoint:
+        """This checkpoint (directory, config, files) with ``tensors`` standing for its tensors: the logical
+        view of a quantized checkpoint (``loading.quant.logical_tensors``)."""
+        return Checkpoint(self.path, self.config, self.files, tensors)
+
     def file_path(self, name: str) -> Path:
         return self.path / name
 

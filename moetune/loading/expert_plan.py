@@ -12,14 +12,11 @@ yet merged) name, in one of the on-disk layouts:
                  or with the last two dimensions swapped (Qwen3-VL stores ``[E, H, 2I]`` for ``[E, 2I, H]``),
                  told apart by shape as transformers does (the runtime layout wins when H = 2I)
 
-In FP8 checkpoints (``loading.quantized``) a layer's per-expert matrices may all be float8 e4m3fn, each
-with its ``weight_scale_inv`` (paired and shape-checked by ``quantized.fp8_scales``); the scales travel with
-their weights (``ExpertSource.scale``). Fused FP8 expert tensors are not read.
-
-In MXFP4 checkpoints (gpt-oss; ``loading.mxfp4``) the fused ``gate_up_proj`` / ``down_proj`` are stored as
-uint8 ``<name>_blocks [E, out, in/32, 16]`` with ``<name>_scales [E, out, in/32]`` (paired by
-``mxfp4.mxfp4_scales``), the biases in float. A layer's expert matrices are all stored one way (float, FP8
-or MXFP4); mixing them is an error.
+In quantized checkpoints (``loading.quant``: FP8 block-scaled, compressed-tensors INT4) the plan sees each
+quantized weight under its logical ``<name>.weight`` and float shape (``quant.logical_tensors``); a layer's
+per-expert matrices may all be quantized weights of the checkpoint's method, whose stored tensors (codes,
+scales) travel with them (``ExpertSource.quantized``) and are read by that method (``LayerPlan.method``).
+Fused quantized expert tensors and layers mixing quantized and float experts are not read.
 
 Every layer must have exactly one complete set; anything missing, extra, misshapen or not floating point
 is a ``LoadError`` naming the file and key.
@@ -35,10 +32,9 @@ import torch
 
 from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS, ExpertsSite
 from moetune.errors import LoadError, listing
-from moetune.loading import mxfp4
 from moetune.loading.checkpoint import Checkpoint, TensorInfo
 from moetune.loading.hf import KeyTarget
-from moetune.loading.quantized import FP8_DTYPE
+from moetune.loading.quant import QUANT_METHODS, QuantizedWeight, QuantMethod
 
 # dense formats the engine stores as they are, widest first
 FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -57,8 +53,8 @@ class ExpertSource:
     ``swapped``: a fused 3-D tensor stored with its last two dimensions swapped relative to the module.
     ``stem``: the key up to the experts container (``model.layers.0.block_sparse_moe.experts.``), as stored;
     ``proj``: a per-expert tensor's projection name (``gate_proj``, ``w1``, ...), for messages.
-    ``scale``: an FP8 matrix's ``weight_scale_inv`` ``[ceil(out/128), ceil(in/128)]`` fp32, or the
-    ``_scales`` of MXFP4 blocks (``info``: the ``_blocks``); None: float.
+    ``quantized``: a quantized matrix's stored tensors (``info`` is then its logical ``[out, in]`` weight);
+    None for a float one.
     """
 
     info: TensorInfo
@@ -67,49 +63,41 @@ class ExpertSource:
     swapped: bool = False
     stem: str = ""
     proj: str = ""
-    scale: TensorInfo | None = None
+    quantized: QuantizedWeight | None = None
 
     @property
-    def stored(self) -> str | None:
-        """The engine format this tensor is stored in, kept as shipped: ``fp8_block``, ``mxfp4``, or None
-        (float)."""
-        if self.scale is None:
-            return None
-        return "mxfp4" if self.info.dtype == mxfp4.PACKED_DTYPE else "fp8_block"
+    def stored(self) -> list[TensorInfo]:
+        """The checkpoint tensors this source reads."""
+        return [self.info] if self.quantized is None else list(self.quantized.parts.values())
 
 
 @dataclass
 class LayerPlan:
-    """The tensors of one experts module, validated complete."""
+    """The tensors of one experts module, validated complete. ``method``: the quantization method that reads
+    them when they are quantized (all of them: never mixed), else None."""
 
     site: ExpertsSite
     sources: list[ExpertSource] = field(default_factory=list)
+    method: QuantMethod | None = None
 
     @property
     def files(self) -> list[str]:
-        return sorted({t.file for s in self.sources for t in (s.info, s.scale) if t is not None})
+        return sorted({t.file for s in self.sources for t in s.stored})
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for s in self.sources for t in (s.info, s.scale) if t is not None)
+        return sum(t.nbytes for s in self.sources for t in s.stored)
 
     @property
     def float_dtype(self) -> torch.dtype:
-        """The widest float dtype the checkpoint stores this layer's expert tensors in (FP8 layers: fp32)."""
+        """The widest float dtype the checkpoint stores this layer's expert tensors in (quantized: fp32)."""
         codes = {s.info.dtype for s in self.sources}
         return next((t for code, t in FLOAT_DTYPES.items() if code in codes), torch.float32)
-
-    @property
-    def native(self) -> str | None:
-        """The format the checkpoint stores this layer's expert matrices in, when not float: ``fp8_block``
-        or ``mxfp4`` (all of them: never mixed); None for float."""
-        return next((s.stored for s in self.sources if s.stored is not None), None)
 
 
 @dataclass
 class ExpertPlan:
-    """Expert layers in reading order, and the checkpoint keys left for transformers to load (FP8 scales
-    excluded: they travel with their weights)."""
+    """Expert layers in reading order, and the (logical) checkpoint keys left for transformers to load."""
 
     layers: list[LayerPlan]
     other_keys: list[str]
@@ -207,12 +195,7 @@ def _missing(layer: LayerPlan) -> list[str]:
     where = f"the layer's other expert tensors are in {', '.join(layer.files)}"
     if fused:
         have = {s.role for s in fused}
-        packed = {GATE_UP, DOWN} if layer.native == "mxfp4" else set()
-        return [
-            f"missing {stem}{n}{mxfp4.BLOCKS if n in packed else ''} ({site.path}; {where})"
-            for n in lay.tensor_names
-            if n not in have
-        ]
+        return [f"missing {stem}{n} ({site.path}; {where})" for n in lay.tensor_names if n not in have]
     scheme = next(s for s in PER_EXPERT_SCHEMES if per[0].proj in s)
     have_pe = {(s.expert, s.role) for s in per}
     out = [
@@ -228,92 +211,65 @@ def _missing(layer: LayerPlan) -> list[str]:
     return out
 
 
-_STORED_NAMES = {None: "float", "fp8_block": "FP8", "mxfp4": "MXFP4"}
-
-
-def _mixed(layer: LayerPlan) -> list[str]:
-    """A layer whose expert matrices (biases aside) are stored in more than one way: one example of each."""
-    first: dict[str | None, str] = {}
-    for s in layer.sources:
-        if s.role not in (GATE_UP_BIAS, DOWN_BIAS):
-            first.setdefault(s.stored, s.info.key)
-    if len(first) < 2:
-        return []
-    listed = " with ".join(
-        f"{name} ones ({first[kind]})" for kind, name in _STORED_NAMES.items() if kind in first
-    )
-    return [
-        f"{layer.site.path}: mixes expert tensors: {listed}; a layer's experts must all be float, all FP8 with "
-        "block scales or all MXFP4"
-    ]
-
-
-def _parse_mxfp4(info: TensorInfo, renamed: str, site: ExpertsSite, scale: TensorInfo) -> ExpertSource | str:
-    """An ``ExpertSource`` for MXFP4 blocks ``info`` (scales ``scale``) in ``site``, or why it is not one."""
-    name = mxfp4.fused_name(renamed, site.path.rpartition(".")[2])
-    if name is None:
-        return f"MXFP4 blocks of no fused expert weight moetune reads ({GATE_UP}{mxfp4.BLOCKS}, {DOWN}{mxfp4.BLOCKS})"
-    want = mxfp4.blocks_shape(site.layout, name)
-    if isinstance(want, str):
-        return want
-    if info.shape != want:
-        return f"shape {info.shape}, expected {want} (MXFP4 blocks [E, out, in/32, 16])"
-    return ExpertSource(info, name, stem=_stem(info.key, renamed, name + mxfp4.BLOCKS), scale=scale)
+def _mixed(layer: LayerPlan, method: QuantMethod | None) -> list[str]:
+    """A layer whose expert matrices are partly quantized and partly float: one example of each."""
+    quantized = [s for s in layer.sources if s.quantized is not None]
+    dense = [s for s in layer.sources if s.quantized is None]
+    if method is not None and quantized and dense:
+        return [
+            f"{layer.site.path}: mixes {method.label} expert tensors ({quantized[0].info.key}) with float ones "
+            f"({dense[0].info.key}); a layer's experts must all be {method.label} or all be float"
+        ]
+    return []
 
 
 def plan_experts(
     checkpoint: Checkpoint,
     sites: list[ExpertsSite],
     targets: dict[str, KeyTarget],
-    scales: dict[str, TensorInfo] | None = None,
+    quantized: dict[str, QuantizedWeight] | None = None,
+    method: QuantMethod | None = None,
 ) -> ExpertPlan:
     """Split the checkpoint's keys into expert tensors per experts module and the rest.
 
-    ``targets`` maps each checkpoint key to its destination under transformers' rules for the model;
-    ``scales`` each FP8 weight key to its ``weight_scale_inv`` (``quantized.fp8_scales``) and each MXFP4
-    blocks key to its ``_scales`` (``mxfp4.mxfp4_scales``).
+    ``checkpoint`` shows quantized weights under their logical keys (``quant.logical_tensors``), which
+    ``quantized`` maps to their stored tensors (read by ``method``); ``targets`` maps each key to its
+    destination under transformers' rules for the model.
     Raises one ``LoadError`` listing every unexpected, duplicate, misshapen, non-float or missing tensor.
     """
-    scales = scales or {}
-    scale_keys = {info.key for info in scales.values()}
+    quantized = quantized or {}
     by_path = {s.path: s for s in sites}
     layers = {s.path: LayerPlan(s) for s in sites}
     seen: dict[tuple[str, str, int | None], str] = {}
     other: list[str] = []
     problems = _Problems()
     for key, info in checkpoint.tensors.items():
-        if key in scale_keys:
-            continue
         site = _site_of(targets[key].target, by_path)
-        packed = mxfp4.is_blocks(info, scales)
         if site is None:
-            if packed:
-                problems.add(
-                    f"{info.file}: {key} is MXFP4 but not part of a routed-experts module; moetune (like "
-                    "transformers) reads MXFP4 for routed experts only"
-                )
-            else:
-                other.append(key)
+            other.append(key)
             continue
-        renamed = targets[key].renamed
-        parsed = _parse_mxfp4(info, renamed, site, scales[key]) if packed else _parse(info, renamed, site)
+        parsed = _parse(info, targets[key].renamed, site)
         if isinstance(parsed, str):
             problems.add(f"{info.file}: unexpected expert tensor {key} for {site.path}: {parsed}")
             continue
-        if info.dtype == FP8_DTYPE and key in scales:
+        weight = quantized.get(key)
+        if weight is not None and method is not None:
             if parsed.expert is None:
                 problems.add(
-                    f"{info.file}: expert tensor {key} is a fused FP8 tensor; moetune reads FP8 experts stored "
-                    "per expert ({e}.gate_proj/up_proj/down_proj.weight with weight_scale_inv), as DeepSeek-V3 "
-                    "does"
+                    f"{info.file}: expert tensor {key} is a fused {method.label} tensor; moetune reads "
+                    f"{method.label} experts stored per expert ({{e}}.gate_proj/up_proj/down_proj), as "
+                    "DeepSeek-V3 and Kimi-K2 do"
                 )
                 continue
-            parsed = dataclasses.replace(parsed, scale=scales[key])
-        elif info.dtype not in FLOAT_DTYPES and not packed:  # MXFP4 blocks: paired in _parse_mxfp4
+            if (why := method.expert_problem(weight)) is not None:
+                problems.add(why)
+                continue
+            parsed = dataclasses.replace(parsed, quantized=weight)
+        elif info.dtype not in FLOAT_DTYPES:
             problems.add(
                 f"{info.file}: expert tensor {key} is {info.dtype}; moetune loads expert tensors in "
-                f"{', '.join(FLOAT_DTYPES)}, {FP8_DTYPE} with 128 x 128 weight_scale_inv in FP8 checkpoints, or "
-                f"{mxfp4.PACKED_DTYPE} _blocks with _scales in MXFP4 checkpoints"
+                f"{', '.join(FLOAT_DTYPES)}, or quantized by a quant_method it reads "
+                f"({', '.join(QUANT_METHODS.names())}) that config.json's quantization_config declares"
             )
             continue
         slot = (site.path, parsed.role, parsed.expert)
@@ -323,8 +279,10 @@ def plan_experts(
         seen[slot] = key
         layers[site.path].sources.append(parsed)
     for layer in layers.values():
-        for message in _missing(layer) + _mixed(layer):
+        for message in _missing(layer) + _mixed(layer, method):
             problems.add(message)
+        if any(s.quantized is not None for s in layer.sources):
+            layer.method = method
     problems.raise_if_any(str(checkpoint.path))
     # Read shard by shard: a layer's place is its first shard's place in the checkpoint, then module order.
     rank = {name: i for i, name in enumerate(checkpoint.files)}

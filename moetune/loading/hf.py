@@ -30,8 +30,9 @@ import torch
 
 from moetune.arch.spec import supported_summary
 from moetune.errors import ArchError, LoadError, listing
-from moetune.loading.checkpoint import Checkpoint, ShardReader, TensorInfo
-from moetune.loading.quantized import Fp8Dequantized
+from moetune.loading.checkpoint import Checkpoint, ShardReader
+from moetune.loading.model_types import MODEL_TYPE_ALIASES
+from moetune.loading.quant import Dequantized, QuantizedWeight, QuantMethod
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -39,24 +40,54 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def load_config(checkpoint: Checkpoint) -> Any:
-    """The transformers config of ``checkpoint``; ``ArchError`` for a model type unknown to transformers."""
-    from transformers import AutoConfig
+def load_config(checkpoint: Checkpoint, trust_remote_code: bool = False) -> Any:
+    """The transformers config of ``checkpoint``, always one of transformers' own config classes.
+
+    A model type transformers knows is read by ``AutoConfig`` (its own class, never the checkpoint's
+    ``auto_map`` code); one of ``MODEL_TYPE_ALIASES`` (``kimi_k2``) is checked and mapped onto the type it
+    stands for; any other is an ``ArchError``. ``trust_remote_code`` changes none of this: moetune swaps the
+    experts of transformers' own modules and never runs a checkpoint's Python code (the flag only reaches
+    the tokenizer, in ``moetune train``); with it set, the log says which class runs instead.
+    """
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     model_type = checkpoint.model_type
     if not model_type:
         raise LoadError(f"{checkpoint.path}/config.json has no model_type: cannot tell the architecture")
-    try:
-        config = AutoConfig.from_pretrained(str(checkpoint.path))
-    except (ValueError, KeyError) as e:
+    remote = checkpoint.config.get("auto_map")
+    alias = MODEL_TYPE_ALIASES.get(model_type) if model_type in MODEL_TYPE_ALIASES else None
+    if alias is None and model_type not in CONFIG_MAPPING:
         import transformers
 
+        code = (
+            f" Its config.json names remote code (auto_map {remote}); moetune never runs a checkpoint's "
+            "code, whatever trust_remote_code says: it swaps the experts of transformers' own modules."
+            if remote
+            else ""
+        )
         raise ArchError(
             f"model_type {model_type!r} ({checkpoint.path}/config.json) is not an architecture transformers "
-            f"{transformers.__version__} knows. moetune supports:\n{supported_summary()}"
-        ) from e
+            f"{transformers.__version__} knows, nor one moetune maps onto one "
+            f"({', '.join(MODEL_TYPE_ALIASES.names())}).{code} moetune supports:\n{supported_summary()}"
+        )
+    where = f"{checkpoint.path}/config.json"
+    try:
+        if alias is not None:
+            config = CONFIG_MAPPING[alias.target].from_dict(alias.config_dict(checkpoint.config, where))
+        else:
+            config = AutoConfig.from_pretrained(str(checkpoint.path), trust_remote_code=False)
+    except (ValueError, KeyError, TypeError) as e:
+        raise LoadError(f"transformers cannot read {where} as a {model_type!r} config: {e}") from e
+    if alias is not None or (trust_remote_code and remote):
+        logger.info(
+            "moetune: %s (model_type %r) loads as transformers' own %s%s",
+            checkpoint.path,
+            model_type,
+            type(config).__name__,
+            f"; the checkpoint's remote code (auto_map {remote}) is not run" if remote else "",
+        )
     if hasattr(config, "quantization_config"):
-        # moetune reads the quantization itself (loading.quantized): it dequantizes every non-expert weight and
+        # moetune reads the quantization itself (loading.quant): it dequantizes every non-expert weight and
         # holds the experts in its engine, so the transformers model is not a quantized one.
         del config.quantization_config
     return config
@@ -176,12 +207,14 @@ def load_weights(
     keys: list[str],
     device: torch.device,
     dtype: torch.dtype,
-    fp8_scales: Mapping[str, TensorInfo] | None = None,
+    quantized: Mapping[str, QuantizedWeight] | None = None,
+    method: QuantMethod | None = None,
 ) -> None:
     """Load tensors ``keys`` of ``checkpoint`` into ``model`` on ``device`` through transformers' own loader.
 
-    ``fp8_scales`` maps FP8 weight keys among ``keys`` to their ``weight_scale_inv``; those weights reach
-    transformers dequantized (``quantized.Fp8Dequantized``), as plain float tensors it casts to ``dtype``.
+    ``quantized`` maps the logical keys among ``keys`` that are quantized weights of ``method`` to their
+    stored tensors; those reach transformers dequantized (``quant.Dequantized``), as plain float tensors it
+    casts to ``dtype``.
 
     ``LoadError`` if the model still has parameters without a value afterwards (a non-expert tensor missing
     from the checkpoint): training would silently start from random weights.
@@ -198,12 +231,15 @@ def load_weights(
         weight_mapping=get_model_conversion_mapping(model),  # type: ignore[arg-type]  # transformers' hints
         use_safetensors=True,
     )
-    fp8_scales = fp8_scales or {}
-    files = {checkpoint.tensors[k].file for k in keys} | {s.file for s in fp8_scales.values()}
+    wanted = set(keys)
+    dequantized = {k: w for k, w in (quantized or {}).items() if k in wanted}
+    plain = [k for k in keys if k not in dequantized]
+    files = {checkpoint.tensors[k].file for k in plain} | {f for w in dequantized.values() for f in w.files}
     with ShardReader(checkpoint, [files]) as reader:
-        lazy = {k: reader.file(checkpoint.tensors[k].file).get_slice(k) for k in keys}  # read on assignment
-        for k, scale in fp8_scales.items():
-            lazy[k] = Fp8Dequantized(lazy[k], reader.file(scale.file).get_slice(scale.key))
+        lazy: dict[str, Any] = {k: reader.file(checkpoint.tensors[k].file).get_slice(k) for k in plain}
+        if dequantized:  # read on assignment, like the slices
+            assert method is not None, "quantized weights come with their method"
+            lazy.update({k: Dequantized(method, w, reader) for k, w in dequantized.items()})
         # transformers raises RuntimeError for size mismatches and failed conversions
         try:
             info, _ = cls._load_pretrained_model(model, lazy, None, load_config)

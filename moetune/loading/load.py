@@ -1,6 +1,7 @@
 """``load_model``: a Hugging Face MoE checkpoint as its own transformers model, experts in the CPU engine.
 
-    path -> Checkpoint (headers; FP8 weights / MXFP4 blocks paired with their scales) -> config -> ArchSpec
+    path -> Checkpoint (headers; quantized weights' codes and scales paired, under logical keys: loading.quant)
+         -> config (transformers' own class; kimi_k2 mapped onto deepseek_v3: model_types) -> ArchSpec
          -> model on meta -> experts sites -> plan: expert tensors per site, each layer's expert format
             (``plan_load``, shared with ``moetune convert``); experts modules replaced on the instance by
             placeholders; non-expert keys checked against the model (every check before any tensor is read)
@@ -28,12 +29,17 @@ from moetune.errors import LoadError
 from moetune.layer import CpuExperts
 from moetune.layer.overlap import attach_shared_ahead
 from moetune.loading import hf
-from moetune.loading.checkpoint import Checkpoint, TensorInfo
+from moetune.loading.checkpoint import Checkpoint
 from moetune.loading.expert_plan import ExpertPlan, plan_experts
 from moetune.loading.hf import KeyTarget
-from moetune.loading.mxfp4 import mxfp4_quantization, mxfp4_scales
 from moetune.loading.options import ExpertFormatChoice, LoadOptions
-from moetune.loading.quantized import checkpoint_quantization, fp8_scales
+from moetune.loading.quant import (
+    QuantizedWeight,
+    QuantMethod,
+    checkpoint_quantization,
+    logical_tensors,
+    quantized_weights,
+)
 from moetune.loading.stream import stream_experts
 from moetune.progress import format_bytes
 from moetune.store.engines import open_store, store_engines
@@ -79,9 +85,9 @@ def layer_summary(paths: list[str]) -> str:
 class PlannedLoad:
     """Everything decided from headers and config before any tensor is read.
 
-    ``model`` is on the meta device with its experts modules still in place; ``scales`` maps each FP8 weight
-    key to its ``weight_scale_inv`` and each MXFP4 blocks key to its ``_scales``; ``formats[j]`` is the format
-    of ``plan.layers[j]``.
+    ``checkpoint`` shows quantized weights under their logical keys (``quant.logical_tensors``); ``quantized``
+    maps those keys to their stored tensors, read by ``method`` (None: a float checkpoint); ``model`` is on the
+    meta device with its experts modules still in place; ``formats[j]`` is the format of ``plan.layers[j]``.
     """
 
     checkpoint: Checkpoint
@@ -89,7 +95,8 @@ class PlannedLoad:
     model: PreTrainedModel
     sites: list[ExpertsSite]
     targets: dict[str, KeyTarget]
-    scales: dict[str, TensorInfo]
+    method: QuantMethod | None
+    quantized: dict[str, QuantizedWeight]
     plan: ExpertPlan
     formats: list[ExpertFormatChoice]
 
@@ -97,24 +104,26 @@ class PlannedLoad:
 def plan_load(path: str | Path, opts: LoadOptions) -> PlannedLoad:
     """Open ``path``, build its model on the meta device and plan its experts; every check that needs no
     tensor data (files, config, quantization, expert tensors and their scales, formats) runs here."""
-    checkpoint = Checkpoint.open(path)
-    scales = {
-        **fp8_scales(checkpoint, checkpoint_quantization(checkpoint)),
-        **mxfp4_scales(checkpoint, mxfp4_quantization(checkpoint)),
-    }
-    config = hf.load_config(checkpoint)
+    stored = Checkpoint.open(path)
+    method = checkpoint_quantization(stored)
+    quantized = quantized_weights(stored, method)
+    checkpoint = stored.with_tensors(logical_tensors(stored, quantized))
+    config = hf.load_config(checkpoint, opts.trust_remote_code)
     spec = resolve_arch(config.model_type)
     model = hf.empty_model(config, opts.dtype, str(checkpoint.path))
     sites = find_experts(model, spec, config.model_type)
     targets = hf.checkpoint_targets(model, list(checkpoint.tensors))
-    plan = plan_experts(checkpoint, sites, targets, scales)
+    plan = plan_experts(checkpoint, sites, targets, quantized, method)
     formats = [
         opts.layer_format(
-            layer.native, layer.site.layout.hidden_size, layer.site.layout.intermediate_size, layer.site.path
+            None if layer.method is None else layer.method.native,
+            layer.site.layout.hidden_size,
+            layer.site.layout.intermediate_size,
+            layer.site.path,
         )
         for layer in plan.layers
     ]
-    return PlannedLoad(checkpoint, spec, model, sites, targets, scales, plan, formats)
+    return PlannedLoad(checkpoint, spec, model, sites, targets, method, quantized, plan, formats)
 
 
 def load_model(
@@ -131,12 +140,14 @@ def load_model(
         device: where everything but the routed experts lives; default ``cuda:0`` when CUDA is available,
             else ``cpu``.
         dtype: ``"bfloat16"`` (default), ``"float16"``, ``"float32"`` (exactness tests) or ``"float64"``: the
-            dtype of every weight, dense routed experts included (FP8 checkpoints: dequantized to it).
+            dtype of every weight, dense routed experts included (quantized checkpoints: their non-expert
+            weights dequantized to it).
         **options: ``progress`` (see :class:`LoadOptions`), and the routed
             experts' options, either as ``experts=`` (a validated
             :class:`~moetune.config.experts.ExpertOptions`, e.g. a training config's) or one by one
             (``expert_format``, ``int4_group_size``, ``int4_symmetric``, ``expert_path``, ``expert_residency``,
-            ``expert_residency_budget``, ``activation_policy``, ``num_threads``, ``check_finite``).
+            ``expert_residency_budget``, ``activation_policy``, ``num_threads``, ``check_finite``), and
+            ``trust_remote_code`` (see :class:`LoadOptions`).
 
     Returns:
         The model's own class (e.g. ``Qwen3MoeForCausalLM``; for a vision-language checkpoint its
@@ -166,8 +177,9 @@ def load_model(
         else open_store(opts.experts, checkpoint.model_type, SourceIdentity.of(checkpoint), sites)
     )  # before any read
 
-    fp8_other = {k: planned.scales[k] for k in plan.other_keys if k in planned.scales}  # dequantized
-    hf.load_weights(model, checkpoint, plan.other_keys, opts.device, opts.dtype, fp8_other)
+    hf.load_weights(  # quantized non-expert weights are dequantized
+        model, checkpoint, plan.other_keys, opts.device, opts.dtype, planned.quantized, planned.method
+    )
     held = 0
     experts = (
         stream_experts(

@@ -86,12 +86,18 @@ class LoadOptions:
         progress: show tqdm bars while loading.
         experts: the routed experts' options (format, store, residency, activation policy, threads, checks):
             :class:`moetune.config.experts.ExpertOptions`.
+        trust_remote_code: the YAML's ``model.trust_remote_code`` (LLaMA-Factory's key), passed on as the
+            config loader's. It changes no model: moetune always builds transformers' own classes, whose
+            experts it swaps, and never runs a checkpoint's ``auto_map`` code (``kimi_k2`` loads as
+            transformers' DeepSeek-V3 either way, ``hf.load_config``); with it set, the log names the class
+            that runs instead. It matters to the tokenizer, which ``moetune train`` loads with it.
     """
 
     device: torch.device
     dtype: torch.dtype
     progress: bool = True
     experts: ExpertOptions = field(default_factory=ExpertOptions)
+    trust_remote_code: bool = False
 
     @classmethod
     def create(
@@ -104,7 +110,7 @@ class LoadOptions:
         """Parse ``load_model``'s keyword arguments: the load options above, and either ``experts`` (validated
         options, e.g. a training config's) or the expert options one by one. ``ConfigError`` names every
         unknown or invalid one."""
-        own = {"progress"}
+        own = {"progress", "trust_remote_code"}
         expert_names = set(ExpertOptions.names())
         unknown = sorted(set(options) - own - expert_names)
         if unknown:
@@ -118,11 +124,15 @@ class LoadOptions:
         progress = options.get("progress", True)
         if not isinstance(progress, bool):
             raise ConfigError(f"progress must be True or False; got {progress!r}")
+        remote = options.get("trust_remote_code", False)
+        if not isinstance(remote, bool):
+            raise ConfigError(f"trust_remote_code must be True or False; got {remote!r}")
         return cls(
             device=_device(device),
             dtype=_dtype(dtype),
             progress=progress,
             experts=experts if experts is not None else ExpertOptions.create(**given),
+            trust_remote_code=remote,
         )
 
     @property
@@ -139,23 +149,33 @@ class LoadOptions:
         )
 
     def layer_format(
-        self, native: str | None, hidden: int, intermediate: int, where: str
+        self, stored: ExpertFormatChoice | None, hidden: int, intermediate: int, where: str
     ) -> ExpertFormatChoice:
         """The format of one experts module (``where``, H = ``hidden``, I = ``intermediate``), given the format
-        the checkpoint stores it in (``native``: ``fp8_block``, ``mxfp4``, or None for float): the one place
-        that decides it. ``ConfigError`` if int4's group size, or mxfp4's block of 32, does not divide H and I."""
+        a quantized checkpoint stores it in (``stored``: its method's ``native``; None for float experts):
+        the one place that decides it. ``ConfigError`` if int4's group size does not divide H and I.
+
+        A quantized layer stays as stored under ``auto`` and under its own format name; int4 options the
+        checkpoint's INT4 does not have (a group size, zero points) ask for it quantized again, and any other
+        format dequantizes it (and quantizes it again for int8/int4).
+        """
         experts = self.experts
         name = experts.expert_format
         if name == AUTO:
-            name = native or "dense"
+            return stored if stored is not None else ExpertFormatChoice("dense")
         if name == "mxfp4" and (hidden % MXFP4_BLOCK or intermediate % MXFP4_BLOCK):
             raise ConfigError(
                 f"expert_format mxfp4 needs H and I that are multiples of {MXFP4_BLOCK} (one scale per "
                 f"{MXFP4_BLOCK} inputs); {where} has H = {hidden}, I = {intermediate}. Use int8, int4 or fp8"
             )
         if name != "int4":
-            return ExpertFormatChoice(name)
-        g = INT4_DEFAULT_GROUP_SIZE if experts.int4_group_size is None else experts.int4_group_size
+            return stored if stored is not None and stored.name == name else ExpertFormatChoice(name)
+        own = dict(stored.options) if stored is not None and stored.name == "int4" else {}
+        g = (
+            own.get("group_size", INT4_DEFAULT_GROUP_SIZE)
+            if experts.int4_group_size is None
+            else experts.int4_group_size
+        )
         if hidden % g or intermediate % g:
             fits = [s for s in GROUP_SIZES if hidden % s == 0 and intermediate % s == 0]
             hint = (
@@ -166,5 +186,5 @@ class LoadOptions:
                 f"the expert sizes of {where} (H = {hidden}, I = {intermediate}; groups run along each matrix's "
                 f"input dimension); {hint}"
             )
-        symmetric = True if experts.int4_symmetric is None else experts.int4_symmetric
+        symmetric = own.get("symmetric", True) if experts.int4_symmetric is None else experts.int4_symmetric
         return ExpertFormatChoice("int4", (("group_size", g), ("symmetric", symmetric)))

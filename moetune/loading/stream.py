@@ -12,27 +12,25 @@ The layer's ``ExpertFormatChoice`` (``LoadOptions.layer_format``) then decides w
 * int8 / int4 / fp8_block from a float checkpoint: quantized from them, layer by layer, the dense tensors
   read in the checkpoint's own float dtype into one buffer reused for every layer (peak beyond the quantized
   engines: one layer's dense experts);
-* an FP8 checkpoint's layer: its e4m3 bytes and block scales copied, one expert matrix at a time, into
-  ``Fp8BlockExperts`` (no float round trip); an MXFP4 checkpoint's layer (gpt-oss): its blocks and scale
-  bytes copied, one expert at a time, into ``Mxfp4Experts`` (``read_mxfp4``), its biases read in the
-  load dtype. For another format they are dequantized (``dequantize``, one layer) and, for int8/int4,
-  quantized again.
+* a quantized checkpoint's layer: read by its method (``loading.quant``) one expert matrix at a time into
+  the format it is held in as stored (FP8: its e4m3 bytes and block scales into ``Fp8BlockExperts``;
+  compressed-tensors INT4: its codes and bf16 scales into ``Int4Experts``), no float round trip; for
+  another format that layer is dequantized (``dequantize``, one layer) and, for int8/int4, quantized again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 
 from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS, ExpertsLayout
 from moetune.engine import EngineOptions, ExpertEngine, get_activation
-from moetune.engine.formats import ExpertFormat, Fp8BlockExperts
-from moetune.engine.formats.mxfp4 import BLOCK as MXFP4_BLOCK
-from moetune.engine.formats.mxfp4 import Mxfp4Experts
-from moetune.loading.checkpoint import Checkpoint, ShardReader, TensorInfo
+from moetune.engine.formats import ExpertFormat
+from moetune.loading.checkpoint import Checkpoint, ShardReader
 from moetune.loading.expert_plan import ROLES, ExpertSource, LayerPlan
 from moetune.loading.options import ExpertFormatChoice
+from moetune.loading.quant import QuantizedWeight
 from moetune.progress import LayerProgress
 
 
@@ -83,86 +81,14 @@ def _fill(buffers: _LayerBuffers, source: ExpertSource, reader: ShardReader) -> 
         buffers.put_fused(source.role, e, reader.read(source.info, e), source.swapped)
 
 
-class _Tensors(Sequence[torch.Tensor]):
-    """Checkpoint tensors read on indexing (converted to ``dtype`` if given), so a consumer walking them holds
-    one at a time."""
-
-    def __init__(
-        self, infos: list[TensorInfo], reader: ShardReader, dtype: torch.dtype | None = None
-    ) -> None:
-        self.infos, self.reader, self.dtype = infos, reader, dtype
-
-    def __len__(self) -> int:
-        return len(self.infos)
-
-    def __getitem__(self, i):  # type: ignore[override]  # int indices only: from_per_expert's use
-        t = self.reader.read(self.infos[i])
-        return t if self.dtype is None else t.to(self.dtype)
-
-
-def read_fp8(layer: LayerPlan, reader: ShardReader) -> Fp8BlockExperts:
-    """An FP8 checkpoint layer as stored: gate/up/down ``[out, in]`` e4m3fn per expert with their fp32 block
-    scales, copied one matrix at a time into ``Fp8BlockExperts``' stacked tensors."""
-    by_role: dict[str, list[ExpertSource]] = {role: [] for role in ROLES}
+def read_quantized(layer: LayerPlan, reader: ShardReader) -> ExpertFormat:
+    """A quantized layer as stored, in its method's native format (``QuantMethod.read_experts``)."""
+    assert layer.method is not None, "a quantized layer carries its method"
+    by_role: dict[str, list[QuantizedWeight]] = {role: [] for role in ROLES}
     for source in sorted(layer.sources, key=lambda s: (s.role, s.expert)):
-        by_role[source.role].append(source)
-    lists = {}
-    for role, sources in by_role.items():
-        lists[role] = _Tensors([s.info for s in sources], reader)
-        scales = [s.scale for s in sources if s.scale is not None]
-        lists[f"{role}_scale_inv"] = _Tensors(scales, reader, torch.float32)  # bf16/fp16 scales: exact
-    return Fp8BlockExperts.from_per_expert(**lists)
-
-
-def read_mxfp4(layer: LayerPlan, reader: ShardReader) -> Mxfp4Experts:
-    """A layer's MXFP4 blocks and scales as shipped, one expert slice at a time, into ``Mxfp4Experts``:
-    bytes and scale bytes copied (gate_up's interleaved rows moved to gate rows, then up rows), never
-    dequantized. Peak beyond the engine: one expert's blocks."""
-    lay = layer.site.layout
-    e, h, i = lay.num_experts, lay.hidden_size, lay.intermediate_size
-    dest = {
-        GATE_UP: (
-            torch.empty(e, 2 * i, h // 2, dtype=torch.uint8),
-            torch.empty(e, 2 * i, h // MXFP4_BLOCK, dtype=torch.uint8),
-        ),
-        DOWN: (
-            torch.empty(e, h, i // 2, dtype=torch.uint8),
-            torch.empty(e, h, i // MXFP4_BLOCK, dtype=torch.uint8),
-        ),
-    }
-    for source in layer.sources:
-        if source.role not in dest or source.scale is None:
-            continue  # the biases: read with the layer's other float tensors
-        for x in range(e):
-            for stored, target in zip((source.info, source.scale), dest[source.role]):
-                t = reader.read(stored, x).view(target.shape[1:])  # [O, D/2] bytes or [O, D/32] scales
-                if source.role == GATE_UP and lay.interleaved:
-                    target[x, :i], target[x, i:] = t[0::2], t[1::2]
-                else:
-                    target[x].copy_(t)
-    return Mxfp4Experts(*dest[GATE_UP], *dest[DOWN])
-
-
-# LayerPlan.native -> the reader of a layer stored in that format, kept as shipped
-NATIVE_READERS: dict[str, Callable[[LayerPlan, ShardReader], ExpertFormat]] = {
-    "fp8_block": read_fp8,
-    "mxfp4": read_mxfp4,
-}
-
-
-def _read_biases(
-    layer: LayerPlan, reader: ShardReader, dtype: torch.dtype
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The fused biases of a layer read without its weights: gate_up ``[E, 2I]`` (gate columns first) and
-    down ``[E, H]`` in ``dtype``; None where the checkpoint has none (per-expert layers)."""
-    out: dict[str, torch.Tensor] = {}
-    for source in layer.sources:
-        if source.role in (GATE_UP_BIAS, DOWN_BIAS):
-            t = reader.read(source.info).to(dtype)
-            if source.role == GATE_UP_BIAS and layer.site.layout.interleaved:
-                t = _deinterleave(t.t()).t().contiguous()
-            out[source.role] = t
-    return out.get(GATE_UP_BIAS), out.get(DOWN_BIAS)
+        assert source.quantized is not None
+        by_role[source.role].append(source.quantized)
+    return layer.method.read_experts(by_role["gate"], by_role["up"], by_role["down"], reader)
 
 
 def _copy(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -181,17 +107,16 @@ def build_engine(
     in ``dtype``. ``spare``: dense buffers a previous layer no longer needs, reused when their layout fits.
 
     Quantized formats are quantized from the checkpoint's own float precision (``LayerPlan.float_dtype``, as
-    ``moetune convert`` does, so both give the same engines), or, for an FP8 or MXFP4 layer, from its weights
-    dequantized to ``dtype``. Returns the engine and the dense buffers the next layer may reuse (None when the
-    engine holds them).
+    ``moetune convert`` does, so both give the same engines), or, for a quantized layer held in another
+    format than its own, from its weights dequantized to ``dtype``. Returns the engine and the dense buffers
+    the next layer may reuse (None when the engine holds them).
     """
     lay = layer.site.layout
     weights: ExpertFormat
     biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # per-expert checkpoints: none
-    if layer.native is not None:
-        stored = NATIVE_READERS[layer.native](layer, reader)
-        weights = stored if choice.name == stored.name else choice.from_dense(*stored.dequantize(dtype))
-        biases = _read_biases(layer, reader, dtype)
+    if layer.method is not None:
+        stored = read_quantized(layer, reader)
+        weights = stored if choice == layer.method.native else choice.from_dense(*stored.dequantize(dtype))
     else:
         read_dtype = dtype if choice.keeps_input else layer.float_dtype
         fits = spare is not None and spare.layout == lay and spare.gate_up.dtype == read_dtype

@@ -51,6 +51,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
         # bf16 training keeps bf16 weights; otherwise fp32 (exact, twice the memory)
         dtype="bfloat16" if cfg.training.bf16 else "float32",
         experts=cfg.engine.experts,
+        trust_remote_code=cfg.model.trust_remote_code,
         progress=progress,
     )
     model.config.use_cache = False  # packed rows need the no-cache mask path; training never uses the cache

@@ -200,7 +200,7 @@ Q_A = "model.layers.0.self_attn.q_a_proj.weight"  # [24, 256]: grid (1, 2)
                 EXPERT_UP: dequantize_reference(t[EXPERT_UP], t[f"{EXPERT_UP}_scale_inv"]),
             },
             None,
-            rf"{DS_EXPERTS}: mixes expert tensors: float ones \({EXPERT_UP}\) with FP8 ones",
+            rf"{DS_EXPERTS}: mixes FP8 expert tensors .* with float ones \({EXPERT_UP}\)",
         ),
         (None, lambda q: None, rf"{Q_A} is F8_E4M3, but config.json has no quantization_config"),
         (None, lambda q: {**q, "quant_method": "awq"}, "quant_method is 'awq'; moetune loads .* fp8"),

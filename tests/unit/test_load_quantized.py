@@ -24,6 +24,7 @@ from moetune.engine import ActivationPolicy, DenseExperts
 from moetune.errors import ConfigError
 from moetune.loading import LoadOptions
 from moetune.loading import load as load_module
+from moetune.loading.options import ExpertFormatChoice
 from moetune.testing.tiny import save_tiny_model
 from tests.integration.quantized_checks import (
     LOGITS_TOL,
@@ -159,24 +160,27 @@ def test_bad_expert_format_options(options, message):
 def test_expert_format_resolution():
     assert LoadOptions.create(device="cpu", expert_format="bf16").experts.expert_format == "dense"
     assert LoadOptions.create(device="cpu", expert_format="fp8").experts.expert_format == "fp8_block"
+    fp8, int4_g32 = (
+        ExpertFormatChoice("fp8_block"),
+        ExpertFormatChoice("int4", (("group_size", 32), ("symmetric", True))),
+    )
     auto = LoadOptions.create(device="cpu")
     assert auto.experts.expert_format == "auto"
-    assert auto.layer_format("fp8_block", 256, 128, "x").name == "fp8_block"
-    assert auto.layer_format("mxfp4", 256, 128, "x").name == "mxfp4"
+    assert auto.layer_format(fp8, 256, 128, "x") == fp8  # a quantized layer stays as stored
+    assert auto.layer_format(int4_g32, 256, 128, "x") == int4_g32
     assert auto.layer_format(None, 256, 128, "x").name == "dense"
     int4 = LoadOptions.create(device="cpu", expert_format="int4")
     assert int4.layer_format(None, 256, 128, "x").options == (("group_size", 64), ("symmetric", True))
-    assert int4.layer_format("fp8_block", 256, 128, "x").name == "int4"  # FP8: dequantized, then quantized
+    assert int4.layer_format(fp8, 256, 128, "x").name == "int4"  # FP8 layers: dequantized, then quantized
+    assert int4.layer_format(int4_g32, 256, 128, "x") == int4_g32  # an INT4 checkpoint's own groups
+    regroup = LoadOptions.create(device="cpu", expert_format="int4", int4_group_size=64)
+    assert regroup.layer_format(int4_g32, 256, 128, "x").options == (("group_size", 64), ("symmetric", True))
     with pytest.raises(
         ConfigError,
         match=r"int4_group_size 64 \(the default\) does not divide .*layer 3.*"
         r"H = 256, I = 96.*int4_group_size 32 fits",
     ):
         int4.layer_format(None, 256, 96, "layer 3")
-    mx = LoadOptions.create(device="cpu", expert_format="mxfp4")
-    assert mx.layer_format(None, 256, 128, "x").name == "mxfp4"  # float checkpoints: quantized at load
-    with pytest.raises(ConfigError, match=r"mxfp4 needs H and I that are multiples of 32.*layer 2.*I = 24"):
-        mx.layer_format(None, 64, 24, "layer 2")
     # float32 / float64 loads compute every format in that dtype; bf16 loads let the machine choose
     assert LoadOptions.create(device="cpu", dtype="float32").engine.compute_dtype == torch.float32
     assert LoadOptions.create(device="cpu").engine.compute_dtype is None

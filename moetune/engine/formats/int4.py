@@ -7,7 +7,9 @@ consecutive inputs (``g`` = 32, 64 or 128). Group ``j`` of row ``o`` has a bf16 
     w[o, d] ~= (u[o, d] - z[o, d // g]) * s[o, d // g],   u in [0, 15]
 
 * symmetric: ``z = 8`` for every group (not stored), ``s = max|w| / 7``, so codes use [1, 15] = -7..7 and
-  the largest weight is on the grid (nothing clips).
+  the largest weight is on the grid (nothing clips). Code 0 (-8) is never produced here but is part of the
+  format: pre-quantized checkpoints (compressed-tensors' signed int4, stored as ``q + 8``) use it, and
+  ``from_per_expert`` takes their codes as they are, re-packed into this format's nibble order.
 * asymmetric: the group's range widened to include 0, ``[min(w, 0), max(w, 0)]``, spans 15 steps; ``z`` is
   the uint8 code of 0 (so zeros stay exact), in [0, 15].
 
@@ -21,6 +23,7 @@ nibble, so unpacking writes two contiguous halves (interleaved nibbles make the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -86,7 +89,14 @@ def quantize_groups(
         zero.copy_(z)
     scale.copy_(s)
     u = (torch.round(w32 / s[..., None]) + z[..., None]).clamp_(0, QMAX).to(torch.uint8).view(o, d)
-    torch.bitwise_or(u[:, : d // 2], u[:, d // 2 :] << 4, out=packed)
+    pack_codes(u, packed)
+
+
+def pack_codes(codes: torch.Tensor, packed: torch.Tensor) -> None:
+    """codes ``[O, D]`` uint8 in [0, 15] -> packed ``[O, D/2]`` uint8 in place: byte ``j`` of a row holds
+    ``codes[j]`` (low nibble) and ``codes[j + D/2]`` (high nibble)."""
+    d = codes.shape[1]
+    torch.bitwise_or(codes[:, : d // 2], codes[:, d // 2 :] << 4, out=packed)
 
 
 @FORMATS.register("int4")
@@ -176,6 +186,63 @@ class Int4Experts(QuantizedExperts):
             gate_up_zero=zero["gate_up"],
             down_zero=zero["down"],
         )
+
+    @classmethod
+    def from_per_expert(
+        cls,
+        gate: Sequence[torch.Tensor],
+        gate_scale: Sequence[torch.Tensor],
+        up: Sequence[torch.Tensor],
+        up_scale: Sequence[torch.Tensor],
+        down: Sequence[torch.Tensor],
+        down_scale: Sequence[torch.Tensor],
+        *,
+        group_size: int,
+    ) -> Int4Experts:
+        """Symmetric experts (z = 8) from per-expert matrices as a pre-quantized checkpoint's loader produces
+        them, already in this format's packing: gate[e], up[e] ``[I, H/2]`` uint8 (byte ``j`` of a row holds
+        codes ``j`` and ``j + H/2``) with ``[I, H/g]`` bf16 scales; down[e] ``[H, I/2]`` with ``[H, I/g]``. Each
+        tensor is checked and copied once into the stacked layout, so a caller producing them one at a time
+        holds one expert matrix beyond the result.
+        """
+        lists = {
+            "gate": gate,
+            "gate_scale": gate_scale,
+            "up": up,
+            "up_scale": up_scale,
+            "down": down,
+            "down_scale": down_scale,
+        }
+        e = len(gate)
+        if e == 0 or any(len(v) != e for v in lists.values()):
+            raise EngineError(
+                f"{cls.name}.from_per_expert: every list needs one tensor per expert (at least one); got lengths "
+                + ", ".join(f"{k}={len(v)}" for k, v in lists.items())
+            )
+        if not isinstance(gate[0], torch.Tensor) or gate[0].dim() != 2:
+            raise EngineError(
+                f"{cls.name}.from_per_expert: gate[0] must be a 2-D [I, H/2] tensor; got {gate[0]!r:.80}"
+            )
+        i, h = gate[0].shape[0], 2 * gate[0].shape[1]
+        g = check_group_size(cls.name, group_size, h, i)
+        gu = torch.empty(e, 2 * i, h // 2, dtype=torch.uint8)
+        dn = torch.empty(e, h, i // 2, dtype=torch.uint8)
+        gu_s = torch.empty(e, 2 * i, h // g, dtype=torch.bfloat16)
+        dn_s = torch.empty(e, h, i // g, dtype=torch.bfloat16)
+        targets = {  # field -> (its destination in expert x, the symbols of its shape)
+            "gate": (lambda x: gu[x, :i], "[I, H/2]"),
+            "up": (lambda x: gu[x, i:], "[I, H/2]"),
+            "down": (lambda x: dn[x], "[H, I/2]"),
+            "gate_scale": (lambda x: gu_s[x, :i], "[I, H/g]"),
+            "up_scale": (lambda x: gu_s[x, i:], "[I, H/g]"),
+            "down_scale": (lambda x: dn_s[x], "[H, I/g]"),
+        }
+        for field, tensors in lists.items():
+            dest, symbols = targets[field]
+            for x, t in enumerate(tensors):
+                d = dest(x)
+                d.copy_(check_stored(cls.name, f"{field}[{x}]", t, d.dtype, tuple(d.shape), symbols))
+        return cls(gu, gu_s, dn, dn_s, group_size=g)
 
     @property
     def symmetric(self) -> bool:

@@ -1,0 +1,167 @@
+"""The contract of a quantized-checkpoint method (``QuantMethod``), the tensors of one quantized weight
+(``QuantizedWeight``) and what the methods share.
+
+A method is chosen by ``config.json``'s ``quantization_config.quant_method`` (``QUANT_METHODS``; the lookup
+is ``quant.checkpoint_quantization``) and does four things:
+
+1. ``from_config``: validates the quantization config. A field moetune cannot hold as shipped is a
+   ``LoadError`` naming the field, its value and what is supported, raised before any tensor is read.
+2. ``pair``: from the safetensors headers only, gathers each quantized weight's stored tensors (codes,
+   scales, ...) into a ``QuantizedWeight``, reported under its *logical* key ``<name>.weight`` with the
+   float shape ``[O, D]``. The expert plan and transformers' key mapping then see the names and shapes of
+   a float checkpoint; ``logical_tensors`` builds that view.
+3. ``read_experts``: one layer's routed experts, per expert, into the engine format the method holds
+   them in as stored (``native``): the checkpoint's codes and scales, never a float round trip.
+4. ``dequantize``: any other quantized weight (attention, dense MLPs ...) to fp32 ``[O, D]``; it reaches
+   transformers' loader as a plain tensor (``Dequantized``), so the torch model is a float one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+
+from moetune.engine.formats.base import ExpertFormat
+from moetune.errors import LoadError
+from moetune.loading.checkpoint import Checkpoint, ShardReader, TensorInfo
+from moetune.loading.options import ExpertFormatChoice
+from moetune.registry import Registry
+
+MAX_LISTED = 12  # problems listed in one error
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One quantized ``Linear`` weight as a checkpoint stores it.
+
+    ``info`` is the logical ``<name>.weight``: its float shape ``[O, D]``, the shard of its main tensor, and
+    the method's ``code`` as dtype. ``parts`` are the stored tensors by role (FP8: ``weight``,
+    ``scale_inv``; compressed-tensors: ``packed``, ``scale``, ``shape``).
+    """
+
+    info: TensorInfo
+    parts: Mapping[str, TensorInfo]
+
+    @property
+    def key(self) -> str:
+        return self.info.key
+
+    @property
+    def files(self) -> set[str]:
+        return {t.file for t in self.parts.values()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.parts.values())
+
+
+class QuantMethod(ABC):
+    """One ``quant_method``: a validated quantization config and how to read its tensors.
+
+    Subclasses register in ``QUANT_METHODS`` under their ``quant_method`` value.
+    """
+
+    name: ClassVar[str]  # its quant_method value, the registry name
+    label: ClassVar[str]  # what messages call its weights ("FP8", "compressed-tensors INT4")
+    code: ClassVar[str]  # the dtype its logical weights report (a safetensors code or the method's own)
+    supported: ClassVar[str]  # one line: what of this method moetune loads, for the no-match error
+    declaration: ClassVar[str]  # the quantization_config its checkpoints declare, for messages
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, quant: Mapping[str, Any], where: str) -> QuantMethod:
+        """The method for ``quantization_config`` ``quant`` (``where`` names it in messages); ``LoadError``
+        naming any field moetune cannot hold as shipped."""
+
+    @classmethod
+    @abstractmethod
+    def undeclared(cls, checkpoint: Checkpoint) -> list[str]:
+        """``"<file>: <key> is ..."`` for each tensor only this method's checkpoints hold: a problem wherever
+        config.json does not declare this method."""
+
+    @abstractmethod
+    def pair(self, checkpoint: Checkpoint) -> tuple[dict[str, QuantizedWeight], list[str]]:
+        """Logical key -> its ``QuantizedWeight``, and every problem found (missing, orphaned, misshapen or
+        mistyped parts), each naming the file and key. Headers only."""
+
+    @property
+    @abstractmethod
+    def native(self) -> ExpertFormatChoice:
+        """The engine format (and options) routed experts are held in as stored."""
+
+    def expert_problem(self, weight: QuantizedWeight) -> str | None:
+        """Why ``weight`` cannot be a routed expert matrix held natively (None: it can). Checked at planning."""
+        return None
+
+    @abstractmethod
+    def read_experts(
+        self,
+        gate: Sequence[QuantizedWeight],
+        up: Sequence[QuantizedWeight],
+        down: Sequence[QuantizedWeight],
+        reader: ShardReader,
+    ) -> ExpertFormat:
+        """One layer's experts in ``native``'s format: gate[e], up[e] ``[I, H]`` and down[e] ``[H, I]``."""
+
+    @abstractmethod
+    def dequantize(self, weight: QuantizedWeight, reader: ShardReader) -> torch.Tensor:
+        """``weight`` as fp32 ``[O, D]``, by the method's definition."""
+
+
+QUANT_METHODS: Registry[type[QuantMethod]] = Registry("quantization method")
+
+
+def raise_problems(checkpoint: Checkpoint, label: str, problems: list[str]) -> None:
+    """One ``LoadError`` listing ``problems`` (the first ``MAX_LISTED``) with the weights of ``label``."""
+    if not problems:
+        return
+    shown = "\n  ".join(problems[:MAX_LISTED])
+    more = f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
+    raise LoadError(
+        f"checkpoint {checkpoint.path}: {len(problems)} problem(s) with {label} weights or their scales:\n  "
+        f"{shown}{more}"
+    )
+
+
+def logical_tensors(checkpoint: Checkpoint, weights: Mapping[str, QuantizedWeight]) -> dict[str, TensorInfo]:
+    """The checkpoint's tensors as a float checkpoint would name them: every quantized weight's parts
+    replaced by its logical ``<name>.weight``, in the position of its first part."""
+    part_of = {p.key: w for w in weights.values() for p in w.parts.values()}
+    out: dict[str, TensorInfo] = {}
+    for key, info in checkpoint.tensors.items():
+        weight = part_of.get(key)
+        if weight is None:
+            out[key] = info
+        elif weight.key not in out:
+            out[weight.key] = weight.info
+    return out
+
+
+class LazyTensors(Sequence[torch.Tensor], Generic[T]):
+    """``load(items[i])`` on indexing, so a consumer walking the sequence (``from_per_expert``) holds one
+    tensor read from the checkpoint at a time."""
+
+    def __init__(self, items: Sequence[T], load: Callable[[T], torch.Tensor]) -> None:
+        self.items, self.load = items, load
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i):  # type: ignore[override]  # int indices only: from_per_expert's use
+        return self.load(self.items[i])
+
+
+class Dequantized:
+    """Stands in for a lazy safetensors slice of a quantized weight: indexing reads its parts and returns
+    the dequantized fp32 tensor, which transformers' loader then casts to the load dtype."""
+
+    def __init__(self, method: QuantMethod, weight: QuantizedWeight, reader: ShardReader) -> None:
+        self.method, self.weight, self.reader = method, weight, reader
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.method.dequantize(self.weight, self.reader)[index]

@@ -1,0 +1,153 @@
+"""FP8 block-scaled checkpoints in DeepSeek-V3's convention (also Kimi-K2-Instruct, Qwen3-FP8, GLM-4.5-FP8)::
+
+    quantization_config: {quant_method: fp8, weight_block_size: [128, 128],
+                          fmt: e4m3, activation_scheme: dynamic}
+
+Every quantized ``Linear`` stores ``<name>.weight`` as float8 e4m3fn ``[O, D]`` and ``<name>.weight_scale_inv``
+as fp32 (or bf16/fp16) ``[ceil(O/128), ceil(D/128)]``: ``w[o, d] = fp8[o, d] * scale_inv[o // 128, d // 128]``
+(edge blocks partial). ``pair`` matches them from the safetensors headers and reports every missing,
+orphaned or misshapen scale before any tensor is read. Routed experts keep their FP8 bytes in the engine
+(``Fp8BlockExperts``); every other FP8 weight is dequantized here and handed to transformers' loader as a
+plain float tensor.
+
+Why not transformers' own FP8 dequantization (``FineGrainedFP8Config(dequantize=True)``, which 5.24 turns on
+by itself without a GPU): its ``Fp8Dequantize`` infers the block size from the scale grid (rows // grid rows),
+which is only right when every dimension is a multiple of 128 or below it. A partial edge block raises
+(``[320, 256]`` with a ``[3, 2]`` grid) or, worse, silently uses blocks of the wrong size (``[192, 256]``
+with a ``[2, 2]`` grid: blocks of 96 rows; measured logits off by 2.5 on a tiny model). Real checkpoints have
+such shapes (DeepSeek-V3's ``kv_a_proj_with_mqa`` is ``[576, 7168]``). Here the block is 128 by definition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from moetune.engine.formats import Fp8BlockExperts
+from moetune.engine.formats.fp8_block import BLOCK, grid
+from moetune.errors import LoadError
+from moetune.loading.checkpoint import Checkpoint, ShardReader
+from moetune.loading.options import ExpertFormatChoice
+from moetune.loading.quant.base import QUANT_METHODS, LazyTensors, QuantizedWeight, QuantMethod
+
+FP8_DTYPE = "F8_E4M3"  # safetensors' code for float8 e4m3fn
+SCALE_SUFFIX = "_scale_inv"  # <name>.weight -> <name>.weight_scale_inv
+SCALE_DTYPES = ("F32", "BF16", "F16")  # widened to fp32 exactly (DeepSeek-V3 stores F32)
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """weight ``[O, D]`` float8_e4m3fn, scale_inv ``[ceil(O/128), ceil(D/128)]`` fp32 -> ``[O, D]`` fp32.
+
+    fp32 holds every e4m3 value exactly, so each weight is rounded once, by the product with its block's scale.
+    """
+    out = weight.to(torch.float32)
+    cols = scale_inv.to(torch.float32).repeat_interleave(BLOCK, dim=1)[:, : out.shape[1]]  # [ceil(O/128), D]
+    for a in range(cols.shape[0]):  # one 128-row block at a time: no [O, D] scale temporary
+        out[a * BLOCK : (a + 1) * BLOCK].mul_(cols[a])
+    return out
+
+
+@QUANT_METHODS.register("fp8")
+class Fp8Method(QuantMethod):
+    """An FP8 checkpoint's ``quantization_config``, validated: 128 x 128 block scales, e4m3, dynamic
+    activation scales. Routed experts are held as ``fp8_block``."""
+
+    name = "fp8"
+    label = "FP8"
+    code = FP8_DTYPE
+    supported = "fp8 (DeepSeek-V3-style e4m3 with 128 x 128 block scales)"
+    declaration = "quant_method: fp8 and weight_block_size: [128, 128]"
+
+    @classmethod
+    def from_config(cls, quant: Mapping[str, Any], where: str) -> Fp8Method:
+        checks: dict[str, tuple[Any, tuple[Any, ...]]] = {
+            "weight_block_size": (quant.get("weight_block_size"), ([BLOCK, BLOCK], (BLOCK, BLOCK))),
+            "fmt": (quant.get("fmt", "e4m3"), ("e4m3", "float8_e4m3fn")),
+            "activation_scheme": (quant.get("activation_scheme", "dynamic"), ("dynamic",)),
+        }
+        for name, (value, allowed) in checks.items():
+            if value not in allowed:
+                raise LoadError(
+                    f"{where}.{name} is {value!r}; moetune's FP8 loader reads {name} {allowed[0]!r} only "
+                    "(DeepSeek-V3's convention: e4m3 weights, 128 x 128 weight_scale_inv, dynamic activations)"
+                )
+        return cls()
+
+    @classmethod
+    def undeclared(cls, checkpoint: Checkpoint) -> list[str]:
+        return [
+            f"{info.file}: {key} is {FP8_DTYPE}"
+            for key, info in checkpoint.tensors.items()
+            if info.dtype == FP8_DTYPE
+        ]
+
+    def pair(self, checkpoint: Checkpoint) -> tuple[dict[str, QuantizedWeight], list[str]]:
+        """Each FP8 weight with its ``weight_scale_inv``. Problems: an FP8 tensor without its scale or not
+        2-D; a scale without its weight, not F32/BF16/F16, or not of shape ``[ceil(O/128), ceil(D/128)]``."""
+        tensors = checkpoint.tensors
+        problems: list[str] = []
+        pairs: dict[str, QuantizedWeight] = {}
+        for key, info in tensors.items():
+            if key.endswith(SCALE_SUFFIX):
+                weight = tensors.get(key.removesuffix(SCALE_SUFFIX))
+                if weight is None:
+                    problems.append(
+                        f"{info.file}: {key} scales {key.removesuffix(SCALE_SUFFIX)}, which no shard holds"
+                    )
+                elif weight.dtype != FP8_DTYPE:
+                    problems.append(
+                        f"{info.file}: {key} scales {weight.key}, which is {weight.dtype}, not {FP8_DTYPE}"
+                    )
+                continue
+            if info.dtype != FP8_DTYPE:
+                continue
+            scale = tensors.get(key + SCALE_SUFFIX)
+            if len(info.shape) != 2:
+                problems.append(
+                    f"{info.file}: {key} is a {len(info.shape)}-D FP8 tensor; block scales need [out, in]"
+                )
+            elif scale is None:
+                problems.append(
+                    f"{info.file}: FP8 weight {key} has no {key + SCALE_SUFFIX} in any shard "
+                    "(every FP8 weight needs its fp32 block scales)"
+                )
+            elif scale.dtype not in SCALE_DTYPES or scale.shape != grid(*info.shape):
+                problems.append(
+                    f"{scale.file}: {scale.key} is {scale.dtype} {scale.shape}; the scales of {key} {info.shape} "
+                    f"must be {'/'.join(SCALE_DTYPES)} {grid(*info.shape)} (one per 128 x 128 block, "
+                    "ceil(out/128) x ceil(in/128))"
+                )
+            else:
+                pairs[key] = QuantizedWeight(info, {"weight": info, "scale_inv": scale})
+        return pairs, problems
+
+    @property
+    def native(self) -> ExpertFormatChoice:
+        return ExpertFormatChoice("fp8_block")
+
+    def read_experts(
+        self,
+        gate: Sequence[QuantizedWeight],
+        up: Sequence[QuantizedWeight],
+        down: Sequence[QuantizedWeight],
+        reader: ShardReader,
+    ) -> Fp8BlockExperts:
+        """gate/up/down ``[out, in]`` e4m3fn per expert with their block scales, copied one matrix at a time
+        into ``Fp8BlockExperts``' stacked tensors (bf16/fp16 scales widened to fp32: exact)."""
+
+        def codes(w: QuantizedWeight) -> torch.Tensor:
+            return reader.read(w.parts["weight"])
+
+        def scale_inv(w: QuantizedWeight) -> torch.Tensor:
+            return reader.read(w.parts["scale_inv"]).to(torch.float32)
+
+        lists: dict[str, LazyTensors[QuantizedWeight]] = {}
+        for role, weights in (("gate", gate), ("up", up), ("down", down)):
+            lists[role] = LazyTensors(weights, codes)
+            lists[f"{role}_scale_inv"] = LazyTensors(weights, scale_inv)
+        return Fp8BlockExperts.from_per_expert(**lists)
+
+    def dequantize(self, weight: QuantizedWeight, reader: ShardReader) -> torch.Tensor:
+        return dequantize_fp8(reader.read(weight.parts["weight"]), reader.read(weight.parts["scale_inv"]))
