@@ -8,7 +8,8 @@ saved activations (the ones its ``ActivationPolicy`` keeps anyway) in one slot; 
 its inputs and hands the same tensors to autograd without calling the engine.
 
 The key makes reuse exact, not a guess: the inputs ``x``, ``topk_ids``, ``topk_weights`` are equal
-(``torch.equal``), the trained tensors have the same in-place versions (no optimizer step in between) and
+(``torch.equal``), the trained tensors are the same memory (the same adapter's parameters, of which a call's
+LoRA tensors are views) with the same in-place versions (no optimizer step in between) and
 the CPU RNG is in the same state (checkpointing restores it, so LoRA dropout draws the same seed). On a
 miss the engine simply runs again. The slot is emptied by the hit, or by the forward's own backward, so it
 holds activations no longer than the autograd graph would.
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moetune.engine import ExpertEngine, SavedForward
+from moetune.engine import ExpertEngine, ExpertLoRA, SavedForward
 
 
 @dataclass
@@ -28,7 +29,7 @@ class _Entry:
     x: torch.Tensor  # [T, H] CPU, as given to the engine
     topk_ids: torch.Tensor  # [T, k] int64 CPU
     topk_weights: torch.Tensor  # [T, k] CPU
-    versions: tuple[int, ...]
+    versions: tuple[tuple[int, int], ...]  # (address, in-place version) of each trained tensor
     rng_before: torch.Tensor  # CPU RNG state the forward started from
     rng_after: torch.Tensor  # ... and left behind (restored on a hit, as if the engine had run)
     y: torch.Tensor  # [T, H] CPU, dtype of x
@@ -49,12 +50,14 @@ class ForwardMemo:
         topk_weights: torch.Tensor,
         *,
         training: bool,
+        lora: ExpertLoRA | None = None,
     ) -> tuple[torch.Tensor, SavedForward]:
-        """``engine.forward(..., save=True)`` or, when the slot holds a forward of the same inputs, its result.
+        """``engine.forward(..., save=True, lora=lora)`` or, when the slot holds a forward of the same inputs, its
+        result.
 
         x ``[T, H]``, topk_ids ``[T, k]``, topk_weights ``[T, k]``, all CPU -> (y ``[T, H]``, SavedForward).
         """
-        versions = tuple(t._version for t in engine.trained_tensors())
+        versions = tuple((t.data_ptr(), t._version) for t in engine.trained_tensors(lora))
         rng = torch.get_rng_state()
         e = self._entry
         if (
@@ -71,7 +74,7 @@ class ForwardMemo:
             torch.set_rng_state(e.rng_after)
             # a fresh tensor: y itself is already the output of the first forward's autograd node
             return e.y.detach().clone(), e.saved.with_tensors(e.saved.tensors())
-        y, saved = engine.forward(x, topk_ids, topk_weights, save=True, training=training)
+        y, saved = engine.forward(x, topk_ids, topk_weights, save=True, training=training, lora=lora)
         assert saved is not None
         self._entry = _Entry(x, topk_ids, topk_weights, versions, rng, torch.get_rng_state(), y, saved)
         return y, saved
