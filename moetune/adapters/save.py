@@ -166,6 +166,11 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: boo
             f"{where}: target_modules is the pattern {target_modules!r}; moetune loads adapters whose "
             "target_modules is a list when they also adapt routed experts"
         )
+    if isinstance(
+        target_modules, list
+    ):  # experts named as modules (an adapter added by add_adapter, as saved)
+        named = [p for p, m in model.named_modules() if isinstance(m, CpuExperts) and p not in experts]
+        experts += [p for p in named if any(p == e or p.endswith("." + e) for e in target_modules)]
     peft_config = LoraConfig(
         r=r,
         lora_alpha=alpha,  # type: ignore[arg-type]  # PEFT annotates int; alpha / r is float math
