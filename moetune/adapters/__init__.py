@@ -7,7 +7,7 @@ imports PEFT); ``apply`` attaches LoRA to a loaded model through ``peft.get_peft
 reads the whole adapter as one stock PEFT adapter.
 """
 
-from moetune.adapters.apply import LoraSettings, attach_lora, resolve_targets
+from moetune.adapters.apply import LoraSettings, attach_lora, resolve_targets, to_stock_config
 from moetune.adapters.peft_layout import (
     PEFT_MODEL_PREFIX,
     ExpertParamNames,
@@ -25,6 +25,7 @@ __all__ = [
     "load_adapter_weights",
     "resolve_targets",
     "save_adapter",
+    "to_stock_config",
     "PEFT_MODEL_PREFIX",
     "ExpertParamNames",
     "expert_lora_from_peft_state",

@@ -1,5 +1,8 @@
 """Expert LoRA between the engine's layout and stock PEFT's ``target_parameters`` (``lora.ParamWrapper``) layout.
 
+moetune's PEFT layer for routed experts (``moetune.adapters.expert_layer.ExpertsLora``) holds its tensors in
+PEFT's layout below; the engine reads them through :func:`engine_view` (views, no copies).
+
 Facts about PEFT 0.21 (checked against ``peft/tuners/lora/layer.py`` and by building PEFT models over
 transformers 5.24 ``Qwen3MoeExperts`` and ``GptOssExperts``; ``tests/unit/test_peft_layout.py`` re-checks them):
 

@@ -3,10 +3,9 @@
 ``y = routed_experts(engine, x, topk_ids, topk_weights, lora=lora)``; ``y.sum().backward()`` fills the grads
 of x, of topk_weights (the router's gradient) and of every tensor in ``engine.trained_tensors(lora)`` that
 requires grad (expert LoRA, the call's own or the engine's, and base weights in full mode). The LoRA tensors
-may be views of other parameters (PEFT's ``lora_A`` / ``lora_B``): autograd carries their grads on to
-those. Inputs may live on any device; the engine
-computes on host copies and results return to the device of ``x`` (``moetune.layer.transfer``: pinned
-staging, non-blocking copies, no device-wide synchronisation).
+may be views of other parameters (PEFT's ``lora_A`` / ``lora_B``): autograd carries their grads on to those.
+Inputs may live on any device; the engine computes on host copies and results return to the device of ``x``
+(``moetune.layer.transfer``: pinned staging, non-blocking copies, no device-wide synchronisation).
 """
 
 from __future__ import annotations

@@ -174,7 +174,7 @@ def test_add_adapter_and_set_adapter_switch_expert_lora(checkpoints, tmp_path) -
     active at once on the experts raise a clear error."""
     from peft import LoraConfig, PeftModel
 
-    from moetune.adapters.apply import to_stock_config
+    from moetune.adapters import to_stock_config
     from moetune.errors import AdapterError
     from moetune.loading import load_model
 
