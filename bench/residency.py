@@ -72,7 +72,7 @@ def phase(
     torch.manual_seed(0)
     model = attach_lora(model, rank=8, alpha=16, targets=("q_proj", "experts"))
     step(model, ids)  # warm-up
-    window = getattr(next(iter(expert_modules(model).values())).engine.weights, "window", None)
+    window = getattr(next(iter(expert_modules(model).values())).experts.engine.weights, "window", None)
     keys = ("hits", "misses", "wait_seconds", "bytes_read")
     before = {k: getattr(window.stats, k) for k in keys} if window is not None else {}
     times = [step(model, ids) for _ in range(reps)]

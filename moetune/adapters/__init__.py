@@ -1,12 +1,13 @@
 """PEFT-layout save/load of attention and expert LoRA.
 
 ``peft_layout`` converts one layer's expert LoRA between the engine layout and stock PEFT's
-``target_parameters`` layout (tensor layout, key names, config facts in its docstring); ``apply`` attaches
-LoRA to a loaded model (PEFT on linear layers, engine LoRA on routed experts); ``save`` writes and reads the
-whole adapter as one stock PEFT adapter.
+``target_parameters`` layout (tensor layout, key names, config facts in its docstring); ``expert_layer`` is
+the PEFT LoRA layer that holds routed-expert LoRA in that layout around a ``CpuExperts`` (imported on use: it
+imports PEFT); ``apply`` attaches LoRA to a loaded model through ``peft.get_peft_model``; ``save`` writes and
+reads the whole adapter as one stock PEFT adapter.
 """
 
-from moetune.adapters.apply import LoraSettings, attach_lora, resolve_targets
+from moetune.adapters.apply import LoraSettings, attach_lora, resolve_targets, to_stock_config
 from moetune.adapters.peft_layout import (
     PEFT_MODEL_PREFIX,
     ExpertParamNames,
@@ -24,6 +25,7 @@ __all__ = [
     "load_adapter_weights",
     "resolve_targets",
     "save_adapter",
+    "to_stock_config",
     "PEFT_MODEL_PREFIX",
     "ExpertParamNames",
     "expert_lora_from_peft_state",

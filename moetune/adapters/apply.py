@@ -1,36 +1,42 @@
-"""Attach LoRA to a loaded moetune model: stock PEFT on linear layers, engine expert LoRA on routed experts.
+"""Attach LoRA to a loaded moetune model: PEFT on linear layers and, through moetune's PEFT layer, routed experts.
 
     model (from ``moetune.load_model``)
       -> resolve ``lora_target`` against the model: ``all`` = every ``nn.Linear`` except ``lm_head`` and the
          MoE routers (attention, dense MLPs, shared experts, shared-expert gates), plus every routed-experts
          module (``CpuExperts``); names = modules whose path ends with the name (``q_proj``, ``experts``,
          ``gate`` for a linear router)
-      -> each targeted ``CpuExperts`` is swapped, on the instance, for one whose engine (same weights object)
-         carries an :class:`~moetune.engine.ExpertLoRA` (fp32 CPU parameters ``lora_gate_up_A`` ...)
-      -> linear modules whose names stock PEFT rewrites for this model type (see :func:`peft_renamed`) are
-         wrapped in PEFT's ``lora.Linear`` directly; ``peft.get_peft_model`` wraps the other linear targets by
-         name, then casts and marks trainable all of PEFT's LoRA layers. The experts' ``lora_*`` parameters
-         are made trainable again after it (PEFT freezes everything that is not one of its layers).
+      -> each targeted ``CpuExperts`` is wrapped in place, adapter-less, in two nested
+         :class:`~moetune.adapters.expert_layer.ExpertsLora` layers (the module itself, its engine, layout and
+         shared-experts overlap stay as they are); linear modules whose names stock PEFT rewrites for this
+         model type (see :func:`peft_renamed`) are wrapped in PEFT's ``lora.Linear`` directly
+      -> ``peft.get_peft_model`` with ``target_modules`` = the other linear targets and the experts modules:
+         PEFT adds adapter ``"default"`` to them (to the experts through ``ExpertsLora.update_layer``), then
+         casts and marks trainable all of its LoRA layers, expert LoRA included
+      -> the live config is rewritten into the form stock PEFT loads on the unmodified transformers model:
+         the experts and the directly wrapped linears move from ``target_modules`` to ``target_parameters``
+         (``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``, ``<module>.weight``) and ``lora_dropout``
+         becomes 0 when there are any (``ParamWrapper`` refuses dropout; it changes no saved weight, and the
+         layers keep the dropout they were built with). ``PeftModel.save_pretrained``, a plain ``Trainer``'s
+         checkpoints and :func:`moetune.adapters.save_adapter` all write this config.
 
-The live PEFT config records the directly wrapped modules as ``target_parameters`` (``<module>.weight``): that
-is how stock PEFT must target them when it loads the saved adapter (PEFT's ``ParamWrapper`` over a 2-D weight
-computes ``(W + s B A) x``, the same as a LoRA ``Linear``, with the same state-dict keys).
+PEFT's ``ParamWrapper`` over a 2-D weight computes ``(W + s B A) x``, the same as a LoRA ``Linear``, with the
+same state-dict keys; over the fused experts parameters it has the keys and shapes ``ExpertsLora`` has.
 
-Expert LoRA is initialised as PEFT initialises it (A kaiming-uniform, B zero) from the global torch RNG, so
-seed with ``torch.manual_seed`` first for a reproducible run.
+LoRA is initialised as PEFT initialises it (A kaiming-uniform, B zero) from the global torch RNG, so seed with
+``torch.manual_seed`` first for a reproducible run.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
-from moetune.engine import ExpertLoRA
+from moetune.adapters.peft_layout import PEFT_MODEL_PREFIX, ExpertParamNames
 from moetune.errors import AdapterError
 from moetune.layer import CpuExperts
 
@@ -116,41 +122,6 @@ def resolve_targets(model: nn.Module, targets: Sequence[str]) -> LoraTargets:
     return chosen
 
 
-def add_expert_lora(
-    model: nn.Module, paths: Sequence[str], settings: LoraSettings, dtype: torch.dtype = torch.float32
-) -> None:
-    """Swap each ``CpuExperts`` at ``paths`` for one with fresh expert LoRA (fp32 master weights, PEFT's init).
-
-    fp32 because the optimizer updates these tensors in place on the CPU: bf16 masters would lose small updates.
-    """
-    for path in paths:
-        old = model.get_submodule(path)
-        assert isinstance(old, CpuExperts), path
-        eng = old.engine
-        if eng.lora is not None:
-            raise AdapterError(f"{path} already has expert LoRA; attach LoRA once per model")
-        lora = ExpertLoRA.init(
-            eng.num_experts,
-            eng.hidden_size,
-            eng.intermediate_size,
-            settings.rank,
-            settings.alpha,
-            dropout=settings.dropout,
-            use_rslora=settings.use_rslora,
-            dtype=dtype,
-        )
-        set_expert_lora(model, path, lora)
-
-
-def set_expert_lora(model: nn.Module, path: str, lora: ExpertLoRA) -> CpuExperts:
-    """Replace the ``CpuExperts`` at ``path`` by one over the same weights with ``lora``; return the new module."""
-    old = model.get_submodule(path)
-    assert isinstance(old, CpuExperts), path
-    new = old.with_engine(old.engine.with_lora(lora))
-    model.set_submodule(path, new)
-    return new
-
-
 def peft_target_modules(model: nn.Module, paths: Sequence[str]) -> list[str]:
     """Short PEFT ``target_modules`` entries naming exactly ``paths`` among ``model``'s modules.
 
@@ -198,20 +169,77 @@ def peft_renamed(model: nn.Module, linear: Sequence[str]) -> list[str]:
     return [p for p in linear if p.rpartition(".")[2] in renamed]
 
 
-def peft_model_with(
-    model: nn.Module, config: Any, by_weight: Sequence[str], weight_entries: Sequence[str]
-) -> Any:
-    """``get_peft_model(model, config)``, plus LoRA on the ``nn.Linear`` modules at ``by_weight``.
+def expert_target_parameters(paths: Sequence[str]) -> list[str]:
+    """``target_parameters`` for experts modules at ``paths``: ``<path after its layer index>.<param>`` when that
+    suffix is shared by every path (``mlp.experts.gate_up_proj``), else each full path; gate_up then down."""
+    names = ExpertParamNames()
+    tails = {_after_layer_index(p) for p in paths}
+    if len(tails) == 1:
+        (tail,) = tails
+        return names.target_parameters(tail)
+    return [entry for p in paths for entry in names.target_parameters(p)]
 
-    Those get PEFT's own ``lora.Linear`` for adapter ``"default"``, the layer ``get_peft_model`` would create
-    (``config``'s rank, alpha, dropout, rsLoRA and init), made here because PEFT would rename them (see
-    :func:`peft_renamed`); ``get_peft_model`` then casts their dtype like its own layers. ``weight_entries``
-    (their ``target_parameters``, how stock PEFT must target them) go into the live config, so that the saved
-    config carries them.
+
+def _after_layer_index(path: str) -> str:
+    """``model.layers.3.mlp.experts`` -> ``mlp.experts`` (the part after the last numeric component)."""
+    parts = path.split(".")
+    idx = max((i for i, part in enumerate(parts) if part.isdigit()), default=-1)
+    return ".".join(parts[idx + 1 :])
+
+
+def to_stock_config(
+    peft_model: Any, adapter_name: str = "default", weight_entries: Sequence[str] = ()
+) -> None:
+    """Rewrite adapter ``adapter_name``'s live PEFT config, in place, into the form stock PEFT loads on the
+    unmodified transformers model, which ``save_pretrained`` then writes.
+
+    The routed-experts modules carrying the adapter leave ``target_modules`` and appear in ``target_parameters``
+    as their fused parameters (:func:`expert_target_parameters`), after ``weight_entries`` (``<module>.weight``
+    of linears wrapped directly, see :func:`peft_model_with`) and the entries it already has; ``lora_dropout``
+    becomes 0 when there are any (``ParamWrapper`` refuses dropout; the layers keep the dropout they were built
+    with and no saved weight depends on it). Idempotent. Call it after ``peft_model.add_adapter(name, config)``
+    with the experts in ``target_modules`` to save that adapter for stock PEFT.
+    """
+    live = peft_model.peft_config[adapter_name]
+    experts = [p for p, m in expert_modules(peft_model).items() if adapter_name in m.lora_A]
+    if isinstance(live.target_modules, str) and experts:
+        raise AdapterError(
+            f"adapter {adapter_name!r}: target_modules is the pattern {live.target_modules!r}; name the modules "
+            "in a list to save routed-expert LoRA for stock PEFT"
+        )
+    modules = set(live.target_modules or ())  # PEFT may have made it a set
+    in_experts = {e for e in modules if any(p == e or p.endswith("." + e) for p in experts)}
+    expert_params = expert_target_parameters(experts)
+    others = {*weight_entries, *(live.target_parameters or ())} - set(expert_params)
+    params = sorted(others) + expert_params
+    live.target_modules = sorted(modules - in_experts) or None
+    live.target_parameters = params or None
+    if params:
+        live.lora_dropout = 0.0
+
+
+def peft_model_with(
+    model: nn.Module,
+    config: Any,
+    by_weight: Sequence[str],
+    experts: Sequence[str],
+    weight_entries: Sequence[str],
+) -> Any:
+    """``get_peft_model(model, config)`` with LoRA also on the ``nn.Linear`` modules at ``by_weight`` and the
+    ``CpuExperts`` at ``experts``; the live config is then in stock form (:func:`to_stock_config`).
+
+    The linears get PEFT's own ``lora.Linear`` for adapter ``"default"``, the layer ``get_peft_model`` would
+    create (``config``'s rank, alpha, dropout, rsLoRA and init), made here because PEFT would rename them (see
+    :func:`peft_renamed`); ``weight_entries`` are their ``target_parameters``. The experts are wrapped
+    adapter-less (``expert_layer.wrap``) and named in ``target_modules``, so that ``get_peft_model`` adds the
+    adapter to them with ``update_layer`` (it cannot create their layers itself: ``expert_layer`` says why).
     """
     from peft import get_peft_model
     from peft.tuners.lora import Linear as LoraLinear
 
+    from moetune.adapters.expert_layer import wrap
+
+    expert_entries = peft_target_modules(model, experts)
     # PEFT freezes the base model only when it finds no LoRA layer in it; with the ones below in place it keeps
     # the trainability it finds, so freeze first (it makes its adapters trainable itself).
     model.requires_grad_(False)
@@ -221,9 +249,19 @@ def peft_model_with(
         model.set_submodule(
             path, LoraLinear(base, "default", config=config, r=config.r, lora_alpha=config.lora_alpha)
         )
-    peft_model = get_peft_model(model, config)
-    if weight_entries:
-        peft_model.peft_config["default"].target_parameters = list(weight_entries)
+    for path in experts:
+        module = model.get_submodule(path)
+        assert isinstance(module, CpuExperts), path
+        model.set_submodule(path, wrap(module))
+    config.target_modules = [*(config.target_modules or []), *expert_entries]
+    with warnings.catch_warnings():
+        # PEFT warns when the model already holds PEFT layers ("modify a model with PEFT for a second time"):
+        # here those are the ones just made for this very call
+        warnings.filterwarnings(
+            "ignore", message="You are trying to modify a model with PEFT for a second time"
+        )
+        peft_model = get_peft_model(model, config)
+    to_stock_config(peft_model, "default", weight_entries)
     return peft_model
 
 
@@ -246,23 +284,29 @@ def attach_lora(model: nn.Module, settings: LoraSettings | None = None, **kwargs
     """Give a ``moetune.load_model`` model trainable LoRA; returns the ``peft.PeftModel`` to train.
 
     ``settings`` (or keyword arguments of :class:`LoraSettings`: ``rank``, ``alpha``, ``dropout``, ``targets``,
-    ``use_rslora``). Linear targets get stock PEFT LoRA; routed experts get engine expert LoRA. Everything
-    else is frozen. Save the result with :func:`moetune.adapters.save_adapter` (stock PEFT format).
+    ``use_rslora``). Linear targets get stock PEFT LoRA; routed experts get expert LoRA in moetune's PEFT layer
+    (:class:`~moetune.adapters.expert_layer.ExpertsLora`). Everything else is frozen. Save the result with
+    ``peft_model.save_pretrained(dir)`` or :func:`moetune.adapters.save_adapter` (atomic): a stock PEFT
+    adapter that ``PeftModel.from_pretrained`` loads on the unmodified transformers model.
     """
     from peft import LoraConfig
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
     settings = settings or LoraSettings(**kwargs)
+    if any(isinstance(m, BaseTunerLayer) for m in model.modules()):
+        raise AdapterError(
+            f"{type(model).__name__} already has LoRA attached; attach LoRA once per model. Add another adapter "
+            "with peft_model.add_adapter(name, LoraConfig(target_modules=[..., 'experts'], ...))."
+        )
     targets = resolve_targets(model, settings.targets)
     by_weight = peft_renamed(model, targets.linear)
     by_name = [p for p in targets.linear if p not in by_weight]
-    if not by_name:
+    if not by_name and not targets.experts:
         raise AdapterError(
-            f"lora_target {list(settings.targets)} selects {len(targets.experts)} routed-experts modules and "
-            f"{len(by_weight)} MLP projections whose names PEFT rewrites, but no linear layer PEFT targets by "
-            "name; moetune trains through a PEFT model, which needs at least one (add e.g. q_proj, v_proj, or "
-            "use 'all')"
+            f"lora_target {list(settings.targets)} selects only {len(by_weight)} MLP projections whose names PEFT "
+            "rewrites and no module PEFT targets by name; moetune trains through a PEFT model, which needs at "
+            "least one (add e.g. q_proj, v_proj or experts, or use 'all')"
         )
-    add_expert_lora(model, targets.experts, settings)
     config = LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,  # type: ignore[arg-type]  # PEFT annotates int; float works
@@ -273,12 +317,7 @@ def attach_lora(model: nn.Module, settings: LoraSettings | None = None, **kwargs
         task_type="CAUSAL_LM",
     )
     weight_entries = [f"{entry}.weight" for entry in peft_target_modules(model, by_weight)]
-    peft_model = peft_model_with(model, config, by_weight, weight_entries)
-    # PEFT 0.21 finds adapter parameters structurally (its own tuner layers), not by the "lora_" in their names,
-    # so it freezes the experts' LoRA parameters too: make them trainable again.
-    for experts in expert_modules(peft_model).values():
-        for p in experts.parameters():
-            p.requires_grad_(True)
+    peft_model = peft_model_with(model, config, by_weight, targets.experts, weight_entries)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     logger.info(
         "moetune: LoRA r=%d alpha=%g on %d linear modules (%d by weight, as stock PEFT will load them) and %d "
@@ -293,10 +332,13 @@ def attach_lora(model: nn.Module, settings: LoraSettings | None = None, **kwargs
     return peft_model
 
 
-def expert_modules(model: nn.Module) -> dict[str, CpuExperts]:
-    """``{path in the original model: CpuExperts}`` for every experts module carrying LoRA (PEFT prefix removed)."""
-    out = {}
-    for path, m in model.named_modules():
-        if isinstance(m, CpuExperts) and m.engine.lora is not None:
-            out[path.removeprefix("base_model.model.")] = m
-    return out
+def expert_modules(model: nn.Module) -> dict[str, Any]:
+    """``{path in the original model: outer ExpertsLora}`` for every routed-experts module carrying LoRA (PEFT
+    prefix removed); ``.parameters()`` of each are its LoRA tensors, ``.experts`` the ``CpuExperts``."""
+    from moetune.adapters.expert_layer import ExpertsLora
+
+    return {
+        path.removeprefix(PEFT_MODEL_PREFIX): m
+        for path, m in model.named_modules()
+        if isinstance(m, ExpertsLora) and isinstance(m.base_layer, ExpertsLora) and m.lora_A
+    }

@@ -1,5 +1,8 @@
 """Expert LoRA between the engine's layout and stock PEFT's ``target_parameters`` (``lora.ParamWrapper``) layout.
 
+moetune's PEFT layer for routed experts (``moetune.adapters.expert_layer.ExpertsLora``) holds its tensors in
+PEFT's layout below; the engine reads them through :func:`engine_view` (views, no copies).
+
 Facts about PEFT 0.21 (checked against ``peft/tuners/lora/layer.py`` and by building PEFT models over
 transformers 5.24 ``Qwen3MoeExperts`` and ``GptOssExperts``; ``tests/unit/test_peft_layout.py`` re-checks them):
 
@@ -94,31 +97,40 @@ def lora_to_peft(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
     return lora_a, lora_b
 
 
+def engine_view(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's ``lora_A.weight`` ``[E * r, in]`` and ``lora_B.weight`` ``[out, r * E]`` seen in the engine layout:
+    (a ``[E, r, in]``, b ``[E, out, r]``), views of the same memory (b strided), differentiable."""
+    rows, n_in = lora_a.shape
+    n_out = lora_b.shape[0]
+    r = rows // num_experts
+    return lora_a.view(num_experts, r, n_in), lora_b.view(n_out, r, num_experts).permute(2, 0, 1)
+
+
 def lora_from_peft(
     lora_a: torch.Tensor, lora_b: torch.Tensor, num_experts: int, *, label: str = "expert LoRA"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One projection's LoRA, PEFT -> engine. Exact: only reshapes and permutes.
+    """One projection's LoRA, PEFT -> engine, checked. Exact: only reshapes and permutes.
 
     ``lora_A.weight`` ``[E * r, in]``, ``lora_B.weight`` ``[out, r * E]`` -> (a ``[E, r, in]``, b ``[E, out, r]``),
-    same dtype, detached, contiguous. ``label`` names the tensors in error messages (e.g. the key prefix).
+    same dtype, detached, contiguous (:func:`engine_view`, copied). ``label`` names the tensors in error
+    messages (e.g. the key prefix).
     """
     if lora_a.ndim != 2 or lora_b.ndim != 2:
         raise AdapterError(
             f"{label}: lora_A.weight and lora_B.weight must be 2-D; got {tuple(lora_a.shape)} and "
             f"{tuple(lora_b.shape)}"
         )
-    rows, n_in = lora_a.shape
-    n_out, cols = lora_b.shape
+    rows, cols = lora_a.shape[0], lora_b.shape[1]
     if num_experts <= 0 or rows % num_experts != 0 or cols != rows:
         raise AdapterError(
             f"{label}: for E={num_experts} experts lora_A.weight must be [E * r, in] and lora_B.weight "
             f"[out, r * E] with the same r; got {tuple(lora_a.shape)} and {tuple(lora_b.shape)}. "
             "Check that the adapter was saved for this model (number of experts)."
         )
-    r = rows // num_experts
-    a = lora_a.detach().reshape(num_experts, r, n_in).contiguous()
-    b = lora_b.detach().reshape(n_out, r, num_experts).permute(2, 0, 1).contiguous()
-    return a, b
+    a, b = engine_view(lora_a.detach(), lora_b.detach(), num_experts)
+    return a.contiguous(), b.contiguous()
 
 
 def interleave_rows(b: torch.Tensor) -> torch.Tensor:
@@ -127,9 +139,15 @@ def interleave_rows(b: torch.Tensor) -> torch.Tensor:
     return torch.stack((b[:, : two_i // 2], b[:, two_i // 2 :]), dim=2).reshape(e, two_i, r)
 
 
+def deinterleaved_order(two_i: int) -> torch.Tensor:
+    """``[2I]`` int64: for each gate_up row in gate-rows-then-up-rows order, its row in the interleaved order
+    (gate j at 2j, up j at 2j + 1). ``ExpertLoRA.gate_up_rows`` for an interleaved module."""
+    return torch.cat((torch.arange(0, two_i, 2), torch.arange(1, two_i, 2)))
+
+
 def deinterleave_rows(b: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`interleave_rows`: ``[E, 2I, r]`` interleaved -> gate rows then up rows."""
-    return torch.cat((b[:, 0::2], b[:, 1::2]), dim=1)
+    return b.index_select(1, deinterleaved_order(b.shape[1]))
 
 
 @dataclass(frozen=True)

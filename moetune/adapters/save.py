@@ -1,21 +1,22 @@
 """Save and load moetune LoRA as one stock PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``).
 
-Attention / dense-MLP LoRA is PEFT's own (keys from ``get_peft_model_state_dict``); routed-expert LoRA is
-written in PEFT's ``target_parameters`` (``ParamWrapper``) layout by ``peft_layout``, so that::
+Every LoRA tensor, routed experts' included, sits in a PEFT LoRA layer (expert LoRA in
+``moetune.adapters.expert_layer.ExpertsLora``, in ``ParamWrapper``'s layout), and the live PEFT config is in the
+form stock PEFT loads on the unmodified model (``moetune.adapters.apply``), so the adapter is PEFT's own state
+dict and config, and::
 
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter_dir)
 
-computes what the moetune model computed. The config gets ``target_parameters`` (e.g.
-``["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``, preceded by ``"gate_proj.weight"``-style entries
-for dense and shared-expert MLPs whose names PEFT rewrites, see ``moetune.adapters.apply``) and
-``lora_dropout: 0`` when it has any (PEFT's ``ParamWrapper`` refuses dropout; dropout changes no saved
-weight). gpt-oss-style experts (gate/up interleaved) get their gate_up ``lora_B`` rows interleaved, as the
-module they replaced orders its outputs (``CpuExperts.layout``). Files are written to a temporary folder
-next to ``output_dir`` and renamed into place, so a crash leaves no half-written adapter.
+computes what the moetune model computed. ``save_adapter`` writes what ``PeftModel.save_pretrained`` writes
+(the config gets e.g. ``target_parameters: ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``, preceded
+by ``"gate_proj.weight"``-style entries for dense and shared-expert MLPs whose names PEFT rewrites, and
+``lora_dropout: 0`` when it has any), into a temporary folder next to ``output_dir`` renamed into place, so a
+crash leaves no half-written adapter.
 
-``load_adapter(model, dir)`` attaches a saved adapter to a ``moetune.load_model`` model;
-``load_adapter_weights(peft_model, dir)`` copies a saved adapter's values into one that is already attached
-(checkpoint resume).
+``load_adapter(model, dir)`` attaches a saved adapter to a ``moetune.load_model`` model: the config's
+``target_parameters`` name the routed experts and the linear weights to wrap, and PEFT's
+``set_peft_model_state_dict`` fills every tensor. ``load_adapter_weights(peft_model, dir)`` copies a saved
+adapter's values into one that is already attached.
 """
 
 from __future__ import annotations
@@ -23,21 +24,16 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from moetune.adapters.apply import expert_modules, linear_weight_paths, peft_model_with, set_expert_lora
-from moetune.adapters.peft_layout import (
-    PEFT_MODEL_PREFIX,
-    ExpertParamNames,
-    expert_lora_from_peft_state,
-    expert_lora_to_peft_state,
-)
+from moetune.adapters.apply import linear_weight_paths, peft_model_with
+from moetune.adapters.peft_layout import ExpertParamNames
 from moetune.atomic import replace_folder, write_atomically, write_text_atomically
-from moetune.engine import LORA_NAMES, ExpertLoRA, lora_scaling
 from moetune.errors import AdapterError
 from moetune.layer import CpuExperts
 
@@ -45,55 +41,21 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 
 
-def _suffix_targets(paths: list[str], params: tuple[str, str]) -> list[str]:
-    """``target_parameters`` for experts at ``paths``: ``<path without the layers.N. prefix>.<param>`` when that
-    suffix is shared by every experts path (``mlp.experts.gate_up_proj``), else each full path."""
-    tails = {_after_layer_index(p) for p in paths}
-    if len(tails) == 1:
-        (tail,) = tails
-        return [f"{tail}.{name}" for name in params]
-    return [f"{p}.{name}" for name in params for p in paths]
-
-
-def _after_layer_index(path: str) -> str:
-    """``model.layers.3.mlp.experts`` -> ``mlp.experts`` (the part after the last numeric component)."""
-    parts = path.split(".")
-    idx = max((i for i, part in enumerate(parts) if part.isdigit()), default=-1)
-    return ".".join(parts[idx + 1 :])
-
-
 def adapter_config(peft_model: Any) -> dict[str, Any]:
-    """The ``adapter_config.json`` contents for ``peft_model`` (its PEFT config plus the expert targets)."""
+    """The ``adapter_config.json`` contents for ``peft_model``: its live (stock-form) PEFT config, as saved."""
     config = peft_model.peft_config["default"].to_dict()
-    experts = list(expert_modules(peft_model))
-    config["target_modules"] = sorted(config["target_modules"] or [])
+    if isinstance(config["target_modules"], (list, set)):
+        config["target_modules"] = sorted(config["target_modules"])
     config["base_model_name_or_path"] = getattr(peft_model.base_model.model, "name_or_path", None)
     config["inference_mode"] = True
-    # Linear weights PEFT cannot target by name (moetune.adapters.apply.peft_renamed), then the routed experts
-    params = sorted(config.get("target_parameters") or [])
-    if experts:
-        names = ExpertParamNames()
-        params += _suffix_targets(experts, (names.gate_up, names.down))
-    config["target_parameters"] = params or None
-    if params:  # ParamWrapper requires no dropout; training dropout does not change the saved weights
-        config["lora_dropout"] = 0.0
     return config
 
 
 def adapter_state(peft_model: Any) -> dict[str, torch.Tensor]:
-    """Every LoRA tensor under its stock PEFT key: linear LoRA as PEFT saves it, expert LoRA in ParamWrapper layout."""
+    """Every LoRA tensor under its stock PEFT key (``get_peft_model_state_dict``), on the CPU, contiguous."""
     from peft import get_peft_model_state_dict
 
-    state = {
-        k: v.detach().cpu().contiguous()
-        for k, v in get_peft_model_state_dict(peft_model).items()
-        if not any(k.endswith(f".lora_{n}") for n in LORA_NAMES)
-    }
-    for path, module in expert_modules(peft_model).items():
-        names = ExpertParamNames.of(module)
-        for k, v in expert_lora_to_peft_state(module, PEFT_MODEL_PREFIX + path, names).items():
-            state[k] = v.cpu().contiguous()
-    return state
+    return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
 
 
 def save_adapter(peft_model: Any, output_dir: str | Path) -> Path:
@@ -145,26 +107,42 @@ def read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, tor
     return config, load_file(str(folder / WEIGHTS_NAME))
 
 
-def _expert_paths(model: nn.Module) -> list[str]:
-    from moetune.layer import CpuExperts
-
-    return [
-        p.removeprefix("base_model.model.") for p, m in model.named_modules() if isinstance(m, CpuExperts)
-    ]
-
-
-def _expert_lora(module: CpuExperts) -> ExpertLoRA:
-    lora = module.engine.lora
-    if lora is None:
-        raise AdapterError("a routed-experts module has no expert LoRA attached to load the adapter into")
-    return lora
+def expert_targets(
+    model: nn.Module, target_parameters: Sequence[str], where: str
+) -> tuple[list[str], set[str]]:
+    """(paths of the ``CpuExperts`` whose gate_up and down parameters ``target_parameters`` name, the entries that
+    name them). An entry matches ``<module path>.<param>`` exactly or as a dotted suffix, as in PEFT; ``where``
+    names the config file in errors."""
+    paths: list[str] = []
+    used: set[str] = set()
+    for path, module in model.named_modules():
+        if not isinstance(module, CpuExperts):
+            continue
+        names = ExpertParamNames.of(module)
+        hits = {
+            param: [
+                e for e in target_parameters if f"{path}.{param}" == e or f"{path}.{param}".endswith("." + e)
+            ]
+            for param in (names.gate_up, names.down)
+        }
+        missing = [param for param, entries in hits.items() if not entries]
+        if len(missing) == 1:
+            raise AdapterError(
+                f"{where}: target_parameters {list(target_parameters)} adapt one fused projection of {path} but "
+                f"not {missing[0]}; moetune's expert LoRA adapts {names.gate_up} and {names.down} together"
+            )
+        if not missing:
+            paths.append(path)
+            used.update(e for entries in hits.values() for e in entries)
+    return paths, used
 
 
 def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: bool = False) -> Any:
     """Attach the adapter saved in ``adapter_dir`` to a ``moetune.load_model`` model; returns the ``PeftModel``.
 
-    Expert LoRA goes into the engines (fp32), linear LoRA through PEFT. Every tensor of the file must find its
-    place and every target its tensors (``AdapterError`` otherwise). ``is_trainable`` keeps the LoRA trainable.
+    Expert LoRA goes into ``ExpertsLora`` layers (fp32, on the host), linear LoRA into PEFT's. Every tensor of the
+    file must find its place and every target its tensors (``AdapterError`` otherwise). ``is_trainable`` keeps
+    the LoRA trainable.
     """
     from peft import LoraConfig, set_peft_model_state_dict
 
@@ -172,53 +150,48 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: boo
     r, alpha, rslora = int(config["r"]), float(config["lora_alpha"]), bool(config.get("use_rslora", False))
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise AdapterError(f"{adapter_dir}: rank_pattern / alpha_pattern are not supported by moetune yet")
-    scaling = lora_scaling(r, alpha, rslora)
-    used: set[str] = set()
     target_parameters = list(config.get("target_parameters") or [])
-    if target_parameters:
-        for path in _expert_paths(model):
-            prefix = PEFT_MODEL_PREFIX + path
-            if not any(k.startswith(prefix + ".") for k in state):
-                continue
-            experts = model.get_submodule(path)
-            assert isinstance(experts, CpuExperts)
-            lora = expert_lora_from_peft_state(
-                state,
-                prefix,
-                num_experts=experts.engine.num_experts,
-                scaling=scaling,
-                names=ExpertParamNames.of(experts),
-            )
-            lora = lora.astype(torch.float32)
-            set_expert_lora(model, path, lora)
-            used |= {k for k in state if k.startswith(prefix + ".")}
+    where = str(Path(adapter_dir) / CONFIG_NAME)
+    experts, expert_entries = expert_targets(model, target_parameters, where)
     dense = linear_weight_paths(model, target_parameters)  # Linear weights targeted as parameters
-    linear_state = {k: v for k, v in state.items() if k not in used}
+    unknown = [e for e in target_parameters if e not in dense and e not in expert_entries]
+    if unknown:
+        raise AdapterError(
+            f"{where}: target_parameters {unknown} name no nn.Linear weight and no routed-experts parameter of "
+            f"{type(model).__name__}; was the adapter saved for this model?"
+        )
+    target_modules = config.get("target_modules")
+    if isinstance(target_modules, str) and experts:
+        raise AdapterError(
+            f"{where}: target_modules is the pattern {target_modules!r}; moetune loads adapters whose "
+            "target_modules is a list when they also adapt routed experts"
+        )
+    if isinstance(
+        target_modules, list
+    ):  # experts named as modules (an adapter added by add_adapter, as saved)
+        named = [p for p, m in model.named_modules() if isinstance(m, CpuExperts) and p not in experts]
+        experts += [p for p in named if any(p == e or p.endswith("." + e) for e in target_modules)]
     peft_config = LoraConfig(
         r=r,
         lora_alpha=alpha,  # type: ignore[arg-type]  # PEFT annotates int; alpha / r is float math
         lora_dropout=0.0,
-        target_modules=config.get("target_modules"),
+        target_modules=target_modules,
         use_rslora=rslora,
         bias="none",
         task_type="CAUSAL_LM",
     )
     by_weight = [p for paths in dense.values() for p in paths]
-    peft_model = peft_model_with(model, peft_config, by_weight, list(dense))
-    result: Any = set_peft_model_state_dict(peft_model, linear_state)
-    lora_missing = [
-        k
-        for k in result.missing_keys
-        if ".lora_" in k and not any(k.endswith(f".lora_{n}") for n in LORA_NAMES)
-    ]
+    peft_model = peft_model_with(model, peft_config, by_weight, experts, list(dense))
+    try:
+        result: Any = set_peft_model_state_dict(peft_model, state)
+    except RuntimeError as exc:  # load_state_dict's size mismatches: another rank or number of experts
+        raise AdapterError(f"adapter {adapter_dir} does not fit {type(model).__name__}: {exc}") from exc
+    lora_missing = [k for k in result.missing_keys if ".lora_" in k]
     if result.unexpected_keys or lora_missing:
         raise AdapterError(
             f"adapter {adapter_dir} does not fit {type(model).__name__}: unexpected keys "
             f"{result.unexpected_keys[:10]}, missing LoRA keys {lora_missing[:10]}"
         )
-    for experts in expert_modules(peft_model).values():
-        for p in experts.parameters():
-            p.requires_grad_(is_trainable)
     if not is_trainable:
         for n, p in peft_model.named_parameters():
             if "lora_" in n:
@@ -229,6 +202,8 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: boo
 
 def load_adapter_weights(peft_model: Any, adapter_dir: str | Path) -> None:
     """Copy the values of a saved adapter into the same LoRA already attached to ``peft_model`` (resume)."""
+    from peft import set_peft_model_state_dict
+
     expected = adapter_state(peft_model)
     _, state = read_adapter(adapter_dir)
     if set(state) != set(expected):
@@ -236,21 +211,4 @@ def load_adapter_weights(peft_model: Any, adapter_dir: str | Path) -> None:
             f"checkpoint adapter {adapter_dir} does not match the model's LoRA: missing "
             f"{sorted(set(expected) - set(state))[:10]}, unexpected {sorted(set(state) - set(expected))[:10]}"
         )
-    from peft import set_peft_model_state_dict
-
-    experts = expert_modules(peft_model)
-    linear = {
-        k: v for k, v in state.items() if not any(k.startswith(PEFT_MODEL_PREFIX + p + ".") for p in experts)
-    }
-    set_peft_model_state_dict(peft_model, linear)
-    with torch.no_grad():
-        for path, module in experts.items():
-            lora = expert_lora_from_peft_state(
-                state,
-                PEFT_MODEL_PREFIX + path,
-                num_experts=module.engine.num_experts,
-                scaling=_expert_lora(module).scaling,
-                names=ExpertParamNames.of(module),
-            )
-            for name in LORA_NAMES:
-                getattr(module, f"lora_{name}").copy_(getattr(lora, name))
+    set_peft_model_state_dict(peft_model, state)

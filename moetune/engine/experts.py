@@ -9,7 +9,8 @@ Rows are sorted by expert once (``routing.dispatch``) so every expert's GEMMs ru
 scratch buffers reused across steps. Backward returns grad_x ``[T, H]``, grad_topk_weights ``[T, k]`` (the
 router's gradient), fp32 expert-LoRA gradients and, in full mode, base weight gradients.
 
-Each forward that will be differentiated returns a :class:`SavedForward`; its backward consumes it once.
+Each forward that will be differentiated returns a :class:`SavedForward`; its backward consumes it once
+and computes with the LoRA that forward used (the engine's own, or the one the call passed).
 Using it twice, on another engine, or after the trained weights changed in place raises
 :class:`EngineStateError` instead of computing with stale activations.
 """
@@ -47,8 +48,8 @@ from moetune.sysinfo import cpu_info, default_num_threads
 class TrainMode(str, Enum):
     """What backward differentiates besides x and the routing weights (resolved once, at construction)."""
 
-    FROZEN = "frozen"  # nothing else: the cheapest backward
-    LORA = "lora"  # expert LoRA A/B
+    FROZEN = "frozen"  # nothing else: the cheapest backward (a call may still pass LoRA to train)
+    LORA = "lora"  # the engine's own expert LoRA A/B
     FULL = "full"  # base expert weights (and biases), plus LoRA when present
 
 
@@ -92,6 +93,7 @@ class SavedForward:
     topk_weights: torch.Tensor  # [T, k]
     seed: int | None  # LoRA dropout seed (masks are regenerated, not stored)
     versions: tuple[int, ...]  # in-place versions of the trained tensors at forward time
+    lora: ExpertLoRA | None = None  # the expert LoRA this forward computed with; its backward uses the same
     disp: Dispatch | None = None  # retain only
     gate_up: torch.Tensor | None = None  # [N, 2I], retain only
     lora_xa: torch.Tensor | None = None  # [N, r], retain + LoRA only
@@ -150,7 +152,7 @@ class ExpertEngine:
         weights: the expert weights in any registered format.
         activation: a registered activation name (``"silu"``, ``"gpt_oss"``, ...) or an instance.
         gate_up_bias: ``[E, 2I]`` or None. down_bias: ``[E, H]`` or None.
-        lora: expert LoRA tensors, or None.
+        lora: expert LoRA tensors, or None: what calls that pass no ``lora`` of their own compute with.
         train_base: full mode, differentiate the base weights (dense formats only).
         options: policy, compute dtype, threads, finiteness checks.
     """
@@ -202,33 +204,33 @@ class ExpertEngine:
         self._forwards = 0
         self.ws = Workspace()
 
-    def with_lora(self, lora: ExpertLoRA | None) -> ExpertEngine:
-        """A new engine over the same weights object (nothing copied) with ``lora``; modes are resolved anew."""
-        return ExpertEngine(
-            self.weights,
-            activation=self.act,
-            gate_up_bias=self.gate_up_bias,
-            down_bias=self.down_bias,
-            lora=lora,
-            train_base=self.mode is TrainMode.FULL,
-            options=self.options,
-            name=self.name,
-        )
-
     # ---- helpers shared by forward, recompute and backward
-    def trained_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The tensors backward differentiates besides x and w: LoRA (``LORA_NAMES`` order), then in full mode
-        gate_up, down and the biases present. ``ExpertGrads.flat`` returns their grads in this order."""
-        out: tuple[torch.Tensor, ...] = self.lora.tensors() if self.lora is not None else ()
+    def call_lora(self, lora: ExpertLoRA | None = None) -> ExpertLoRA | None:
+        """The expert LoRA a call computes with: its own ``lora`` (checked against the weights), else the engine's."""
+        if lora is None:
+            return self.lora
+        lora.check_shape(self.num_experts, self.hidden_size, self.intermediate_size)
+        return lora
+
+    def trained_tensors(self, lora: ExpertLoRA | None = None) -> tuple[torch.Tensor, ...]:
+        """The tensors backward differentiates besides x and w, for a call with ``lora`` (None: the engine's):
+        LoRA (``LORA_NAMES`` order), then in full mode gate_up, down and the biases present.
+        ``ExpertGrads.flat`` returns their grads in this order."""
+        lora = self.call_lora(lora)
+        out: tuple[torch.Tensor, ...] = lora.tensors() if lora is not None else ()
         if self.mode is TrainMode.FULL:
             assert isinstance(self.weights, DenseExperts)
             out += (self.weights.gate_up, self.weights.down)
             out += tuple(b for b in (self.gate_up_bias, self.down_bias) if b is not None)
         return out
 
-    def _lora_c(self) -> tuple[torch.Tensor, ...]:
-        assert self.lora is not None
-        return tuple(t.detach().to(self.compute_dtype) for t in self.lora.tensors())
+    def _lora_c(self, lora: ExpertLoRA) -> tuple[torch.Tensor, ...]:
+        # contiguous: a call may pass strided views (PEFT's rank-major lora_B seen as [E, out, r]); every
+        # expert's GEMMs then read unit-stride rows, and the copy is r / in of the base weights' size
+        a1, b1, a2, b2 = (t.detach() for t in lora.tensors())
+        if lora.gate_up_rows is not None:  # into the engine's gate-rows-first order
+            b1 = b1.index_select(1, lora.gate_up_rows)
+        return tuple(t.to(self.compute_dtype).contiguous() for t in (a1, b1, a2, b2))
 
     def _row_blocks(
         self, proj: Projection, e: int, n: int, whole: bool = False
@@ -292,6 +294,7 @@ class ExpertEngine:
         inp: torch.Tensor,
         out: torch.Tensor,
         lora_out: torch.Tensor | None,
+        lora: ExpertLoRA | None,
         lora_c: tuple[torch.Tensor, ...] | None,
         seed: int | None,
     ) -> None:
@@ -301,17 +304,18 @@ class ExpertEngine:
         if bias is not None:
             out.add_(bias)
         if lora_c is not None:
-            assert self.lora is not None and lora_out is not None
+            assert lora is not None and lora_out is not None
             a, b = lora_c[0:2] if proj == "gate_up" else lora_c[2:4]
-            dropped = self._dropped(inp, seed, e, proj)
+            dropped = self._dropped(inp, seed, e, proj, lora.dropout)
             torch.mm(dropped, a[e].t(), out=lora_out)
-            out.addmm_(lora_out, b[e].t(), alpha=self.lora.scaling)
+            out.addmm_(lora_out, b[e].t(), alpha=lora.scaling)
 
-    def _dropped(self, inp: torch.Tensor, seed: int | None, e: int, proj: Projection) -> torch.Tensor:
+    def _dropped(
+        self, inp: torch.Tensor, seed: int | None, e: int, proj: Projection, p: float
+    ) -> torch.Tensor:
         if seed is None:
             return inp
-        assert self.lora is not None
-        return inp * dropout_mask(seed, e, proj == "down", tuple(inp.shape), self.lora.dropout, inp.dtype)
+        return inp * dropout_mask(seed, e, proj == "down", tuple(inp.shape), p, inp.dtype)
 
     def _check_finite(self, what: str, t: torch.Tensor, disp: Dispatch | None = None) -> None:
         if not self.options.check_finite:
@@ -346,12 +350,15 @@ class ExpertEngine:
         *,
         save: bool = True,
         training: bool = True,
+        lora: ExpertLoRA | None = None,
     ) -> tuple[torch.Tensor, SavedForward | None]:
         """x ``[T, H]``, topk_ids ``[T, k]`` int64, topk_weights ``[T, k]`` -> y ``[T, H]`` (dtype of x).
 
         With ``save`` (the default) also returns what backward needs; ``save=False`` keeps nothing.
-        ``training`` turns LoRA dropout on (as ``nn.Dropout`` does in train mode).
+        ``training`` turns LoRA dropout on (as ``nn.Dropout`` does in train mode). ``lora``: this call's
+        expert LoRA instead of the engine's own (a PEFT layer passes its active adapter's tensors).
         """
+        lora = self.call_lora(lora)
         self._validate(x, topk_ids, topk_weights)
         cd, e_, h, i = self.compute_dtype, self.num_experts, self.hidden_size, self.intermediate_size
         self._check_finite("x", x)
@@ -360,10 +367,10 @@ class ExpertEngine:
         t, k = topk_ids.shape
         n = t * k
         retain = save and self.options.policy is ActivationPolicy.RETAIN
-        lora_c = self._lora_c() if self.lora is not None else None
-        r = self.lora.rank if self.lora is not None else 0
+        lora_c = self._lora_c(lora) if lora is not None else None
+        r = lora.rank if lora is not None else 0
         seed = None
-        if training and self.lora is not None and self.lora.dropout > 0:
+        if training and lora is not None and lora.dropout > 0:
             seed = int(
                 torch.randint(0, 2**62, (1,)).item()
             )  # from the global RNG, so torch.manual_seed governs it
@@ -375,9 +382,9 @@ class ExpertEngine:
         xa = torch.empty(n, r, dtype=cd) if retain else self.ws.get("xa", (n, r), cd)
         ha = torch.empty(n, r, dtype=cd) if retain else self.ws.get("ha", (n, r), cd)
         for e, s0, s1 in disp.segments():
-            self._project("gate_up", e, xs[s0:s1], gu[s0:s1], xa[s0:s1], lora_c, seed)
+            self._project("gate_up", e, xs[s0:s1], gu[s0:s1], xa[s0:s1], lora, lora_c, seed)
             self.act(gu[s0:s1], out=hid[s0:s1])
-            self._project("down", e, hid[s0:s1], ys[s0:s1], ha[s0:s1], lora_c, seed)
+            self._project("down", e, hid[s0:s1], ys[s0:s1], ha[s0:s1], lora, lora_c, seed)
         self._check_finite("expert outputs", ys, disp)
         y = combine(ys, disp, topk_weights, self.ws.get("slots", (n, h), cd)).to(x.dtype)
 
@@ -392,11 +399,12 @@ class ExpertEngine:
             topk_ids=topk_ids,
             topk_weights=topk_weights.detach(),
             seed=seed,
-            versions=tuple(p._version for p in self.trained_tensors()),
+            versions=tuple(p._version for p in self.trained_tensors(lora)),
+            lora=lora,
         )
         if retain:
             saved.disp, saved.gate_up = disp, gu
-            if self.lora is not None:
+            if lora is not None:
                 saved.lora_xa, saved.lora_ha = xa, ha
         return y, saved
 
@@ -415,7 +423,7 @@ class ExpertEngine:
                 f"{self.name}: backward already ran for forward #{saved.index}; each forward can be differentiated once "
                 "(run the forward again, or retain_graph is not supported by the expert engine)"
             )
-        if saved.versions != tuple(p._version for p in self.trained_tensors()):
+        if saved.versions != tuple(p._version for p in self.trained_tensors(saved.lora)):
             raise EngineStateError(
                 f"{self.name}: trained expert weights were modified in place after forward #{saved.index} and "
                 "before its backward (an optimizer step between forward and backward?); its activations are stale"
@@ -435,8 +443,8 @@ class ExpertEngine:
         k = saved.topk_ids.shape[1]
         n = t * k
         disp = saved.disp if saved.disp is not None else dispatch(saved.topk_ids, self.num_experts)
-        lora = self.lora
-        lora_c = self._lora_c() if lora is not None else None
+        lora = saved.lora
+        lora_c = self._lora_c(lora) if lora is not None else None
         r = lora.rank if lora is not None else 0
         need_xs = saved.gate_up is None or lora is not None or mode is TrainMode.FULL
 
@@ -466,13 +474,13 @@ class ExpertEngine:
             gu_e = gu_all[s0:s1]
             if saved.gate_up is None:  # recompute policy
                 assert xs_e is not None
-                self._project("gate_up", e, xs_e, gu_e, xa_all[s0:s1], lora_c, saved.seed)
+                self._project("gate_up", e, xs_e, gu_e, xa_all[s0:s1], lora, lora_c, saved.seed)
             h_e = self.act(gu_e, out=hid[s0:s1])
             g_e, w_e, gh_e = gs[s0:s1], w_sorted[s0:s1], gh_all[s0:s1]
 
             # down projection: gh = g @ (W2 + s B2 A2 (dropout)) ; all unweighted by w until the router grad is taken
             self._matmul_w("down", e, g_e, gh_e)
-            if lora_c is not None and lora_g is not None:
+            if lora is not None and lora_c is not None and lora_g is not None:
                 self._lora_backward(
                     "down",
                     e,
@@ -481,6 +489,7 @@ class ExpertEngine:
                     h_e,
                     saved.lora_ha[s0:s1] if saved.lora_ha is not None else None,
                     w_e,
+                    lora,
                     lora_c,
                     lora_g,
                     saved.seed,
@@ -499,7 +508,7 @@ class ExpertEngine:
             ggu = self.act.vjp(gu_e, gh_e)  # [n, 2I]
             gxs_e = gxs[s0:s1]
             self._matmul_w("gate_up", e, ggu, gxs_e)
-            if lora_c is not None and lora_g is not None:
+            if lora is not None and lora_c is not None and lora_g is not None:
                 assert xs_e is not None
                 xa_e = (
                     saved.lora_xa[s0:s1]
@@ -508,13 +517,18 @@ class ExpertEngine:
                     if saved.gate_up is None
                     else None
                 )
-                self._lora_backward("gate_up", e, ggu, gxs_e, xs_e, xa_e, None, lora_c, lora_g, saved.seed)
+                self._lora_backward(
+                    "gate_up", e, ggu, gxs_e, xs_e, xa_e, None, lora, lora_c, lora_g, saved.seed
+                )
             if base_g is not None:
                 assert xs_e is not None
                 base_g["gate_up"][e].copy_(ggu.t() @ xs_e)
                 if "gate_up_bias" in base_g:
                     base_g["gate_up_bias"][e].copy_(ggu.sum(0))
 
+        if lora_g is not None and lora is not None and lora.gate_up_rows is not None:
+            g = lora_g["gate_up_B"]  # engine row order -> the order of the tensor the call passed
+            lora_g["gate_up_B"] = torch.empty_like(g).index_copy_(1, lora.gate_up_rows, g)
         grad_x = sum_slots(gxs, disp, self.ws.get("slots", (n, h), cd))
         grad_w = to_slots(gw_sorted, disp).view(t, k)
         self._check_finite("grad_x", grad_x)
@@ -534,6 +548,7 @@ class ExpertEngine:
         inp: torch.Tensor,
         a_proj: torch.Tensor | None,
         w_e: torch.Tensor | None,
+        lora: ExpertLoRA,
         lora_c: tuple[torch.Tensor, ...],
         lora_g: dict[str, torch.Tensor],
         seed: int | None,
@@ -545,15 +560,14 @@ class ExpertEngine:
         ``[n, D_in]`` and writes fp32 grads of A ``[r, D_in]`` and B ``[D_out, r]``.
         ``a_proj`` is drop(inp) @ A^T when retained, else recomputed.
         """
-        assert self.lora is not None
-        s = self.lora.scaling
+        s = lora.scaling
         a, b = lora_c[0:2] if proj == "gate_up" else lora_c[2:4]
         gb = g_out @ b[e]  # [n, r]
-        dropped = self._dropped(inp, seed, e, proj)
+        dropped = self._dropped(inp, seed, e, proj, lora.dropout)
         if seed is None:
             g_in.addmm_(gb, a[e], alpha=s)
         else:  # the mask applies to the gradient flowing back into the input too
-            mask = dropout_mask(seed, e, proj == "down", tuple(inp.shape), self.lora.dropout, inp.dtype)
+            mask = dropout_mask(seed, e, proj == "down", tuple(inp.shape), lora.dropout, inp.dtype)
             g_in.add_((gb @ a[e]) * mask, alpha=s)
         if a_proj is None:
             a_proj = dropped @ a[e].t()

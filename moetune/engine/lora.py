@@ -30,8 +30,11 @@ def lora_scaling(rank: int, alpha: float, use_rslora: bool = False) -> float:
 class ExpertLoRA:
     """The four LoRA tensors of one layer's experts (fp32 master weights; any float dtype is accepted).
 
-    The tensors may be ``nn.Parameter`` objects owned by a module; the engine only reads them and returns
-    gradients of the same shapes.
+    The tensors may be ``nn.Parameter`` objects owned by a module, or views of other parameters (PEFT's
+    ``lora_A`` / ``lora_B``); the engine only reads them and returns gradients of the same shapes and layout.
+    ``gate_up_rows`` (``[2I]`` int64) says which row of ``gate_up_B`` each of the engine's gate_up outputs
+    (gate rows, then up rows) uses, for a module that orders its outputs otherwise (gpt-oss interleaves gate
+    and up); None: the same order. It lets ``gate_up_B`` stay a view of such a module's parameter.
     """
 
     gate_up_A: torch.Tensor  # [E, r, H]
@@ -40,12 +43,16 @@ class ExpertLoRA:
     down_B: torch.Tensor  # [E, H, r]
     scaling: float
     dropout: float = 0.0
+    gate_up_rows: torch.Tensor | None = None  # [2I] int64, a permutation
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"lora_dropout must be in [0, 1); got {self.dropout}")
         e, r, h = self.gate_up_A.shape
         two_i = self.gate_up_B.shape[1]
+        rows = self.gate_up_rows
+        if rows is not None and (rows.dtype != torch.int64 or tuple(rows.shape) != (two_i,)):
+            raise EngineError(f"gate_up_rows must be [{two_i}] int64; got {tuple(rows.shape)} {rows.dtype}")
         want = {
             "gate_up_A": (e, r, h),
             "gate_up_B": (e, two_i, r),
@@ -70,7 +77,7 @@ class ExpertLoRA:
     def astype(self, dtype: torch.dtype) -> ExpertLoRA:
         """A copy with the four tensors in ``dtype`` (same scaling and dropout)."""
         a1, b1, a2, b2 = (t.detach().to(dtype) for t in self.tensors())
-        return ExpertLoRA(a1, b1, a2, b2, scaling=self.scaling, dropout=self.dropout)
+        return ExpertLoRA(a1, b1, a2, b2, self.scaling, self.dropout, self.gate_up_rows)
 
     def check_shape(self, num_experts: int, hidden: int, intermediate: int) -> None:
         e, r, h = self.gate_up_A.shape

@@ -2,8 +2,11 @@
 
 ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``, so it can take the
 place of ``block.experts`` on a model instance. Base expert weights stay inside the engine (host memory,
-any format) and are not module parameters unless full mode trains them; expert LoRA tensors are
-registered as CPU ``nn.Parameter``s that any torch optimizer can update.
+any format) and are not module parameters unless full mode trains them. Expert LoRA comes either with the
+call (``forward(..., lora=...)``: what moetune's PEFT layer ``moetune.adapters.expert_layer.ExpertsLora``
+passes, views of its ``lora_A`` / ``lora_B`` parameters for the active adapter) or from an engine built
+with LoRA, whose tensors are then registered here as CPU ``nn.Parameter``s that any torch optimizer can
+update.
 
 Because the base expert weights are not module tensors, a state dict of the model itself lacks the routed
 experts: ``model.save_pretrained`` would write a checkpoint without them. ``CpuExperts`` therefore refuses
@@ -19,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from moetune.engine import LORA_NAMES, DenseExperts, ExpertEngine, TrainMode
+from moetune.engine import LORA_NAMES, DenseExperts, ExpertEngine, ExpertLoRA, TrainMode
 from moetune.errors import SaveError
 from moetune.layer.function import routed_experts
 from moetune.layer.memo import ForwardMemo
@@ -63,12 +66,17 @@ class CpuExperts(nn.Module):
                 engine.down_bias = self.down_proj_bias = nn.Parameter(engine.down_bias.detach())
 
     def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        lora: ExpertLoRA | None = None,
     ) -> torch.Tensor:
         """hidden_states ``[T, H]`` (any device), top_k_index ``[T, k]``, top_k_weights ``[T, k]`` -> ``[T, H]``.
 
-        The host copies of the inputs are queued first, then the block's shared experts (if attached), so the
-        device computes those while the engine runs (``moetune.layer.overlap``).
+        ``lora``: expert LoRA for this call (fp32 CPU, A ``[E, r, in]``, B ``[E, out, r]``, views allowed)
+        instead of the engine's own. The host copies of the inputs are queued first, then the block's shared
+        experts (if attached), so the device computes those while the engine runs (``moetune.layer.overlap``).
         """
         top_k_index = top_k_index.to(torch.int64)
         host = HostCopy(hidden_states, top_k_index, top_k_weights)
@@ -82,22 +90,17 @@ class CpuExperts(nn.Module):
             training=self.training,
             memo=self.memo,
             host=host,
+            lora=lora,
         )
-
-    def with_engine(self, engine: ExpertEngine) -> CpuExperts:
-        """A module like this one (layout, shared-experts overlap, train/eval mode) around ``engine``."""
-        new = CpuExperts(engine, layout=self.layout)
-        new.shared_ahead = self.shared_ahead
-        new.train(self.training)
-        return new
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         if PEFT_WRAPPED_PREFIX not in prefix:
             raise SaveError(
                 f"{prefix.rstrip('.') or 'this module'}: the routed experts live in moetune's CPU engine, not in "
                 "torch parameters, so a state dict or save_pretrained of this model would silently leave them out. "
-                "Save what you trained as an adapter instead, moetune.save_adapter(peft_model, dir) (stock PEFT "
-                "format, loads on the original checkpoint), and keep using the original base checkpoint; "
+                "Save what you trained as an adapter instead, moetune.save_adapter(peft_model, dir) or "
+                "peft_model.save_pretrained(dir) (stock PEFT format, loads on the original checkpoint), and keep "
+                "using the original base checkpoint; "
                 "exporting merged full weights is not supported yet."
             )
         super()._save_to_state_dict(destination, prefix, keep_vars)

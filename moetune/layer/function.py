@@ -1,10 +1,11 @@
 """``ExpertsFunction``: the CPU expert engine as a differentiable torch op.
 
-``y = routed_experts(engine, x, topk_ids, topk_weights)``; ``y.sum().backward()`` fills the grads of x,
-of topk_weights (the router's gradient) and of every tensor in ``engine.trained_tensors()`` that requires
-grad (expert LoRA parameters, and base weights in full mode). Inputs may live on any device; the engine
-computes on host copies and results return to the device of ``x`` (``moetune.layer.transfer``: pinned
-staging, non-blocking copies, no device-wide synchronisation).
+``y = routed_experts(engine, x, topk_ids, topk_weights, lora=lora)``; ``y.sum().backward()`` fills the grads
+of x, of topk_weights (the router's gradient) and of every tensor in ``engine.trained_tensors(lora)`` that
+requires grad (expert LoRA, the call's own or the engine's, and base weights in full mode). The LoRA tensors
+may be views of other parameters (PEFT's ``lora_A`` / ``lora_B``): autograd carries their grads on to those.
+Inputs may live on any device; the engine computes on host copies and results return to the device of ``x``
+(``moetune.layer.transfer``: pinned staging, non-blocking copies, no device-wide synchronisation).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from moetune.engine import ExpertEngine, SavedForward
+from moetune.engine import ExpertEngine, ExpertLoRA, SavedForward
 from moetune.layer.memo import ForwardMemo
 from moetune.layer.transfer import HostCopy, to_device, to_host
 
@@ -25,6 +26,7 @@ class ExpertsFunction(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any,
         engine: ExpertEngine,
+        lora: ExpertLoRA | None,
         training: bool,
         memo: ForwardMemo | None,
         host: HostCopy | None,
@@ -33,13 +35,13 @@ class ExpertsFunction(torch.autograd.Function):
         topk_weights: torch.Tensor,
         *trained: torch.Tensor,
     ) -> torch.Tensor:
-        needs_backward = any(ctx.needs_input_grad[4:])
+        needs_backward = any(ctx.needs_input_grad[5:])
         inputs = (host if host is not None else HostCopy(x, topk_ids, topk_weights)).wait()
         saved: SavedForward | None
         if needs_backward and memo is not None:
-            y, saved = memo.forward(engine, *inputs, training=training)
+            y, saved = memo.forward(engine, *inputs, training=training, lora=lora)
         else:
-            y, saved = engine.forward(*inputs, save=needs_backward, training=training)
+            y, saved = engine.forward(*inputs, save=needs_backward, training=training, lora=lora)
         ctx.engine, ctx.memo, ctx.saved = engine, memo, None
         if saved is not None:
             # autograd owns the big tensors: it frees them after a backward without retain_graph and raises
@@ -57,14 +59,14 @@ class ExpertsFunction(torch.autograd.Function):
             ctx.memo.forget(saved)
         (grad_y_host,) = to_host(grad_y)
         grads = engine.backward(saved, grad_y_host)
-        trained = engine.trained_tensors()
+        trained = engine.trained_tensors(saved.lora if saved is not None else None)
         trained_grads = tuple(
             g.to(t.dtype) if need else None
-            for g, t, need in zip(grads.flat(), trained, ctx.needs_input_grad[7:])
+            for g, t, need in zip(grads.flat(), trained, ctx.needs_input_grad[8:])
         )
-        grad_x = to_device(grads.x, ctx.x_device) if ctx.needs_input_grad[4] else None
-        grad_w = to_device(grads.topk_weights, ctx.w_device) if ctx.needs_input_grad[6] else None
-        return (None, None, None, None, grad_x, None, grad_w, *trained_grads)
+        grad_x = to_device(grads.x, ctx.x_device) if ctx.needs_input_grad[5] else None
+        grad_w = to_device(grads.topk_weights, ctx.w_device) if ctx.needs_input_grad[7] else None
+        return (None, None, None, None, None, grad_x, None, grad_w, *trained_grads)
 
 
 def routed_experts(
@@ -76,13 +78,16 @@ def routed_experts(
     training: bool = True,
     memo: ForwardMemo | None = None,
     host: HostCopy | None = None,
+    lora: ExpertLoRA | None = None,
 ) -> torch.Tensor:
     """x ``[T, H]``, topk_ids ``[T, k]`` int64, topk_weights ``[T, k]`` -> y ``[T, H]``, differentiable.
 
+    ``lora``: expert LoRA for this call (A ``[E, r, in]``, B ``[E, out, r]``; views allowed) instead of the
+    engine's own.
     With ``memo``, a recompute of the same forward (activation checkpointing) reuses it instead of running
     the engine again (see ``moetune.layer.memo``). ``host``: host copies of the three inputs already queued
     by the caller (so device work queued after them overlaps the engine); by default they are made here.
     """
     return ExpertsFunction.apply(
-        engine, training, memo, host, x, topk_ids, topk_weights, *engine.trained_tensors()
+        engine, lora, training, memo, host, x, topk_ids, topk_weights, *engine.trained_tensors(lora)
     )

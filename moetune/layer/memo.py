@@ -8,7 +8,9 @@ saved activations (the ones its ``ActivationPolicy`` keeps anyway) in one slot; 
 its inputs and hands the same tensors to autograd without calling the engine.
 
 The key makes reuse exact, not a guess: the inputs ``x``, ``topk_ids``, ``topk_weights`` are equal
-(``torch.equal``), the trained tensors have the same in-place versions (no optimizer step in between) and
+(``torch.equal``), the trained tensors are the same tensor objects (the same adapter's parameters, of which a
+call's LoRA tensors are views: compared by identity, the slot holding them alive, never by address) with the
+same in-place versions (no optimizer step in between) and
 the CPU RNG is in the same state (checkpointing restores it, so LoRA dropout draws the same seed). On a
 miss the engine simply runs again. The slot is emptied by the hit, or by the forward's own backward, so it
 holds activations no longer than the autograd graph would.
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moetune.engine import ExpertEngine, SavedForward
+from moetune.engine import ExpertEngine, ExpertLoRA, SavedForward
 
 
 @dataclass
@@ -28,7 +30,8 @@ class _Entry:
     x: torch.Tensor  # [T, H] CPU, as given to the engine
     topk_ids: torch.Tensor  # [T, k] int64 CPU
     topk_weights: torch.Tensor  # [T, k] CPU
-    versions: tuple[int, ...]
+    trained: tuple[torch.Tensor, ...]  # the tensor objects trained tensors are (views of), held for identity
+    versions: tuple[int, ...]  # their in-place versions
     rng_before: torch.Tensor  # CPU RNG state the forward started from
     rng_after: torch.Tensor  # ... and left behind (restored on a hit, as if the engine had run)
     y: torch.Tensor  # [T, H] CPU, dtype of x
@@ -49,16 +52,21 @@ class ForwardMemo:
         topk_weights: torch.Tensor,
         *,
         training: bool,
+        lora: ExpertLoRA | None = None,
     ) -> tuple[torch.Tensor, SavedForward]:
-        """``engine.forward(..., save=True)`` or, when the slot holds a forward of the same inputs, its result.
+        """``engine.forward(..., save=True, lora=lora)`` or, when the slot holds a forward of the same inputs, its
+        result.
 
         x ``[T, H]``, topk_ids ``[T, k]``, topk_weights ``[T, k]``, all CPU -> (y ``[T, H]``, SavedForward).
         """
-        versions = tuple(t._version for t in engine.trained_tensors())
+        trained = tuple(t if t._base is None else t._base for t in engine.trained_tensors(lora))
+        versions = tuple(t._version for t in trained)
         rng = torch.get_rng_state()
         e = self._entry
         if (
             e is not None
+            and len(e.trained) == len(trained)
+            and all(a is b for a, b in zip(e.trained, trained))
             and e.versions == versions
             and torch.equal(e.rng_before, rng)
             and e.x.shape == x.shape
@@ -71,9 +79,11 @@ class ForwardMemo:
             torch.set_rng_state(e.rng_after)
             # a fresh tensor: y itself is already the output of the first forward's autograd node
             return e.y.detach().clone(), e.saved.with_tensors(e.saved.tensors())
-        y, saved = engine.forward(x, topk_ids, topk_weights, save=True, training=training)
+        y, saved = engine.forward(x, topk_ids, topk_weights, save=True, training=training, lora=lora)
         assert saved is not None
-        self._entry = _Entry(x, topk_ids, topk_weights, versions, rng, torch.get_rng_state(), y, saved)
+        self._entry = _Entry(
+            x, topk_ids, topk_weights, trained, versions, rng, torch.get_rng_state(), y, saved
+        )
         return y, saved
 
     def forget(self, saved: SavedForward) -> None:

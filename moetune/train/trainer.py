@@ -1,10 +1,9 @@
-"""transformers ``Trainer`` integration: saving/resuming moetune LoRA and a progress bar with throughput.
+"""transformers ``Trainer`` integration: atomic checkpoints and a progress bar with throughput.
 
-``MoetuneTrainer`` is a ``Trainer`` subclass (no library class is patched) that writes every checkpoint's
-adapter with :func:`moetune.adapters.save_adapter` (stock PEFT format, routed-expert LoRA included: PEFT's own
-``save_pretrained`` would miss it, because PEFT 0.21 finds adapter tensors through its own layer classes) and
-reads it back on ``resume_from_checkpoint`` with :func:`moetune.adapters.load_adapter_weights`. Optimizer,
-scheduler, RNG states and the data position are the Trainer's own checkpoint files.
+A checkpoint's adapter is the Trainer's own: ``PeftModel.save_pretrained`` writes it and, on
+``resume_from_checkpoint``, ``PeftModel.load_adapter`` reads it back, routed-expert LoRA included (it lives in
+PEFT layers, ``moetune.adapters.expert_layer``, and the live config is in stock form). Optimizer, scheduler,
+RNG states and the data position are the Trainer's own checkpoint files too.
 
 Optimizer state: torch's AdamW creates ``exp_avg`` / ``exp_avg_sq`` with ``zeros_like(param)``, so the
 expert LoRA (fp32 CPU parameters) gets fp32 CPU state next to it while GPU LoRA keeps its state on the GPU;
@@ -28,15 +27,14 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from moetune.adapters.save import load_adapter_weights, save_adapter
 from moetune.atomic import replace_folder
 
 STAGING_PREFIX = "tmp-"  # tmp-checkpoint-N: matched neither by get_last_checkpoint nor by checkpoint rotation
 
 
 class MoetuneTrainer(Trainer):
-    """A ``Trainer`` whose checkpoints hold the complete moetune adapter (attention and expert LoRA) and are
-    renamed into place only once complete."""
+    """A ``Trainer`` (a subclass; no library class is patched) whose checkpoints are renamed into place only
+    once complete."""
 
     # the folder Trainer._save_checkpoint writes under while a checkpoint is staged
     _staging: str | None = None
@@ -71,18 +69,6 @@ class MoetuneTrainer(Trainer):
                 best_model_checkpoint=self.state.best_model_checkpoint,
                 use_mtime=True,  # as Trainer._save_checkpoint rotates
             )
-
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        assert output_dir is not None  # TrainingArguments always has one
-        if not self.args.should_save:
-            return
-        save_adapter(self.accelerator.unwrap_model(self.model), output_dir)
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        load_adapter_weights(model if model is not None else self.model, resume_from_checkpoint)
 
 
 class ProgressBar(TrainerCallback):

@@ -93,7 +93,7 @@ def test_disk_residency_within_budget_equals_ram(tmp_path):
         models[mode] = attach_lora(model, rank=4, alpha=8, targets=("q_proj", "experts"))
         if mode == "disk":
             _step(models[mode], ids)  # warm-up: hashes every file once, allocates the engines' workspaces
-            window = next(iter(expert_modules(models[mode]).values())).engine.weights.window
+            window = next(iter(expert_modules(models[mode]).values())).experts.engine.weights.window
             read_before = window.stats.bytes_read
             with Peaks(store) as disk:
                 loss_disk, grads_disk = _step(models[mode], ids)

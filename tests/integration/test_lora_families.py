@@ -45,15 +45,13 @@ def expected_sites(stock: nn.Module) -> set[str]:
 
 
 def lora_sites(peft_model: nn.Module) -> set[str]:
-    """Module paths (of the wrapped model) carrying LoRA: PEFT's layers, nested ParamWrappers collapsed, and
-    moetune's routed experts with engine LoRA."""
+    """Module paths (of the wrapped model) carrying LoRA: PEFT's layers (in moetune, routed experts' too) with
+    an adapter, nested ParamWrappers / expert LoRA layers collapsed."""
     from peft.tuners.tuners_utils import BaseTunerLayer
-
-    from moetune.layer import CpuExperts
 
     out = set()
     for path, m in peft_model.named_modules():
-        if isinstance(m, BaseTunerLayer) or (isinstance(m, CpuExperts) and m.engine.lora is not None):
+        if isinstance(m, BaseTunerLayer) and m.lora_A:
             path = path.removeprefix("base_model.model.")
             while path.endswith(".base_layer"):
                 path = path.removesuffix(".base_layer")

@@ -53,7 +53,10 @@ def test_user_trainer_trains_expert_lora(tmp_path, model_dir) -> None:
         disable_tqdm=True,
     )
     Trainer(model=model, args=args, train_dataset=data).train()
-    assert all(e.lora_down_B.abs().max() > 0 for e in experts.values())
+    # both projections' B (the outer layer's down, its base_layer's gate_up) moved from their zero init
+    assert all(
+        m.lora_B["default"].weight.abs().max() > 0 for e in experts.values() for m in (e, e.base_layer)
+    )
     out = save_adapter(model, tmp_path / "adapter")
     assert (out / "adapter_model.safetensors").is_file()
 

@@ -157,14 +157,12 @@ def test_deepseek_blocks_compute_each_token_of_the_shared_experts_once(tmp_path)
 def test_attaching_lora_keeps_the_overlap_and_the_layout(tmp_path):
     path = save_tiny_model("deepseek_v3", tmp_path / "m", tokenizer=False)
     model = moetune.load_model(path, device="cpu", dtype="float32", progress=False)
-    before = {n: (m.shared_ahead, m.layout) for n, m in model.named_modules() if isinstance(m, CpuExperts)}
+    from moetune.adapters.apply import expert_modules
+
+    before = {n: (m, m.shared_ahead, m.layout) for n, m in model.named_modules() if isinstance(m, CpuExperts)}
     peft_model = moetune.attach_lora(model, rank=4, alpha=8)
-    after = {
-        n.removeprefix("base_model.model."): m
-        for n, m in peft_model.named_modules()
-        if isinstance(m, CpuExperts)
-    }
-    assert after.keys() == before.keys()
-    for name, module in after.items():
-        assert module.engine.lora is not None  # a new module around a LoRA engine...
-        assert (module.shared_ahead, module.layout) == before[name]  # ...that kept what the loader set
+    lora = expert_modules(peft_model)
+    assert lora.keys() == before.keys()
+    for name, layer in lora.items():
+        # the very module the loader made, wrapped in place by the LoRA layers, with what the loader set
+        assert (layer.experts, layer.experts.shared_ahead, layer.experts.layout) == before[name]
