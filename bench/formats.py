@@ -3,10 +3,11 @@
     python bench/formats.py [--experts 16 --hidden 2048 --inter 768 --tokens 512 --top-k 8 --rank 8 --reps 5]
 
 One fp32 Gaussian layer is stored as bf16 (the baseline), int8, int4 (group 64, symmetric), fp8_block, mxfp4
-(gpt-oss's shipped format; H and I must be multiples of 32) and compressed-int4: int4 as a compressed-tensors INT4 checkpoint (Kimi-K2-Thinking) loads, i.e. each expert
-matrix quantized the way compressed-tensors does it (groups of 32, scale max|w| / 7.5, codes -8..7), packed
-as its int32 words, then re-packed into int4's nibble order by the checkpoint loader's own path (the time that takes,
-the load cost per layer, is printed too).
+(gpt-oss's shipped format; H and I must be multiples of 32) and compressed-int4: int4 as a compressed-tensors
+INT4 checkpoint (Kimi-K2-Thinking) loads, i.e. each expert matrix quantized the way compressed-tensors does
+it (groups of 32, scale max|w| / 7.5, codes -8..7), packed as its int32 words, then re-packed into int4's
+nibble order by the checkpoint loader's own path (the time that takes, the load cost per layer, is printed
+too).
 Each rep runs every format once, in turn, so machine noise falls on all of them alike. Printed per format:
 resident bytes per parameter, relative Frobenius error of the dequantized weights, the time to dequantize
 every expert's two tiles once (what one forward adds over fp32 weights), fwd+bwd ms with expert LoRA
