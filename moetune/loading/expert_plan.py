@@ -6,7 +6,8 @@ e.g. Mixtral's ``block_sparse_moe`` -> ``mlp``, a missing ``model.`` prefix, per
 module, every other key loads through transformers. An expert tensor is then read from its renamed (not
 yet merged) name, in one of the on-disk layouts:
 
-    per expert   ``experts.{e}.gate_proj/up_proj/down_proj.weight`` (or Mixtral's ``w1/w3/w2``), each
+    per expert   ``experts.{e}.gate_proj/up_proj/down_proj.weight`` (or Mixtral's ``w1/w3/w2``, dots.3's
+                 vision ``fc1/fc3/fc2``), each
                  ``[out, in]``: gate/up ``[I, H]``, down ``[H, I]``
     fused        ``experts.gate_up_proj`` / ``experts.down_proj`` (+ ``_bias``) in the module's layout,
                  or with the last two dimensions swapped (Qwen3-VL stores ``[E, H, 2I]`` for ``[E, 2I, H]``),
@@ -39,7 +40,7 @@ from moetune.loading.quantized import FP8_DTYPE
 FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 ROLES = ("gate", "up", "down")  # per-expert projections
 # On-disk per-expert projection names, one naming scheme per tuple (gate, up, down).
-PER_EXPERT_SCHEMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+PER_EXPERT_SCHEMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"), ("fc1", "fc3", "fc2"))
 _ROLE_OF = {name: role for scheme in PER_EXPERT_SCHEMES for name, role in zip(scheme, ROLES)}
 MAX_REPORTED = 12  # problems listed in one error; the rest are counted
 

@@ -74,14 +74,22 @@ def model_class(config: Any) -> tuple[type[PreTrainedModel], Any]:
     """
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
-    found = [
-        m[type(config)]
-        for m in (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING)
-        if type(config) in m
-    ]
-    candidates = [
-        c for entry in found for c in (entry if isinstance(entry, tuple) else (entry,)) if c is not None
-    ]
+    def classes(cfg: Any) -> list[Any]:
+        found = [
+            m[type(cfg)]
+            for m in (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING)
+            if type(cfg) in m
+        ]
+        return [
+            c for entry in found for c in (entry if isinstance(entry, tuple) else (entry,)) if c is not None
+        ]
+
+    candidates = classes(config)
+    if not candidates:  # an omni model without a trainable whole (Qwen3-Omni): its text-generating part
+        parts = [getattr(config, key, None) for key in config.sub_configs]
+        part = next((p for p in parts if p is not None and classes(p)), None)
+        if part is not None:
+            return classes(part)[0], part
     if not candidates:
         raise ArchError(
             f"model_type {config.model_type!r} has no causal-LM or image-text-to-text class in transformers "
@@ -170,6 +178,17 @@ def check_non_expert(
     if problems:
         listed = "\n  ".join(problems[:MAX_LISTED]) + ("\n  ..." if len(problems) > MAX_LISTED else "")
         raise LoadError(f"checkpoint {checkpoint.path} does not fit its config.json:\n  {listed}")
+
+
+def skip_weight_init(model: PreTrainedModel, paths: list[str]) -> None:
+    """Keep transformers' initialisation of missing weights (``_initialize_missing_keys``) off the modules ``paths``.
+
+    Some families' ``_init_weights`` reach from the MoE block into ``block.experts.gate_up_proj`` (Qwen3-Omni),
+    which a moetune experts module does not have. Skipping the blocks loses nothing: every weight they hold is
+    loaded from the checkpoint, and ``load_weights`` raises for any that is missing.
+    """
+    for path in paths:
+        model.get_submodule(path)._is_hf_initialized = True  # the flag transformers itself sets once done
 
 
 def load_weights(

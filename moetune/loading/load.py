@@ -152,6 +152,7 @@ def load_model(
     )
     for site in sites:
         model.set_submodule(site.path, PendingExperts(site))
+    hf.skip_weight_init(model, sorted({s.path.rpartition(".")[0] for s in sites} - {""}))
     hf.check_non_expert(model, checkpoint, planned.targets, plan.other_keys)
     store = None if opts.expert_path is None else open_store(opts, checkpoint, sites)  # before any read
 
