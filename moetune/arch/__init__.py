@@ -7,15 +7,26 @@ vision-language Qwen3-VL-MoE / Qwen3.5-MoE), DeepSeek-V2, DeepSeek-V3 / GLM-4-Mo
 fallback.
 """
 
-from moetune.arch import deepseek, generic, gpt_oss, own_gate, softmax_topk  # noqa: F401  (registration)
+from moetune.arch import deepseek, generic, gpt_oss, llama4, own_gate, softmax_topk  # noqa: F401  (registration)
 from moetune.arch.detect import ExpertsLayout, ExpertsSite, find_experts, read_layout
-from moetune.arch.spec import ARCHS, ArchSpec, Routing, resolve_arch, supported_model_types, supported_summary
+from moetune.arch.spec import (
+    ARCHS,
+    ArchSpec,
+    ExpertsCall,
+    LayoutFlags,
+    Routing,
+    resolve_arch,
+    supported_model_types,
+    supported_summary,
+)
 
 __all__ = [
     "ARCHS",
     "ArchSpec",
+    "ExpertsCall",
     "ExpertsLayout",
     "ExpertsSite",
+    "LayoutFlags",
     "Routing",
     "find_experts",
     "read_layout",

@@ -56,6 +56,9 @@ class Routing(str, Enum):
         "sigmoid scores + correction bias, top-k within the best groups, renormalised, scaled"
     )
     TOPK_SOFTMAX = "top-k of the logits, softmax over the k"
+    TOPK_SIGMOID_PRESCALED = (
+        "top-k of the logits, sigmoid of each, multiplied into the token before its expert"
+    )
     MODEL_DEFINED = "whatever the model's own router computes"
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from moetune.arch.spec import ExpertsCall
 from moetune.engine import LORA_NAMES, DenseExperts, ExpertEngine, TrainMode
 from moetune.errors import SaveError
 from moetune.layer.function import routed_experts
@@ -86,7 +87,7 @@ class CpuExperts(nn.Module):
 
     def with_engine(self, engine: ExpertEngine) -> CpuExperts:
         """A module like this one (layout, shared-experts overlap, train/eval mode) around ``engine``."""
-        new = CpuExperts(engine, layout=self.layout)
+        new = type(self)(engine, layout=self.layout)
         new.shared_ahead = self.shared_ahead
         new.train(self.training)
         return new
@@ -114,3 +115,42 @@ class CpuExperts(nn.Module):
             f"storage={e.weights.storage_dtype}, compute={e.compute_dtype}, mode={e.mode.value}, "
             f"policy={e.options.policy.value}"
         )
+
+
+class PrescaledDenseExperts(CpuExperts):
+    """Llama 4's experts call: ``experts(routed_in [E*T, H]) -> [E*T, H]``, row ``e*T + t`` holding token t
+    multiplied by its router score for expert e, or zeros where e is not among its top k.
+
+    transformers multiplies every row by its expert (E times the work of top-k routing); the engine computes the
+    non-zero rows only, each with its row's expert and weight 1, and returns zeros for the others. That is exact,
+    gradients included: with no biases an expert maps a zero row to ``down(act(0) * 0) = 0``, and its gradient
+    there, ``up^T (act(0) * grad)``, is zero too for act(0) = 0 (SiLU, GELU, ReLU).
+    """
+
+    def __init__(self, engine: ExpertEngine, layout: ExpertsLayout | None = None) -> None:
+        super().__init__(engine, layout)
+        assert engine.gate_up_bias is None and engine.down_bias is None, (
+            "zero rows map to zero only without biases"
+        )
+
+    def forward(self, routed_in: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """routed_in ``[E*T, H]`` (any device) -> ``[E*T, H]``."""
+        rows, h = routed_in.shape
+        tokens = rows // self.engine.num_experts
+        active = (
+            routed_in.ne(0).any(dim=-1).nonzero().squeeze(1)
+        )  # [N]: a device sync, as transformers' loops
+        out = routed_in.new_zeros(rows, h)
+        if active.numel() == 0:
+            return out
+        expert = torch.div(active, tokens, rounding_mode="floor").unsqueeze(1)  # [N, 1]
+        ones = torch.ones(active.numel(), 1, dtype=routed_in.dtype, device=routed_in.device)  # [N, 1]
+        y = super().forward(routed_in.index_select(0, active), expert, ones)
+        return out.index_copy(0, active, y)
+
+
+EXPERTS_MODULES: dict[ExpertsCall, type[CpuExperts]] = {
+    ExpertsCall.TOPK: CpuExperts,
+    ExpertsCall.PRESCALED_DENSE: PrescaledDenseExperts,
+}
+"""The module that takes an experts module's place, by how the family's block calls it (``ArchSpec.call``)."""

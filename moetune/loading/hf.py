@@ -137,6 +137,12 @@ class KeyTarget:
     target: str  # the model tensor it loads into (renamings, at most one converter, base-model prefix fixed)
     renamed: str  # after the renamings only: a per-expert key still names its expert here
     converted: bool  # a converter (merge, split, transpose ...) maps it, not only a rename
+    # A converter that splits one list of tensors over several modules (ERNIE-4.5-VL: experts 0..E-1 to the
+    # text experts, E..2E-1 to the vision experts): all its targets in order, ``target`` first; else empty.
+    split: tuple[str, ...] = ()
+    ops: tuple[
+        str, ...
+    ] = ()  # the converter's operations by class name (``Interleave``, ``Concatenate`` ...)
 
 
 def checkpoint_targets(model: PreTrainedModel, keys: list[str]) -> dict[str, KeyTarget]:
@@ -151,7 +157,15 @@ def checkpoint_targets(model: PreTrainedModel, keys: list[str]) -> dict[str, Key
         target, pattern = rename_source_key(key, renamings, converters, prefix, meta)
         if target not in meta and key in meta:  # transformers' fallback: keep the name, fix only the prefix
             target, pattern = rename_source_key(key, [], [], prefix, meta)
-        out[key] = KeyTarget(target, apply_renamings(key, renamings), pattern is not None)
+        renamed = apply_renamings(key, renamings)
+        conv = next((c for c in converters if c.rename_source_key(renamed)[1] is not None), None)
+        if pattern is None or conv is None:
+            out[key] = KeyTarget(target, renamed, pattern is not None)
+            continue
+        patterns = list(conv.target_patterns)
+        split = tuple(target.replace(patterns[0], p) for p in patterns) if len(patterns) > 1 else ()
+        ops = tuple(type(op).__name__ for op in conv.operations)
+        out[key] = KeyTarget(target, renamed, True, split if patterns[0] in target else (), ops)
     return out
 
 

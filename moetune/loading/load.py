@@ -25,7 +25,7 @@ from torch import nn
 
 from moetune.arch import ArchSpec, ExpertsSite, find_experts, resolve_arch
 from moetune.errors import LoadError
-from moetune.layer import CpuExperts
+from moetune.layer import EXPERTS_MODULES
 from moetune.layer.overlap import attach_shared_ahead
 from moetune.loading import hf
 from moetune.loading.checkpoint import Checkpoint, TensorInfo
@@ -175,7 +175,8 @@ def load_model(
         )
     )
     for layer, engine in experts:
-        model.set_submodule(layer.site.path, CpuExperts(engine, layout=layer.site.layout))
+        module = EXPERTS_MODULES[spec.call](engine, layout=layer.site.layout)
+        model.set_submodule(layer.site.path, module)
         held += engine.weights.nbytes
     hf.finish(model, checkpoint)
     if spec.shared_attr is not None:

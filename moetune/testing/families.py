@@ -140,6 +140,17 @@ _TEXT_SIZES: dict[str, int] = {
     "qk_nope_head_dim": 16,
     "v_head_dim": 16,
     "first_k_dense_replace": 1,
+    # linear attention, sparse-attention indexers
+    "linear_num_heads": 2,
+    "linear_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "index_n_heads": 2,
+    "index_head_dim": 16,
+    "index_topk": 8,
+    "index_kpool": 4,
     "pad_token_id": 0,
     "bos_token_id": 1,
     "eos_token_id": 2,
@@ -190,12 +201,22 @@ _MAX_LAYERS = 4  # per-layer lists keep their distinct kinds, one layer each, at
 
 # Fields the generic shrinking cannot guess, per model type; nested dicts merge into sub-configs.
 _MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}  # 4 frequencies: t, h, w
+# Clamps and softcaps of the own-gate families, set low enough that they act on the tiny models' activations
+# (pre-activations ~ N(0, 0.8^2) with H = 64 and weights ~ N(0, 0.1^2)): their engine activations are exercised
+_LIMIT = 0.4
 _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
+    "deepseek_v4": {"swiglu_limit": _LIMIT, "hc_sinkhorn_iters": 3, "o_lora_rank": 16, "o_groups": 2},
+    "glm5_next": {"text_config": {"swiglu_limit": _LIMIT, "hc_sinkhorn_iters": 3}},
+    "gpt_oss": {"swiglu_limit": _LIMIT},
+    "hy_v4": {"swiglu_limit": _LIMIT},
+    "inkling2": {"text_config": {"mlp_gate_softcap": 0.5, "mlp_up_softcap": 0.5}},
+    "inkling2_loop": {"text_config": {"mlp_gate_softcap": 0.5, "mlp_up_softcap": 0.5}},
+    "minimax_m3_vl": {"text_config": {"swiglu_limit": _LIMIT}},
     "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
     "dots1": {"n_shared_experts": 1},
     "glm4v_moe": {"text_config": {"rope_parameters": {**_MROPE, "partial_rotary_factor": 0.5}}},
     "hunyuan_v1_moe": {"num_experts": 8, "moe_topk": 2},
-    "hy_v4_vl": {"text_config": {"rope_parameters": _MROPE}},
+    "hy_v4_vl": {"text_config": {"rope_parameters": _MROPE, "swiglu_limit": _LIMIT}},
     "dbrx": {
         # transformers 5.24's DBRX attention reads rope_theta from attn_config and needs a clip_qkv
         "attn_config": {"rope_theta": 10000.0, "kv_n_heads": 2, "clip_qkv": 8.0},
@@ -225,6 +246,7 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     "qwen3_omni_moe": {
         "talker_config": {"text_config": {"shared_expert_intermediate_size": 40}, "spatial_merge_size": 2}
     },
+    "step3p7": {"text_config": {"sliding_window": 8, "swiglu_limits": [0.0, _LIMIT]}},
     "qwen4_exp": {
         "text_config": {
             "indexer_n_heads": 2,
