@@ -7,7 +7,15 @@ vision-language Qwen3-VL-MoE / Qwen3.5-MoE), DeepSeek-V2, DeepSeek-V3 / GLM-4-Mo
 fallback.
 """
 
-from moetune.arch import deepseek, generic, gpt_oss, llama4, own_gate, softmax_topk  # noqa: F401  (registration)
+from moetune.arch import (  # noqa: F401  (registration)
+    deepseek,
+    generic,
+    gpt_oss,
+    llama4,
+    own_gate,
+    softmax_topk,
+    unsupported,
+)
 from moetune.arch.detect import ExpertsLayout, ExpertsSite, find_experts, read_layout
 from moetune.arch.spec import (
     ARCHS,

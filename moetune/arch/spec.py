@@ -142,5 +142,5 @@ def supported_summary() -> str:
 
 
 def supported_model_types() -> list[str]:
-    """The model types registered by name (the generic fallback may cover more)."""
-    return sorted(t for n in ARCHS for t in ARCHS.get(n).model_types)
+    """The model types registered by name as supported (the generic fallback may cover more)."""
+    return sorted(t for n in ARCHS if (s := ARCHS.get(n)).unsupported is None for t in s.model_types)

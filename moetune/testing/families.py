@@ -70,7 +70,9 @@ MOE_FAMILIES: tuple[str, ...] = (
     "mistral_large4",
     "mixtral",
     "muse_spark",
+    "nemo_speechlm",
     "nemotron_h",
+    "nemotron_h_omni",
     "nllb-moe",
     "olmoe",
     "openai_privacy_filter",
@@ -98,7 +100,9 @@ listed here):
    ``num_experts`` / ``n_routed_experts`` / ``num_local_experts`` / ``moe_num_experts`` and reading the hits:
    llama4, longcat_flash, step3p7, dbrx, jetmoe, doge, and the encoder-decoder nllb_moe and switch_transformers
    (vitpose's MoE backbone is a pose estimator, not a language model, and is left out);
-3. composite models whose default language model is an MoE family: kimi_k25 (a DeepSeek-V3 text config).
+3. composite models whose default language model is one of these, found by building every config class in
+   ``CONFIG_MAPPING`` and comparing its sub-configs' model types: kimi_k25 (DeepSeek-V3 text), nemotron_h_omni
+   and nemo_speechlm (NemotronH text); Qwen3-Omni's thinker is loaded as part of qwen3_omni_moe.
 """
 
 # The language model's sizes: H = 64, I = 24 (H != 2I, H != I), 8 experts, top-2, 4 heads of 16.
@@ -140,6 +144,10 @@ _TEXT_SIZES: dict[str, int] = {
     "qk_nope_head_dim": 16,
     "v_head_dim": 16,
     "first_k_dense_replace": 1,
+    "swa_num_attention_heads": 4,
+    "swa_num_key_value_heads": 4,
+    "swa_head_dim": 16,
+    "projector_hidden_size": 32,
     # linear attention, sparse-attention indexers
     "linear_num_heads": 2,
     "linear_head_dim": 16,
@@ -151,6 +159,11 @@ _TEXT_SIZES: dict[str, int] = {
     "index_head_dim": 16,
     "index_topk": 8,
     "index_kpool": 4,
+    # Mamba mixers
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_d_state": 16,
+    "mamba_chunk_size": 16,
     "pad_token_id": 0,
     "bos_token_id": 1,
     "eos_token_id": 2,
@@ -184,6 +197,10 @@ _TOWER_SIZES: dict[str, int] = {
     "adapter_out_dim": 64,
     "adapter_in_dim": 32,
     "adapter_input_size": 32,
+    # MoE inside a tower (dots.3's vision experts)
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "moe_intermediate_size": 16,
 }
 # Sub-configs named like this are towers (the rest, text_config, ffn_config, thinker_config ..., hold the language
 # model or its parts).
@@ -214,6 +231,18 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     "minimax_m3_vl": {"text_config": {"swiglu_limit": _LIMIT}},
     "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
     "dots1": {"n_shared_experts": 1},
+    "dots3_note": {  # the sliding-window layers' attention sizes come from swa_* fields
+        "text_config": {
+            "swa_num_attention_heads": 4,
+            "swa_num_key_value_heads": 4,
+            "swa_q_lora_rank": 24,
+            "swa_kv_lora_rank": 16,
+            "swa_head_dim": 24,
+            "swa_qk_nope_head_dim": 16,
+            "swa_v_head_dim": 16,
+            "sliding_window": 8,
+        }
+    },
     "glm4v_moe": {"text_config": {"rope_parameters": {**_MROPE, "partial_rotary_factor": 0.5}}},
     "hunyuan_v1_moe": {"num_experts": 8, "moe_topk": 2},
     "hy_v4_vl": {"text_config": {"rope_parameters": _MROPE, "swiglu_limit": _LIMIT}},
@@ -238,9 +267,18 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
         "expert_layer_offset": 1,
     },
     # enough vision layers for every folding scale: fewer would need scipy's linear_sum_assignment
-    "inkling_mm_model": {"vision_config": {"n_layers": 8}},
+    "inkling_mm_model": {"vision_config": {"n_layers": 8, "hidden_size": 8}},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     # 0.334 of the head is rotary (8 dims); sliding-window layers double the key/value heads
+    "muse_spark": {
+        "text_config": {"moe_hidden_size": 32},
+        "audio_config": {"hidden_sizes": [8, 8, 8, 16], "depths": [1, 1, 1, 1]},
+    },
+    "nemo_speechlm": {
+        "audio_config": {"diarization_config": {"head_config": {"audio_hidden_size": 32}}},
+        "word_timestamp_config": {"blank_token_id": 127},
+    },
+    "nemotron_h_omni": {"vision_config": {"video_temporal_patch_size": 2}},
     "mimo_v2_flash": {"head_dim": 24, "v_head_dim": 16, "num_key_value_heads": 2},
     # the talker's text config lacks a default for its shared expert
     "qwen3_omni_moe": {
