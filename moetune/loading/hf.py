@@ -202,7 +202,8 @@ def skip_weight_init(model: PreTrainedModel, paths: list[str]) -> None:
     loaded from the checkpoint, and ``load_weights`` raises for any that is missing.
     """
     for path in paths:
-        model.get_submodule(path)._is_hf_initialized = True  # the flag transformers itself sets once done
+        block: Any = model.get_submodule(path)
+        block._is_hf_initialized = True  # the flag transformers itself sets on modules it has initialised
 
 
 def load_weights(

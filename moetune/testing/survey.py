@@ -37,11 +37,10 @@ def _random_model(config: Any, seed: int) -> Any:
     from moetune.loading.hf import model_class
     from moetune.testing.tiny import randomize_
 
-    cls, part = model_class(config)
-    if part is not config and type(config) in MODEL_FOR_MULTIMODAL_LM_MAPPING:
-        cls = MODEL_FOR_MULTIMODAL_LM_MAPPING[type(config)]
-    else:
-        config = part
+    loaded, part = model_class(config)
+    whole = part is not config and type(config) in MODEL_FOR_MULTIMODAL_LM_MAPPING
+    cls: Any = MODEL_FOR_MULTIMODAL_LM_MAPPING[type(config)] if whole else loaded
+    config = config if whole else part
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config)

@@ -33,7 +33,14 @@ def test_registered_families():
         ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss"]
         + ["qwen3_vl_moe", "qwen3_5_moe", "qwen3_5_moe_text", "llama4", "llama4_text", "deepseek_v4", "beam"]
         + ["glm5_next", "glm5_next_text", "hy_v4", "hy_v4_vl", "hy_v4_vl_text", "minimax_m3_vl"]
-        + ["minimax_m3_vl_text", "step3p7", "inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text"]
+        + [
+            "minimax_m3_vl_text",
+            "step3p7",
+            "inkling2",
+            "inkling2_text",
+            "inkling2_loop",
+            "inkling2_loop_text",
+        ]
     )
     assert resolve_arch("glm4_moe").name == "deepseek_v3"
     assert resolve_arch("gpt_oss").routing is Routing.TOPK_SOFTMAX
@@ -94,7 +101,9 @@ def test_activation_read_from_act_fn(hidden_act, engine_name):
 
 
 def test_unsupported_activation():
-    with pytest.raises(ArchError, match="'mixtral'(.|\n)*ReLUSquaredActivation is not one the engine computes"):
+    with pytest.raises(
+        ArchError, match="'mixtral'(.|\n)*ReLUSquaredActivation is not one the engine computes"
+    ):
         find_experts(_meta("mixtral", hidden_act="relu2"), resolve_arch("mixtral"), "mixtral")
 
 
@@ -177,10 +186,14 @@ def _own_gate_class(limit: float):
 
 
 def test_own_gate_activation_from_the_spec_is_checked_against_apply_gate():
-    right = ArchSpec("clamped", (), Routing.MODEL_DEFINED, activation=lambda m: ("clamped_swiglu", {"limit": 2.0}))
+    right = ArchSpec(
+        "clamped", (), Routing.MODEL_DEFINED, activation=lambda m: ("clamped_swiglu", {"limit": 2.0})
+    )
     layout = read_layout(_own_gate_class(2.0)(_config()), right, "m.experts")
     assert (layout.activation, dict(layout.activation_kwargs)) == ("clamped_swiglu", {"limit": 2.0})
-    wrong = ArchSpec("clamped", (), Routing.MODEL_DEFINED, activation=lambda m: ("clamped_swiglu", {"limit": 3.0}))
+    wrong = ArchSpec(
+        "clamped", (), Routing.MODEL_DEFINED, activation=lambda m: ("clamped_swiglu", {"limit": 3.0})
+    )
     with pytest.raises(ArchError, match="on a random probe they differ"):
         read_layout(_own_gate_class(2.0)(_config()), wrong, "m.experts")
 
@@ -210,7 +223,12 @@ def test_layout_flags_from_the_spec():
 
     spec = ArchSpec("x", (), Routing.MODEL_DEFINED, layout=LayoutFlags(is_transposed=True))
     layout = read_layout(Unmarked(), spec, "m.experts")
-    assert (layout.num_experts, layout.hidden_size, layout.intermediate_size, layout.transposed) == (4, 10, 6, True)
+    assert (layout.num_experts, layout.hidden_size, layout.intermediate_size, layout.transposed) == (
+        4,
+        10,
+        6,
+        True,
+    )
 
 
 def test_non_gated_experts_and_unsupported_families_are_refused_by_name():
