@@ -4,9 +4,11 @@ transformers 5 decorates each experts class with ``use_experts_implementation``,
 ``experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` and stores the layout
 on every instance: ``is_transposed`` (``x @ W`` with gate_up ``[E, H, 2I]``, down ``[E, I, H]``, instead of
 ``W x`` with ``[E, 2I, H]`` / ``[E, H, I]``), ``is_concatenated`` (gate block then up block, else gate/up
-interleaved along 2I), ``has_bias``, ``has_gate`` and ``has_post_expert_norm``. E, H and I come from the
-parameter shapes; the activation from ``act_fn`` unless the class computes its own ``_apply_gate``, which
-the family's ``ArchSpec.activation`` must then name. Works on a model built on the meta device.
+interleaved along 2I), ``has_bias``, ``has_gate`` and ``has_post_expert_norm``; for an experts class without
+the decorator the family's ``ArchSpec.layout`` gives them. E, H and I come from the parameter shapes; the
+activation from ``act_fn`` (a transformers activation module or a plain function) unless the class computes
+its own ``_apply_gate``, which the family's ``ArchSpec.activation`` must then name and which is checked against
+the module's own on a random probe. Works on a model built on the meta device.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ class ExpertsLayout:
     has_bias: bool  # gate_up_proj_bias [E, 2I] (same order as gate_up), down_proj_bias [E, H]
     activation: str  # a name in moetune.engine.ACTIVATIONS
     activation_kwargs: tuple[tuple[str, float], ...] = ()
+    # Z zero-computation experts after the E routed ones (ids E..E+Z-1 return the token: LongCat-Flash); the
+    # module's gate_up_proj holds Z unused rows for them, which checkpoints may carry too
+    identity_experts: int = 0
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
@@ -200,9 +205,11 @@ def read_layout(module: nn.Module, spec: ArchSpec, path: str) -> ExpertsLayout:
     gate_up, down = _tensor(module, GATE_UP), _tensor(module, DOWN)
     assert gate_up is not None and down is not None
     transposed = flags.is_transposed
-    e, two_i, h = (
+    rows, two_i, h = (
         (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1]) if transposed else tuple(gate_up.shape)
     )
+    identity = int(getattr(module, spec.identity_attr) or 0) if spec.identity_attr is not None else 0
+    e = rows - identity
     if two_i % 2:
         raise ArchError(f"{path}: gate_up_proj {tuple(gate_up.shape)} has an odd 2I dimension ({two_i})")
     act, kwargs = _activation(module, spec, path, not flags.is_concatenated)
@@ -215,14 +222,18 @@ def read_layout(module: nn.Module, spec: ArchSpec, path: str) -> ExpertsLayout:
         has_bias=flags.has_bias,
         activation=act,
         activation_kwargs=tuple(sorted(kwargs.items())),
+        identity_experts=identity,
     )
     for name in layout.tensor_names:
         t = _tensor(module, name)
-        if t is None or tuple(t.shape) != layout.runtime_shape(name):
+        want = layout.runtime_shape(name)
+        want = (want[0] + identity, *want[1:]) if name == GATE_UP else want  # the identity experts' rows
+        if t is None or tuple(t.shape) != want:
             raise ArchError(
                 f"{path} ({kind}, is_transposed={transposed}, has_bias={layout.has_bias}): "
-                f"{name} is {None if t is None else tuple(t.shape)}, expected {layout.runtime_shape(name)} "
+                f"{name} is {None if t is None else tuple(t.shape)}, expected {want} "
                 f"from gate_up_proj {tuple(gate_up.shape)}"
+                + (f" and {identity} zero-computation experts" if identity else "")
             )
     return layout
 

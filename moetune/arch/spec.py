@@ -30,6 +30,10 @@ class ExpertsCall(str, Enum):
     """How the family's MoE block calls its experts module (moetune's replacement takes the same call)."""
 
     TOPK = "experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]"
+    TOPK_WITH_IDENTITY = (
+        "experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H], where ids E..E+Z-1 name "
+        "zero-computation experts that return the token itself (LongCat-Flash)"
+    )
     PRESCALED_DENSE = (
         "experts(routed_in [E*T, H]) -> [E*T, H]: row e*T + t is token t scaled by its router score for "
         "expert e, zero where e is not among its top k (Llama 4)"
@@ -80,6 +84,8 @@ class ArchSpec:
         layout: the layout flags of an experts class without ``use_experts_implementation`` (Llama 4,
             Step-3.7); None: the modules must carry the flags themselves.
         call: how the MoE block calls its experts.
+        identity_attr: for ``ExpertsCall.TOPK_WITH_IDENTITY``, the experts module's attribute holding the number
+            Z of zero-computation experts (ids E..E+Z-1 after the E routed ones).
         unsupported: why the family cannot run on the engine (its experts are not gated MLPs routed top-k);
             ``find_experts`` refuses it with this reason. None: supported.
     """
@@ -92,6 +98,7 @@ class ArchSpec:
     shared_attr: str | None = None
     layout: LayoutFlags | None = None
     call: ExpertsCall = ExpertsCall.TOPK
+    identity_attr: str | None = None
     unsupported: str | None = None
 
     def describe(self) -> str:

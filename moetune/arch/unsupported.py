@@ -28,11 +28,6 @@ _REASONS = {
         "experts modules), which moetune does not share between engines, and trains with a block-diffusion "
         "objective rather than next-token labels"
     ),
-    "longcat_flash": (
-        "LongCat-Flash routes to zero-computation (identity) experts besides its routed ones (expert ids >= "
-        "n_routed_experts return the token itself), and its gate_up_proj holds rows for them that down_proj "
-        "lacks; the engine runs routed expert MLPs only"
-    ),
 }
 
 for _model_type, _reason in _REASONS.items():

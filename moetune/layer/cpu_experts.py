@@ -149,8 +149,36 @@ class PrescaledDenseExperts(CpuExperts):
         return out.index_copy(0, active, y)
 
 
+class IdentityExperts(CpuExperts):
+    """LongCat-Flash's experts call: ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])`` where
+    ids ``>= E`` name zero-computation experts that return the token itself.
+
+    Their share, ``sum_j w[t, j] * x[t]`` over such slots, is computed on the device; each remaining slot goes
+    to the engine as a row of its own (``[N, H]`` with ``k = 1``, since tokens keep different numbers of real
+    experts) and is added back to its token.
+    """
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden_states ``[T, H]``, top_k_index ``[T, k]``, top_k_weights ``[T, k]`` -> ``[T, H]``."""
+        real = top_k_index < self.engine.num_experts  # [T, k]
+        identity = (top_k_weights * ~real).sum(dim=-1, keepdim=True).to(hidden_states.dtype)  # [T, 1]
+        out = identity * hidden_states
+        token, slot = real.nonzero(as_tuple=True)  # [N] each: a device sync, as transformers' own loop
+        if token.numel() == 0:
+            return out
+        y = super().forward(
+            hidden_states.index_select(0, token),
+            top_k_index[token, slot].unsqueeze(1),
+            top_k_weights[token, slot].unsqueeze(1),
+        )
+        return out.index_add(0, token, y.to(out.dtype))
+
+
 EXPERTS_MODULES: dict[ExpertsCall, type[CpuExperts]] = {
     ExpertsCall.TOPK: CpuExperts,
+    ExpertsCall.TOPK_WITH_IDENTITY: IdentityExperts,
     ExpertsCall.PRESCALED_DENSE: PrescaledDenseExperts,
 }
 """The module that takes an experts module's place, by how the family's block calls it (``ArchSpec.call``)."""

@@ -165,9 +165,10 @@ def _stem(key: str, renamed: str, suffix: str) -> str:
     return key[: -len(suffix)] if key.endswith(suffix) else renamed[: -len(suffix)]
 
 
-def _parse(info: TensorInfo, renamed: str, site: ExpertsSite, dest: KeyTarget) -> ExpertSource | str:
+def _parse(info: TensorInfo, renamed: str, site: ExpertsSite, dest: KeyTarget) -> ExpertSource | str | None:
     """An ``ExpertSource`` for ``info`` (named ``renamed`` after transformers' renamings, loading into
-    ``dest``) in ``site``, or why it is not an expert tensor of it."""
+    ``dest``) in ``site``, why it is not an expert tensor of it, or None for a tensor nothing computes with
+    (a zero-computation expert's gate/up rows, LongCat-Flash)."""
     attr = re.escape(site.path.rpartition(".")[2])
     lay = site.layout
     i, h = lay.intermediate_size, lay.hidden_size
@@ -176,9 +177,11 @@ def _parse(info: TensorInfo, renamed: str, site: ExpertsSite, dest: KeyTarget) -
         e, name = int(per_expert.group(2)), per_expert.group(3)
         if name not in _ROLE_OF:
             return f"unknown expert projection {name!r} (known: {', '.join(sorted(_ROLE_OF))})"
+        role = _ROLE_OF[name]
+        if lay.num_experts <= e < lay.num_experts + lay.identity_experts and role != "down":
+            return None
         if e >= lay.num_experts:
             return f"expert index {e} out of range (E = {lay.num_experts})"
-        role = _ROLE_OF[name]
         want: tuple[int, ...] = (h, i) if role == "down" else (i, h)
         if info.shape != want:
             return f"shape {info.shape}, expected {want} ({role} of expert {e}, [out, in])"
@@ -300,6 +303,8 @@ def plan_experts(
                 continue
             site, renamed = found
         parsed = _parse(info, renamed, site, targets[key])
+        if parsed is None:  # read by nothing: neither an expert tensor nor one for transformers
+            continue
         if isinstance(parsed, str):
             problems.add(f"{info.file}: unexpected expert tensor {key} for {site.path}: {parsed}")
             continue

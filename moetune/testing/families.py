@@ -268,6 +268,7 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     },
     # enough vision layers for every folding scale: fewer would need scipy's linear_sum_assignment
     "inkling_mm_model": {"vision_config": {"n_layers": 8, "hidden_size": 8}},
+    "longcat_flash": {"zero_expert_num": 4},  # 8 routed + 4 identity experts
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     # 0.334 of the head is rotary (8 dims); sliding-window layers double the key/value heads
     "muse_spark": {

@@ -35,7 +35,6 @@ REFUSED = {
     "doge": "single neurons",
     "jetmoe": "JetMoeMoE",
     "diffusion_gemma": "ties the experts of its encoder",
-    "longcat_flash": "zero-computation",
 }
 
 FAST = (
@@ -45,6 +44,7 @@ FAST = (
     "qwen3_omni_moe",  # thinker loaded from the whole omni checkpoint
     "ernie4_5_vl_moe",  # one checkpoint list split over text and vision experts
     "lfm2_moe",  # act_fn given as a plain function
+    "longcat_flash",  # zero-computation experts beside the routed ones
     "step3p7",  # stacked per-projection experts, clamped after the activation
     "nemotron_h",  # refused
 )

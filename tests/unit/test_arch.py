@@ -35,6 +35,7 @@ def test_registered_families():
         + ["glm5_next", "glm5_next_text", "hy_v4", "hy_v4_vl", "hy_v4_vl_text", "minimax_m3_vl"]
         + [
             "minimax_m3_vl_text",
+            "longcat_flash",
             "step3p7",
             "inkling2",
             "inkling2_text",
