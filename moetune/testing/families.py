@@ -98,7 +98,7 @@ listed here):
    taking the model type of the dir's top-level config (``inkling`` -> ``inkling_mm_model``);
 2. model files that route tokens to experts without that decorator, found by grepping the modeling files for
    ``num_experts`` / ``n_routed_experts`` / ``num_local_experts`` / ``moe_num_experts`` and reading the hits:
-   llama4, longcat_flash, step3p7, dbrx, jetmoe, doge, and the encoder-decoder nllb_moe and switch_transformers
+   llama4, longcat_flash, step3p7, dbrx, jetmoe, doge, and the encoder-decoders nllb-moe and switch_transformers
    (vitpose's MoE backbone is a pose estimator, not a language model, and is left out);
 3. composite models whose default language model is one of these, found by building every config class in
    ``CONFIG_MAPPING`` and comparing its sub-configs' model types: kimi_k25 (DeepSeek-V3 text), nemotron_h_omni
@@ -222,14 +222,13 @@ _MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1,
 # (pre-activations ~ N(0, 0.8^2) with H = 64 and weights ~ N(0, 0.1^2)): their engine activations are exercised
 _LIMIT = 0.4
 _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
-    "deepseek_v4": {"swiglu_limit": _LIMIT, "hc_sinkhorn_iters": 3, "o_lora_rank": 16, "o_groups": 2},
-    "glm5_next": {"text_config": {"swiglu_limit": _LIMIT, "hc_sinkhorn_iters": 3}},
-    "gpt_oss": {"swiglu_limit": _LIMIT},
-    "hy_v4": {"swiglu_limit": _LIMIT},
-    "inkling2": {"text_config": {"mlp_gate_softcap": 0.5, "mlp_up_softcap": 0.5}},
-    "inkling2_loop": {"text_config": {"mlp_gate_softcap": 0.5, "mlp_up_softcap": 0.5}},
-    "minimax_m3_vl": {"text_config": {"swiglu_limit": _LIMIT}},
+    "dbrx": {
+        # transformers 5.24's DBRX attention reads rope_theta from attn_config and needs a clip_qkv
+        "attn_config": {"rope_theta": 10000.0, "kv_n_heads": 2, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 24, "moe_num_experts": 8, "moe_top_k": 2},
+    },
     "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
+    "deepseek_v4": {"swiglu_limit": _LIMIT, "hc_sinkhorn_iters": 3, "o_lora_rank": 16, "o_groups": 2},
     "dots1": {"n_shared_experts": 1},
     "dots3_note": {  # the sliding-window layers' attention sizes come from swa_* fields
         "text_config": {
@@ -243,14 +242,6 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
             "sliding_window": 8,
         }
     },
-    "glm4v_moe": {"text_config": {"rope_parameters": {**_MROPE, "partial_rotary_factor": 0.5}}},
-    "hunyuan_v1_moe": {"num_experts": 8, "moe_topk": 2},
-    "hy_v4_vl": {"text_config": {"rope_parameters": _MROPE, "swiglu_limit": _LIMIT}},
-    "dbrx": {
-        # transformers 5.24's DBRX attention reads rope_theta from attn_config and needs a clip_qkv
-        "attn_config": {"rope_theta": 10000.0, "kv_n_heads": 2, "clip_qkv": 8.0},
-        "ffn_config": {"ffn_hidden_size": 24, "moe_num_experts": 8, "moe_top_k": 2},
-    },
     "ernie4_5_vl_moe": {
         "text_config": {
             "moe_intermediate_size": [24, 16],  # text experts, vision experts
@@ -259,18 +250,28 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     },
     "flint": {"mlp_only_layers": [0]},
     "gemma4": {"text_config": {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2}},
+    "glm4v_moe": {"text_config": {"rope_parameters": {**_MROPE, "partial_rotary_factor": 0.5}}},
+    "glm5_next": {"text_config": {"swiglu_limit": _LIMIT, "hc_sinkhorn_iters": 3}},
+    "gpt_oss": {"swiglu_limit": _LIMIT},
     "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
+    "hunyuan_v1_moe": {"num_experts": 8, "moe_topk": 2},
+    "hy_v4": {"swiglu_limit": _LIMIT},
+    "hy_v4_vl": {"text_config": {"rope_parameters": _MROPE, "swiglu_limit": _LIMIT}},
+    "inkling2": {"text_config": {"mlp_gate_softcap": 0.5, "mlp_up_softcap": 0.5}},
+    "inkling2_loop": {"text_config": {"mlp_gate_softcap": 0.5, "mlp_up_softcap": 0.5}},
+    # enough vision layers for every folding scale: fewer would need scipy's linear_sum_assignment
+    "inkling_mm_model": {"vision_config": {"n_layers": 8, "hidden_size": 8}},
     "jamba": {
         "attn_layer_period": 2,
         "attn_layer_offset": 1,
         "expert_layer_period": 2,
         "expert_layer_offset": 1,
     },
-    # enough vision layers for every folding scale: fewer would need scipy's linear_sum_assignment
-    "inkling_mm_model": {"vision_config": {"n_layers": 8, "hidden_size": 8}},
-    "longcat_flash": {"zero_expert_num": 4},  # 8 routed + 4 identity experts
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "longcat_flash": {"zero_expert_num": 4},  # 8 routed + 4 identity experts
     # 0.334 of the head is rotary (8 dims); sliding-window layers double the key/value heads
+    "mimo_v2_flash": {"head_dim": 24, "v_head_dim": 16, "num_key_value_heads": 2},
+    "minimax_m3_vl": {"text_config": {"swiglu_limit": _LIMIT}},
     "muse_spark": {
         "text_config": {"moe_hidden_size": 32},
         "audio_config": {"hidden_sizes": [8, 8, 8, 16], "depths": [1, 1, 1, 1]},
@@ -280,12 +281,10 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
         "word_timestamp_config": {"blank_token_id": 127},
     },
     "nemotron_h_omni": {"vision_config": {"video_temporal_patch_size": 2}},
-    "mimo_v2_flash": {"head_dim": 24, "v_head_dim": 16, "num_key_value_heads": 2},
     # the talker's text config lacks a default for its shared expert
     "qwen3_omni_moe": {
         "talker_config": {"text_config": {"shared_expert_intermediate_size": 40}, "spatial_merge_size": 2}
     },
-    "step3p7": {"text_config": {"sliding_window": 8, "swiglu_limits": [0.0, _LIMIT]}},
     "qwen4_exp": {
         "text_config": {
             "indexer_n_heads": 2,
@@ -295,6 +294,7 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
             "indexer_compress_ratio": 2,
         }
     },
+    "step3p7": {"text_config": {"sliding_window": 8, "swiglu_limits": [0.0, _LIMIT]}},
 }
 
 
