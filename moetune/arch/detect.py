@@ -126,8 +126,14 @@ def _check_own_gate(
     sees the probe in its own gate/up order (``interleaved``: gpt-oss), the engine gate block first."""
     i = 8
     probe = torch.randn(PROBE_ROWS, 2 * i, generator=torch.Generator().manual_seed(0)) * PROBE_SCALE
-    apply_gate: Any = type(module)._apply_gate  # type: ignore[attr-defined]  # runs without weights (meta)
-    want = apply_gate(module, probe).float()
+    apply_gate: Any = type(module)._apply_gate  # type: ignore[attr-defined]
+    try:  # the module is on the meta device: an _apply_gate that needs its weights cannot run here
+        want = apply_gate(module, probe).float()
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        raise ArchError(
+            f"{path} ({type(module).__name__}): its _apply_gate could not be checked against the {spec.name!r} "
+            f"spec's activation {name!r} ({type(e).__name__}: {e}); moetune refuses what it cannot verify"
+        ) from e
     blocks = torch.cat((probe[:, 0::2], probe[:, 1::2]), dim=1) if interleaved else probe
     got = ACTIVATIONS.get(name)(**kwargs)(blocks)
     err = (want - got).abs().max().item()

@@ -241,3 +241,13 @@ def test_non_gated_experts_and_unsupported_families_are_refused_by_name():
     model = empty_model(survey_config("doge"), torch.float32, "meta")
     with pytest.raises(ArchError, match=r"model_type 'doge' \(DogeForCausalLM\) is not supported: Doge's"):
         find_experts(model, resolve_arch("doge"), "doge")
+
+
+def test_own_gate_that_needs_weights_is_refused_not_crashed():
+    cls = _experts_class()
+    cls._apply_gate = lambda self, gate_up: gate_up[..., :6] * self.gate_up_proj[0, 0, 0]  # reads a weight
+    spec = ArchSpec("x", (), Routing.MODEL_DEFINED, activation=lambda m: ("silu", {}))
+    with torch.device("meta"):
+        module = cls(_config())
+    with pytest.raises(ArchError, match="could not be checked"):
+        read_layout(module, spec, "m.experts")
