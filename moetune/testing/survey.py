@@ -3,11 +3,15 @@
 ``survey_family(model_type, workdir)`` saves a random model of ``families.survey_config(model_type)`` with
 ``save_pretrained`` (safetensors, the family's own on-disk layout), loads it with ``moetune.load_model`` in
 float32 on the CPU, loads the same folder with transformers (the class moetune built, ``from_pretrained``) and
-compares, on one batch of token ids:
+compares:
 
-    logits (no grad)                                    max |diff| <= 1e-5 * max(1, max |logits|)
-    loss.backward(): the gradient of every parameter    max |diff| <= 1e-5 * max(1, max |grad|)
+    every engine's expert weights with the transformers    equal (all experts, also those a text batch never
+    module it replaced, in the engine's layout              reaches, such as ERNIE-4.5-VL's vision experts)
+    logits on one batch of token ids (no grad)             max |diff| <= 1e-5 * max(1, max |logits|)
+    loss.backward(): the gradient of every parameter       max |diff| <= 1e-5 * max(1, max |grad|)
     outside the routed experts (routers, attention, shared experts, embeddings)
+
+An omni model moetune loads a part of (Qwen3-Omni: its thinker) is saved whole, as released.
 
 It returns ``"exact"``, ``"refused: <ArchError text>"`` (moetune declined the family: the test checks the
 text names it), or ``"mismatch: <what differs>"``. Anything else moetune raises propagates: a crash is a bug.
