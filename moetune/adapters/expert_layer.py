@@ -169,21 +169,16 @@ class ExpertsLora(nn.Module, LoraLayer):
             layer = layer.base_layer
         return layers
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-        adapter_names: list[str] | None = None,
-    ) -> torch.Tensor:
-        """The experts module's call: hidden_states ``[T, H]``, top_k_index ``[T, k]``, top_k_weights ``[T, k]``
-        -> ``[T, H]``, with the active adapter's expert LoRA."""
+    def forward(self, *args: torch.Tensor, adapter_names: list[str] | None = None) -> torch.Tensor:
+        """The wrapped experts module's own call (for a v5 experts module: hidden_states ``[T, H]``,
+        top_k_index ``[T, k]``, top_k_weights ``[T, k]`` -> ``[T, H]``; Llama 4's: routed_in ``[E*T, H]``), with
+        the active adapter's expert LoRA."""
         if adapter_names is not None:
             raise AdapterError(
                 "mixed-adapter batches (adapter_names=...) are not supported on routed experts: moetune's "
                 "expert engine runs one expert LoRA per call; run one adapter per batch"
             )
-        return self.experts(hidden_states, top_k_index, top_k_weights, lora=self.engine_lora())
+        return self.experts(*args, lora=self.engine_lora())
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         raise AdapterError(

@@ -4,28 +4,33 @@ transformers 5 decorates each experts class with ``use_experts_implementation``,
 ``experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` and stores the layout
 on every instance: ``is_transposed`` (``x @ W`` with gate_up ``[E, H, 2I]``, down ``[E, I, H]``, instead of
 ``W x`` with ``[E, 2I, H]`` / ``[E, H, I]``), ``is_concatenated`` (gate block then up block, else gate/up
-interleaved along 2I), ``has_bias``, ``has_gate`` and ``has_post_expert_norm``. E, H and I come from the
-parameter shapes; the activation from ``act_fn`` unless the class computes its own ``_apply_gate``, which
-the family's ``ArchSpec.activation`` must then name. Works on a model built on the meta device.
+interleaved along 2I), ``has_bias``, ``has_gate`` and ``has_post_expert_norm``; for an experts class without
+the decorator the family's ``ArchSpec.layout`` gives them. E, H and I come from the parameter shapes; the
+activation from ``act_fn`` (a transformers activation module or a plain function) unless the class computes
+its own ``_apply_gate``, which the family's ``ArchSpec.activation`` must then name and which is checked against
+the module's own on a random probe. Works on a model built on the meta device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from moetune.arch.spec import ArchSpec, supported_summary
+from moetune.arch.spec import ArchSpec, LayoutFlags, supported_summary
 from moetune.engine import ACTIVATIONS
 from moetune.errors import ArchError
 
 GATE_UP, DOWN, GATE_UP_BIAS, DOWN_BIAS = "gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"
-LAYOUT_FLAGS = ("is_transposed", "is_concatenated", "has_bias", "has_gate")
+LAYOUT_FLAGS = ("is_transposed", "is_concatenated", "has_bias", "has_gate")  # LayoutFlags' fields, in order
 
 
-def _act_fn_names() -> dict[type, str]:
-    """transformers activation classes whose ``act(gate) * up`` the engine computes, by exact type."""
+def _act_fn_names() -> dict[Any, str]:
+    """transformers activations whose ``act(gate) * up`` the engine computes: classes (matched by exact type)
+    and plain functions (LFM2-MoE's ``act_fn = F.silu``, matched by identity)."""
+    import torch.nn.functional as F
     from transformers.activations import GELUActivation, GELUTanh, SiLUActivation
 
     return {
@@ -34,7 +39,25 @@ def _act_fn_names() -> dict[type, str]:
         GELUActivation: "gelu",
         GELUTanh: "gelu_pytorch_tanh",
         nn.ReLU: "relu",
+        F.silu: "silu",
+        F.gelu: "gelu",
+        F.relu: "relu",
     }
+
+
+def act_fn_name(act: Any) -> str | None:
+    """The engine activation of a transformers ``act_fn`` (a module or a plain function), None if it has none."""
+    names = _act_fn_names()
+    key = act if not isinstance(act, nn.Module) else type(act)
+    return names.get(key) if _hashable(key) else None
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -49,6 +72,9 @@ class ExpertsLayout:
     has_bias: bool  # gate_up_proj_bias [E, 2I] (same order as gate_up), down_proj_bias [E, H]
     activation: str  # a name in moetune.engine.ACTIVATIONS
     activation_kwargs: tuple[tuple[str, float], ...] = ()
+    # Z zero-computation experts after the E routed ones (ids E..E+Z-1 return the token: LongCat-Flash); the
+    # module's gate_up_proj holds Z unused rows for them, which checkpoints may carry too
+    identity_experts: int = 0
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
@@ -81,11 +107,47 @@ def _tensor(module: nn.Module, name: str) -> torch.Tensor | None:
 
 
 def _looks_like_experts(module: nn.Module) -> bool:
+    """3-D gate_up_proj and down_proj, or the layout flags ``use_experts_implementation`` sets (which also marks
+    experts without a gate projection, so that they are refused by name rather than overlooked)."""
     gate_up, down = _tensor(module, GATE_UP), _tensor(module, DOWN)
-    return gate_up is not None and down is not None and gate_up.dim() == 3 and down.dim() == 3
+    fused = gate_up is not None and down is not None and gate_up.dim() == 3 and down.dim() == 3
+    return fused or all(hasattr(module, f) for f in LAYOUT_FLAGS)
 
 
-def _activation(module: nn.Module, spec: ArchSpec, path: str) -> tuple[str, dict[str, float]]:
+PROBE_ROWS = 64  # rows of the random gate_up probe an own-gate activation is checked on
+PROBE_SCALE = 15.0  # |gate_up| up to ~50: past every clamp (7, 10) and softcap (4, 25) the families use
+
+
+def _check_own_gate(
+    module: nn.Module, name: str, kwargs: dict[str, float], interleaved: bool, spec: ArchSpec, path: str
+) -> None:
+    """``ArchError`` unless the engine activation ``name`` computes what the module's own ``_apply_gate`` does,
+    on a random probe (fp32): the spec's description is checked against transformers' code itself. The module
+    sees the probe in its own gate/up order (``interleaved``: gpt-oss), the engine gate block first."""
+    i = 8
+    probe = torch.randn(PROBE_ROWS, 2 * i, generator=torch.Generator().manual_seed(0)) * PROBE_SCALE
+    apply_gate: Any = type(module)._apply_gate  # type: ignore[attr-defined]
+    try:  # the module is on the meta device: an _apply_gate that needs its weights cannot run here
+        want = apply_gate(module, probe).float()
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        raise ArchError(
+            f"{path} ({type(module).__name__}): its _apply_gate could not be checked against the {spec.name!r} "
+            f"spec's activation {name!r} ({type(e).__name__}: {e}); moetune refuses what it cannot verify"
+        ) from e
+    blocks = torch.cat((probe[:, 0::2], probe[:, 1::2]), dim=1) if interleaved else probe
+    got = ACTIVATIONS.get(name)(**kwargs)(blocks)
+    err = (want - got).abs().max().item()
+    if not err <= 1e-5 * max(1.0, want.abs().max().item()):  # fp32: only rounding may differ
+        raise ArchError(
+            f"{path} ({type(module).__name__}): the {spec.name!r} spec says its _apply_gate is the engine "
+            f"activation {name!r} {kwargs}, but on a random probe they differ by {err:.3g}; transformers' "
+            "implementation has changed, so moetune refuses rather than train a different model"
+        )
+
+
+def _activation(
+    module: nn.Module, spec: ArchSpec, path: str, interleaved: bool
+) -> tuple[str, dict[str, float]]:
     from transformers.integrations.moe import _default_apply_gate  # the v5 default: act_fn(gate) * up
 
     if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
@@ -97,15 +159,18 @@ def _activation(module: nn.Module, spec: ArchSpec, path: str) -> tuple[str, dict
                 f"{supported_summary()}"
             )
         name, kwargs = spec.activation(module)
+        if name in ACTIVATIONS:
+            _check_own_gate(module, name, kwargs, interleaved, spec, path)
     else:
         act = getattr(module, "act_fn", None)
-        names = _act_fn_names()
-        if type(act) not in names:
+        found = act_fn_name(act)
+        if found is None:
             raise ArchError(
-                f"{path}: expert activation {type(act).__name__} is not one the engine computes; supported "
-                f"act_fn classes: {', '.join(sorted(c.__name__ for c in names))}"
+                f"{path}: expert activation {getattr(act, '__name__', type(act).__name__)} is not one the engine "
+                "computes; supported act_fn classes and functions: "
+                f"{', '.join(sorted(getattr(c, '__name__', str(c)) for c in _act_fn_names()))}"
             )
-        name, kwargs = names[type(act)], {}
+        name, kwargs = found, {}
     if name not in ACTIVATIONS:
         raise ArchError(
             f"{path}: activation {name!r} is not registered in the engine ({ACTIVATIONS.names()})"
@@ -113,46 +178,68 @@ def _activation(module: nn.Module, spec: ArchSpec, path: str) -> tuple[str, dict
     return name, kwargs
 
 
+def _flags(module: nn.Module, spec: ArchSpec, path: str) -> LayoutFlags:
+    """The module's layout flags, or the family's where its class lacks the decorator."""
+    if all(hasattr(module, f) for f in LAYOUT_FLAGS):
+        return LayoutFlags(*(bool(getattr(module, f)) for f in LAYOUT_FLAGS))
+    if spec.layout is not None:
+        return spec.layout
+    missing = [f for f in LAYOUT_FLAGS if not hasattr(module, f)]
+    raise ArchError(
+        f"{path} ({type(module).__name__}) has 3-D gate_up_proj/down_proj but not the layout flags "
+        f"{missing} that transformers' use_experts_implementation sets, and the {spec.name!r} spec gives none, "
+        f"so its call signature and layout are unknown. Supported:\n{supported_summary()}"
+    )
+
+
 def read_layout(module: nn.Module, spec: ArchSpec, path: str) -> ExpertsLayout:
     """The layout of one v5 experts module; ``ArchError`` naming ``path`` if the engine cannot run it."""
-    missing = [f for f in LAYOUT_FLAGS if not hasattr(module, f)]
-    if missing:
+    flags = _flags(module, spec, path)
+    kind = type(module).__name__
+    if not flags.has_gate:
         raise ArchError(
-            f"{path} ({type(module).__name__}) has 3-D gate_up_proj/down_proj but not the layout flags "
-            f"{missing} that transformers' use_experts_implementation sets, so its call signature and "
-            f"layout are unknown. Supported:\n{supported_summary()}"
+            f"{path} ({kind}) holds non-gated experts (down(act(up x)), no gate projection); the engine "
+            "computes gated experts down(act(gate x) * up x) only. Supported:\n" + supported_summary()
         )
-    if not module.has_gate or getattr(module, "has_post_expert_norm", False):
+    if getattr(module, "has_post_expert_norm", False):
         raise ArchError(
-            f"{path} ({type(module).__name__}): experts without a gate projection or with a post-expert norm "
-            "are not supported by the engine (it computes down(act(gate) * up))"
+            f"{path} ({kind}) normalises each expert's output before weighting it (post_expert_norm inside "
+            "the sum over the top-k experts), which the engine's weighted combine cannot reproduce outside "
+            "itself; the engine computes sum_j w_j * down(act(gate x) * up x). Supported:\n"
+            + supported_summary()
         )
     gate_up, down = _tensor(module, GATE_UP), _tensor(module, DOWN)
     assert gate_up is not None and down is not None
-    transposed = bool(module.is_transposed)
-    e, two_i, h = (
+    transposed = flags.is_transposed
+    rows, two_i, h = (
         (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1]) if transposed else tuple(gate_up.shape)
     )
+    identity = int(getattr(module, spec.identity_attr) or 0) if spec.identity_attr is not None else 0
+    e = rows - identity
     if two_i % 2:
         raise ArchError(f"{path}: gate_up_proj {tuple(gate_up.shape)} has an odd 2I dimension ({two_i})")
-    act, kwargs = _activation(module, spec, path)
+    act, kwargs = _activation(module, spec, path, not flags.is_concatenated)
     layout = ExpertsLayout(
         num_experts=e,
         hidden_size=h,
         intermediate_size=two_i // 2,
         transposed=transposed,
-        interleaved=not module.is_concatenated,
-        has_bias=bool(module.has_bias),
+        interleaved=not flags.is_concatenated,
+        has_bias=flags.has_bias,
         activation=act,
         activation_kwargs=tuple(sorted(kwargs.items())),
+        identity_experts=identity,
     )
     for name in layout.tensor_names:
         t = _tensor(module, name)
-        if t is None or tuple(t.shape) != layout.runtime_shape(name):
+        want = layout.runtime_shape(name)
+        want = (want[0] + identity, *want[1:]) if name == GATE_UP else want  # the identity experts' rows
+        if t is None or tuple(t.shape) != want:
             raise ArchError(
-                f"{path} ({type(module).__name__}, is_transposed={transposed}, has_bias={layout.has_bias}): "
-                f"{name} is {None if t is None else tuple(t.shape)}, expected {layout.runtime_shape(name)} "
+                f"{path} ({kind}, is_transposed={transposed}, has_bias={layout.has_bias}): "
+                f"{name} is {None if t is None else tuple(t.shape)}, expected {want} "
                 f"from gate_up_proj {tuple(gate_up.shape)}"
+                + (f" and {identity} zero-computation experts" if identity else "")
             )
     return layout
 
@@ -171,15 +258,25 @@ def _router(model: nn.Module, path: str, spec: ArchSpec) -> str | None:
 
 
 def find_experts(model: nn.Module, spec: ArchSpec, model_type: str) -> list[ExpertsSite]:
-    """Every routed-experts module of ``model``, in module order; ``ArchError`` when there is none."""
-    sites = [
-        ExpertsSite(path, read_layout(module, spec, path), _router(model, path, spec))
-        for path, module in model.named_modules()
-        if _looks_like_experts(module)
-    ]
+    """Every routed-experts module of ``model``, in module order.
+
+    ``ArchError`` naming ``model_type`` when the family is known not to run on the engine (``spec.unsupported``),
+    when an experts module cannot, or when there is none.
+    """
+    where = f"model_type {model_type!r} ({type(model).__name__})"
+    if spec.unsupported is not None:
+        raise ArchError(f"{where} is not supported: {spec.unsupported}. Supported:\n{supported_summary()}")
+    try:
+        sites = [
+            ExpertsSite(path, read_layout(module, spec, path), _router(model, path, spec))
+            for path, module in model.named_modules()
+            if _looks_like_experts(module)
+        ]
+    except ArchError as e:
+        raise ArchError(f"{where}: {e}") from e
     if not sites:
         raise ArchError(
-            f"model_type {model_type!r} ({type(model).__name__}) is not a supported MoE architecture: none "
+            f"{where} is not a supported MoE architecture: none "
             "of its modules is a routed-experts module (searched every module for 3-D gate_up_proj and "
             f"down_proj tensors). Supported:\n{supported_summary()}"
         )

@@ -2,9 +2,11 @@
 
 A spec says which transformers ``model_type``s it covers, how the family routes (for logs and docs:
 the routing itself always stays in the model's own MoE block and router module), where the block keeps
-its router, and, only where the experts module computes something other than ``act(gate) * up``, the
-engine activation that reproduces it. Everything else (E, H, I, layout, biases) is read off the experts
-modules themselves by ``moetune.arch.detect``.
+its router, and the variants a family needs: where the experts module computes something other than
+``act(gate) * up``, the engine activation that reproduces it; where its class lacks transformers' layout
+flags, the flags; where the block calls its experts other than with top-k ids and weights, the call.
+Everything else (E, H, I, layout, biases) is read off the experts modules themselves by
+``moetune.arch.detect``.
 
 The ``generic`` spec is the fallback for any model type not registered here: it works for every model
 whose experts modules follow the transformers v5 layout, detected from their attributes and shapes.
@@ -24,6 +26,31 @@ ActivationResolver = Callable[[Any], tuple[str, dict[str, float]]]
 """experts module -> (engine activation name, its keyword arguments)."""
 
 
+class ExpertsCall(str, Enum):
+    """How the family's MoE block calls its experts module (moetune's replacement takes the same call)."""
+
+    TOPK = "experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]"
+    TOPK_WITH_IDENTITY = (
+        "experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H], where ids E..E+Z-1 name "
+        "zero-computation experts that return the token itself (LongCat-Flash)"
+    )
+    PRESCALED_DENSE = (
+        "experts(routed_in [E*T, H]) -> [E*T, H]: row e*T + t is token t scaled by its router score for "
+        "expert e, zero where e is not among its top k (Llama 4)"
+    )
+
+
+@dataclass(frozen=True)
+class LayoutFlags:
+    """The layout flags ``use_experts_implementation`` records on an experts module, for families whose experts
+    class lacks the decorator (see ``moetune.arch.detect``)."""
+
+    is_transposed: bool = False  # gate_up [E, H, 2I], down [E, I, H]
+    is_concatenated: bool = True  # gate block then up block along 2I (else interleaved)
+    has_bias: bool = False
+    has_gate: bool = True
+
+
 class Routing(str, Enum):
     """How a family turns router logits into top-k ids and weights (computed by the model, not by moetune)."""
 
@@ -33,6 +60,9 @@ class Routing(str, Enum):
         "sigmoid scores + correction bias, top-k within the best groups, renormalised, scaled"
     )
     TOPK_SOFTMAX = "top-k of the logits, softmax over the k"
+    TOPK_SIGMOID_PRESCALED = (
+        "top-k of the logits, sigmoid of each, multiplied into the token before its expert"
+    )
     MODEL_DEFINED = "whatever the model's own router computes"
 
 
@@ -51,6 +81,13 @@ class ArchSpec:
         shared_attr: attribute of the MoE block holding shared experts that the block calls after its
             experts, as ``shared(x)`` on the experts' input; moetune queues them before the CPU engine runs
             so the device computes them meanwhile (``moetune.layer.overlap``). None: not known to.
+        layout: the layout flags of an experts class without ``use_experts_implementation`` (Llama 4,
+            Step-3.7); None: the modules must carry the flags themselves.
+        call: how the MoE block calls its experts.
+        identity_attr: for ``ExpertsCall.TOPK_WITH_IDENTITY``, the experts module's attribute holding the number
+            Z of zero-computation experts (ids E..E+Z-1 after the E routed ones).
+        unsupported: why the family cannot run on the engine (its experts are not gated MLPs routed top-k);
+            ``find_experts`` refuses it with this reason. None: supported.
     """
 
     name: str
@@ -59,6 +96,10 @@ class ArchSpec:
     router_attr: str | None = "gate"
     activation: ActivationResolver | None = field(default=None, compare=False)
     shared_attr: str | None = None
+    layout: LayoutFlags | None = None
+    call: ExpertsCall = ExpertsCall.TOPK
+    identity_attr: str | None = None
+    unsupported: str | None = None
 
     def describe(self) -> str:
         """One line for error messages: the model types and the routing."""
@@ -97,7 +138,7 @@ def resolve_arch(model_type: str) -> ArchSpec:
 
 def supported_summary() -> str:
     """Every registered family with its model types, then the generic rule; for error messages."""
-    families = [ARCHS.get(n) for n in ARCHS if n != GENERIC]
+    families = [s for n in ARCHS if n != GENERIC and (s := ARCHS.get(n)).unsupported is None]
     lines = [f"  - {s.describe()}" for s in families]
     lines.append(
         "  - generic: any other transformers model whose experts modules follow the v5 layout "
@@ -108,5 +149,5 @@ def supported_summary() -> str:
 
 
 def supported_model_types() -> list[str]:
-    """The model types registered by name (the generic fallback may cover more)."""
-    return sorted(t for n in ARCHS for t in ARCHS.get(n).model_types)
+    """The model types registered by name as supported (the generic fallback may cover more)."""
+    return sorted(t for n in ARCHS if (s := ARCHS.get(n)).unsupported is None for t in s.model_types)

@@ -2,7 +2,9 @@
 
 ``gate_up`` holds gate columns first (``[:, :I]``) and up columns after (``[:, I:]``), the transformers v5
 layout. Checkpoints that interleave them (gpt-oss) are re-laid out once at load, so every activation here
-sees the same split.
+sees the same split. Besides ``act(gate) * up`` for the usual elementwise ``act``, the clamped SwiGLUs of
+gpt-oss, DeepSeek-V4, GLM-5-Next, HY-V4, MiniMax-M3 and Step-3.7 (``ClampedSwiGlu``) and Inkling2's softcapped
+one (``SoftcappedSwiGlu``), each with a closed-form backward checked against float64 autograd.
 """
 
 from __future__ import annotations
@@ -71,18 +73,78 @@ class ActFnGlu(GluActivation):
 
 @dataclass
 class ClampedSwiGlu(GluActivation):
-    """gpt-oss: ``(clamp(u, -L, L) + 1) * g' * sigmoid(alpha * g')`` with ``g' = min(g, L)``."""
+    """SwiGLU with clamps: ``(clamp(u, -L, L) + c) * swish_a(g)``, ``swish_a(x) = x * sigmoid(a * x)``.
 
-    alpha: float = 1.702
-    limit: float = 7.0
-    name: str = "gpt_oss"
+    ``clamp_output=False``: the gate is clamped before the swish, ``swish_a(min(g, L))`` (gpt-oss with a = 1.702,
+    c = 1; DeepSeek-V4, GLM-5-Next, HY-V4 with a = 1, c = 0). ``clamp_output=True``: the swish output is,
+    ``min(swish_a(g), L)`` (Step-3.7). ``L = inf`` clamps nothing. Closed-form backward; where a clamp is active
+    its input gets no gradient, the boundary itself included in the pass band (``torch.clamp``'s convention).
+    """
+
+    alpha: float = 1.0
+    limit: float = float("inf")
+    up_offset: float = 0.0
+    clamp_output: bool = False
+    name: str = "clamped_swiglu"
+
+    def _swish(self, g: torch.Tensor, grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """swish_a(g) and, with ``grad``, its derivative; a = 1 uses ``F.silu`` itself, as the models do."""
+        s = torch.sigmoid(g * self.alpha)
+        value = F.silu(g) if self.alpha == 1.0 else g * s
+        return value, (s + self.alpha * g * s * (1 - s)) if grad else None
+
+    def _gate(self, g: torch.Tensor, grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The gate factor ``[n, I]`` and, with ``grad``, its derivative w.r.t. g."""
+        lim = self.limit
+        if self.clamp_output:
+            sw, dsw = self._swish(g, grad)
+            return sw.clamp(max=lim), None if dsw is None else dsw * (sw <= lim)
+        sw, dsw = self._swish(g.clamp(max=lim), grad)
+        return sw, None if dsw is None else dsw * (g <= lim)
 
     def __call__(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         g, u = _halves(gate_up)
-        g = g.clamp(max=self.limit)
-        u = u.clamp(min=-self.limit, max=self.limit)
-        glu = g * torch.sigmoid(g * self.alpha)
-        return torch.mul(u + 1, glu, out=out) if out is not None else (u + 1) * glu
+        gate, _ = self._gate(g, grad=False)
+        up = u.clamp(min=-self.limit, max=self.limit) + self.up_offset
+        return torch.mul(up, gate, out=out) if out is not None else up * gate
+
+    def vjp(self, gate_up: torch.Tensor, grad_h: torch.Tensor) -> torch.Tensor:
+        g, u = _halves(gate_up)
+        gate, dgate = self._gate(g, grad=True)
+        assert dgate is not None
+        up = u.clamp(min=-self.limit, max=self.limit) + self.up_offset
+        passed = (u >= -self.limit) & (u <= self.limit)
+        return torch.cat((grad_h * up * dgate, grad_h * gate * passed), dim=-1)
+
+
+@dataclass
+class SoftcappedSwiGlu(GluActivation):
+    """Inkling2: ``cg * tanh(g / cg) * sigmoid(g) * cu * tanh(u / cu)`` (the sigmoid sees the raw gate; the
+    softcaps bound the linear gate factor and ``u``), computed in at least fp32 as the model does, with a
+    closed-form backward."""
+
+    gate_softcap: float = 4.0
+    up_softcap: float = 25.0
+    name: str = "softcapped_swiglu"
+
+    def _parts(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        wide = torch.promote_types(gate_up.dtype, torch.float32)  # fp32 even for bf16 inputs
+        g, u = (t.to(wide) for t in _halves(gate_up))
+        tg, tu = torch.tanh(g / self.gate_softcap), torch.tanh(u / self.up_softcap)
+        s = torch.sigmoid(g)
+        gate = self.gate_softcap * tg * s
+        dgate = (1 - tg * tg) * s + gate * (1 - s)
+        return gate, dgate, self.up_softcap * tu, 1 - tu * tu
+
+    def __call__(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        gate, _, up, _ = self._parts(gate_up)
+        h = (gate * up).to(gate_up.dtype)
+        return out.copy_(h) if out is not None else h
+
+    def vjp(self, gate_up: torch.Tensor, grad_h: torch.Tensor) -> torch.Tensor:
+        gate, dgate, up, dup = self._parts(gate_up)
+        grad = grad_h.to(gate.dtype)
+        return torch.cat((grad * up * dgate, grad * gate * dup), dim=-1).to(gate_up.dtype)
 
 
 ACTIVATIONS: Registry[Callable[..., GluActivation]] = Registry("expert activation")
@@ -93,7 +155,14 @@ ACTIVATIONS.register("gelu_pytorch_tanh")(
     lambda: ActFnGlu(lambda t: F.gelu(t, approximate="tanh"), "gelu_tanh")
 )
 ACTIVATIONS.register("relu")(lambda: ActFnGlu(F.relu, "relu"))
-ACTIVATIONS.register("gpt_oss")(ClampedSwiGlu)
+ACTIVATIONS.register("gpt_oss")(
+    lambda alpha=1.702, limit=7.0: ClampedSwiGlu(alpha=alpha, limit=limit, up_offset=1.0, name="gpt_oss")
+)
+ACTIVATIONS.register("clamped_swiglu")(ClampedSwiGlu)
+ACTIVATIONS.register("swiglu_clamped_output")(
+    lambda limit=float("inf"): ClampedSwiGlu(limit=limit, clamp_output=True, name="swiglu_clamped_output")
+)
+ACTIVATIONS.register("softcapped_swiglu")(SoftcappedSwiGlu)
 
 
 def get_activation(name: str, **kwargs: float) -> GluActivation:

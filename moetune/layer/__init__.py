@@ -1,6 +1,13 @@
 """The bridge into torch and transformers: the autograd Function and the module that holds an engine."""
 
-from moetune.layer.cpu_experts import CpuExperts
+from moetune.layer.cpu_experts import EXPERTS_MODULES, CpuExperts, IdentityExperts, PrescaledDenseExperts
 from moetune.layer.function import ExpertsFunction, routed_experts
 
-__all__ = ["CpuExperts", "ExpertsFunction", "routed_experts"]
+__all__ = [
+    "EXPERTS_MODULES",
+    "CpuExperts",
+    "ExpertsFunction",
+    "IdentityExperts",
+    "PrescaledDenseExperts",
+    "routed_experts",
+]

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from moetune.arch.spec import ExpertsCall
 from moetune.engine import LORA_NAMES, DenseExperts, ExpertEngine, ExpertLoRA, TrainMode
 from moetune.errors import SaveError
 from moetune.layer.function import routed_experts
@@ -117,3 +118,78 @@ class CpuExperts(nn.Module):
             f"storage={e.weights.storage_dtype}, compute={e.compute_dtype}, mode={e.mode.value}, "
             f"policy={e.options.policy.value}"
         )
+
+
+class PrescaledDenseExperts(CpuExperts):
+    """Llama 4's experts call: ``experts(routed_in [E*T, H]) -> [E*T, H]``, row ``e*T + t`` holding token t
+    multiplied by its router score for expert e, or zeros where e is not among its top k.
+
+    transformers multiplies every row by its expert (E times the work of top-k routing); the engine computes the
+    non-zero rows only, each with its row's expert and weight 1, and returns zeros for the others. That is exact,
+    gradients included: with no biases an expert maps a zero row to ``down(act(0) * 0) = 0``, and its gradient
+    there, ``up^T (act(0) * grad)``, is zero too for act(0) = 0 (SiLU, GELU, ReLU).
+    """
+
+    def __init__(self, engine: ExpertEngine, layout: ExpertsLayout | None = None) -> None:
+        super().__init__(engine, layout)
+        assert engine.gate_up_bias is None and engine.down_bias is None, (
+            "zero rows map to zero only without biases"
+        )
+
+    def forward(  # type: ignore[override]
+        self, routed_in: torch.Tensor, lora: ExpertLoRA | None = None
+    ) -> torch.Tensor:
+        """routed_in ``[E*T, H]`` (any device) -> ``[E*T, H]``; ``lora`` as in :meth:`CpuExperts.forward`."""
+        rows, h = routed_in.shape
+        tokens = rows // self.engine.num_experts
+        active = (
+            routed_in.ne(0).any(dim=-1).nonzero().squeeze(1)
+        )  # [N]: a device sync, as transformers' loops
+        out = routed_in.new_zeros(rows, h)
+        if active.numel() == 0:
+            return out
+        expert = torch.div(active, tokens, rounding_mode="floor").unsqueeze(1)  # [N, 1]
+        ones = torch.ones(active.numel(), 1, dtype=routed_in.dtype, device=routed_in.device)  # [N, 1]
+        y = super().forward(routed_in.index_select(0, active), expert, ones, lora=lora)
+        return out.index_copy(0, active, y)
+
+
+class IdentityExperts(CpuExperts):
+    """LongCat-Flash's experts call: ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])`` where
+    ids ``>= E`` name zero-computation experts that return the token itself.
+
+    Their share, ``sum_j w[t, j] * x[t]`` over such slots, is computed on the device; each remaining slot goes
+    to the engine as a row of its own (``[N, H]`` with ``k = 1``, since tokens keep different numbers of real
+    experts) and is added back to its token.
+    """
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        lora: ExpertLoRA | None = None,
+    ) -> torch.Tensor:
+        """hidden_states ``[T, H]``, top_k_index ``[T, k]``, top_k_weights ``[T, k]`` -> ``[T, H]``; ``lora`` as in
+        :meth:`CpuExperts.forward`."""
+        real = top_k_index < self.engine.num_experts  # [T, k]
+        identity = (top_k_weights * ~real).sum(dim=-1, keepdim=True).to(hidden_states.dtype)  # [T, 1]
+        out = identity * hidden_states
+        token, slot = real.nonzero(as_tuple=True)  # [N] each: a device sync, as transformers' own loop
+        if token.numel() == 0:
+            return out
+        y = super().forward(
+            hidden_states.index_select(0, token),
+            top_k_index[token, slot].unsqueeze(1),
+            top_k_weights[token, slot].unsqueeze(1),
+            lora=lora,
+        )
+        return out.index_add(0, token, y.to(out.dtype))
+
+
+EXPERTS_MODULES: dict[ExpertsCall, type[CpuExperts]] = {
+    ExpertsCall.TOPK: CpuExperts,
+    ExpertsCall.TOPK_WITH_IDENTITY: IdentityExperts,
+    ExpertsCall.PRESCALED_DENSE: PrescaledDenseExperts,
+}
+"""The module that takes an experts module's place, by how the family's block calls it (``ArchSpec.call``)."""

@@ -3,10 +3,13 @@
 Each checkpoint key is first mapped by transformers' own rules for the model (``hf.checkpoint_targets``:
 e.g. Mixtral's ``block_sparse_moe`` -> ``mlp``, a missing ``model.`` prefix, per-expert keys merged into
 ``experts.gate_up_proj``); a key whose target lies inside an experts module is an expert tensor of that
-module, every other key loads through transformers. An expert tensor is then read from its renamed (not
+module, every other key loads through transformers. Where transformers splits one list of per-expert keys
+over several experts modules (ERNIE-4.5-VL: ``experts.{0..E-1}`` text, ``experts.{E..2E-1}`` vision), each key
+goes to the module its index falls in, renumbered within it. An expert tensor is then read from its renamed (not
 yet merged) name, in one of the on-disk layouts:
 
-    per expert   ``experts.{e}.gate_proj/up_proj/down_proj.weight`` (or Mixtral's ``w1/w3/w2``), each
+    per expert   ``experts.{e}.gate_proj/up_proj/down_proj.weight`` (or Mixtral's ``w1/w3/w2``, dots.3's
+                 vision ``fc1/fc3/fc2``), each
                  ``[out, in]``: gate/up ``[I, H]``, down ``[H, I]``
     fused        ``experts.gate_up_proj`` / ``experts.down_proj`` (+ ``_bias``) in the module's layout,
                  or with the last two dimensions swapped (Qwen3-VL stores ``[E, H, 2I]`` for ``[E, 2I, H]``),
@@ -40,17 +43,20 @@ from moetune.loading.quant import QUANT_METHODS, QuantizedWeight, QuantMethod
 FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 ROLES = ("gate", "up", "down")  # per-expert projections
 # On-disk per-expert projection names, one naming scheme per tuple (gate, up, down).
-PER_EXPERT_SCHEMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+PER_EXPERT_SCHEMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"), ("fc1", "fc3", "fc2"))
 _ROLE_OF = {name: role for scheme in PER_EXPERT_SCHEMES for name, role in zip(scheme, ROLES)}
+_FUSED = (GATE_UP, DOWN, GATE_UP_BIAS, DOWN_BIAS)
 
 
 @dataclass(frozen=True)
 class ExpertSource:
     """One checkpoint tensor feeding an experts module.
 
-    ``role`` is ``gate``/``up``/``down`` for a per-expert matrix (``expert`` set) or a fused tensor name
-    (``gate_up_proj``, ``down_proj``, ``gate_up_proj_bias``, ``down_proj_bias``; ``expert`` None).
+    ``role`` is ``gate``/``up``/``down`` for a per-expert matrix (``expert`` set) or for one projection of
+    every expert stacked ``[E, out, in]`` (``expert`` None), or a fused tensor name (``gate_up_proj``,
+    ``down_proj``, ``gate_up_proj_bias``, ``down_proj_bias``; ``expert`` None).
     ``swapped``: a fused 3-D tensor stored with its last two dimensions swapped relative to the module.
+    ``interleaved``: a fused gate_up (or its bias) stored with gate and up interleaved along 2I.
     ``stem``: the key up to the experts container (``model.layers.0.block_sparse_moe.experts.``), as stored;
     ``proj``: a per-expert tensor's projection name (``gate_proj``, ``w1``, ...), for messages.
     ``quantized``: a quantized matrix's stored tensors (``info`` is then its logical ``[out, in]`` weight);
@@ -61,6 +67,7 @@ class ExpertSource:
     role: str
     expert: int | None = None
     swapped: bool = False
+    interleaved: bool = False
     stem: str = ""
     proj: str = ""
     quantized: QuantizedWeight | None = None
@@ -134,45 +141,82 @@ class _Problems:
         )
 
 
+def _split_site(
+    dest: KeyTarget, site: ExpertsSite, sites: dict[str, ExpertsSite]
+) -> tuple[ExpertsSite, str] | str:
+    """For a per-expert key of a list transformers splits over several experts modules (``dest.split``, equal
+    consecutive ranges in target order): the module its expert index falls in, and the key renamed with the
+    index within that module; or why not."""
+    attr = re.escape(site.path.rpartition(".")[2])
+    m = re.search(rf"((?:^|\.){attr}\.)(\d+)(\.\w+\.weight)$", dest.renamed)
+    split = [_site_of(t, sites) for t in dest.split]
+    if m is None or any(s is None for s in split):
+        return f"split over {list(dest.split)}, which are not all experts modules"
+    e, size = int(m.group(2)), site.layout.num_experts
+    if e >= size * len(split):
+        return f"expert index {e} out of range ({len(split)} modules of E = {size})"
+    part = split[e // size]
+    assert part is not None
+    return part, f"{dest.renamed[: m.start()]}{m.group(1)}{e % size}{m.group(3)}"
+
+
 def _stem(key: str, renamed: str, suffix: str) -> str:
     """``key`` without ``suffix`` (the part after the experts container), falling back to the renamed key."""
     return key[: -len(suffix)] if key.endswith(suffix) else renamed[: -len(suffix)]
 
 
-def _parse(info: TensorInfo, renamed: str, site: ExpertsSite) -> ExpertSource | str:
-    """An ``ExpertSource`` for ``info`` (named ``renamed`` after transformers' renamings) in ``site``, or why
-    it is not an expert tensor of it."""
+def _parse(info: TensorInfo, renamed: str, site: ExpertsSite, dest: KeyTarget) -> ExpertSource | str | None:
+    """An ``ExpertSource`` for ``info`` (named ``renamed`` after transformers' renamings, loading into
+    ``dest``) in ``site``, why it is not an expert tensor of it, or None for a tensor nothing computes with
+    (a zero-computation expert's gate/up rows, LongCat-Flash)."""
     attr = re.escape(site.path.rpartition(".")[2])
     lay = site.layout
+    i, h = lay.intermediate_size, lay.hidden_size
     per_expert = re.search(rf"(?:^|\.){attr}\.((\d+)\.(\w+)\.weight)$", renamed)
     if per_expert:
         e, name = int(per_expert.group(2)), per_expert.group(3)
         if name not in _ROLE_OF:
             return f"unknown expert projection {name!r} (known: {', '.join(sorted(_ROLE_OF))})"
+        role = _ROLE_OF[name]
+        if lay.num_experts <= e < lay.num_experts + lay.identity_experts and role != "down":
+            return None
         if e >= lay.num_experts:
             return f"expert index {e} out of range (E = {lay.num_experts})"
-        role = _ROLE_OF[name]
-        i, h = lay.intermediate_size, lay.hidden_size
         want: tuple[int, ...] = (h, i) if role == "down" else (i, h)
         if info.shape != want:
             return f"shape {info.shape}, expected {want} ({role} of expert {e}, [out, in])"
         return ExpertSource(info, role, e, stem=_stem(info.key, renamed, per_expert.group(1)), proj=name)
-    fused = re.search(rf"(?:^|\.){attr}\.(\w+)$", renamed)
-    if fused is None or fused.group(1) not in (GATE_UP, DOWN, GATE_UP_BIAS, DOWN_BIAS):
-        return (
-            "not an expert tensor name moetune reads (per expert: {e}.gate_proj/up_proj/down_proj.weight or "
-            "{e}.w1/w3/w2.weight; fused: gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias)"
+    into = dest.target.rpartition(".")[2]  # the module tensor transformers builds from it
+    stacked = re.search(r"\.(\w+)\.weight$", renamed)
+    if into in (GATE_UP, DOWN) and stacked and stacked.group(1) in _ROLE_OF:
+        role = _ROLE_OF[stacked.group(1)]
+        want = (lay.num_experts, h, i) if role == "down" else (lay.num_experts, i, h)
+        if info.shape != want:
+            return f"shape {info.shape}, expected {want} ({role} of every expert, [E, out, in])"
+        return ExpertSource(
+            info, role, stem=_stem(info.key, renamed, stacked.group(0)[1:]), proj=stacked.group(1)
         )
-    name = fused.group(1)
+    fused = re.search(rf"(?:^|\.){attr}\.(\w+)$", renamed)
+    name = fused.group(1) if fused else None
+    if name not in _FUSED and dest.converted and into in _FUSED:
+        name = into
+    if name is None or name not in _FUSED:
+        return (
+            "not an expert tensor name moetune reads (per expert: {e}.gate_proj/up_proj/down_proj.weight, "
+            "{e}.w1/w3/w2.weight or {e}.fc1/fc3/fc2.weight; stacked: gate_proj/up_proj/down_proj.weight "
+            "[E, out, in]; fused: gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias)"
+        )
     if name not in lay.tensor_names:
         return f"{name} but the model's experts have no biases"
-    stem = _stem(info.key, renamed, name)
+    stem = _stem(info.key, renamed, fused.group(1) if fused else name)
+    # stored interleaved: the module's order, flipped where transformers' converter interleaves on load
+    interleaved = name in (GATE_UP, GATE_UP_BIAS) and lay.interleaved != ("Interleave" in dest.ops)
     want = lay.runtime_shape(name)
     if info.shape == want:
-        return ExpertSource(info, name, stem=stem)
+        return ExpertSource(info, name, interleaved=interleaved, stem=stem)
     swapped = (*want[:-2], want[-1], want[-2])
     if len(want) == 3 and info.shape == swapped:
-        return ExpertSource(info, name, swapped=True, stem=stem)
+        return ExpertSource(info, name, swapped=True, interleaved=interleaved, stem=stem)
     alt = f" or {swapped}" if len(want) == 3 else ""
     return f"shape {info.shape}, expected {want}{alt}"
 
@@ -195,6 +239,8 @@ def _missing(layer: LayerPlan) -> list[str]:
     where = f"the layer's other expert tensors are in {', '.join(layer.files)}"
     if fused:
         have = {s.role for s in fused}
+        have |= {GATE_UP} if {"gate", "up"} <= have else set()  # stacked projections build the fused tensors
+        have |= {DOWN} if "down" in have else set()
         return [f"missing {stem}{n} ({site.path}; {where})" for n in lay.tensor_names if n not in have]
     scheme = next(s for s in PER_EXPERT_SCHEMES if per[0].proj in s)
     have_pe = {(s.expert, s.role) for s in per}
@@ -248,7 +294,16 @@ def plan_experts(
         if site is None:
             other.append(key)
             continue
-        parsed = _parse(info, targets[key].renamed, site)
+        renamed = targets[key].renamed
+        if targets[key].split:
+            found = _split_site(targets[key], site, by_path)
+            if isinstance(found, str):
+                problems.add(f"{info.file}: unexpected expert tensor {key} for {site.path}: {found}")
+                continue
+            site, renamed = found
+        parsed = _parse(info, renamed, site, targets[key])
+        if parsed is None:  # read by nothing: neither an expert tensor nor one for transformers
+            continue
         if isinstance(parsed, str):
             problems.add(f"{info.file}: unexpected expert tensor {key} for {site.path}: {parsed}")
             continue

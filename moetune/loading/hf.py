@@ -104,14 +104,22 @@ def model_class(config: Any) -> tuple[type[PreTrainedModel], Any]:
     """
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
-    found = [
-        m[type(config)]
-        for m in (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING)
-        if type(config) in m
-    ]
-    candidates = [
-        c for entry in found for c in (entry if isinstance(entry, tuple) else (entry,)) if c is not None
-    ]
+    def classes(cfg: Any) -> list[Any]:
+        found = [
+            m[type(cfg)]
+            for m in (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING)
+            if type(cfg) in m
+        ]
+        return [
+            c for entry in found for c in (entry if isinstance(entry, tuple) else (entry,)) if c is not None
+        ]
+
+    candidates = classes(config)
+    if not candidates:  # an omni model without a trainable whole (Qwen3-Omni): its text-generating part
+        parts = [getattr(config, key, None) for key in config.sub_configs]
+        part = next((p for p in parts if p is not None and classes(p)), None)
+        if part is not None:
+            return classes(part)[0], part
     if not candidates:
         raise ArchError(
             f"model_type {config.model_type!r} has no causal-LM or image-text-to-text class in transformers "
@@ -159,6 +167,12 @@ class KeyTarget:
     target: str  # the model tensor it loads into (renamings, at most one converter, base-model prefix fixed)
     renamed: str  # after the renamings only: a per-expert key still names its expert here
     converted: bool  # a converter (merge, split, transpose ...) maps it, not only a rename
+    # A converter that splits one list of tensors over several modules (ERNIE-4.5-VL: experts 0..E-1 to the
+    # text experts, E..2E-1 to the vision experts): all its targets in order, ``target`` first; else empty.
+    split: tuple[str, ...] = ()
+    ops: tuple[
+        str, ...
+    ] = ()  # the converter's operations by class name (``Interleave``, ``Concatenate`` ...)
 
 
 def checkpoint_targets(model: PreTrainedModel, keys: list[str]) -> dict[str, KeyTarget]:
@@ -173,7 +187,15 @@ def checkpoint_targets(model: PreTrainedModel, keys: list[str]) -> dict[str, Key
         target, pattern = rename_source_key(key, renamings, converters, prefix, meta)
         if target not in meta and key in meta:  # transformers' fallback: keep the name, fix only the prefix
             target, pattern = rename_source_key(key, [], [], prefix, meta)
-        out[key] = KeyTarget(target, apply_renamings(key, renamings), pattern is not None)
+        renamed = apply_renamings(key, renamings)
+        conv = next((c for c in converters if c.rename_source_key(renamed)[1] is not None), None)
+        if pattern is None or conv is None:
+            out[key] = KeyTarget(target, renamed, pattern is not None)
+            continue
+        patterns = list(conv.target_patterns)
+        split = tuple(target.replace(patterns[0], p) for p in patterns) if len(patterns) > 1 else ()
+        ops = tuple(type(op).__name__ for op in conv.operations)
+        out[key] = KeyTarget(target, renamed, True, split if patterns[0] in target else (), ops)
     return out
 
 
@@ -199,6 +221,18 @@ def check_non_expert(
         problems += [f"no tensor for {k} in any shard" for k in missing]
     if problems:
         raise LoadError(f"checkpoint {checkpoint.path} does not fit its config.json:{listing(problems)}")
+
+
+def skip_weight_init(model: PreTrainedModel, paths: list[str]) -> None:
+    """Keep transformers' initialisation of missing weights (``_initialize_missing_keys``) off the modules ``paths``.
+
+    Some families' ``_init_weights`` reach from the MoE block into ``block.experts.gate_up_proj`` (Qwen3-Omni),
+    which a moetune experts module does not have. Skipping the blocks loses nothing: every weight they hold is
+    loaded from the checkpoint, and ``load_weights`` raises for any that is missing.
+    """
+    for path in paths:
+        block: Any = model.get_submodule(path)
+        block._is_hf_initialized = True  # the flag transformers itself sets on modules it has initialised
 
 
 def load_weights(

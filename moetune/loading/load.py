@@ -26,7 +26,7 @@ from torch import nn
 
 from moetune.arch import ArchSpec, ExpertsSite, find_experts, resolve_arch
 from moetune.errors import LoadError
-from moetune.layer import CpuExperts
+from moetune.layer import EXPERTS_MODULES
 from moetune.layer.overlap import attach_shared_ahead
 from moetune.loading import hf
 from moetune.loading.checkpoint import Checkpoint
@@ -170,6 +170,7 @@ def load_model(
     )
     for site in sites:
         model.set_submodule(site.path, PendingExperts(site))
+    hf.skip_weight_init(model, sorted({s.path.rpartition(".")[0] for s in sites} - {""}))
     hf.check_non_expert(model, checkpoint, planned.targets, plan.other_keys)
     store = (
         None
@@ -200,7 +201,8 @@ def load_model(
         )
     )
     for layer, engine in experts:
-        model.set_submodule(layer.site.path, CpuExperts(engine, layout=layer.site.layout))
+        module = EXPERTS_MODULES[spec.call](engine, layout=layer.site.layout)
+        model.set_submodule(layer.site.path, module)
         held += engine.weights.nbytes
     hf.finish(model, checkpoint)
     if spec.shared_attr is not None:

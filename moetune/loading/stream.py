@@ -2,9 +2,9 @@
 
 Per layer, dense tensors are allocated once in the load dtype (gate_up ``[E, 2I, H]``, gate rows first;
 down ``[E, H, I]``; biases ``[E, 2I]`` / ``[E, H]``) and filled one expert slice at a time from the
-memory-mapped shards. Re-layouts happen here, once: per-expert ``[out, in]`` matrices go to their rows,
-fused tensors stored transposed (Qwen3-VL, gpt-oss) are transposed back, interleaved gate/up (gpt-oss) is
-split into a gate block and an up block. No expert tensor ever becomes part of the torch model.
+memory-mapped shards. Re-layouts happen here, once: per-expert ``[out, in]`` matrices (or a stacked
+projection's slice) go to their rows, fused tensors stored transposed (Qwen3-VL, gpt-oss) are transposed back,
+interleaved gate/up (gpt-oss, Inkling) is split into a gate block and an up block. No expert tensor ever becomes part of the torch model.
 
 The layer's ``ExpertFormatChoice`` (``LoadOptions.layer_format``) then decides what the engine holds:
 
@@ -56,12 +56,13 @@ class _LayerBuffers:
         dst = {"gate": self.gate_up[e, :i], "up": self.gate_up[e, i:], "down": self.down[e]}[role]
         dst.copy_(w)
 
-    def put_fused(self, name: str, e: int, w: torch.Tensor, swapped: bool) -> None:
-        """``w``: expert ``e``'s slice of fused tensor ``name`` as stored (``swapped``: last dims flipped)."""
+    def put_fused(self, name: str, e: int, w: torch.Tensor, swapped: bool, interleaved: bool) -> None:
+        """``w``: expert ``e``'s slice of fused tensor ``name`` as stored (``swapped``: last dims flipped;
+        ``interleaved``: gate and up alternate along 2I)."""
         lay = self.layout
         if name in (GATE_UP, DOWN) and lay.transposed != swapped:
             w = w.t()  # stored x @ W: [H, 2I] / [I, H] -> [2I, H] / [H, I]
-        if name in (GATE_UP, GATE_UP_BIAS) and lay.interleaved:
+        if name in (GATE_UP, GATE_UP_BIAS) and interleaved:
             w = _deinterleave(w)
         dst = {
             GATE_UP: self.gate_up,
@@ -78,7 +79,11 @@ def _fill(buffers: _LayerBuffers, source: ExpertSource, reader: ShardReader) -> 
         buffers.put_per_expert(source.role, source.expert, reader.read(source.info))
         return
     for e in range(buffers.layout.num_experts):  # one expert at a time: no full-tensor temporary
-        buffers.put_fused(source.role, e, reader.read(source.info, e), source.swapped)
+        w = reader.read(source.info, e)
+        if source.role in ROLES:  # one projection of every expert, stacked: expert e's [out, in]
+            buffers.put_per_expert(source.role, e, w)
+        else:
+            buffers.put_fused(source.role, e, w, source.swapped, source.interleaved)
 
 
 def read_quantized(layer: LayerPlan, reader: ShardReader) -> ExpertFormat:

@@ -34,11 +34,13 @@ STEPS = 3
 LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def test_every_supported_family_is_in_the_matrix() -> None:
-    from moetune.arch import supported_model_types
-
-    assert len(FAMILIES) == 12
-    assert {t.removesuffix("_text") for t in supported_model_types()} <= set(FAMILIES)  # VL: text part
+def test_the_matrix_covers_the_trained_families():
+    """The 10 text and 2 vision-language families with a tiny builder (``TINY_FAMILIES``) train here; every other
+    family that loads is checked exactly (logits and gradients) by tests/integration/test_families.py."""
+    assert set(FAMILIES) == {
+        *("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss"),
+        *("ernie4_5_moe", "minimax", "qwen3_vl_moe", "qwen3_5_moe"),
+    }
 
 
 @pytest.fixture(scope="module")

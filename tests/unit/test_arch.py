@@ -9,11 +9,14 @@ from torch import nn
 from moetune.arch import (
     ARCHS,
     ArchSpec,
+    ExpertsCall,
+    LayoutFlags,
     Routing,
     find_experts,
     read_layout,
     resolve_arch,
     supported_model_types,
+    supported_summary,
 )
 from moetune.arch.spec import register
 from moetune.errors import ArchError, RegistryError
@@ -28,12 +31,25 @@ def _meta(family: str, **overrides):
 def test_registered_families():
     assert supported_model_types() == sorted(
         ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss"]
-        + ["qwen3_vl_moe", "qwen3_5_moe", "qwen3_5_moe_text"]
+        + ["qwen3_vl_moe", "qwen3_5_moe", "qwen3_5_moe_text", "llama4", "llama4_text", "deepseek_v4", "beam"]
+        + ["glm5_next", "glm5_next_text", "hy_v4", "hy_v4_vl", "hy_v4_vl_text", "minimax_m3_vl"]
+        + [
+            "minimax_m3_vl_text",
+            "longcat_flash",
+            "step3p7",
+            "inkling2",
+            "inkling2_text",
+            "inkling2_loop",
+            "inkling2_loop_text",
+        ]
     )
     assert resolve_arch("glm4_moe").name == "deepseek_v3"
     assert resolve_arch("gpt_oss").routing is Routing.TOPK_SOFTMAX
     assert resolve_arch("ernie4_5_moe").name == "generic"  # no family code: detected from the modules
+    assert resolve_arch("llama4").call is ExpertsCall.PRESCALED_DENSE
+    assert resolve_arch("doge").unsupported and "doge" not in supported_model_types()
     assert "generic" in ARCHS
+    assert "unsupported_doge" not in supported_summary()  # refused families are not offered as supported
 
 
 def test_a_model_type_is_claimed_once():
@@ -86,7 +102,9 @@ def test_activation_read_from_act_fn(hidden_act, engine_name):
 
 
 def test_unsupported_activation():
-    with pytest.raises(ArchError, match="ReLUSquaredActivation is not one the engine computes"):
+    with pytest.raises(
+        ArchError, match="'mixtral'(.|\n)*ReLUSquaredActivation is not one the engine computes"
+    ):
         find_experts(_meta("mixtral", hidden_act="relu2"), resolve_arch("mixtral"), "mixtral")
 
 
@@ -137,7 +155,7 @@ def test_own_gate_activation_needs_a_spec():
 
 
 def test_post_expert_norm_and_unmarked_modules_are_refused():
-    with pytest.raises(ArchError, match="post-expert norm"):
+    with pytest.raises(ArchError, match="normalises each expert's output"):
         read_layout(_experts_class(has_post_expert_norm=True)(_config()), resolve_arch("x"), "m.experts")
 
     class Unmarked(nn.Module):
@@ -155,3 +173,81 @@ def test_inconsistent_shapes():
     module.down_proj = nn.Parameter(torch.empty(4, 6, 10))
     with pytest.raises(ArchError, match=r"down_proj is \(4, 6, 10\), expected \(4, 10, 6\)"):
         read_layout(module, resolve_arch("x"), "m.experts")
+
+
+def _own_gate_class(limit: float):
+    cls = _experts_class()
+
+    def apply_gate(self, gate_up):  # DeepSeek-V4's
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+    cls._apply_gate = apply_gate
+    return cls
+
+
+def test_own_gate_activation_from_the_spec_is_checked_against_apply_gate():
+    right = ArchSpec(
+        "clamped", (), Routing.MODEL_DEFINED, activation=lambda m: ("clamped_swiglu", {"limit": 2.0})
+    )
+    layout = read_layout(_own_gate_class(2.0)(_config()), right, "m.experts")
+    assert (layout.activation, dict(layout.activation_kwargs)) == ("clamped_swiglu", {"limit": 2.0})
+    wrong = ArchSpec(
+        "clamped", (), Routing.MODEL_DEFINED, activation=lambda m: ("clamped_swiglu", {"limit": 3.0})
+    )
+    with pytest.raises(ArchError, match="on a random probe they differ"):
+        read_layout(_own_gate_class(2.0)(_config()), wrong, "m.experts")
+
+
+@pytest.mark.parametrize(
+    ("family", "activation"),
+    [("deepseek_v4", "clamped_swiglu"), ("glm5_next", "clamped_swiglu"), ("hy_v4_vl", "clamped_swiglu")]
+    + [("minimax_m3_vl", "clamped_swiglu"), ("step3p7", "swiglu_clamped_output")]
+    + [("inkling2", "softcapped_swiglu"), ("beam", "silu"), ("lfm2_moe", "silu"), ("llama4", "silu")],
+)
+def test_families_with_their_own_gate_or_layout(family, activation):
+    from moetune.testing.families import survey_config
+
+    model = empty_model(survey_config(family), torch.float32, "meta")
+    sites = find_experts(model, resolve_arch(family), family)
+    assert sites and {s.layout.activation for s in sites} == {activation}
+    assert all(s.layout.transposed == (family == "llama4") for s in sites)  # Llama 4: flags from its spec
+
+
+def test_layout_flags_from_the_spec():
+    class Unmarked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.empty(4, 10, 12))  # [E, H, 2I]
+            self.down_proj = nn.Parameter(torch.empty(4, 6, 10))
+            self.act_fn = nn.SiLU()
+
+    spec = ArchSpec("x", (), Routing.MODEL_DEFINED, layout=LayoutFlags(is_transposed=True))
+    layout = read_layout(Unmarked(), spec, "m.experts")
+    assert (layout.num_experts, layout.hidden_size, layout.intermediate_size, layout.transposed) == (
+        4,
+        10,
+        6,
+        True,
+    )
+
+
+def test_non_gated_experts_and_unsupported_families_are_refused_by_name():
+    from moetune.testing.families import survey_config
+
+    model = empty_model(survey_config("nemotron_h"), torch.float32, "meta")
+    with pytest.raises(ArchError, match=r"model_type 'nemotron_h'(.|\n)*non-gated experts(.|\n)*Supported"):
+        find_experts(model, resolve_arch("nemotron_h"), "nemotron_h")
+    model = empty_model(survey_config("doge"), torch.float32, "meta")
+    with pytest.raises(ArchError, match=r"model_type 'doge' \(DogeForCausalLM\) is not supported: Doge's"):
+        find_experts(model, resolve_arch("doge"), "doge")
+
+
+def test_own_gate_that_needs_weights_is_refused_not_crashed():
+    cls = _experts_class()
+    cls._apply_gate = lambda self, gate_up: gate_up[..., :6] * self.gate_up_proj[0, 0, 0]  # reads a weight
+    spec = ArchSpec("x", (), Routing.MODEL_DEFINED, activation=lambda m: ("silu", {}))
+    with torch.device("meta"):
+        module = cls(_config())
+    with pytest.raises(ArchError, match="could not be checked"):
+        read_layout(module, spec, "m.experts")

@@ -116,7 +116,7 @@ def test_missing_layer_of_experts(source, tmp_path, no_heavy_work):
     ("extra", "why"),
     [
         (f"{LAYER0}.8.gate_proj.weight", "expert index 8 out of range"),
-        (f"{LAYER0}.0.fc1.weight", "unknown expert projection 'fc1'"),
+        (f"{LAYER0}.0.fc9.weight", "unknown expert projection 'fc9'"),
         (f"{LAYER0}.0.gate_proj.bias", "not an expert tensor name"),
         (f"{LAYER0}.gate_up_proj", "mixes per-expert keys"),
     ],

@@ -1,0 +1,42 @@
+"""MoE families transformers ships that the engine cannot run, each with the reason ``find_experts`` gives.
+
+Detection alone would only say "no routed-experts module" for these (their experts are not transformers v5
+experts modules, or not ones the engine can stand in for); naming the reason tells a user what is missing.
+Families refused by detection itself, with its own reason, are not listed: NemotronH (non-gated experts),
+Muse Spark (a norm on each expert's output inside the weighted sum).
+"""
+
+from moetune.arch.spec import ArchSpec, Routing, register
+
+_REASONS = {
+    "dbrx": (
+        "DBRX keeps its experts as three flat [E*I, H] matrices under experts.mlp (w1, v1, w2, down stored "
+        "transposed) and calls them on [B, S, H] hidden states, a layout and call moetune's experts modules do "
+        "not take"
+    ),
+    "doge": (
+        "Doge's routed experts are single neurons retrieved by product keys (rows of the down_embed/up_embed "
+        "embeddings, mixed inside DogeCDMoE), not expert MLPs the engine could run"
+    ),
+    "jetmoe": (
+        "JetMoE routes inside one module (JetMoeMoE, and JetMoeMoA for its attention experts) through parallel "
+        "expert linears called with per-expert token counts, with no experts module of the v5 call "
+        "experts(hidden, top_k_index, top_k_weights) to stand in for"
+    ),
+    "diffusion_gemma": (
+        "DiffusionGemma ties the experts of its encoder to those of its decoder (one checkpoint tensor feeds two "
+        "experts modules), which moetune does not share between engines, and trains with a block-diffusion "
+        "objective rather than next-token labels"
+    ),
+}
+
+for _model_type, _reason in _REASONS.items():
+    register(
+        ArchSpec(
+            name=f"unsupported_{_model_type}",
+            model_types=(_model_type,),
+            routing=Routing.MODEL_DEFINED,
+            router_attr=None,
+            unsupported=_reason,
+        )
+    )

@@ -1,0 +1,161 @@
+"""Does a transformers MoE family load exactly in moetune? One tiny random checkpoint, two models, compared.
+
+``survey_family(model_type, workdir)`` saves a random model of ``families.survey_config(model_type)`` with
+``save_pretrained`` (safetensors, the family's own on-disk layout), loads it with ``moetune.load_model`` in
+float32 on the CPU, loads the same folder with transformers (the class moetune built, ``from_pretrained``) and
+compares:
+
+    every engine's expert weights with the transformers    equal (all experts, also those a text batch never
+    module it replaced, in the engine's layout              reaches, such as ERNIE-4.5-VL's vision experts)
+    logits on one batch of token ids (no grad)             max |diff| <= 1e-5 * max(1, max |logits|)
+    loss.backward(): the gradient of every parameter       max |diff| <= 1e-5 * max(1, max |grad|)
+    outside the routed experts (routers, attention, shared experts, embeddings)
+
+An omni model moetune loads a part of (Qwen3-Omni: its thinker) is saved whole, as released.
+
+It returns ``"exact"``, ``"refused: <ArchError text>"`` (moetune declined the family: the test checks the
+text names it), or ``"mismatch: <what differs>"``. Anything else moetune raises propagates: a crash is a bug.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TOL = 1e-5  # fp32: the engine and transformers differ only in summation order
+
+RUN_ON = {"llama4": "language_model"}
+"""Families whose whole model's forward fails in transformers 5.24 itself, compared on a submodule instead:
+``Llama4ForConditionalGeneration.forward`` reads ``image_outputs`` off its language model's output, which has
+none, on every input."""
+BATCH, SEQ = 2, 12
+
+
+def _random_model(config: Any, seed: int) -> Any:
+    """The model a release of ``config`` is saved from, with random weights (``tiny.randomize_``): the class
+    ``load_model`` builds, or for an omni model that it loads a part of (Qwen3-Omni's thinker), the whole."""
+    from transformers import MODEL_FOR_MULTIMODAL_LM_MAPPING
+
+    from moetune.loading.hf import model_class
+    from moetune.testing.tiny import randomize_
+
+    loaded, part = model_class(config)
+    whole = part is not config and type(config) in MODEL_FOR_MULTIMODAL_LM_MAPPING
+    cls: Any = MODEL_FOR_MULTIMODAL_LM_MAPPING[type(config)] if whole else loaded
+    config = config if whole else part
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(config)
+    randomize_(model, seed)
+    _randomize_lookup_tables(model, seed)
+    return model.eval()
+
+
+@torch.no_grad()
+def _randomize_lookup_tables(model: Any, seed: int) -> None:
+    """Integer routing tables (DeepSeek-V4's hash router ``tid2eid [V, k]``) get distinct random experts per row:
+    all-zero tables would send every token to expert 0 k times."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, buf in model.named_buffers():
+        if name.endswith("tid2eid"):
+            experts = int(model.config.get_text_config().num_local_experts)
+            rows = [torch.randperm(experts, generator=gen)[: buf.shape[1]] for _ in range(buf.shape[0])]
+            buf.copy_(torch.stack(rows))
+
+
+def _inputs(seed: int, vocab: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, min(vocab, 96), (BATCH, SEQ), generator=gen)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """max |a - b| and the tolerance for it (relative to ``a`` where ``a`` exceeds 1)."""
+    return (a - b).abs().max().item(), TOL * max(1.0, a.abs().max().item())
+
+
+def _expert_paths(model: Any) -> list[str]:
+    from moetune.layer import CpuExperts
+
+    return [n for n, m in model.named_modules() if isinstance(m, CpuExperts)]
+
+
+def _engine_layout(t: torch.Tensor, transposed: bool, interleaved: bool) -> torch.Tensor:
+    """A transformers experts tensor ``[E, a, b]`` in the engine's layout (``[E, out, in]``, gate rows first)."""
+    t = t.transpose(1, 2) if transposed else t
+    return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1) if interleaved else t
+
+
+def _weight_problems(ref: Any, model: Any) -> list[str]:
+    """Each engine's expert weights against the transformers module they replaced: every expert, including
+    those a text batch never reaches (ERNIE-4.5-VL's vision experts)."""
+    from moetune.arch.detect import DOWN, GATE_UP
+
+    problems = []
+    for path in _expert_paths(model):
+        engine, lay = model.get_submodule(path).engine, model.get_submodule(path).layout
+        gate_up, down = engine.weights.dequantize(torch.float32)
+        theirs = ref.get_submodule(path)
+        want_gu = _engine_layout(getattr(theirs, GATE_UP).detach(), lay.transposed, lay.interleaved)
+        want_down = _engine_layout(getattr(theirs, DOWN).detach(), lay.transposed, False)
+        if not (torch.equal(gate_up, want_gu[: len(gate_up)]) and torch.equal(down, want_down)):
+            problems.append(f"{path}: expert weights differ from transformers' module")
+    return problems
+
+
+def compare(ref: Any, model: Any, seed: int = 0) -> list[str]:
+    """What differs between transformers' ``ref`` and moetune's ``model`` (empty: nothing)."""
+    batch = _inputs(seed, int(ref.config.get_text_config().vocab_size))
+    problems = [] if _expert_paths(model) else ["no experts module runs in the engine"]
+    problems += _weight_problems(ref, model)
+    with torch.no_grad():
+        diff, tol = _max_diff(ref(**batch).logits, model(**batch).logits)
+    if not diff <= tol:
+        problems.append(f"logits differ by {diff:.3g} (tolerance {tol:.3g})")
+    for m in (ref, model):
+        m.train()
+        m.zero_grad()
+        torch.manual_seed(seed)  # routers with jitter noise in training draw the same noise
+        m(**batch).loss.backward()
+        m.eval()
+    experts = [p + "." for p in _expert_paths(model)]
+    ref_params = {n: p for n, p in ref.named_parameters() if not n.startswith(tuple(experts))}
+    got = dict(model.named_parameters())
+    if set(got) != set(ref_params):
+        problems.append(f"parameters differ: {sorted(set(got) ^ set(ref_params))[:8]}")
+    for name in sorted(set(got) & set(ref_params)):
+        want, have = ref_params[name].grad, got[name].grad
+        if (want is None) != (have is None):
+            problems.append(f"{name}: gradient {'missing' if have is None else 'unexpected'}")
+        elif want is not None and have is not None:
+            diff, tol = _max_diff(want, have)
+            if not diff <= tol:
+                problems.append(f"{name}: gradient differs by {diff:.3g} (tolerance {tol:.3g})")
+    return problems
+
+
+def survey_family(model_type: str, workdir: str | Path, seed: int = 0) -> str:
+    """``"exact"``, ``"refused: <ArchError text>"`` or ``"mismatch: ..."`` for ``model_type`` (see the module)."""
+    import moetune
+    from moetune.errors import ArchError
+    from moetune.testing.families import survey_config
+
+    path = Path(workdir)
+    config = survey_config(model_type)
+    try:
+        model = _random_model(config, seed)
+    except ArchError as e:  # transformers has no causal-LM / image-text-to-text class for it
+        return f"refused: {e}"
+    model.save_pretrained(path)
+    try:
+        loaded = moetune.load_model(path, dtype="float32", device="cpu", progress=False, num_threads=1)
+    except ArchError as e:
+        return f"refused: {e}"
+    ref = type(loaded).from_pretrained(path, dtype=torch.float32).eval()
+    run_on = RUN_ON.get(model_type)
+    if run_on is not None:
+        ref, loaded = ref.get_submodule(run_on), loaded.get_submodule(run_on)
+    problems = compare(ref, loaded, seed)
+    return "exact" if not problems else "mismatch: " + "; ".join(problems[:6])
