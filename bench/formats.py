@@ -20,9 +20,10 @@ from collections.abc import Callable
 
 import torch
 
-from moetune.engine import EngineOptions, ExpertEngine, ExpertFormat, ExpertLoRA
+from moetune.engine import ExpertEngine, ExpertFormat, ExpertLoRA
 from moetune.engine.formats import FORMATS
 from moetune.engine.formats.base import Projection
+from moetune.engine.threads import set_engine_threads
 
 PROJS: tuple[Projection, ...] = ("gate_up", "down")
 FORMAT_SPECS: dict[str, tuple[str, dict[str, object], torch.dtype]] = {
@@ -51,6 +52,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     e, h, i, t, k = args.experts, args.hidden, args.inter, args.tokens, args.top_k
+    threads = set_engine_threads(args.threads)  # every format on the same threads
 
     gen = torch.Generator().manual_seed(0)
     gate_up = torch.randn(e, 2 * i, h, generator=gen) / h**0.5
@@ -67,7 +69,7 @@ def main() -> None:
     info: dict[str, tuple[float, float, float]] = {}
     for label, (name, opts, src_dtype) in FORMAT_SPECS.items():
         fmt: ExpertFormat = FORMATS.get(name).from_dense(gate_up.to(src_dtype), down.to(src_dtype), **opts)
-        engine = ExpertEngine(fmt, lora=lora, options=EngineOptions(num_threads=args.threads))
+        engine = ExpertEngine(fmt, lora=lora)
         gq, dq = fmt.dequantize(torch.float32)
         err = float(torch.cat([(gq - gate_up).flatten(), (dq - down).flatten()]).norm())
         err /= float(torch.cat([gate_up.flatten(), down.flatten()]).norm())
@@ -101,7 +103,7 @@ def main() -> None:
 
     first = next(iter(engines.values()))
     print(
-        f"E={e} H={h} I={i} T={t} k={k} r={args.rank} threads={first.num_threads} "
+        f"E={e} H={h} I={i} T={t} k={k} r={args.rank} threads={threads} "
         f"compute={first.compute_dtype} reps={args.reps}"
     )
     print(

@@ -26,7 +26,7 @@ from moetune.config.fields import (
     steps_or_ratio,
     unit_interval,
 )
-from moetune.engine.experts import ActivationPolicy
+from moetune.engine.plan import ActivationPolicy
 
 __all__ = [
     "ActivationPolicy",

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from moetune.engine.threads import set_engine_threads
 from moetune.errors import ConfigError
 from moetune.loading.expert_plan import FLOAT_DTYPES
 from moetune.loading.load import plan_load
@@ -57,6 +58,7 @@ def convert_checkpoint(
     )
     planned = plan_load(src, opts)
     source = SourceIdentity.of(planned.checkpoint)
+    set_engine_threads(opts.num_threads)  # process-wide, once: quantizing runs on torch's intra-op pool
     writer.begin()
     for layer, engine in stream_experts(
         planned.checkpoint,

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from moetune.arch import ArchSpec, ExpertsSite, find_experts, resolve_arch
+from moetune.engine.threads import set_engine_threads
 from moetune.errors import LoadError
 from moetune.layer import CpuExperts
 from moetune.layer.overlap import attach_shared_ahead
@@ -156,6 +157,7 @@ def load_model(
     store = None if opts.expert_path is None else open_store(opts, checkpoint, sites)  # before any read
 
     fp8_other = {k: planned.scales[k] for k in plan.other_keys if k in planned.scales}  # dequantized
+    set_engine_threads(opts.num_threads)  # process-wide, once: every engine below computes on this pool
     hf.load_weights(model, checkpoint, plan.other_keys, opts.device, opts.dtype, fp8_other)
     held = 0
     experts = (

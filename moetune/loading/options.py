@@ -127,7 +127,8 @@ class LoadOptions:
         device: where embeddings, attention, norms, routers, shared experts, dense MLPs and lm_head live.
         dtype: dtype of those weights and of the stored routed experts (the engine computes bf16 experts in
             fp32 tiles where the CPU lacks bf16 dot products).
-        num_threads: CPU threads of the expert engine (None: the physical cores visible to the process).
+        num_threads: CPU threads of the expert engine (None: the physical cores visible to the process);
+            ``load_model`` sizes torch's process-wide intra-op pool to it once (``set_engine_threads``).
         activation_policy: ``retain`` (default: forward keeps what backward needs) or ``recompute`` (forward
             keeps only its inputs; backward recomputes the expert activations, trading time for memory).
         check_finite: make the engine raise ``NonFiniteError`` on NaN/Inf, naming tensor and expert (debug).
@@ -233,7 +234,6 @@ class LoadOptions:
         return EngineOptions(
             policy=self.activation_policy,
             compute_dtype=self.dtype if exact else None,
-            num_threads=self.num_threads,
             check_finite=self.check_finite,
         )
 
