@@ -102,6 +102,7 @@ _engine_ids = itertools.count()
 
 
 def _rows(t: torch.Tensor | None, s0: int, s1: int) -> torch.Tensor | None:
+    """Rows s0:s1 (one expert's segment) of an optional ``[N, ...]`` tensor."""
     return None if t is None else t[s0:s1]
 
 
@@ -224,6 +225,8 @@ class ExpertEngine:
             lora.forward(proj, e, inp, out, lora_a)
 
     def _check_finite(self, what: str, t: torch.Tensor, disp: Dispatch | None = None) -> None:
+        """With ``check_finite``: raise NonFiniteError for NaN/Inf in t (rows first: ``[T, ...]``, or ``[N, ...]``
+        sorted by expert when ``disp`` is given, which names the expert)."""
         if not self.options.check_finite:
             return
         bad = ~torch.isfinite(t)
@@ -256,7 +259,8 @@ class ExpertEngine:
         save: bool = True,
         training: bool = True,
     ) -> tuple[torch.Tensor, SavedForward | None]:
-        """x ``[T, H]``, topk_ids ``[T, k]`` int64, topk_weights ``[T, k]`` -> y ``[T, H]`` (dtype of x).
+        """x ``[T, H]`` float, topk_ids ``[T, k]`` int64, topk_weights ``[T, k]`` float -> y ``[T, H]`` in x's
+        dtype. GEMMs run in the compute dtype.
 
         With ``save`` (the default) also returns what backward needs; ``save=False`` keeps nothing.
         ``training`` turns LoRA dropout on (as ``nn.Dropout`` does in train mode).
@@ -327,7 +331,8 @@ class ExpertEngine:
             )
 
     def backward(self, saved: SavedForward | None, grad_y: torch.Tensor) -> ExpertGrads:
-        """grad_y ``[T, H]`` -> gradients of x, of topk_weights, of expert LoRA (fp32) and, in full mode, of the base."""
+        """grad_y ``[T, H]`` (any float dtype) -> gradients of x ``[T, H]`` and topk_weights ``[T, k]`` (in their
+        dtypes), of expert LoRA (fp32) and, in full mode, of the base (see :class:`ExpertGrads`)."""
         self._check_saved(saved)
         assert saved is not None  # _check_saved raised otherwise
         x = saved.x  # [T, H] compute dtype
