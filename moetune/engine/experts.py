@@ -198,7 +198,10 @@ class ExpertEngine:
 
     def _lora_pass(self, seed: int | None) -> LoraPass | None:
         """The LoRA terms of one pass (compute-dtype copies of A and B), or None without LoRA."""
-        return None if self.lora is None else LoraPass(self.lora, self.compute_dtype, seed)
+        if not self.plan.lora:
+            return None
+        assert self.lora is not None
+        return LoraPass(self.lora, self.compute_dtype, seed)
 
     def _bias(self, proj: Projection, e: int) -> torch.Tensor | None:
         """Expert e's bias of ``proj`` (``[2I]`` or ``[H]``) in the compute dtype, or None."""
@@ -284,8 +287,8 @@ class ExpertEngine:
         gu = buffer("gu", 2 * i)  # [N, 2I]
         hid = self.ws.get("h", (n, i), cd)  # [N, I]
         ys = self.ws.get("ys", (n, h), cd)  # [N, H], unweighted expert outputs
-        xa = buffer("xa", self.lora.rank) if self.lora is not None else None  # [N, r]
-        ha = buffer("ha", self.lora.rank) if self.lora is not None else None  # [N, r]
+        xa = buffer("xa", lora.rank) if lora is not None else None  # [N, r]
+        ha = buffer("ha", lora.rank) if lora is not None else None  # [N, r]
         for e, s0, s1 in disp.segments():
             self._project("gate_up", e, xs[s0:s1], gu[s0:s1], _rows(xa, s0, s1), lora)
             self.act(gu[s0:s1], out=hid[s0:s1])
@@ -349,7 +352,7 @@ class ExpertEngine:
         if plan.recompute_gate_up:  # filled per expert below
             disp = dispatch(saved.topk_ids, self.num_experts)
             gu_all = self.ws.get("gu", (n, 2 * i), cd)  # [N, 2I]
-            xa_all = self.ws.get("xa", (n, self.lora.rank), cd) if self.lora is not None else None  # [N, r]
+            xa_all = self.ws.get("xa", (n, lora.rank), cd) if lora is not None else None  # [N, r]
             ha_all = None  # the LoRA backward recomputes drop(h) A2^T
         else:
             assert saved.disp is not None and saved.gate_up is not None  # kept by this engine's forward

@@ -152,6 +152,7 @@ class LoraPass:
 
     def __init__(self, lora: ExpertLoRA, compute_dtype: torch.dtype, seed: int | None) -> None:
         self.lora = lora
+        self.rank = lora.rank
         self.seed = seed
         a1, b1, a2, b2 = (t.detach().to(compute_dtype) for t in lora.tensors())
         # gate_up: A [E, r, H], B [E, 2I, r]; down: A [E, r, I], B [E, H, r]
