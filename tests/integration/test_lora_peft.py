@@ -175,8 +175,8 @@ def test_add_adapter_and_set_adapter_switch_expert_lora(checkpoints, tmp_path) -
     from peft import LoraConfig, PeftModel
 
     from moetune.adapters import to_stock_config
-    from moetune.errors import AdapterError
     from moetune.adapters.load import load_model
+    from moetune.errors import AdapterError
 
     path = checkpoints["qwen3_moe"]
     model = _attach(path)
