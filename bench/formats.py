@@ -25,9 +25,10 @@ from collections.abc import Callable
 
 import torch
 
-from moetune.engine import EngineOptions, ExpertEngine, ExpertFormat, ExpertLoRA
+from moetune.engine import ExpertEngine, ExpertFormat, ExpertLoRA
 from moetune.engine.formats import FORMATS, Int4Experts
 from moetune.engine.formats.base import Projection
+from moetune.engine.threads import set_engine_threads
 from moetune.loading.quant.compressed_tensors import repack
 from moetune.testing.kimi import INT4_GROUP, quantize_int4
 
@@ -84,6 +85,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     e, h, i, t, k = args.experts, args.hidden, args.inter, args.tokens, args.top_k
+    threads = set_engine_threads(args.threads)  # every format on the same threads
 
     gen = torch.Generator().manual_seed(0)
     gate_up = torch.randn(e, 2 * i, h, generator=gen) / h**0.5
@@ -100,7 +102,7 @@ def main() -> None:
     info: dict[str, tuple[float, float, float]] = {}
     for label, (build, src_dtype) in FORMAT_BUILDS.items():
         fmt = build(gate_up.to(src_dtype), down.to(src_dtype))
-        engine = ExpertEngine(fmt, lora=lora, options=EngineOptions(num_threads=args.threads))
+        engine = ExpertEngine(fmt, lora=lora)
         gq, dq = fmt.dequantize(torch.float32)
         err = float(torch.cat([(gq - gate_up).flatten(), (dq - down).flatten()]).norm())
         err /= float(torch.cat([gate_up.flatten(), down.flatten()]).norm())
@@ -134,7 +136,7 @@ def main() -> None:
 
     first = next(iter(engines.values()))
     print(
-        f"E={e} H={h} I={i} T={t} k={k} r={args.rank} threads={first.num_threads} "
+        f"E={e} H={h} I={i} T={t} k={k} r={args.rank} threads={threads} "
         f"compute={first.compute_dtype} reps={args.reps}"
     )
     print(

@@ -12,7 +12,7 @@ The data flow, and the package folders that follow it::
        |
     loading/  checkpoints -> a transformers model whose experts stream into engines
        |
-    train/ export/ adapters/   Trainer recipe, merges, PEFT-layout adapters
+    train/ adapters/   Trainer recipe, PEFT-layout adapters
        |
     cli/      the ``moetune`` command
 

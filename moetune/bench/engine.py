@@ -25,8 +25,9 @@ from moetune.bench.report import dtype_name, print_header, print_notes, print_ro
 from moetune.bench.runners import RUNNERS, BenchBatch, BenchWeights, cast_bench, make_batch, make_weights
 from moetune.bench.timing import CallBudget, Timing, TimingPolicy, measure
 from moetune.engine import ActivationPolicy, EngineOptions, TrainMode, resolve_compute_dtype
+from moetune.engine.threads import set_engine_threads
 from moetune.errors import ConfigError
-from moetune.sysinfo import cpu_info, default_num_threads
+from moetune.sysinfo import cpu_info
 
 WEIGHT_DTYPE = torch.bfloat16  # how large MoE checkpoints ship, and what the baselines train on
 BENCH_MODES = (TrainMode.LORA, TrainMode.FROZEN)
@@ -256,8 +257,7 @@ def run_engine_bench(config: EngineBenchConfig, out: TextIO | None = None) -> li
     cases = select_cases(config)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # before we add our own
     threads_before = torch.get_num_threads()
-    threads = config.threads or default_num_threads()
-    torch.set_num_threads(threads)  # baselines and engine on the same threads
+    threads = set_engine_threads(config.threads)  # baselines and engine on the same threads
     try:
         return _run(config, cases, threads, load, out or sys.stdout)
     finally:
@@ -275,7 +275,7 @@ def _run(
 
     records: list[dict[str, Any]] = []
     budget = CallBudget(config.timing.max_call_s)
-    options = EngineOptions(num_threads=threads)
+    options = EngineOptions()
     weights: BenchWeights | None = None
     for e, mode, t, group in _groups(cases):
         if weights is None or weights.gate_up.shape[0] != e:

@@ -165,7 +165,7 @@ def _inputs(batch: BenchBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 @RUNNERS.register("engine")
 def engine_step(weights: BenchWeights, batch: BenchBatch, mode: TrainMode, options: EngineOptions) -> Step:
-    """The expert engine on the layer, with the activation policy and threads of ``options``."""
+    """The expert engine on the layer, with the activation policy of ``options``."""
     _check_mode(mode)
     lora = weights.lora if mode is TrainMode.LORA else None
     return EngineStep(

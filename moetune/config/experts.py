@@ -87,7 +87,9 @@ class ExpertOptions:
         expert_residency_budget: disk only: bytes (an int or a size such as ``"64GB"``); None: the two
             largest layers' files.
         activation_policy: ``retain`` (forward keeps what backward needs) or ``recompute``.
-        num_threads: CPU threads of the expert engine (None: the physical cores visible to the process).
+        num_threads: CPU threads of the expert engine (None: the physical cores visible to the process);
+            ``load_model`` and ``moetune convert`` size torch's process-wide intra-op pool to it once
+            (``moetune.engine.threads.set_engine_threads``).
         check_finite: the engine raises ``NonFiniteError`` on NaN/Inf, naming tensor and expert.
     """
 

@@ -1,21 +1,16 @@
 """CPU expert compute. Imports neither transformers nor ``torch.nn.Module``.
 
-``ExpertEngine`` runs one layer's routed experts forward and backward over any weight format
-(``formats``), with expert LoRA (``lora``) and a pluggable gated activation (``activations``).
+``ExpertEngine`` (``experts``) runs one layer's routed experts forward and backward over any weight format
+(``formats``, multiplied block by block in ``gemm``), with expert LoRA (``lora``) and a pluggable gated
+activation (``activations``); tokens are sorted by expert in ``routing``. ``plan`` holds the settings and the
+per-mode plan resolved from them; ``threads`` sizes the (process-wide) CPU thread pool the GEMMs run on.
 """
 
 from moetune.engine.activations import ACTIVATIONS, GluActivation, get_activation
-from moetune.engine.experts import (
-    ActivationPolicy,
-    EngineOptions,
-    ExpertEngine,
-    ExpertGrads,
-    SavedForward,
-    TrainMode,
-    resolve_compute_dtype,
-)
+from moetune.engine.experts import ExpertEngine, ExpertGrads, SavedForward
 from moetune.engine.formats import FORMATS, DenseExperts, ExpertFormat
 from moetune.engine.lora import LORA_NAMES, ExpertLoRA, lora_scaling
+from moetune.engine.plan import ActivationPolicy, EngineOptions, TrainMode, resolve_compute_dtype
 
 __all__ = [
     "ACTIVATIONS",

@@ -18,18 +18,17 @@ Using it twice, on another engine, or after the trained weights changed in place
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from enum import Enum
 from typing import Any
 
 import torch
 
-from moetune.config.experts import ActivationPolicy
 from moetune.engine.activations import GluActivation, get_activation
 from moetune.engine.formats import DenseExperts, ExpertFormat
 from moetune.engine.formats.base import Projection
-from moetune.engine.lora import LORA_NAMES, ExpertLoRA, dropout_mask
+from moetune.engine.gemm import BlockedGemm
+from moetune.engine.lora import LORA_NAMES, ExpertLoRA, LoraPass, dropout_seed
+from moetune.engine.plan import EngineOptions, EnginePlan, TrainMode, resolve_compute_dtype
 from moetune.engine.routing import (
     Dispatch,
     combine,
@@ -42,43 +41,6 @@ from moetune.engine.routing import (
 )
 from moetune.engine.workspace import Workspace
 from moetune.errors import EngineError, EngineStateError, NonFiniteError
-from moetune.sysinfo import cpu_info, default_num_threads
-
-
-class TrainMode(str, Enum):
-    """What backward differentiates besides x and the routing weights (resolved once, at construction)."""
-
-    FROZEN = "frozen"  # nothing else: the cheapest backward (a call may still pass LoRA to train)
-    LORA = "lora"  # the engine's own expert LoRA A/B
-    FULL = "full"  # base expert weights (and biases), plus LoRA when present
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """Engine settings. ``compute_dtype=None`` picks per machine (see ``resolve_compute_dtype``)."""
-
-    policy: ActivationPolicy = ActivationPolicy.RETAIN
-    compute_dtype: torch.dtype | None = None
-    num_threads: int | None = None  # None: physical cores visible to the process
-    check_finite: bool = False  # debug: raise NonFiniteError naming the tensor and expert
-
-
-def resolve_compute_dtype(storage: torch.dtype, requested: torch.dtype | None = None) -> torch.dtype:
-    """The dtype GEMMs run in.
-
-    fp32/fp64 weights compute as stored. bf16 weights, and quantized ones (1-byte storage: int8, packed
-    int4 as uint8, fp8), compute in bf16 only where the CPU has bf16 dot products (AMX-BF16 or
-    AVX512-BF16); elsewhere oneDNN emulates bf16 and fp32 GEMMs on tiles converted into reused buffers are
-    faster (measured 6x on an AVX2-only EPYC: 0.015 vs 0.09 TFLOP/s). fp16 computes in fp32.
-    """
-    if requested is not None:
-        return requested
-    if storage in (torch.float32, torch.float64):
-        return storage
-    dequantized_like_bf16 = storage == torch.bfloat16 or storage.itemsize == 1
-    if dequantized_like_bf16 and cpu_info().native_bf16_gemm:
-        return torch.bfloat16
-    return torch.float32
 
 
 @dataclass(eq=False)
@@ -94,10 +56,10 @@ class SavedForward:
     seed: int | None  # LoRA dropout seed (masks are regenerated, not stored)
     versions: tuple[int, ...]  # in-place versions of the trained tensors at forward time
     lora: ExpertLoRA | None = None  # the expert LoRA this forward computed with; its backward uses the same
-    disp: Dispatch | None = None  # retain only
-    gate_up: torch.Tensor | None = None  # [N, 2I], retain only
-    lora_xa: torch.Tensor | None = None  # [N, r], retain + LoRA only
-    lora_ha: torch.Tensor | None = None  # [N, r], retain + LoRA only
+    disp: Dispatch | None = None  # retain only (EnginePlan.keep_activations)
+    gate_up: torch.Tensor | None = None  # [N, 2I] compute dtype, retain only
+    lora_xa: torch.Tensor | None = None  # [N, r] compute dtype: drop(x) A1^T, retain + LoRA only
+    lora_ha: torch.Tensor | None = None  # [N, r] compute dtype: drop(h) A2^T, retain + LoRA only
     consumed: bool = field(default=False)
 
     TENSOR_FIELDS = ("x", "topk_ids", "topk_weights", "gate_up", "lora_xa", "lora_ha")
@@ -140,9 +102,10 @@ class ExpertGrads:
 
 _engine_ids = itertools.count()
 
-# Up to this many rows per expert, forward GEMMs take the weight block as their left operand (_matmul_wt);
-# backward keeps grad @ W, which measured faster at every n.
-SMALL_ROWS = 128
+
+def _rows(t: torch.Tensor | None, s0: int, s1: int) -> torch.Tensor | None:
+    """Rows s0:s1 (one expert's segment) of an optional ``[N, ...]`` tensor."""
+    return None if t is None else t[s0:s1]
 
 
 class ExpertEngine:
@@ -154,7 +117,9 @@ class ExpertEngine:
         gate_up_bias: ``[E, 2I]`` or None. down_bias: ``[E, H]`` or None.
         lora: expert LoRA tensors, or None: what calls that pass no ``lora`` of their own compute with.
         train_base: full mode, differentiate the base weights (dense formats only).
-        options: policy, compute dtype, threads, finiteness checks.
+        options: policy, compute dtype, finiteness checks.
+
+    The GEMMs run on torch's intra-op thread pool as the caller sized it (``set_engine_threads``).
     """
 
     def __init__(
@@ -169,7 +134,6 @@ class ExpertEngine:
         options: EngineOptions | None = None,
         name: str = "experts",
     ) -> None:
-        self.weights = weights
         self.name = name
         self.options = options or EngineOptions()
         self.act = get_activation(activation) if isinstance(activation, str) else activation
@@ -190,21 +154,27 @@ class ExpertEngine:
                 f"full mode trains the base expert weights, which needs a dense format; got {weights.name!r}. "
                 "Train LoRA on quantized experts instead."
             )
-        self.mode = (
-            TrainMode.FULL if train_base else (TrainMode.LORA if lora is not None else TrainMode.FROZEN)
-        )
+        self.plan = EnginePlan.resolve(self.options.policy, has_lora=lora is not None, train_base=train_base)
         self.compute_dtype = resolve_compute_dtype(weights.storage_dtype, self.options.compute_dtype)
-        threads = self.options.num_threads or default_num_threads()
-        if threads < 1:
-            raise EngineError(f"num_threads must be >= 1; got {threads}")
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)  # process-wide: the engine's GEMMs use torch's intra-op pool
-        self.num_threads = threads
         self._id = next(_engine_ids)
         self._forwards = 0
         self.ws = Workspace()
+        self.gemm = BlockedGemm(weights, self.compute_dtype, self.ws)
 
-    # ---- helpers shared by forward, recompute and backward
+    @property
+    def weights(self) -> ExpertFormat:
+        """The expert weights, as the GEMMs read them (replacing them keeps the compute dtype and plan)."""
+        return self.gemm.weights
+
+    @weights.setter
+    def weights(self, weights: ExpertFormat) -> None:
+        self.gemm.weights = weights
+
+    @property
+    def mode(self) -> TrainMode:
+        """What backward differentiates besides x and the routing weights."""
+        return self.plan.mode
+
     def call_lora(self, lora: ExpertLoRA | None = None) -> ExpertLoRA | None:
         """The expert LoRA a call computes with: its own ``lora`` (checked against the weights), else the engine's."""
         if lora is None:
@@ -218,73 +188,23 @@ class ExpertEngine:
         ``ExpertGrads.flat`` returns their grads in this order."""
         lora = self.call_lora(lora)
         out: tuple[torch.Tensor, ...] = lora.tensors() if lora is not None else ()
-        if self.mode is TrainMode.FULL:
+        if self.plan.base_grads:
             assert isinstance(self.weights, DenseExperts)
             out += (self.weights.gate_up, self.weights.down)
             out += tuple(b for b in (self.gate_up_bias, self.down_bias) if b is not None)
         return out
 
-    def _lora_c(self, lora: ExpertLoRA) -> tuple[torch.Tensor, ...]:
-        # contiguous: a call may pass strided views (PEFT's rank-major lora_B seen as [E, out, r]); every
-        # expert's GEMMs then read unit-stride rows, and the copy is r / in of the base weights' size
-        a1, b1, a2, b2 = (t.detach() for t in lora.tensors())
-        if lora.gate_up_rows is not None:  # into the engine's gate-rows-first order
-            b1 = b1.index_select(1, lora.gate_up_rows)
-        return tuple(t.to(self.compute_dtype).contiguous() for t in (a1, b1, a2, b2))
+    def _lora_pass(self, plan: EnginePlan, lora: ExpertLoRA | None, seed: int | None) -> LoraPass | None:
+        """The LoRA terms of one pass with the call's ``lora`` (compute-dtype copies of A and B), or None when
+        the call's ``plan`` has no LoRA."""
+        if not plan.lora:
+            return None
+        assert lora is not None
+        return LoraPass(lora, self.compute_dtype, seed)
 
-    def _row_blocks(
-        self, proj: Projection, e: int, n: int, whole: bool = False
-    ) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """Expert e's ``proj`` matrix ``[D_out, D_in]`` as ``(r0, r1, W[r0:r1])`` blocks in the compute dtype.
-
-        Stored in the compute dtype: one block, a view. Otherwise each block is converted into a reused buffer
-        small enough to stay in cache while its GEMM with the expert's ``n`` rows runs: converting whole tiles
-        wrote and re-read a full fp32 copy per expert, which at n = 16 made the GEMMs 2.2x slower (measured).
-        Few rows are memory bound (small blocks); many rows want wider GEMMs (larger blocks). ``whole`` asks
-        for one block (the whole matrix).
-        """
-        cd = self.compute_dtype
-        d_out, d_in = self.weights.shape(proj)
-        if not self.weights.needs_buffer(cd):
-            yield 0, d_out, self.weights.tile(proj, e, cd, None)
-            return
-        align = self.weights.row_align(proj)
-        step = d_out if whole else min(d_out, -(-(128 if n < 256 else 256) // align) * align)  # whole blocks
-        buf = self.ws.get(f"tile_{proj}", (step, d_in), cd)
-        for r0 in range(0, d_out, step):
-            r1 = min(r0 + step, d_out)
-            yield r0, r1, self.weights.tile(proj, e, cd, buf[: r1 - r0], rows=slice(r0, r1))
-
-    def _matmul_wt(self, proj: Projection, e: int, inp: torch.Tensor, out: torch.Tensor) -> None:
-        """out ``[n, D_out]`` = inp ``[n, D_in]`` @ W_e^T, block by block of W's rows (= out's columns).
-
-        Few rows: computed as ``W_blk @ inp^T`` (``[R, n]``) then written transposed. MKL runs the weight as
-        the left operand 1.3-3x faster for n <= 128 (measured: n = 16, 1.95 vs 3.84 ms per [1536, 2048] tile).
-        """
-        n = inp.shape[0]
-        for r0, r1, w in self._row_blocks(proj, e, n):
-            if n <= SMALL_ROWS:
-                tmp = self.ws.get("wt_tmp", (r1 - r0, n), inp.dtype)
-                torch.mm(w, inp.t(), out=tmp)
-                out[:, r0:r1].copy_(tmp.t())
-            else:
-                torch.mm(inp, w.t(), out=out[:, r0:r1])
-
-    def _matmul_w(self, proj: Projection, e: int, grad: torch.Tensor, out: torch.Tensor) -> None:
-        """out ``[n, D_in]`` = grad ``[n, D_out]`` @ W_e, summed over blocks of W's rows.
-
-        Partial sums land in ``out``'s dtype: blocks only where that is fp32/fp64; a bf16 compute dtype would
-        round every partial sum to 8 bits, so it takes the whole matrix in one GEMM (fp32 accumulation inside).
-        """
-        exact_sums = self.compute_dtype in (torch.float32, torch.float64)
-        # no weight-left form here: W^T @ grad^T measured 1.3-12x slower than grad @ W for n <= 24
-        for r0, r1, w in self._row_blocks(proj, e, grad.shape[0], whole=not exact_sums):
-            if r0 == 0:
-                torch.mm(grad[:, r0:r1], w, out=out)
-            else:
-                out.addmm_(grad[:, r0:r1], w)
-
-    def _bias(self, bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    def _bias(self, proj: Projection, e: int) -> torch.Tensor | None:
+        """Expert e's bias of ``proj`` (``[2I]`` or ``[H]``) in the compute dtype, or None."""
+        bias = self.gate_up_bias if proj == "gate_up" else self.down_bias
         return None if bias is None else bias[e].detach().to(self.compute_dtype)
 
     def _project(
@@ -293,31 +213,22 @@ class ExpertEngine:
         e: int,
         inp: torch.Tensor,
         out: torch.Tensor,
-        lora_out: torch.Tensor | None,
-        lora: ExpertLoRA | None,
-        lora_c: tuple[torch.Tensor, ...] | None,
-        seed: int | None,
+        lora_a: torch.Tensor | None,
+        lora: LoraPass | None,
     ) -> None:
-        """out ``[n, D_out]`` = inp ``[n, D_in]`` @ W_e^T (+ bias) (+ s * drop(inp) A_e^T B_e^T; A-part to lora_out)."""
-        self._matmul_wt(proj, e, inp, out)
-        bias = self._bias(self.gate_up_bias if proj == "gate_up" else self.down_bias, e)
+        """out ``[n, D_out]`` = inp ``[n, D_in]`` @ W_e^T (+ bias) (+ LoRA term, its A-projection ``[n, r]``
+        into ``lora_a``), all in the compute dtype, for expert e's n rows."""
+        self.gemm.matmul_wt(proj, e, inp, out)
+        bias = self._bias(proj, e)
         if bias is not None:
             out.add_(bias)
-        if lora_c is not None:
-            assert lora is not None and lora_out is not None
-            a, b = lora_c[0:2] if proj == "gate_up" else lora_c[2:4]
-            dropped = self._dropped(inp, seed, e, proj, lora.dropout)
-            torch.mm(dropped, a[e].t(), out=lora_out)
-            out.addmm_(lora_out, b[e].t(), alpha=lora.scaling)
-
-    def _dropped(
-        self, inp: torch.Tensor, seed: int | None, e: int, proj: Projection, p: float
-    ) -> torch.Tensor:
-        if seed is None:
-            return inp
-        return inp * dropout_mask(seed, e, proj == "down", tuple(inp.shape), p, inp.dtype)
+        if lora is not None:
+            assert lora_a is not None
+            lora.forward(proj, e, inp, out, lora_a)
 
     def _check_finite(self, what: str, t: torch.Tensor, disp: Dispatch | None = None) -> None:
+        """With ``check_finite``: raise NonFiniteError for NaN/Inf in t (rows first: ``[T, ...]``, or ``[N, ...]``
+        sorted by expert when ``disp`` is given, which names the expert)."""
         if not self.options.check_finite:
             return
         bad = ~torch.isfinite(t)
@@ -341,7 +252,6 @@ class ExpertEngine:
                 raise EngineError(f"{self.name}: {label} must be on the CPU; got {t.device}")
         validate_routing(topk_ids, topk_weights, x.shape[0], self.num_experts)
 
-    # ---- forward
     def forward(
         self,
         x: torch.Tensor,
@@ -352,39 +262,40 @@ class ExpertEngine:
         training: bool = True,
         lora: ExpertLoRA | None = None,
     ) -> tuple[torch.Tensor, SavedForward | None]:
-        """x ``[T, H]``, topk_ids ``[T, k]`` int64, topk_weights ``[T, k]`` -> y ``[T, H]`` (dtype of x).
+        """x ``[T, H]`` float, topk_ids ``[T, k]`` int64, topk_weights ``[T, k]`` float -> y ``[T, H]`` in x's
+        dtype. GEMMs run in the compute dtype.
 
         With ``save`` (the default) also returns what backward needs; ``save=False`` keeps nothing.
         ``training`` turns LoRA dropout on (as ``nn.Dropout`` does in train mode). ``lora``: this call's
         expert LoRA instead of the engine's own (a PEFT layer passes its active adapter's tensors).
         """
         lora = self.call_lora(lora)
+        plan = self.plan.for_call(lora is not None)
         self._validate(x, topk_ids, topk_weights)
-        cd, e_, h, i = self.compute_dtype, self.num_experts, self.hidden_size, self.intermediate_size
+        cd, h, i = self.compute_dtype, self.hidden_size, self.intermediate_size
         self._check_finite("x", x)
-        xc = x.detach().to(cd)
-        disp = dispatch(topk_ids, e_)
+        xc = x.detach().to(cd)  # [T, H]
+        disp = dispatch(topk_ids, self.num_experts)
         t, k = topk_ids.shape
         n = t * k
-        retain = save and self.options.policy is ActivationPolicy.RETAIN
-        lora_c = self._lora_c(lora) if lora is not None else None
-        r = lora.rank if lora is not None else 0
-        seed = None
-        if training and lora is not None and lora.dropout > 0:
-            seed = int(
-                torch.randint(0, 2**62, (1,)).item()
-            )  # from the global RNG, so torch.manual_seed governs it
+        # kept tensors are fresh: workspace buffers are overwritten by the next pass
+        keep = save and plan.keep_activations
+        seed = dropout_seed(lora, training) if lora is not None else None
+        lora_pass = self._lora_pass(plan, lora, seed)
 
-        xs = gather_sorted(xc, disp, self.ws.get("xs", (n, h), cd))
-        gu = torch.empty(n, 2 * i, dtype=cd) if retain else self.ws.get("gu", (n, 2 * i), cd)
-        hid = self.ws.get("h", (n, i), cd)
-        ys = self.ws.get("ys", (n, h), cd)
-        xa = torch.empty(n, r, dtype=cd) if retain else self.ws.get("xa", (n, r), cd)
-        ha = torch.empty(n, r, dtype=cd) if retain else self.ws.get("ha", (n, r), cd)
+        def buffer(name: str, cols: int) -> torch.Tensor:  # [N, cols] compute dtype
+            return torch.empty(n, cols, dtype=cd) if keep else self.ws.get(name, (n, cols), cd)
+
+        xs = gather_sorted(xc, disp, self.ws.get("xs", (n, h), cd))  # [N, H]
+        gu = buffer("gu", 2 * i)  # [N, 2I]
+        hid = self.ws.get("h", (n, i), cd)  # [N, I]
+        ys = self.ws.get("ys", (n, h), cd)  # [N, H], unweighted expert outputs
+        xa = buffer("xa", lora_pass.rank) if lora_pass is not None else None  # [N, r]
+        ha = buffer("ha", lora_pass.rank) if lora_pass is not None else None  # [N, r]
         for e, s0, s1 in disp.segments():
-            self._project("gate_up", e, xs[s0:s1], gu[s0:s1], xa[s0:s1], lora, lora_c, seed)
+            self._project("gate_up", e, xs[s0:s1], gu[s0:s1], _rows(xa, s0, s1), lora_pass)
             self.act(gu[s0:s1], out=hid[s0:s1])
-            self._project("down", e, hid[s0:s1], ys[s0:s1], ha[s0:s1], lora, lora_c, seed)
+            self._project("down", e, hid[s0:s1], ys[s0:s1], _rows(ha, s0, s1), lora_pass)
         self._check_finite("expert outputs", ys, disp)
         y = combine(ys, disp, topk_weights, self.ws.get("slots", (n, h), cd)).to(x.dtype)
 
@@ -402,13 +313,10 @@ class ExpertEngine:
             versions=tuple(p._version for p in self.trained_tensors(lora)),
             lora=lora,
         )
-        if retain:
-            saved.disp, saved.gate_up = disp, gu
-            if lora is not None:
-                saved.lora_xa, saved.lora_ha = xa, ha
+        if keep:
+            saved.disp, saved.gate_up, saved.lora_xa, saved.lora_ha = disp, gu, xa, ha
         return y, saved
 
-    # ---- backward
     def _check_saved(self, saved: SavedForward | None) -> None:
         if not isinstance(saved, SavedForward):
             raise EngineStateError(
@@ -430,73 +338,56 @@ class ExpertEngine:
             )
 
     def backward(self, saved: SavedForward | None, grad_y: torch.Tensor) -> ExpertGrads:
-        """grad_y ``[T, H]`` -> gradients of x, of topk_weights, of expert LoRA (fp32) and, in full mode, of the base."""
+        """grad_y ``[T, H]`` (any float dtype) -> gradients of x ``[T, H]`` and topk_weights ``[T, k]`` (in their
+        dtypes), of expert LoRA (fp32) and, in full mode, of the base (see :class:`ExpertGrads`)."""
         self._check_saved(saved)
         assert saved is not None  # _check_saved raised otherwise
-        x = saved.x
+        x = saved.x  # [T, H] compute dtype
         t, h = x.shape
         if tuple(grad_y.shape) != (t, h):
             raise EngineError(f"{self.name}: grad_y must be {(t, h)}; got {tuple(grad_y.shape)}")
         saved.consumed = True
         self._check_finite("grad_y", grad_y)
-        cd, i, mode = self.compute_dtype, self.intermediate_size, self.mode
+        cd, i = self.compute_dtype, self.intermediate_size
+        plan = self.plan.for_call(saved.lora is not None)
         k = saved.topk_ids.shape[1]
         n = t * k
-        disp = saved.disp if saved.disp is not None else dispatch(saved.topk_ids, self.num_experts)
-        lora = saved.lora
-        lora_c = self._lora_c(lora) if lora is not None else None
-        r = lora.rank if lora is not None else 0
-        need_xs = saved.gate_up is None or lora is not None or mode is TrainMode.FULL
+        lora_pass = self._lora_pass(plan, saved.lora, saved.seed)
 
+        if plan.recompute_gate_up:  # filled per expert below
+            disp = dispatch(saved.topk_ids, self.num_experts)
+            gu_all = self.ws.get("gu", (n, 2 * i), cd)  # [N, 2I]
+            xa_all = self.ws.get("xa", (n, lora_pass.rank), cd) if lora_pass is not None else None  # [N, r]
+            ha_all = None  # the LoRA backward recomputes drop(h) A2^T
+        else:
+            assert saved.disp is not None and saved.gate_up is not None  # kept by this engine's forward
+            disp, gu_all, xa_all, ha_all = saved.disp, saved.gate_up, saved.lora_xa, saved.lora_ha
         gs = gather_sorted(grad_y.detach().to(cd), disp, self.ws.get("gs", (n, h), cd))  # [N, H] unweighted
         w_sorted = sorted_weights(saved.topk_weights, disp).to(cd).unsqueeze(1)  # [N, 1]
-        xs = gather_sorted(x, disp, self.ws.get("xs", (n, h), cd)) if need_xs else None
-        gu_all = saved.gate_up if saved.gate_up is not None else self.ws.get("gu", (n, 2 * i), cd)
-        xa_all = saved.lora_xa if saved.lora_xa is not None else self.ws.get("xa", (n, r), cd)
-        hid = self.ws.get("h", (n, i), cd)
-        gh_all = self.ws.get("gh", (n, i), cd)
-        gxs = self.ws.get("gxs", (n, h), cd)
-        gw_sorted = torch.empty(n, dtype=cd)
-
-        # LoRA grads are at least fp32 so that accumulation over many micro-batches loses nothing
-        lora_g = (
-            {
-                nm: torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32))
-                for nm, p in zip(LORA_NAMES, lora.tensors())
-            }
-            if lora
-            else None
-        )
-        base_g = self._zero_base_grads() if mode is TrainMode.FULL else None
+        xs = gather_sorted(x, disp, self.ws.get("xs", (n, h), cd)) if plan.gather_inputs else None  # [N, H]
+        hid = self.ws.get("h", (n, i), cd)  # [N, I]
+        gh_all = self.ws.get("gh", (n, i), cd)  # [N, I]: grad at the activation's output
+        gxs = self.ws.get("gxs", (n, h), cd)  # [N, H]: grad at the sorted inputs
+        gw_sorted = torch.empty(n, dtype=cd)  # [N]: grad of the routing weights, sorted
+        lora_g = lora_pass.zero_grads() if lora_pass is not None else {}
+        base_g = self._zero_base_grads() if plan.base_grads else None
 
         for e, s0, s1 in disp.segments():
-            xs_e = xs[s0:s1] if xs is not None else None
+            xs_e, xa_e = _rows(xs, s0, s1), _rows(xa_all, s0, s1)
             gu_e = gu_all[s0:s1]
-            if saved.gate_up is None:  # recompute policy
+            if plan.recompute_gate_up:
                 assert xs_e is not None
-                self._project("gate_up", e, xs_e, gu_e, xa_all[s0:s1], lora, lora_c, saved.seed)
+                self._project("gate_up", e, xs_e, gu_e, xa_e, lora_pass)
             h_e = self.act(gu_e, out=hid[s0:s1])
             g_e, w_e, gh_e = gs[s0:s1], w_sorted[s0:s1], gh_all[s0:s1]
 
             # down projection: gh = g @ (W2 + s B2 A2 (dropout)) ; all unweighted by w until the router grad is taken
-            self._matmul_w("down", e, g_e, gh_e)
-            if lora is not None and lora_c is not None and lora_g is not None:
-                self._lora_backward(
-                    "down",
-                    e,
-                    g_e,
-                    gh_e,
-                    h_e,
-                    saved.lora_ha[s0:s1] if saved.lora_ha is not None else None,
-                    w_e,
-                    lora,
-                    lora_c,
-                    lora_g,
-                    saved.seed,
-                )
+            self.gemm.matmul_w("down", e, g_e, gh_e)
+            if lora_pass is not None:
+                lora_pass.backward("down", e, g_e, gh_e, h_e, _rows(ha_all, s0, s1), w_e, lora_g)
             # d y / d w[t, j] = <grad_y[t], FFN_e(x_t)> = <gh_unweighted, h> (+ <g, b2_e>): no [N, H] output kept
             torch.sum(gh_e * h_e, dim=1, out=gw_sorted[s0:s1])
-            b2 = self._bias(self.down_bias, e)
+            b2 = self._bias("down", e)
             if b2 is not None:
                 gw_sorted[s0:s1] += g_e @ b2
             if base_g is not None:
@@ -507,79 +398,30 @@ class ExpertEngine:
 
             ggu = self.act.vjp(gu_e, gh_e)  # [n, 2I]
             gxs_e = gxs[s0:s1]
-            self._matmul_w("gate_up", e, ggu, gxs_e)
-            if lora is not None and lora_c is not None and lora_g is not None:
+            self.gemm.matmul_w("gate_up", e, ggu, gxs_e)
+            if lora_pass is not None:
                 assert xs_e is not None
-                xa_e = (
-                    saved.lora_xa[s0:s1]
-                    if saved.lora_xa is not None
-                    else xa_all[s0:s1]
-                    if saved.gate_up is None
-                    else None
-                )
-                self._lora_backward(
-                    "gate_up", e, ggu, gxs_e, xs_e, xa_e, None, lora, lora_c, lora_g, saved.seed
-                )
+                lora_pass.backward("gate_up", e, ggu, gxs_e, xs_e, xa_e, None, lora_g)
             if base_g is not None:
                 assert xs_e is not None
                 base_g["gate_up"][e].copy_(ggu.t() @ xs_e)
                 if "gate_up_bias" in base_g:
                     base_g["gate_up_bias"][e].copy_(ggu.sum(0))
 
-        if lora_g is not None and lora is not None and lora.gate_up_rows is not None:
-            g = lora_g["gate_up_B"]  # engine row order -> the order of the tensor the call passed
-            lora_g["gate_up_B"] = torch.empty_like(g).index_copy_(1, lora.gate_up_rows, g)
-        grad_x = sum_slots(gxs, disp, self.ws.get("slots", (n, h), cd))
-        grad_w = to_slots(gw_sorted, disp).view(t, k)
+        if lora_pass is not None:
+            lora_g = lora_pass.in_call_order(lora_g)
+        grad_x = sum_slots(gxs, disp, self.ws.get("slots", (n, h), cd))  # [T, H]
+        grad_w = to_slots(gw_sorted, disp).view(t, k)  # [T, k]
         self._check_finite("grad_x", grad_x)
         return ExpertGrads(
             x=grad_x.to(saved.x_dtype),
             topk_weights=grad_w.to(saved.topk_weights.dtype),
-            lora=lora_g,
+            lora=lora_g or None,
             base=base_g,
         )
 
-    def _lora_backward(
-        self,
-        proj: Projection,
-        e: int,
-        g_out: torch.Tensor,
-        g_in: torch.Tensor,
-        inp: torch.Tensor,
-        a_proj: torch.Tensor | None,
-        w_e: torch.Tensor | None,
-        lora: ExpertLoRA,
-        lora_c: tuple[torch.Tensor, ...],
-        lora_g: dict[str, torch.Tensor],
-        seed: int | None,
-    ) -> None:
-        """LoRA part of one projection's backward, for expert e.
-
-        g_out ``[n, D_out]`` is the gradient at the projection's output (unweighted for down, with ``w_e``
-        ``[n, 1]`` applied to the LoRA grads; already weighted for gate_up). Adds the LoRA term into g_in
-        ``[n, D_in]`` and writes fp32 grads of A ``[r, D_in]`` and B ``[D_out, r]``.
-        ``a_proj`` is drop(inp) @ A^T when retained, else recomputed.
-        """
-        s = lora.scaling
-        a, b = lora_c[0:2] if proj == "gate_up" else lora_c[2:4]
-        gb = g_out @ b[e]  # [n, r]
-        dropped = self._dropped(inp, seed, e, proj, lora.dropout)
-        if seed is None:
-            g_in.addmm_(gb, a[e], alpha=s)
-        else:  # the mask applies to the gradient flowing back into the input too
-            mask = dropout_mask(seed, e, proj == "down", tuple(inp.shape), lora.dropout, inp.dtype)
-            g_in.add_((gb @ a[e]) * mask, alpha=s)
-        if a_proj is None:
-            a_proj = dropped @ a[e].t()
-        if w_e is not None:
-            gb = gb * w_e
-            a_proj = a_proj * w_e
-        name_a, name_b = f"{proj}_A", f"{proj}_B"
-        lora_g[name_a][e].copy_(gb.t() @ dropped).mul_(s)
-        # (a^T g)^T, not g^T a: MKL runs the [r, n] x [n, D] form ~9x faster than [D, n] x [n, r] here
-        lora_g[name_b][e].copy_((a_proj.t() @ g_out).t()).mul_(s)
-
     def _zero_base_grads(self) -> dict[str, torch.Tensor]:
+        """Zeroed grads of gate_up ``[E, 2I, H]``, down ``[E, H, I]`` and the biases present, in their dtypes."""
         assert isinstance(self.weights, DenseExperts)
         out = {"gate_up": torch.zeros_like(self.weights.gate_up), "down": torch.zeros_like(self.weights.down)}
         if self.gate_up_bias is not None:

@@ -5,6 +5,8 @@ For expert ``e``: ``gate_up_e(x) = W1_e x + s * B1_e (A1_e drop(x))`` with A1 ``
 (rsLoRA: ``alpha / sqrt(r)``). The dense delta ``B @ A`` is never formed: the engine computes ``(x A^T) B^T``.
 PEFT stores the same numbers as ``lora_A.weight = A.reshape(E * r, in)`` and
 ``lora_B.weight[o, j * E + e] = B[e, o, j]`` (see ``moetune.adapters.peft_layout``).
+
+``ExpertLoRA`` holds the tensors; ``LoraPass`` is their forward and backward terms inside one engine pass.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moetune.engine.formats.base import Projection
 from moetune.errors import ConfigError, EngineError
 
 LORA_NAMES = ("gate_up_A", "gate_up_B", "down_A", "down_B")
@@ -134,3 +137,109 @@ def dropout_mask(
     gen = torch.Generator().manual_seed((seed * 1_000_003 + expert * 2 + proj) % (2**63))
     mask = torch.empty(shape, dtype=dtype).bernoulli_(1.0 - p, generator=gen)
     return mask.div_(1.0 - p)
+
+
+def dropout_seed(lora: ExpertLoRA, training: bool) -> int | None:
+    """A fresh seed for one forward's dropout masks, or None when no dropout applies (eval, or p = 0).
+
+    Drawn from the global RNG, so ``torch.manual_seed`` governs it.
+    """
+    if not training or lora.dropout == 0:
+        return None
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+class LoraPass:
+    """The LoRA terms of one forward or backward (or backward's recompute), for any expert e.
+
+    Holds A and B in the compute dtype (copied once per pass: the fp32 masters may change between passes),
+    the scaling ``s`` and the forward's dropout ``seed`` (None: no dropout). gate_up's B is held in the
+    engine's row order (gate rows, then up rows: ``ExpertLoRA.gate_up_rows`` applied); the grads it forms are
+    in that order too until :meth:`in_call_order`. Row counts below are the expert's n rows; ``D_in``/``D_out``
+    are the projection's (gate_up: H -> 2I, down: I -> H).
+    """
+
+    def __init__(self, lora: ExpertLoRA, compute_dtype: torch.dtype, seed: int | None) -> None:
+        self.lora = lora
+        self.rank = lora.rank
+        self.seed = seed
+        a1, b1, a2, b2 = (t.detach() for t in lora.tensors())
+        if lora.gate_up_rows is not None:  # into the engine's gate-rows-first order
+            b1 = b1.index_select(1, lora.gate_up_rows)
+        # contiguous: a call may pass strided views (PEFT's rank-major lora_B seen as [E, out, r]); every
+        # expert's GEMMs then read unit-stride rows, and the copy is r / in of the base weights' size
+        a1, b1, a2, b2 = (t.to(compute_dtype).contiguous() for t in (a1, b1, a2, b2))
+        # gate_up: A [E, r, H], B [E, 2I, r]; down: A [E, r, I], B [E, H, r]
+        self._ab: dict[Projection, tuple[torch.Tensor, torch.Tensor]]
+        self._ab = {"gate_up": (a1, b1), "down": (a2, b2)}
+
+    def _mask(self, proj: Projection, e: int, inp: torch.Tensor) -> torch.Tensor | None:
+        """The keep-mask ``[n, D_in]`` forward applied to expert e's input of ``proj``, or None."""
+        if self.seed is None:
+            return None
+        return dropout_mask(self.seed, e, proj == "down", tuple(inp.shape), self.lora.dropout, inp.dtype)
+
+    def forward(
+        self, proj: Projection, e: int, inp: torch.Tensor, out: torch.Tensor, a_out: torch.Tensor
+    ) -> None:
+        """out ``[n, D_out]`` += s * drop(inp) A_e^T B_e^T for inp ``[n, D_in]``; the A-projection
+        drop(inp) A_e^T ``[n, r]`` is written to ``a_out`` (backward reuses it under the retain policy)."""
+        a, b = self._ab[proj]
+        mask = self._mask(proj, e, inp)
+        dropped = inp if mask is None else inp * mask
+        torch.mm(dropped, a[e].t(), out=a_out)
+        out.addmm_(a_out, b[e].t(), alpha=self.lora.scaling)
+
+    def backward(
+        self,
+        proj: Projection,
+        e: int,
+        g_out: torch.Tensor,
+        g_in: torch.Tensor,
+        inp: torch.Tensor,
+        a_proj: torch.Tensor | None,
+        w_e: torch.Tensor | None,
+        grads: dict[str, torch.Tensor],
+    ) -> None:
+        """The LoRA part of one projection's backward for expert e, all in the compute dtype.
+
+        g_out ``[n, D_out]`` is the gradient at the projection's output: unweighted for down, with the routing
+        weights w_e ``[n, 1]`` applied to the LoRA grads here; already weighted for gate_up (w_e None).
+        Adds the LoRA term into g_in ``[n, D_in]``, the gradient at inp ``[n, D_in]``, and writes expert e's
+        grads of A ``[r, D_in]`` and B ``[D_out, r]`` into ``grads`` (fp32, from ``zero_grads``).
+        ``a_proj`` ``[n, r]`` is drop(inp) A_e^T as forward computed it, or None to recompute it here.
+        """
+        s = self.lora.scaling
+        a, b = self._ab[proj]
+        gb = g_out @ b[e]  # [n, r]
+        mask = self._mask(proj, e, inp)
+        dropped = inp if mask is None else inp * mask
+        if mask is None:
+            g_in.addmm_(gb, a[e], alpha=s)
+        else:  # the mask applies to the gradient flowing back into the input too
+            g_in.add_((gb @ a[e]) * mask, alpha=s)
+        if a_proj is None:
+            a_proj = dropped @ a[e].t()
+        if w_e is not None:
+            gb = gb * w_e
+            a_proj = a_proj * w_e
+        grads[f"{proj}_A"][e].copy_(gb.t() @ dropped).mul_(s)
+        # (a^T g)^T, not g^T a: MKL runs the [r, n] x [n, D] form ~9x faster than [D, n] x [n, r] here
+        grads[f"{proj}_B"][e].copy_((a_proj.t() @ g_out).t()).mul_(s)
+
+    def zero_grads(self) -> dict[str, torch.Tensor]:
+        """Zeroed grads shaped like the four tensors, keyed by ``LORA_NAMES``: fp32 at least (fp64 for fp64
+        LoRA), so that accumulating them over many micro-batches loses nothing."""
+        return {
+            name: torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32))
+            for name, p in zip(LORA_NAMES, self.lora.tensors())
+        }
+
+    def in_call_order(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``grads`` (from :meth:`backward`) with gate_up_B's ``[E, 2I, r]`` rows put back in the order of the
+        tensor the call passed (``ExpertLoRA.gate_up_rows``), so each grad matches its tensor's layout."""
+        rows = self.lora.gate_up_rows
+        if rows is None:
+            return grads
+        g = grads["gate_up_B"]  # [E, 2I, r], engine order: row j holds the grad of the call's row rows[j]
+        return {**grads, "gate_up_B": torch.empty_like(g).index_copy_(1, rows, g)}

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from moetune.config.experts import AUTO
+from moetune.engine.threads import set_engine_threads
 from moetune.errors import ConfigError
 from moetune.loading.expert_plan import FLOAT_DTYPES
 from moetune.loading.load import plan_load
@@ -61,6 +62,8 @@ def convert_checkpoint(
     )
     planned = plan_load(src, opts)
     source = SourceIdentity.of(planned.checkpoint)
+    # process-wide, once: quantizing runs on torch's intra-op pool
+    set_engine_threads(opts.experts.num_threads)
     writer.begin()
     for layer, engine in stream_experts(
         planned.checkpoint,

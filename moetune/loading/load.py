@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from moetune.arch import ArchSpec, ExpertsSite, find_experts, resolve_arch
+from moetune.engine.threads import set_engine_threads
 from moetune.errors import LoadError
 from moetune.layer import EXPERTS_MODULES
 from moetune.layer.overlap import attach_shared_ahead
@@ -178,6 +179,8 @@ def load_model(
         else open_store(opts.experts, checkpoint.model_type, SourceIdentity.of(checkpoint), sites)
     )  # before any read
 
+    # process-wide, once: every engine below computes on this pool
+    set_engine_threads(opts.experts.num_threads)
     hf.load_weights(  # quantized non-expert weights are dequantized
         model, checkpoint, plan.other_keys, opts.device, opts.dtype, planned.quantized, planned.method
     )

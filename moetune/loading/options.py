@@ -144,7 +144,6 @@ class LoadOptions:
         return EngineOptions(
             policy=self.experts.activation_policy,
             compute_dtype=self.dtype if exact else None,
-            num_threads=self.experts.num_threads,
             check_finite=self.experts.check_finite,
         )
 

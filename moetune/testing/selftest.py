@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moetune.engine import LORA_NAMES, DenseExperts, EngineOptions, ExpertEngine, ExpertLoRA
+from moetune.engine import LORA_NAMES, DenseExperts, ExpertEngine, ExpertLoRA
 from moetune.layer import CpuExperts
 from moetune.testing.reference import expert_loop
 
@@ -74,6 +74,7 @@ def engine_selftest_case(
     # [T, k]: distinct experts per row, every expert used
     ids = (torch.arange(_T).unsqueeze(1) + 3 * torch.arange(_K)) % _E
 
+    # runs on the process's thread pool as it is: a diagnostic leaves the thread count alone
     engine = ExpertEngine(
         DenseExperts(gate_up.to(storage), down.to(storage)),
         lora=ExpertLoRA(
@@ -83,7 +84,6 @@ def engine_selftest_case(
             down_B=lora["down_B"].float(),
             scaling=_SCALING,
         ),
-        options=EngineOptions(num_threads=torch.get_num_threads()),  # leave the process's thread count alone
     )
     module = CpuExperts(engine)
     x_in = x.to(device=device, dtype=storage).requires_grad_(True)

@@ -20,7 +20,7 @@ error|: moetune's <= 1.5 * transformers' own bf16 error + 0.01, and <= 0.1 (logi
 not the max: a bf16 rounding can flip one token's top-k choice in either model, which moves that token's
 logits by O(0.5) whoever is more accurate (measured: the medians agree within 30% in every family).
 
-Engines run one thread (``num_threads=1``, which also sets torch's pool for the transformers side): on a
+Models load with ``num_threads=1`` (torch's one pool, for the engines and the transformers side): on a
 shared 2-core machine two OpenMP threads per tiny GEMM measured 6-60x slower than one.
 """
 

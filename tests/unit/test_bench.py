@@ -132,11 +132,11 @@ def test_hf_baseline_equals_engine(mode):
 
 
 @pytest.mark.parametrize("mode", [FROZEN, LORA])
-def test_every_runner_runs_a_step(mode):
+def test_every_runner_runs_a_step(mode, one_thread):
     weights = make_weights(4, 16, 8, 2, 4, torch.bfloat16, seed=0)
     batch = make_batch(6, 4, 2, 16, torch.bfloat16, seed=1)
     for name in RUNNERS:
-        step = RUNNERS.get(name)(weights, batch, mode, EngineOptions(num_threads=1))
+        step = RUNNERS.get(name)(weights, batch, mode, EngineOptions())
         step.backward(step.forward())
         if name == "engine":
             assert step.held_bytes is not None and step.held_bytes > 0

@@ -15,7 +15,6 @@ from moetune.doctor import (
     Check,
     GpuFacts,
     Status,
-    _guarded,
     check_cpu,
     check_engine,
     check_gpu,
@@ -23,6 +22,7 @@ from moetune.doctor import (
     check_packages,
     check_python,
     check_threads,
+    guarded,
     run_checks,
 )
 from moetune.sysinfo import CpuInfo
@@ -126,7 +126,7 @@ def test_guarded_turns_a_broken_probe_into_a_failure():
     def broken() -> Check:
         raise RuntimeError("CUDA driver initialization failed")
 
-    c = _guarded("gpu", broken)
+    c = guarded("gpu", broken)
     assert c.status is Status.FAIL and c.name == "gpu"
     assert "RuntimeError: CUDA driver initialization failed" in c.summary
 

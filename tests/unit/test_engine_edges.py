@@ -1,4 +1,4 @@
-"""Edge cases, bad input, saved-forward bookkeeping, policies' memory and threads."""
+"""Edge cases, bad input, saved-forward bookkeeping and policies' memory (threads: test_threads.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import torch
 
 from moetune.engine import ActivationPolicy, DenseExperts, ExpertEngine, ExpertLoRA, TrainMode
 from moetune.errors import EngineError, EngineStateError, NonFiniteError
-from moetune.sysinfo import default_num_threads
 from tests.unit.engine_cases import build_module, make_layer, make_routing, rel_err, run_module, run_reference
 
 
@@ -178,19 +177,6 @@ def test_policies_memory_and_modes():
     y, saved = frozen.forward(x, ids, w)
     grads = frozen.backward(saved, torch.ones_like(y))
     assert grads.lora is None and grads.base is None
-
-
-def test_threads_default_and_configured():
-    engine = build_module(make_layer()).engine
-    assert engine.num_threads == default_num_threads() == torch.get_num_threads()
-    before = torch.get_num_threads()
-    try:
-        engine = build_module(make_layer(), num_threads=1).engine
-        assert torch.get_num_threads() == 1 == engine.num_threads
-    finally:
-        torch.set_num_threads(before)
-    with pytest.raises(EngineError, match="num_threads must be >= 1"):
-        build_module(make_layer(), num_threads=-2)
 
 
 def test_module_stays_on_host_and_optimizer_steps():

@@ -67,3 +67,12 @@ def test_load_options_take_the_object_whole_or_the_keywords():
     assert LoadOptions.create(device="cpu", expert_format="int8", num_threads=2).experts == opts
     with pytest.raises(ConfigError, match="got experts= and the expert option"):
         LoadOptions.create(device="cpu", experts=opts, num_threads=1)
+
+
+def test_the_engine_uses_the_configs_activation_policy():
+    """One enum: the engine's plan re-exports the config's, so a config value is the engine's own."""
+    from moetune.config.experts import ActivationPolicy
+    from moetune.engine import ActivationPolicy as EnginePolicy
+    from moetune.engine.plan import ActivationPolicy as PlanPolicy
+
+    assert EnginePolicy is PlanPolicy is ActivationPolicy

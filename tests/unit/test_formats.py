@@ -39,6 +39,7 @@ from moetune.layer import CpuExperts
 from tests.unit.engine_cases import make_routing, run_module
 
 E, H, I, R = 4, 256, 128, 4  # H != 2I; every int4 group size divides H and I
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny GEMMs (see the fixture)
 
 
 @dataclass(frozen=True)
@@ -154,9 +155,6 @@ def test_round_trip_error_within_bounds(case, built):
 
 
 def _module(weights: ExpertFormat, lora: dict[str, torch.Tensor], **opts: Any) -> CpuExperts:
-    # one thread: these GEMMs are tiny, a second thread only adds synchronisation (on a shared 2-core
-    # machine, waits for a descheduled thread: 30 ms per [16, 256] x [256, 256] product, measured)
-    opts.setdefault("num_threads", 1)
     tensors = {n: t.clone() for n, t in lora.items()}
     return CpuExperts(
         ExpertEngine(weights, lora=ExpertLoRA(**tensors, scaling=2.0), options=EngineOptions(**opts))

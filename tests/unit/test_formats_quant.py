@@ -25,7 +25,7 @@ def test_quantized_storage_computes_like_bf16(monkeypatch, storage, native):
     class Cpu:
         native_bf16_gemm = native
 
-    monkeypatch.setattr("moetune.engine.experts.cpu_info", lambda: Cpu())
+    monkeypatch.setattr("moetune.engine.plan.cpu_info", lambda: Cpu())
     assert resolve_compute_dtype(storage) == (torch.bfloat16 if native else torch.float32)
     assert resolve_compute_dtype(torch.float16) == torch.float32  # unchanged
     assert resolve_compute_dtype(storage, torch.float64) == torch.float64  # a request wins

@@ -16,7 +16,6 @@ def test_defaults():
     opts = LoadOptions.create()
     assert opts.dtype == torch.bfloat16 and opts.progress and opts.experts.num_threads is None
     assert opts.device == torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    assert opts.engine.num_threads is None
 
 
 @pytest.mark.parametrize("dtype", ["float32", "torch.float32", torch.float32])

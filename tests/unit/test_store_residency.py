@@ -121,14 +121,14 @@ def _lora(seed: int) -> ExpertLoRA:
 @pytest.mark.parametrize(
     "case", [c for c in CASES if c.id in ("int8", "fp8_block", "dense-bf16")], ids=lambda c: c.id
 )
-def test_paged_engines_equal_engines_in_ram_and_stay_in_budget(case, tmp_path):
+def test_paged_engines_equal_engines_in_ram_and_stay_in_budget(case, tmp_path, one_thread):
     """Three layers forward then backward, as a model runs them: outputs and every gradient equal the
     in-RAM engines' exactly, and the store's resident pages never exceed the budget (two layers)."""
     root = _write(tmp_path / "s", case)
     store = ExpertStore.open(root)
     budget = 2 * max(store.layer_resident_bytes(m) for m in MODULES)
     window = ResidencyWindow(budget)
-    opts = EngineOptions(num_threads=1, compute_dtype=torch.float32)
+    opts = EngineOptions(compute_dtype=torch.float32)
     engines = {}
     for mode in ("ram", "disk"):
         engines[mode] = []
