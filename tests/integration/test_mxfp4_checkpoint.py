@@ -213,6 +213,7 @@ def _copy(src: Path, tmp_path: Path, edit_tensors=None, edit_quant=None) -> Path
 GATE_UP_BLOCKS, GATE_UP_SCALES = f"{EXPERTS}.gate_up_proj_blocks", f"{EXPERTS}.gate_up_proj_scales"
 DOWN_BLOCKS, DOWN_SCALES = f"{EXPERTS}.down_proj_blocks", f"{EXPERTS}.down_proj_scales"
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+ATTN_GATE_UP = "model.layers.0.self_attn.gate_up_proj"
 
 
 def _without(t: dict, *keys: str) -> dict:
@@ -277,7 +278,7 @@ def _without(t: dict, *keys: str) -> dict:
                 f"{EXPERTS}.down_proj": torch.zeros(8, I, 64),
             },
             None,
-            rf"{EXPERTS}: mixes expert tensors: float ones \({EXPERTS}.down_proj\) with MXFP4 ones \({GATE_UP_BLOCKS}\)",
+            rf"{EXPERTS}: mixes MXFP4 expert tensors \({GATE_UP_BLOCKS}\) with float ones \({EXPERTS}.down_proj\)",
         ),
         (
             lambda t: {
@@ -287,6 +288,15 @@ def _without(t: dict, *keys: str) -> dict:
             },
             None,
             rf"{Q_PROJ}_blocks is MXFP4 but not part of a routed-experts module",
+        ),
+        (
+            lambda t: {
+                **t,
+                f"{ATTN_GATE_UP}_blocks": t[GATE_UP_BLOCKS].clone(),  # a fused name, but no experts module's
+                f"{ATTN_GATE_UP}_scales": t[GATE_UP_SCALES].clone(),
+            },
+            None,
+            rf"{ATTN_GATE_UP}_blocks is MXFP4 but not part of a routed-experts module",
         ),
     ],
     ids=[
@@ -301,6 +311,7 @@ def _without(t: dict, *keys: str) -> dict:
         "blocks-transposed",
         "mixed-layer",
         "outside-experts",
+        "outside-experts-fused-name",
     ],
 )
 def test_mxfp4_checkpoint_errors(checkpoints, tmp_path, no_heavy_work, edit_tensors, edit_quant, message):
