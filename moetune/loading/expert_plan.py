@@ -15,11 +15,14 @@ yet merged) name, in one of the on-disk layouts:
                  or with the last two dimensions swapped (Qwen3-VL stores ``[E, H, 2I]`` for ``[E, 2I, H]``),
                  told apart by shape as transformers does (the runtime layout wins when H = 2I)
 
-In quantized checkpoints (``loading.quant``: FP8 block-scaled, compressed-tensors INT4) the plan sees each
-quantized weight under its logical ``<name>.weight`` and float shape (``quant.logical_tensors``); a layer's
-per-expert matrices may all be quantized weights of the checkpoint's method, whose stored tensors (codes,
-scales) travel with them (``ExpertSource.quantized``) and are read by that method (``LayerPlan.method``).
-Fused quantized expert tensors and layers mixing quantized and float experts are not read.
+In quantized checkpoints (``loading.quant``: FP8 block-scaled, compressed-tensors INT4, MXFP4) the plan sees
+each quantized weight under its logical key and float shape (``quant.logical_tensors``): ``<name>.weight``
+per expert, or a fused ``gate_up_proj`` / ``down_proj`` (gpt-oss's MXFP4). A layer's expert matrices may all
+be quantized weights of the checkpoint's method, which says at planning whether it reads them in that role
+and layout (``QuantMethod.expert_problem``); their stored tensors (codes, scales) travel with them
+(``ExpertSource.quantized``) and are read by that method (``LayerPlan.method``), fused biases as float
+tensors beside them. Layers mixing quantized and float expert matrices are not read, nor quantized weights
+of an ``experts_only`` method outside routed experts.
 
 Every layer must have exactly one complete set; anything missing, extra, misshapen or not floating point
 is a ``LoadError`` naming the file and key.
@@ -37,11 +40,10 @@ from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS, ExpertsS
 from moetune.errors import LoadError, listing
 from moetune.loading.checkpoint import Checkpoint, TensorInfo
 from moetune.loading.hf import KeyTarget
-from moetune.loading.quant import QUANT_METHODS, QuantizedWeight, QuantMethod
+from moetune.loading.quant import QUANT_METHODS, ROLES, QuantizedWeight, QuantMethod
 
 # dense formats the engine stores as they are, widest first
 FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-ROLES = ("gate", "up", "down")  # per-expert projections
 # On-disk per-expert projection names, one naming scheme per tuple (gate, up, down).
 PER_EXPERT_SCHEMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"), ("fc1", "fc3", "fc2"))
 _ROLE_OF = {name: role for scheme in PER_EXPERT_SCHEMES for name, role in zip(scheme, ROLES)}
@@ -59,8 +61,8 @@ class ExpertSource:
     ``interleaved``: a fused gate_up (or its bias) stored with gate and up interleaved along 2I.
     ``stem``: the key up to the experts container (``model.layers.0.block_sparse_moe.experts.``), as stored;
     ``proj``: a per-expert tensor's projection name (``gate_proj``, ``w1``, ...), for messages.
-    ``quantized``: a quantized matrix's stored tensors (``info`` is then its logical ``[out, in]`` weight);
-    None for a float one.
+    ``quantized``: a quantized matrix's stored tensors (``info`` is then its logical weight: ``[out, in]``
+    per expert, the run-time shape fused); None for a float one.
     """
 
     info: TensorInfo
@@ -81,7 +83,8 @@ class ExpertSource:
 @dataclass
 class LayerPlan:
     """The tensors of one experts module, validated complete. ``method``: the quantization method that reads
-    them when they are quantized (all of them: never mixed), else None."""
+    its expert matrices when they are quantized (all of them: never mixed; fused biases stay float), else
+    None."""
 
     site: ExpertsSite
     sources: list[ExpertSource] = field(default_factory=list)
@@ -258,12 +261,14 @@ def _missing(layer: LayerPlan) -> list[str]:
 
 
 def _mixed(layer: LayerPlan, method: QuantMethod | None) -> list[str]:
-    """A layer whose expert matrices are partly quantized and partly float: one example of each."""
-    quantized = [s for s in layer.sources if s.quantized is not None]
-    dense = [s for s in layer.sources if s.quantized is None]
+    """A layer whose expert matrices are partly quantized and partly float (biases, always float, aside): one
+    example of each, the quantized one by its stored key."""
+    matrices = [s for s in layer.sources if s.role not in (GATE_UP_BIAS, DOWN_BIAS)]
+    quantized = [s.quantized for s in matrices if s.quantized is not None]
+    dense = [s for s in matrices if s.quantized is None]
     if method is not None and quantized and dense:
         return [
-            f"{layer.site.path}: mixes {method.label} expert tensors ({quantized[0].info.key}) with float ones "
+            f"{layer.site.path}: mixes {method.label} expert tensors ({quantized[0].main.key}) with float ones "
             f"({dense[0].info.key}); a layer's experts must all be {method.label} or all be float"
         ]
     return []
@@ -291,8 +296,15 @@ def plan_experts(
     problems = _Problems()
     for key, info in checkpoint.tensors.items():
         site = _site_of(targets[key].target, by_path)
+        weight = quantized.get(key)
         if site is None:
-            other.append(key)
+            if weight is not None and method is not None and method.experts_only:
+                problems.add(
+                    f"{weight.main.file}: {weight.main.key} is {method.label} but not part of a routed-experts "
+                    f"module; moetune (like transformers) reads {method.label} for routed experts only"
+                )
+            else:
+                other.append(key)
             continue
         renamed = targets[key].renamed
         if targets[key].split:
@@ -307,16 +319,8 @@ def plan_experts(
         if isinstance(parsed, str):
             problems.add(f"{info.file}: unexpected expert tensor {key} for {site.path}: {parsed}")
             continue
-        weight = quantized.get(key)
         if weight is not None and method is not None:
-            if parsed.expert is None:
-                problems.add(
-                    f"{info.file}: expert tensor {key} is a fused {method.label} tensor; moetune reads "
-                    f"{method.label} experts stored per expert ({{e}}.gate_proj/up_proj/down_proj), as "
-                    "DeepSeek-V3 and Kimi-K2 do"
-                )
-                continue
-            if (why := method.expert_problem(weight)) is not None:
+            if (why := method.expert_problem(weight, parsed.role, site)) is not None:
                 problems.add(why)
                 continue
             parsed = dataclasses.replace(parsed, quantized=weight)

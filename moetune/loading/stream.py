@@ -12,10 +12,12 @@ The layer's ``ExpertFormatChoice`` (``LoadOptions.layer_format``) then decides w
 * int8 / int4 / fp8_block from a float checkpoint: quantized from them, layer by layer, the dense tensors
   read in the checkpoint's own float dtype into one buffer reused for every layer (peak beyond the quantized
   engines: one layer's dense experts);
-* a quantized checkpoint's layer: read by its method (``loading.quant``) one expert matrix at a time into
-  the format it is held in as stored (FP8: its e4m3 bytes and block scales into ``Fp8BlockExperts``;
-  compressed-tensors INT4: its codes and bf16 scales into ``Int4Experts``), no float round trip; for
-  another format that layer is dequantized (``dequantize``, one layer) and, for int8/int4, quantized again.
+* a quantized checkpoint's layer: read by its method (``loading.quant``) one expert matrix or slice at a
+  time into the format it is held in as stored (FP8: its e4m3 bytes and block scales into
+  ``Fp8BlockExperts``; compressed-tensors INT4: its codes and bf16 scales into ``Int4Experts``; MXFP4: its
+  blocks and scale bytes into ``Mxfp4Experts``), no float round trip, its fused biases (gpt-oss) read in the
+  load dtype; for another format that layer is dequantized (``dequantize``, one layer) and, for
+  int8/int4/fp8, quantized again.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS, ExpertsL
 from moetune.engine import EngineOptions, ExpertEngine, get_activation
 from moetune.engine.formats import ExpertFormat
 from moetune.loading.checkpoint import Checkpoint, ShardReader
-from moetune.loading.expert_plan import ROLES, ExpertSource, LayerPlan
+from moetune.loading.expert_plan import ExpertSource, LayerPlan
 from moetune.loading.options import ExpertFormatChoice
 from moetune.loading.quant import QuantizedWeight
+from moetune.loading.quant.base import ROLES
 from moetune.progress import LayerProgress
 
 
@@ -87,13 +90,29 @@ def _fill(buffers: _LayerBuffers, source: ExpertSource, reader: ShardReader) -> 
 
 
 def read_quantized(layer: LayerPlan, reader: ShardReader) -> ExpertFormat:
-    """A quantized layer as stored, in its method's native format (``QuantMethod.read_experts``)."""
+    """A quantized layer's expert matrices as stored, in its method's native format
+    (``QuantMethod.read_experts``: its weights by role, per-expert ones in expert order)."""
     assert layer.method is not None, "a quantized layer carries its method"
-    by_role: dict[str, list[QuantizedWeight]] = {role: [] for role in ROLES}
-    for source in sorted(layer.sources, key=lambda s: (s.role, s.expert)):
-        assert source.quantized is not None
-        by_role[source.role].append(source.quantized)
-    return layer.method.read_experts(by_role["gate"], by_role["up"], by_role["down"], reader)
+    by_role: dict[str, list[QuantizedWeight]] = {}
+    for source in sorted(layer.sources, key=lambda s: (s.role, -1 if s.expert is None else s.expert)):
+        if source.quantized is not None:
+            by_role.setdefault(source.role, []).append(source.quantized)
+    return layer.method.read_experts(by_role, layer.site.layout, reader)
+
+
+def read_biases(
+    layer: LayerPlan, reader: ShardReader, dtype: torch.dtype
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A quantized layer's fused float biases: gate_up ``[E, 2I]`` (gate columns first) and down ``[E, H]`` in
+    ``dtype``; None where the checkpoint has none (per-expert layers)."""
+    out: dict[str, torch.Tensor] = {}
+    for source in layer.sources:
+        if source.role in (GATE_UP_BIAS, DOWN_BIAS):
+            t = reader.read(source.info).to(dtype)  # [E, 2I] / [E, H]: small
+            if source.role == GATE_UP_BIAS and layer.site.layout.interleaved:
+                t = torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
+            out[source.role] = t
+    return out.get(GATE_UP_BIAS), out.get(DOWN_BIAS)
 
 
 def _copy(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -122,6 +141,7 @@ def build_engine(
     if layer.method is not None:
         stored = read_quantized(layer, reader)
         weights = stored if choice == layer.method.native else choice.from_dense(*stored.dequantize(dtype))
+        biases = read_biases(layer, reader, dtype)
     else:
         read_dtype = dtype if choice.keeps_input else layer.float_dtype
         fits = spare is not None and spare.layout == lay and spare.gate_up.dtype == read_dtype

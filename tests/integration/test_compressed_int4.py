@@ -308,7 +308,7 @@ UP = f"{EXPERTS}.0.up_proj"
         (
             lambda q: {**q, "quant_method": "gptq"},
             r"quantization_config\.quant_method is 'gptq'; moetune loads quantized checkpoints of quant_method "
-            r"compressed-tensors, fp8 \(.*pack-quantized",
+            r"compressed-tensors, fp8, mxfp4 \(.*pack-quantized",
         ),
         (
             lambda q: {

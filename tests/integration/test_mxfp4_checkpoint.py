@@ -133,7 +133,7 @@ def test_expert_lora_trains_saves_and_reloads(checkpoints, tmp_path):
     model = attach_lora(_load(checkpoints[0]), rank=4, alpha=8, targets=("q_proj", "v_proj", "experts"))
     experts = expert_modules(model)
     assert set(experts) == {EXPERTS, "model.layers.1.mlp.experts"}
-    assert {m.engine.weights.name for m in experts.values()} == {"mxfp4"}
+    assert {m.experts.engine.weights.name for m in experts.values()} == {"mxfp4"}
     ids = token_ids(2, batch=4, seq=16)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model.train()
@@ -146,10 +146,11 @@ def test_expert_lora_trains_saves_and_reloads(checkpoints, tmp_path):
         losses.append(loss.item())
     model.eval()
     assert losses[-1] < losses[0] - 0.05, losses
-    assert all(m.lora_down_B.abs().max() > 0 for m in experts.values())  # the expert LoRA learned
+    learned = [p for m in experts.values() for n, p in m.named_parameters() if ".lora_B." in f".{n}"]
+    assert len(learned) == 2 * len(experts) and all(p.abs().max() > 0 for p in learned)  # the expert LoRA learned
     out = save_adapter(model, tmp_path / "adapter")
     reloaded = _load(checkpoints[0], adapter=out)
-    assert {m.engine.weights.name for m in expert_modules(reloaded).values()} == {"mxfp4"}
+    assert {m.experts.engine.weights.name for m in expert_modules(reloaded).values()} == {"mxfp4"}
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
@@ -213,6 +214,7 @@ def _copy(src: Path, tmp_path: Path, edit_tensors=None, edit_quant=None) -> Path
 GATE_UP_BLOCKS, GATE_UP_SCALES = f"{EXPERTS}.gate_up_proj_blocks", f"{EXPERTS}.gate_up_proj_scales"
 DOWN_BLOCKS, DOWN_SCALES = f"{EXPERTS}.down_proj_blocks", f"{EXPERTS}.down_proj_scales"
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+ATTN_GATE_UP = "model.layers.0.self_attn.gate_up_proj"
 
 
 def _without(t: dict, *keys: str) -> dict:
@@ -277,7 +279,7 @@ def _without(t: dict, *keys: str) -> dict:
                 f"{EXPERTS}.down_proj": torch.zeros(8, I, 64),
             },
             None,
-            rf"{EXPERTS}: mixes expert tensors: float ones \({EXPERTS}.down_proj\) with MXFP4 ones \({GATE_UP_BLOCKS}\)",
+            rf"{EXPERTS}: mixes MXFP4 expert tensors \({GATE_UP_BLOCKS}\) with float ones \({EXPERTS}.down_proj\)",
         ),
         (
             lambda t: {
@@ -287,6 +289,15 @@ def _without(t: dict, *keys: str) -> dict:
             },
             None,
             rf"{Q_PROJ}_blocks is MXFP4 but not part of a routed-experts module",
+        ),
+        (
+            lambda t: {
+                **t,
+                f"{ATTN_GATE_UP}_blocks": t[GATE_UP_BLOCKS].clone(),  # a fused name, but no experts module's
+                f"{ATTN_GATE_UP}_scales": t[GATE_UP_SCALES].clone(),
+            },
+            None,
+            rf"{ATTN_GATE_UP}_blocks is MXFP4 but not part of a routed-experts module",
         ),
     ],
     ids=[
@@ -301,6 +312,7 @@ def _without(t: dict, *keys: str) -> dict:
         "blocks-transposed",
         "mixed-layer",
         "outside-experts",
+        "outside-experts-fused-name",
     ],
 )
 def test_mxfp4_checkpoint_errors(checkpoints, tmp_path, no_heavy_work, edit_tensors, edit_quant, message):

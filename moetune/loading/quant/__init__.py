@@ -4,6 +4,7 @@
     fp8                  fp8.py                 DeepSeek-V3-style e4m3 with 128 x 128 block scales
                                                 (DeepSeek-V3, Kimi-K2-Instruct, Qwen3-FP8, GLM-4.5-FP8)
     compressed-tensors   compressed_tensors.py  pack-quantized symmetric INT4 (Kimi-K2-Thinking, K2.5)
+    mxfp4                mxfp4.py               e2m1 with e8m0 scales per 32, routed experts fused (gpt-oss)
 
 ``checkpoint_quantization`` picks the method and validates its config; ``quantized_weights`` gathers every
 quantized weight's stored tensors from the headers. Both run before any tensor is read. Adding a method: a
@@ -14,9 +15,10 @@ from __future__ import annotations
 
 from moetune.errors import LoadError
 from moetune.loading.checkpoint import Checkpoint
-from moetune.loading.quant import compressed_tensors, fp8  # noqa: F401  (each registers its method)
+from moetune.loading.quant import compressed_tensors, fp8, mxfp4  # noqa: F401  (each registers its method)
 from moetune.loading.quant.base import (
     QUANT_METHODS,
+    ROLES,
     Dequantized,
     QuantizedWeight,
     QuantMethod,
@@ -26,6 +28,7 @@ from moetune.loading.quant.base import (
 
 __all__ = [
     "QUANT_METHODS",
+    "ROLES",
     "Dequantized",
     "QuantMethod",
     "QuantizedWeight",
@@ -43,8 +46,9 @@ def supported_methods() -> str:
 def checkpoint_quantization(checkpoint: Checkpoint) -> QuantMethod | None:
     """The checkpoint's quantization method, its config validated (None for a float checkpoint).
 
-    ``LoadError`` for a ``quant_method`` no method handles (listing the supported ones) and for any field
-    the method cannot hold as shipped: nothing is ever loaded in a silently different precision.
+    ``LoadError`` for a ``quant_method`` no method handles (listing the supported ones), on a model type the
+    method does not read, and for any field the method cannot hold as shipped: nothing is ever loaded in a
+    silently different precision.
     """
     quant = checkpoint.config.get("quantization_config")
     if not quant:
@@ -59,7 +63,13 @@ def checkpoint_quantization(checkpoint: Checkpoint) -> QuantMethod | None:
             f"{', '.join(QUANT_METHODS.names())} ({supported_methods()}) and float (bf16/fp16/fp32) "
             "checkpoints. Use the model's bf16 release, or convert it to one of those."
         )
-    return QUANT_METHODS.get(method).from_config(quant, where)
+    found = QUANT_METHODS.get(method)
+    if found.model_types and checkpoint.model_type not in found.model_types:
+        raise LoadError(
+            f"{where}.quant_method is {method!r} but model_type is {checkpoint.model_type!r}; moetune (like "
+            f"transformers) reads {found.label} checkpoints for model_type {', '.join(found.model_types)} only"
+        )
+    return found.from_config(quant, where)
 
 
 def quantized_weights(checkpoint: Checkpoint, method: QuantMethod | None) -> dict[str, QuantizedWeight]:

@@ -2,18 +2,22 @@
 (``QuantizedWeight``) and what the methods share.
 
 A method is chosen by ``config.json``'s ``quantization_config.quant_method`` (``QUANT_METHODS``; the lookup
-is ``quant.checkpoint_quantization``) and does four things:
+is ``quant.checkpoint_quantization``, which also checks the method's ``model_types``) and does four things:
 
 1. ``from_config``: validates the quantization config. A field moetune cannot hold as shipped is a
    ``LoadError`` naming the field, its value and what is supported, raised before any tensor is read.
 2. ``pair``: from the safetensors headers only, gathers each quantized weight's stored tensors (codes,
-   scales, ...) into a ``QuantizedWeight``, reported under its *logical* key ``<name>.weight`` with the
-   float shape ``[O, D]``. The expert plan and transformers' key mapping then see the names and shapes of
-   a float checkpoint; ``logical_tensors`` builds that view.
-3. ``read_experts``: one layer's routed experts, per expert, into the engine format the method holds
-   them in as stored (``native``): the checkpoint's codes and scales, never a float round trip.
+   scales, ...) into a ``QuantizedWeight``, reported under its *logical* key with the shape of the float
+   tensor it stands for: ``<name>.weight [O, D]`` for a ``Linear``, or a fused experts tensor
+   (``experts.gate_up_proj``, ``experts.down_proj``) in the module's run-time shape. The expert plan and
+   transformers' key mapping then see the names and shapes of a float checkpoint; ``logical_tensors``
+   builds that view.
+3. ``read_experts``: one layer's routed experts, by role (``ROLES`` per expert, or the fused tensor names;
+   which ones a method reads, ``expert_problem`` says at planning), into the engine format the method
+   holds them in as stored (``native``): the checkpoint's codes and scales, never a float round trip.
 4. ``dequantize``: any other quantized weight (attention, dense MLPs ...) to fp32 ``[O, D]``; it reaches
-   transformers' loader as a plain tensor (``Dequantized``), so the torch model is a float one.
+   transformers' loader as a plain tensor (``Dequantized``), so the torch model is a float one. A method
+   whose weights are routed experts' only (``experts_only``) has its other weights refused at planning.
 """
 
 from __future__ import annotations
@@ -25,13 +29,14 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
+from moetune.arch.detect import ExpertsLayout, ExpertsSite
 from moetune.engine.formats.base import ExpertFormat
-from moetune.errors import LoadError
+from moetune.errors import LoadError, listing
 from moetune.loading.checkpoint import Checkpoint, ShardReader, TensorInfo
 from moetune.loading.options import ExpertFormatChoice
 from moetune.registry import Registry
 
-MAX_LISTED = 12  # problems listed in one error
+ROLES = ("gate", "up", "down")  # a per-expert matrix's role in its expert: gate/up [I, H], down [H, I]
 T = TypeVar("T")
 
 
@@ -40,8 +45,9 @@ class QuantizedWeight:
     """One quantized ``Linear`` weight as a checkpoint stores it.
 
     ``info`` is the logical ``<name>.weight``: its float shape ``[O, D]``, the shard of its main tensor, and
-    the method's ``code`` as dtype. ``parts`` are the stored tensors by role (FP8: ``weight``,
-    ``scale_inv``; compressed-tensors: ``packed``, ``scale``, ``shape``).
+    the method's ``code`` as dtype. ``parts`` are the stored tensors by role, the main one (which messages
+    name) first (FP8: ``weight``, ``scale_inv``; compressed-tensors: ``packed``, ``scale``, ``shape``; MXFP4:
+    ``blocks``, ``scales``).
     """
 
     info: TensorInfo
@@ -50,6 +56,11 @@ class QuantizedWeight:
     @property
     def key(self) -> str:
         return self.info.key
+
+    @property
+    def main(self) -> TensorInfo:
+        """The stored tensor that holds the weight's codes, as messages name it."""
+        return next(iter(self.parts.values()))
 
     @property
     def files(self) -> set[str]:
@@ -71,6 +82,8 @@ class QuantMethod(ABC):
     code: ClassVar[str]  # the dtype its logical weights report (a safetensors code or the method's own)
     supported: ClassVar[str]  # one line: what of this method moetune loads, for the no-match error
     declaration: ClassVar[str]  # the quantization_config its checkpoints declare, for messages
+    model_types: ClassVar[tuple[str, ...]] = ()  # the config model_types it reads (empty: any)
+    experts_only: ClassVar[bool] = False  # quantizes routed experts only: a weight elsewhere is refused
 
     @classmethod
     @abstractmethod
@@ -94,38 +107,45 @@ class QuantMethod(ABC):
     def native(self) -> ExpertFormatChoice:
         """The engine format (and options) routed experts are held in as stored."""
 
-    def expert_problem(self, weight: QuantizedWeight) -> str | None:
-        """Why ``weight`` cannot be a routed expert matrix held natively (None: it can). Checked at planning."""
-        return None
+    def expert_problem(self, weight: QuantizedWeight, role: str, site: ExpertsSite) -> str | None:
+        """Why ``weight`` cannot be ``role`` of the experts at ``site``, held natively (None: it can): the whole
+        message, naming the file and key. Checked at planning, before the plan checks the logical shape.
+
+        ``role`` is ``gate``/``up``/``down`` for one expert's matrix or a fused tensor's name (``gate_up_proj``,
+        ``down_proj``). The default reads per-expert matrices only.
+        """
+        if role in ROLES:
+            return None
+        return (
+            f"{weight.info.file}: expert tensor {weight.key} is a fused {self.label} tensor; moetune reads "
+            f"{self.label} experts stored per expert ({{e}}.gate_proj/up_proj/down_proj), as DeepSeek-V3 and "
+            "Kimi-K2 do"
+        )
 
     @abstractmethod
     def read_experts(
-        self,
-        gate: Sequence[QuantizedWeight],
-        up: Sequence[QuantizedWeight],
-        down: Sequence[QuantizedWeight],
-        reader: ShardReader,
+        self, weights: Mapping[str, Sequence[QuantizedWeight]], layout: ExpertsLayout, reader: ShardReader
     ) -> ExpertFormat:
-        """One layer's experts in ``native``'s format: gate[e], up[e] ``[I, H]`` and down[e] ``[H, I]``."""
+        """One layer's experts in ``native``'s format. ``weights`` maps each role ``expert_problem`` accepted to
+        its weights: per expert, ``gate``/``up`` ``[I, H]`` and ``down`` ``[H, I]``, E of each in expert order;
+        fused, ``gate_up_proj`` and ``down_proj``, one each."""
 
     @abstractmethod
     def dequantize(self, weight: QuantizedWeight, reader: ShardReader) -> torch.Tensor:
-        """``weight`` as fp32 ``[O, D]``, by the method's definition."""
+        """``weight`` as fp32 ``[O, D]``, by the method's definition (never asked of an ``experts_only`` method:
+        the plan refuses its weights outside routed experts)."""
 
 
 QUANT_METHODS: Registry[type[QuantMethod]] = Registry("quantization method")
 
 
 def raise_problems(checkpoint: Checkpoint, label: str, problems: list[str]) -> None:
-    """One ``LoadError`` listing ``problems`` (the first ``MAX_LISTED``) with the weights of ``label``."""
-    if not problems:
-        return
-    shown = "\n  ".join(problems[:MAX_LISTED])
-    more = f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
-    raise LoadError(
-        f"checkpoint {checkpoint.path}: {len(problems)} problem(s) with {label} weights or their scales:\n  "
-        f"{shown}{more}"
-    )
+    """One ``LoadError`` listing ``problems`` (``errors.listing``) with the weights of ``label``."""
+    if problems:
+        raise LoadError(
+            f"checkpoint {checkpoint.path}: {len(problems)} problem(s) with {label} weights or their "
+            f"scales:{listing(problems)}"
+        )
 
 
 def logical_tensors(checkpoint: Checkpoint, weights: Mapping[str, QuantizedWeight]) -> dict[str, TensorInfo]:

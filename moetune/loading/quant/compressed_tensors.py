@@ -49,12 +49,13 @@ from typing import Any
 
 import torch
 
+from moetune.arch.detect import ExpertsLayout, ExpertsSite
 from moetune.engine.formats import Int4Experts
 from moetune.engine.formats.int4 import GROUP_SIZES, SYMMETRIC_ZERO
 from moetune.errors import LoadError
 from moetune.loading.checkpoint import Checkpoint, ShardReader, TensorInfo
 from moetune.loading.options import ExpertFormatChoice
-from moetune.loading.quant.base import QUANT_METHODS, LazyTensors, QuantizedWeight, QuantMethod
+from moetune.loading.quant.base import QUANT_METHODS, ROLES, LazyTensors, QuantizedWeight, QuantMethod
 
 FORMAT = "pack-quantized"
 STATUS = "compressed"
@@ -278,10 +279,10 @@ class CompressedInt4(QuantMethod):
     def native(self) -> ExpertFormatChoice:
         return ExpertFormatChoice("int4", (("group_size", self.group_size), ("symmetric", True)))
 
-    def expert_problem(self, weight: QuantizedWeight) -> str | None:
+    def expert_problem(self, weight: QuantizedWeight, role: str, site: ExpertsSite) -> str | None:
         scale = weight.parts["scale"]
-        if scale.dtype == "BF16":
-            return None
+        if (fused := super().expert_problem(weight, role, site)) is not None or scale.dtype == "BF16":
+            return fused
         return (
             f"{scale.file}: {scale.key} is {scale.dtype}; routed experts are held as moetune's int4 format, "
             "whose group scales are bf16, so their scales must be BF16 (as Kimi-K2-Thinking's are) to load "
@@ -300,11 +301,7 @@ class CompressedInt4(QuantMethod):
         return reader.read(weight.parts["packed"])
 
     def read_experts(
-        self,
-        gate: Sequence[QuantizedWeight],
-        up: Sequence[QuantizedWeight],
-        down: Sequence[QuantizedWeight],
-        reader: ShardReader,
+        self, weights: Mapping[str, Sequence[QuantizedWeight]], layout: ExpertsLayout, reader: ShardReader
     ) -> Int4Experts:
         def codes(w: QuantizedWeight) -> torch.Tensor:
             return repack(self._packed(w, reader))
@@ -313,9 +310,9 @@ class CompressedInt4(QuantMethod):
             return reader.read(w.parts["scale"])
 
         lists: dict[str, LazyTensors[QuantizedWeight]] = {}
-        for role, weights in (("gate", gate), ("up", up), ("down", down)):
-            lists[role] = LazyTensors(weights, codes)
-            lists[f"{role}_scale"] = LazyTensors(weights, scale)
+        for role in ROLES:
+            lists[role] = LazyTensors(weights[role], codes)
+            lists[f"{role}_scale"] = LazyTensors(weights[role], scale)
         return Int4Experts.from_per_expert(**lists, group_size=self.group_size)
 
     def dequantize(self, weight: QuantizedWeight, reader: ShardReader) -> torch.Tensor:

@@ -25,12 +25,13 @@ from typing import Any
 
 import torch
 
+from moetune.arch.detect import ExpertsLayout
 from moetune.engine.formats import Fp8BlockExperts
 from moetune.engine.formats.fp8_block import BLOCK, grid
 from moetune.errors import LoadError
 from moetune.loading.checkpoint import Checkpoint, ShardReader
 from moetune.loading.options import ExpertFormatChoice
-from moetune.loading.quant.base import QUANT_METHODS, LazyTensors, QuantizedWeight, QuantMethod
+from moetune.loading.quant.base import QUANT_METHODS, ROLES, LazyTensors, QuantizedWeight, QuantMethod
 
 FP8_DTYPE = "F8_E4M3"  # safetensors' code for float8 e4m3fn
 SCALE_SUFFIX = "_scale_inv"  # <name>.weight -> <name>.weight_scale_inv
@@ -128,11 +129,7 @@ class Fp8Method(QuantMethod):
         return ExpertFormatChoice("fp8_block")
 
     def read_experts(
-        self,
-        gate: Sequence[QuantizedWeight],
-        up: Sequence[QuantizedWeight],
-        down: Sequence[QuantizedWeight],
-        reader: ShardReader,
+        self, weights: Mapping[str, Sequence[QuantizedWeight]], layout: ExpertsLayout, reader: ShardReader
     ) -> Fp8BlockExperts:
         """gate/up/down ``[out, in]`` e4m3fn per expert with their block scales, copied one matrix at a time
         into ``Fp8BlockExperts``' stacked tensors (bf16/fp16 scales widened to fp32: exact)."""
@@ -144,9 +141,9 @@ class Fp8Method(QuantMethod):
             return reader.read(w.parts["scale_inv"]).to(torch.float32)
 
         lists: dict[str, LazyTensors[QuantizedWeight]] = {}
-        for role, weights in (("gate", gate), ("up", up), ("down", down)):
-            lists[role] = LazyTensors(weights, codes)
-            lists[f"{role}_scale_inv"] = LazyTensors(weights, scale_inv)
+        for role in ROLES:
+            lists[role] = LazyTensors(weights[role], codes)
+            lists[f"{role}_scale_inv"] = LazyTensors(weights[role], scale_inv)
         return Fp8BlockExperts.from_per_expert(**lists)
 
     def dequantize(self, weight: QuantizedWeight, reader: ShardReader) -> torch.Tensor:
