@@ -30,6 +30,7 @@ from moetune.engine.formats import FORMATS, Int4Experts
 from moetune.engine.formats.base import Projection
 from moetune.engine.threads import set_engine_threads
 from moetune.loading.quant.compressed_tensors import repack
+from moetune.sysinfo import cpu_info
 from moetune.testing.kimi import INT4_GROUP, quantize_int4
 
 PROJS: tuple[Projection, ...] = ("gate_up", "down")
@@ -135,6 +136,8 @@ def main() -> None:
             cpu[label].append((time.process_time() - c0) * 1e3)
 
     first = next(iter(engines.values()))
+    machine = cpu_info()
+    print(f"bench/formats.py | {machine.model} ({', '.join(machine.isa) or 'no SIMD flags found'})")
     print(
         f"E={e} H={h} I={i} T={t} k={k} r={args.rank} threads={threads} "
         f"compute={first.compute_dtype} reps={args.reps}"
