@@ -40,6 +40,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
+    """The checkpoint's tokenizer, told the config moetune builds (``load_config``: a ``kimi_k2`` folder is
+    DeepSeek-V3's), so that a plain tokenizer beside remote model code loads without running that code; a
+    tokenizer that is remote code itself (Kimi's tiktoken one) still needs ``trust_remote_code``."""
+    from transformers import AutoTokenizer
+
+    config = load_config(Checkpoint.open(path), trust_remote_code)
+    return AutoTokenizer.from_pretrained(str(path), config=config, trust_remote_code=trust_remote_code)
+
+
 def load_config(checkpoint: Checkpoint, trust_remote_code: bool = False) -> Any:
     """The transformers config of ``checkpoint``, always one of transformers' own config classes.
 

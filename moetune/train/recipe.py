@@ -36,14 +36,14 @@ def _device(cfg: MoetuneConfig) -> str | None:
 def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     """(peft_model, tokenizer, prepared data) for ``cfg``; the data is read and checked before the model loads."""
     import torch
-    from transformers import AutoTokenizer
 
     from moetune.adapters.apply import LoraSettings, attach_lora
     from moetune.loading import load_model
+    from moetune.loading.hf import load_tokenizer
     from moetune.train.data import prepare_datasets
 
     model_path = cfg.model.model_name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
     data = prepare_datasets(cfg.data, tokenizer, seed=cfg.training.seed)
     model = load_model(
         model_path,

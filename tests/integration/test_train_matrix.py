@@ -85,11 +85,21 @@ def _mxfp4_checkpoint(root: Path) -> tuple[Path, Path]:
     return save_mxfp4_checkpoint(root / "m", dequantized_path=ref), ref
 
 
+def _kimi_int4_checkpoint(root: Path) -> tuple[Path, Path]:
+    """Kimi-K2-Thinking's release layout (``kimi_k2``, compressed-tensors INT4 experts, sharded), and its twin
+    with the experts dequantized (``q * s``) as a plain DeepSeek-V3 checkpoint."""
+    from moetune.testing.kimi import save_kimi_thinking
+
+    ref = root / "dequantized"
+    return save_kimi_thinking(root / "m", dequantized_path=ref), ref
+
+
 # name -> root -> (the checkpoint moetune trains on, the float checkpoint the reference trains on)
 CHECKPOINTS = {
     **{f: (lambda root, f=f: _float_checkpoint(f, root)) for f in FAMILIES},
     "deepseek_v3-fp8": _fp8_checkpoint,
     "gpt_oss-mxfp4": _mxfp4_checkpoint,
+    "kimi_k2-int4": _kimi_int4_checkpoint,
 }
 
 
