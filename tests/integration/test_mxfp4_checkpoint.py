@@ -147,7 +147,9 @@ def test_expert_lora_trains_saves_and_reloads(checkpoints, tmp_path):
     model.eval()
     assert losses[-1] < losses[0] - 0.05, losses
     learned = [p for m in experts.values() for n, p in m.named_parameters() if ".lora_B." in f".{n}"]
-    assert len(learned) == 2 * len(experts) and all(p.abs().max() > 0 for p in learned)  # the expert LoRA learned
+    assert len(learned) == 2 * len(experts) and all(
+        p.abs().max() > 0 for p in learned
+    )  # the expert LoRA learned
     out = save_adapter(model, tmp_path / "adapter")
     reloaded = _load(checkpoints[0], adapter=out)
     assert {m.experts.engine.weights.name for m in expert_modules(reloaded).values()} == {"mxfp4"}
