@@ -4,7 +4,7 @@ moetune's PEFT layer for routed experts (``moetune.adapters.expert_layer.Experts
 PEFT's layout below; the engine reads them through :func:`engine_view` (views, no copies).
 
 Facts about PEFT 0.21 (checked against ``peft/tuners/lora/layer.py`` and by building PEFT models over
-transformers 5.24 ``Qwen3MoeExperts`` and ``GptOssExperts``; ``tests/unit/test_peft_layout.py`` re-checks them):
+transformers 5.24 ``Qwen3MoeExperts`` and ``GptOssExperts``; ``tests/unit/adapters/test_peft_layout.py`` re-checks them):
 
 Feature roles.
     For a 3-D parameter ``[E, d1, d2]``, ``ParamWrapper._get_in_out_features`` reads ``in, out = d1, d2`` and

@@ -1,6 +1,6 @@
 """References for quantized experts: transformers' own model holding the weights moetune's engines compute with.
 
-A quantized engine computes with its ``dequantize()`` weights (tests/unit/test_formats.py proves ``tile`` and
+A quantized engine computes with its ``dequantize()`` weights (tests/unit/engine/test_formats.py proves ``tile`` and
 ``dequantize`` agree bit for bit), so transformers' model with those weights copied into its experts is the
 reference: float32 logits within ``LOGITS_TOL`` (same weights, only the summation order differs). The
 quantization itself is checked apart, as the relative Frobenius error of the dequantized weights against the

@@ -36,7 +36,7 @@ pytest.importorskip("compressed_tensors")  # a dev dependency (pyproject's dev e
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor  # noqa: E402
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32  # noqa: E402
 
-from tests.unit.test_compressed_int4 import scheme  # noqa: E402
+from tests.unit.loading.test_compressed_int4 import scheme  # noqa: E402
 
 EXPERTS = "model.layers.1.mlp.experts"
 Q_A = "model.layers.0.self_attn.q_a_proj"

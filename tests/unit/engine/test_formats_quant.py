@@ -14,7 +14,7 @@ from moetune.engine.formats import Fp8BlockExperts, Int4Experts, Int8Experts
 from moetune.engine.formats import base as formats_base
 from moetune.engine.formats.fp8_block import FP8, grid
 from moetune.errors import EngineError
-from tests.unit.test_formats import gaussian
+from tests.unit.engine.test_formats import gaussian
 
 # ---- resolve_compute_dtype
 

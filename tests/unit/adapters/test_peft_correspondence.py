@@ -15,8 +15,7 @@ from peft import get_peft_model_state_dict
 from moetune.adapters import ExpertParamNames, expert_lora_from_peft_state, expert_lora_to_peft_state
 from moetune.engine import DenseExperts, ExpertEngine, ExpertLoRA, lora_scaling
 from moetune.layer import CpuExperts
-from tests.unit.engine_cases import make_routing, rel_err, run_module
-from tests.unit.test_peft_layout import (
+from tests.unit.adapters.test_peft_layout import (
     ALPHA,
     PREFIX,
     E,
@@ -28,6 +27,7 @@ from tests.unit.test_peft_layout import (
     peft_model,
     randomize_lora,
 )
+from tests.unit.engine_cases import make_routing, rel_err, run_module
 
 T = 13
 # max |engine - PEFT| / max |PEFT| per tensor. fp32: both sides sum the same products in different orders

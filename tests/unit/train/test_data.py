@@ -343,7 +343,7 @@ def test_demo_data(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     strings never appear in training."""
     from transformers import AutoTokenizer
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     monkeypatch.chdir(root)
     cfg = parse_config(
         {

@@ -366,7 +366,7 @@ def test_training_arguments_kwargs_build_real_training_arguments(workdir: Path) 
 def test_shipped_example_configs_parse(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every examples/*.yaml is valid. Their models are written by the demo, so the model path is not
     checked here; their datasets and templates are."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     monkeypatch.chdir(root)  # example paths are relative to the repository root
     configs = sorted((root / "examples").glob("*.yaml"))
     assert configs, "no example configs found"

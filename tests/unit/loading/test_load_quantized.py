@@ -37,7 +37,7 @@ from tests.integration.quantized_checks import (
     token_ids,
     with_engine_weights,
 )
-from tests.unit.test_config import minimal, problems_of, workdir  # noqa: F401  (workdir: a fixture)
+from tests.unit.config.test_config import minimal, problems_of, workdir  # noqa: F401  (workdir: a fixture)
 
 # H = 192, I = 64: int4's default group (64) and 32 divide both; H != I and H != 2I (no transposed weight
 # passes a shape check); fp8's 128-blocks are partial along H.
@@ -229,7 +229,7 @@ def test_train_config_reaches_load_model(tmp_path, one_thread):
     from moetune.train.demo import make_demo_model
     from moetune.train.recipe import setup
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     model_dir = make_demo_model(tmp_path / "tiny", root / "examples/data/demo_tokenizer")
     cfg = {
         "model_name_or_path": str(model_dir),

@@ -12,7 +12,7 @@ from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tenso
 from moetune.engine.formats import Mxfp4Experts
 from moetune.engine.formats.mxfp4 import BLOCK, EMAX, SCALE_BIAS
 from moetune.errors import EngineError
-from tests.unit.test_formats import gaussian
+from tests.unit.engine.test_formats import gaussian
 
 E, H, I = 3, 128, 64
 

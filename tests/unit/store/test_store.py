@@ -22,8 +22,8 @@ from moetune.errors import ConfigError, EngineError, LoadError
 from moetune.store.files import ExpertStore, StoreWriter
 from moetune.store.manifest import MANIFEST, SourceIdentity
 from moetune.testing.memory import mapped_usage, rss_anon
-from tests.unit.test_config import minimal, problems_of, workdir  # noqa: F401  (workdir: a fixture)
-from tests.unit.test_formats import CASES, E, H, I, case_params, gaussian
+from tests.unit.config.test_config import minimal, problems_of, workdir  # noqa: F401  (workdir: a fixture)
+from tests.unit.engine.test_formats import CASES, E, H, I, case_params, gaussian
 
 SOURCE = SourceIdentity("/ckpt", "c0nf1g", (("model.safetensors", 1234),), "f1ngerpr1nt")
 MODULES = [f"model.layers.{n}.mlp.experts" for n in range(3)]

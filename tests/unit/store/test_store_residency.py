@@ -15,9 +15,9 @@ from moetune.engine.residency import PagedExperts, ResidencyWindow
 from moetune.errors import EngineError, LoadError
 from moetune.store.files import ExpertStore, StorePages
 from moetune.testing.memory import mapped_usage
+from tests.unit.engine.test_formats import CASES, E, H, I
 from tests.unit.engine_cases import make_routing
-from tests.unit.test_formats import CASES, E, H, I
-from tests.unit.test_store import MODULES, _write
+from tests.unit.store.test_store import MODULES, _write
 
 
 class FakePages:
