@@ -37,7 +37,9 @@ from moetune.engine.formats.quant_common import (
     QuantizedExperts,
     check_dense,
     check_stored,
+    copy_per_expert,
     gate_up_dims,
+    per_expert_lists,
     row_chunks,
     scratch,
 )
@@ -199,17 +201,7 @@ class Fp8BlockExperts(QuantizedExperts):
             "down": down,
             "down_scale_inv": down_scale_inv,
         }
-        e = len(gate)
-        if e == 0 or any(len(v) != e for v in lists.values()):
-            raise EngineError(
-                f"{cls.name}.from_per_expert: every list needs one tensor per expert (at least one); got lengths "
-                + ", ".join(f"{k}={len(v)}" for k, v in lists.items())
-            )
-        if not isinstance(gate[0], torch.Tensor) or gate[0].dim() != 2:
-            raise EngineError(
-                f"{cls.name}.from_per_expert: gate[0] must be a 2-D [I, H] tensor; got {gate[0]!r:.80}"
-            )
-        i, h = gate[0].shape
+        e, i, h = per_expert_lists(cls.name, lists, "[I, H]")
         gi, gh = grid(i, h)
         gu = torch.empty(e, 2 * i, h, dtype=FP8)
         dn = torch.empty(e, h, i, dtype=FP8)
@@ -223,11 +215,7 @@ class Fp8BlockExperts(QuantizedExperts):
             "up_scale_inv": (lambda x: gu_s[x, gi:], "[ceil(I/128), ceil(H/128)]"),
             "down_scale_inv": (lambda x: dn_s[x], "[ceil(H/128), ceil(I/128)]"),
         }
-        for field, tensors in lists.items():
-            dest, symbols = targets[field]
-            for x, t in enumerate(tensors):
-                d = dest(x)
-                d.copy_(check_stored(cls.name, f"{field}[{x}]", t, d.dtype, tuple(d.shape), symbols))
+        copy_per_expert(cls.name, lists, targets)
         return cls(gu, gu_s, dn, dn_s)
 
     def row_align(self, proj: Projection) -> int:

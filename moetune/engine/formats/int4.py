@@ -33,7 +33,9 @@ from moetune.engine.formats.quant_common import (
     QuantizedExperts,
     check_dense,
     check_stored,
+    copy_per_expert,
     gate_up_dims,
+    per_expert_lists,
     row_chunks,
     scratch,
 )
@@ -213,17 +215,8 @@ class Int4Experts(QuantizedExperts):
             "down": down,
             "down_scale": down_scale,
         }
-        e = len(gate)
-        if e == 0 or any(len(v) != e for v in lists.values()):
-            raise EngineError(
-                f"{cls.name}.from_per_expert: every list needs one tensor per expert (at least one); got lengths "
-                + ", ".join(f"{k}={len(v)}" for k, v in lists.items())
-            )
-        if not isinstance(gate[0], torch.Tensor) or gate[0].dim() != 2:
-            raise EngineError(
-                f"{cls.name}.from_per_expert: gate[0] must be a 2-D [I, H/2] tensor; got {gate[0]!r:.80}"
-            )
-        i, h = gate[0].shape[0], 2 * gate[0].shape[1]
+        e, i, half_h = per_expert_lists(cls.name, lists, "[I, H/2]")
+        h = 2 * half_h
         g = check_group_size(cls.name, group_size, h, i)
         gu = torch.empty(e, 2 * i, h // 2, dtype=torch.uint8)
         dn = torch.empty(e, h, i // 2, dtype=torch.uint8)
@@ -237,11 +230,7 @@ class Int4Experts(QuantizedExperts):
             "up_scale": (lambda x: gu_s[x, i:], "[I, H/g]"),
             "down_scale": (lambda x: dn_s[x], "[H, I/g]"),
         }
-        for field, tensors in lists.items():
-            dest, symbols = targets[field]
-            for x, t in enumerate(tensors):
-                d = dest(x)
-                d.copy_(check_stored(cls.name, f"{field}[{x}]", t, d.dtype, tuple(d.shape), symbols))
+        copy_per_expert(cls.name, lists, targets)
         return cls(gu, gu_s, dn, dn_s, group_size=g)
 
     @property

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from abc import abstractmethod
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -130,3 +131,36 @@ class QuantizedExperts(ExpertFormat):
 
     def needs_buffer(self, dtype: torch.dtype) -> bool:
         return True
+
+
+PerExpertTarget = tuple[Callable[[int], torch.Tensor], str]  # expert x -> its destination view, shape symbols
+
+
+def per_expert_lists(
+    name: str, lists: Mapping[str, Sequence[torch.Tensor]], gate_symbols: str
+) -> tuple[int, int, int]:
+    """``(E, rows, cols)`` of ``from_per_expert`` lists: one tensor per expert in every list (at least one),
+    ``rows, cols`` the shape of ``gate[0]`` (2-D, ``gate_symbols`` in messages); ``EngineError`` otherwise."""
+    e = len(lists["gate"])
+    if e == 0 or any(len(v) != e for v in lists.values()):
+        raise EngineError(
+            f"{name}.from_per_expert: every list needs one tensor per expert (at least one); got lengths "
+            + ", ".join(f"{k}={len(v)}" for k, v in lists.items())
+        )
+    gate0 = lists["gate"][0]
+    if not isinstance(gate0, torch.Tensor) or gate0.dim() != 2:
+        raise EngineError(
+            f"{name}.from_per_expert: gate[0] must be a 2-D {gate_symbols} tensor; got {gate0!r:.80}"
+        )
+    return e, gate0.shape[0], gate0.shape[1]
+
+
+def copy_per_expert(
+    name: str, lists: Mapping[str, Sequence[torch.Tensor]], targets: dict[str, PerExpertTarget]
+) -> None:
+    """Copy every list's tensors, each checked (``check_stored``: dtype and shape), into its destination."""
+    for field, tensors in lists.items():
+        dest, symbols = targets[field]
+        for x, t in enumerate(tensors):
+            d = dest(x)
+            d.copy_(check_stored(name, f"{field}[{x}]", t, d.dtype, tuple(d.shape), symbols))
