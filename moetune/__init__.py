@@ -10,14 +10,18 @@ The data flow, and the package folders that follow it::
        |
     layer/    autograd Function + CpuExperts module that takes an MoE block's experts' place
        |
-    loading/  checkpoints -> a transformers model whose experts stream into engines
+    store/    pre-quantized expert stores (moetune convert's output), RAM or disk residency
        |
-    train/ adapters/   Trainer recipe, PEFT-layout adapters
+    loading/  checkpoints (float, FP8, compressed INT4, MXFP4) -> a transformers model whose experts stream
+       |      into engines
+    adapters/ PEFT on linears + expert LoRA as a PEFT layer; ``moetune.load_model(..., adapter=)``
+       |
+    train/    the ``moetune train`` recipe
        |
     cli/      the ``moetune`` command
 
 Importing moetune is cheap: it initialises no CUDA and compiles nothing; ``load_model`` and
-``LoadOptions`` import torch and transformers on first use.
+``LoadOptions`` import torch and transformers on first use. docs/architecture.md names each package's job.
 """
 
 from typing import Any
