@@ -214,10 +214,6 @@ REJECTED: dict[str, Rejected] = {
         },
     ),
     # run outputs and modes
-    "plot_loss": Rejected(
-        "moetune does not draw loss plots; the loss history is in output_dir/trainer_state.json (log_history)",
-        False,
-    ),
     "compute_accuracy": Rejected(
         "token accuracy during evaluation is not computed; eval_loss is reported", False
     ),

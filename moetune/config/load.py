@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,7 +31,7 @@ from moetune.config.schema import (
     MoetuneConfig,
     TrainingConfig,
 )
-from moetune.errors import ConfigError
+from moetune.errors import ConfigError, listing
 
 # LLaMA-Factory spells "no gradient checkpointing" as a negative flag; read it as gradient_checkpointing
 _NEGATED_ALIASES = {"disable_gradient_checkpointing": "gradient_checkpointing"}
@@ -49,12 +50,45 @@ def load_config(path: str | Path, *, check_model_path: bool = True) -> MoetuneCo
 
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        loader = _unique_keys_loader()(path.read_text())
+        try:
+            raw = loader.get_single_data()
+        finally:
+            loader.dispose()
     except OSError as err:
         raise ConfigError(f"cannot read config file {path}: {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    if loader.duplicates:
+        raise ConfigError(
+            f"{path}: {len(loader.duplicates)} key(s) set twice in one mapping; YAML would silently keep only the "
+            "last value. Keep one of each:" + listing(loader.duplicates)
+        )
     return parse_config(raw, source=path, check_model_path=check_model_path)
+
+
+@functools.cache
+def _unique_keys_loader() -> Any:
+    """A PyYAML safe loader (its documented subclassing point) that records keys set twice in a mapping."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):
+        def __init__(self, stream: str) -> None:
+            super().__init__(stream)
+            self.duplicates: list[str] = []
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            first: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                line = key_node.start_mark.line + 1
+                if key in first:
+                    self.duplicates.append(f"{key!r} on lines {first[key]} and {line}")
+                else:
+                    first[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeys
 
 
 def parse_config(

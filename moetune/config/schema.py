@@ -207,6 +207,8 @@ class TrainingConfig:
     resume_from_checkpoint: bool | Path | None = option(None)
     report_to: tuple[str, ...] = option(("none",))
     run_name: str | None = option(None)
+    # LLaMA-Factory's key: the loss curve PNG in output_dir (moetune's default: on)
+    plot_loss: bool = option(True)
     dataloader_num_workers: int = option(0, check=non_negative)
     ddp_timeout: int = option(1800, check=positive)
 

@@ -16,11 +16,18 @@ def _steps(value: float) -> int | float:
     return int(value) if float(value).is_integer() else value
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def training_arguments_kwargs(config: MoetuneConfig) -> dict[str, Any]:
     """Keyword arguments for ``transformers.TrainingArguments`` that carry out ``config.training``.
 
     Not included, because they are not TrainingArguments' business: ``resume_from_checkpoint`` (pass it to
-    ``Trainer.train``), ``overwrite_output_dir`` (checked at parse time) and the data options.
+    ``Trainer.train``), ``overwrite_output_dir`` (checked at parse time), ``plot_loss`` (moetune writes the PNG)
+    and the data options.
     ``remove_unused_columns`` is off because moetune's datasets hold exactly the model inputs (packed
     datasets add ``position_ids``, which a PEFT-wrapped model's signature check would drop).
     """
@@ -57,7 +64,9 @@ def training_arguments_kwargs(config: MoetuneConfig) -> dict[str, Any]:
         "ddp_timeout": t.ddp_timeout,
         "remove_unused_columns": False,
         "label_names": ["labels"],
-        "use_cpu": config.engine.device == "cpu",
+        # no GPU to run on: `bf16: true` on a CPU-only machine needs use_cpu, or transformers refuses bf16
+        "use_cpu": config.engine.device == "cpu"
+        or (config.engine.device == "auto" and not _cuda_available()),
     }
     if t.lr_scheduler_kwargs:
         kwargs["lr_scheduler_kwargs"] = dict(t.lr_scheduler_kwargs)

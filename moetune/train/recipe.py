@@ -107,7 +107,7 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
     tokenizer.save_pretrained(out)
     trainer.save_state()
     state = trainer.state
-    curve = write_loss_curve(state.log_history, out / LOSS_CURVE)
+    curve = write_loss_curve(state.log_history, out / LOSS_CURVE) if cfg.training.plot_loss else None
     final = [h for h in state.log_history if "train_runtime" in h]
     steps_run = max(state.global_step - (final[-1].get("start_step", 0) if final else 0), 1)
     summary = {

@@ -187,3 +187,15 @@ def test_checkpoint_appears_only_when_complete_and_resume_skips_a_failed_one(
     assert sorted(p.name for p in out.glob("*checkpoint-*")) == ["checkpoint-4"]
     assert len(seen["losses"]) == 4  # the failed run trained and logged all 4 steps before its last save
     assert _losses(out)[2:] == pytest.approx(seen["losses"][2:], abs=1e-6)
+
+
+def test_plot_loss_false_writes_no_loss_curve(tmp_path, demo_model) -> None:
+    from moetune.train.recipe import run
+
+    run(
+        load_config(_config(tmp_path, demo_model, max_steps=1, save_steps=10, plot_loss=False)),
+        progress=False,
+    )
+    out = tmp_path / "out"
+    assert (out / "adapter_model.safetensors").is_file() and not (out / "loss_curve.png").exists()
+    assert json.loads((out / "run_summary.json").read_text())["loss_curve"] is None

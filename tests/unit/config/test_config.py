@@ -179,7 +179,6 @@ def test_required_keys_are_listed(workdir: Path) -> None:
         ("template", "qwen3_nothink", "looks like a LLaMA-Factory template name"),
         ("template", "templates/chat.jinja", "does not exist"),
         ("optim", "adamw_torch", "TrainingArguments option that moetune does not expose"),
-        ("plot_loss", True, "trainer_state.json"),
         ("cpu_infer", 32, "moetune: {num_threads: N}"),
         ("quantization_bit", 4, "expert_format"),
         ("galore_rank", 16, "not supported yet"),
@@ -198,7 +197,7 @@ def test_keys_switched_off_are_accepted(workdir: Path) -> None:
     """A rejected LLaMA-Factory key set to the value that asks for nothing requests nothing moetune lacks."""
     offs = {key: rule.off[0] if isinstance(rule.off, tuple) else rule.off for key, rule in REJECTED.items()}
     off = {key: value for key, value in offs.items() if REJECTED[key].accepts(value)}
-    assert {"use_kt", "quantization_bit", "flash_attn", "plot_loss", "neat_packing"} <= set(off)
+    assert {"use_kt", "quantization_bit", "flash_attn", "neat_packing"} <= set(off)
     parse_config(minimal(**off))
 
 
@@ -373,3 +372,45 @@ def test_shipped_example_configs_parse(monkeypatch: pytest.MonkeyPatch) -> None:
     for path in configs:
         cfg = load_config(path.relative_to(root), check_model_path=False)
         assert cfg.data.train_sources, path
+
+
+def test_a_key_set_twice_is_refused_with_both_lines(workdir: Path) -> None:
+    """YAML keeps the last of two equal keys without a word; a config that sets one twice is refused."""
+    path = workdir / "train.yaml"
+    path.write_text(
+        "model_name_or_path: model\nlearning_rate: 1.0e-4\ndataset: alpaca_demo\noutput_dir: out\n"
+        "learning_rate: 2.0e-4\nmoetune:\n  device: cpu\n  device: auto\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    text = str(info.value)
+    assert (
+        str(path) in text
+        and "'learning_rate' on lines 2 and 5" in text
+        and "'device' on lines 7 and 8" in text
+    )
+    path.write_text("model_name_or_path: model\ndataset: alpaca_demo\noutput_dir: out\n")
+    assert (
+        load_config(path).training.plot_loss is True
+    )  # LLaMA-Factory's plot_loss: moetune's PNG, on by default
+
+
+def test_plot_loss_is_accepted(workdir: Path) -> None:
+    assert parse_config(minimal(plot_loss=True)).training.plot_loss is True
+    assert parse_config(minimal(plot_loss=False)).training.plot_loss is False
+
+
+def test_bf16_without_a_gpu_runs_on_the_cpu(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``device: auto`` on a machine without CUDA: transformers' bf16 check needs use_cpu, or it raises after
+    the model has loaded."""
+    from transformers import TrainingArguments
+
+    from moetune.config import training_args as module
+    from moetune.config import training_arguments_kwargs
+
+    monkeypatch.setattr(module, "_cuda_available", lambda: False)
+    kwargs = training_arguments_kwargs(parse_config(minimal(bf16=True)))
+    assert kwargs["use_cpu"] is True
+    assert TrainingArguments(**kwargs).bf16  # constructs: no "bf16 needs a GPU" ValueError
+    monkeypatch.setattr(module, "_cuda_available", lambda: True)
+    assert training_arguments_kwargs(parse_config(minimal(bf16=True)))["use_cpu"] is False
