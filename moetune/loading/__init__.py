@@ -4,9 +4,9 @@
 quantized checkpoints (one file per ``quant_method``), ``model_types`` maps checkpoint model types
 transformers lacks (``kimi_k2``) onto its own, ``expert_plan`` decides which tensors feed which experts
 module, ``stream`` fills the engines, ``hf`` is the seam with transformers' own loader, ``options`` parses
-the call's keyword arguments. ``convert`` writes pre-quantized expert stores (``store``: the files and their
-``manifest``; ``mapped``: memory-mapped reading) and ``from_store`` builds engines over one, in RAM or paged
-from disk.
+the call's keyword arguments. ``convert`` plans a checkpoint the same way and writes its routed experts as a
+pre-quantized store; the store itself (files, manifest, memory-mapped reading, engines over it in RAM or
+paged from disk) is ``moetune.store``, which this package imports and which never imports it.
 """
 
 from moetune.loading.load import load_model
