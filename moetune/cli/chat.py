@@ -50,7 +50,12 @@ def run(args: argparse.Namespace) -> int:
     from moetune.train.generation import complete, load_for_inference, render
 
     model, tok = load_for_inference(
-        args.model, args.adapter, device=args.device, dtype=args.dtype, progress=False
+        args.model,
+        args.adapter,
+        device=args.device,
+        dtype=args.dtype,
+        progress=False,
+        trust_remote_code=args.trust_remote_code,
     )
     if not args.raw and not tok.chat_template:
         raise ConfigError(

@@ -9,20 +9,32 @@ from typing import Any
 import torch
 
 
-def load_for_inference(model_dir: str | Path, adapter_dir: str | Path | None = None, **load_kwargs: Any):
+def load_for_inference(
+    model_dir: str | Path,
+    adapter_dir: str | Path | None = None,
+    *,
+    trust_remote_code: bool = False,
+    **load_kwargs: Any,
+):
     """(model, tokenizer): ``moetune.load_model`` (fp32 on CPU unless told otherwise) plus ``adapter_dir`` if given.
 
     The tokenizer comes from ``adapter_dir`` when it holds one (``moetune train`` saves it there), else from
-    ``model_dir``.
+    ``model_dir``, told moetune's config as ``moetune train`` does (``hf.load_tokenizer``); ``trust_remote_code``
+    reaches the tokenizer loader and ``load_model``.
     """
     from transformers import AutoTokenizer
 
     from moetune.adapters.load import load_model
+    from moetune.loading.hf import load_tokenizer
 
     load_kwargs = {"dtype": "float32", **load_kwargs}
     has_tokenizer = adapter_dir is not None and (Path(adapter_dir) / "tokenizer_config.json").is_file()
-    tokenizer = AutoTokenizer.from_pretrained(str(adapter_dir if has_tokenizer else model_dir))
-    model = load_model(model_dir, adapter=adapter_dir, **load_kwargs)
+    tokenizer = (
+        AutoTokenizer.from_pretrained(str(adapter_dir), trust_remote_code=trust_remote_code)
+        if has_tokenizer
+        else load_tokenizer(model_dir, trust_remote_code)
+    )
+    model = load_model(model_dir, adapter=adapter_dir, trust_remote_code=trust_remote_code, **load_kwargs)
     return model.eval(), tokenizer
 
 

@@ -31,3 +31,30 @@ def test_user_error_exits_2_with_message(capsys, tmp_path):
     rc = main(["bench", "engine", "--quick", "--json", str(tmp_path / "missing" / "out.json")])
     assert rc == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "many"])
+def test_max_new_tokens_must_be_positive(capsys, value):
+    """Refused by the parser (exit 2, the option named) before any model is read."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", "nowhere", "--prompt", "hi", "--max-new-tokens", value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--max-new-tokens" in err and value in err
+
+
+def test_trust_remote_code_reaches_the_loader(monkeypatch):
+    from moetune.train import generation
+
+    seen = {}
+
+    def fake(model, adapter, **kwargs):
+        seen.update(kwargs)
+        raise SystemExit(0)  # stop before generating
+
+    monkeypatch.setattr(generation, "load_for_inference", fake)
+    for argv in (["generate", "--prompt", "hi"], ["chat"]):
+        seen.clear()
+        with pytest.raises(SystemExit):
+            main([*argv, "--model", "m", "--trust-remote-code"])
+        assert seen["trust_remote_code"] is True
