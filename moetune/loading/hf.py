@@ -180,9 +180,8 @@ class KeyTarget:
     # A converter that splits one list of tensors over several modules (ERNIE-4.5-VL: experts 0..E-1 to the
     # text experts, E..2E-1 to the vision experts): all its targets in order, ``target`` first; else empty.
     split: tuple[str, ...] = ()
-    ops: tuple[
-        str, ...
-    ] = ()  # the converter's operations by class name (``Interleave``, ``Concatenate`` ...)
+    # the converter's operations by class name (``Interleave``, ``Concatenate`` ...)
+    ops: tuple[str, ...] = ()
 
 
 def checkpoint_targets(model: PreTrainedModel, keys: list[str]) -> dict[str, KeyTarget]:
