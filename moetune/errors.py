@@ -54,6 +54,18 @@ class DataError(MoetuneError, ValueError):
     """A dataset cannot be loaded or turned into training examples (missing fields, wrong format, no labels)."""
 
 
+class DivergenceError(MoetuneError):
+    """Training diverged: a non-finite loss, gradient norm or weight, or a collapse to a uniform guess."""
+
+
+class CheckpointError(MoetuneError):
+    """A training checkpoint to resume from is damaged (a truncated or unreadable file) or does not fit the run."""
+
+
+class OutputDirError(MoetuneError):
+    """The output folder cannot be written (read-only, a file in its place or in its path)."""
+
+
 LISTED = 12  # items an error message shows; the rest are counted
 
 

@@ -83,9 +83,20 @@ def _is_router(path: str, experts_blocks: set[str]) -> bool:
     return leaf in ROUTER_NAMES and block in experts_blocks
 
 
-def resolve_targets(model: nn.Module, targets: Sequence[str]) -> LoraTargets:
-    """Which modules of ``model`` get LoRA for ``lora_target`` ``targets``; ``AdapterError`` if nothing matches."""
-    experts = [p for p, m in model.named_modules() if isinstance(m, CpuExperts)]
+def resolve_targets(
+    model: nn.Module, targets: Sequence[str], experts: Sequence[str] | None = None
+) -> LoraTargets:
+    """Which modules of ``model`` get LoRA for ``lora_target`` ``targets``; ``AdapterError`` if nothing matches.
+
+    ``experts``: the routed-experts module paths; by default the model's ``CpuExperts``. A model built on the
+    meta device from the config (``moetune.train.preflight``, before any weight loads) passes the paths
+    ``moetune.arch.find_experts`` found, so a typo is reported with the same words before the load.
+    """
+    experts = (
+        list(experts)
+        if experts is not None
+        else [p for p, m in model.named_modules() if isinstance(m, CpuExperts)]
+    )
     blocks = {p.rpartition(".")[0] for p in experts}
     linears = [p for p, m in model.named_modules() if isinstance(m, nn.Linear)]
     if tuple(targets) == (ALL,):

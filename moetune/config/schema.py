@@ -31,6 +31,7 @@ from moetune.config.fields import (
 __all__ = [
     "ActivationPolicy",
     "DataConfig",
+    "DivergenceAction",
     "EngineConfig",
     "FinetuneConfig",
     "FinetuningType",
@@ -52,6 +53,13 @@ class FinetuningType(str, enum.Enum):
     """What is trained (LLaMA-Factory's ``finetuning_type``)."""
 
     LORA = "lora"
+
+
+class DivergenceAction(str, enum.Enum):
+    """What the numerical guard does on a non-finite loss or gradient norm (moetune.train.guards)."""
+
+    STOP = "stop"  # stop before the update, naming the step, the cause and the last good checkpoint
+    SKIP = "skip"  # skip that optimizer step (gradients dropped); stop after too many in a row
 
 
 class IntervalStrategy(str, enum.Enum):
@@ -211,6 +219,8 @@ class TrainingConfig:
     plot_loss: bool = option(True)
     dataloader_num_workers: int = option(0, check=non_negative)
     ddp_timeout: int = option(1800, check=positive)
+    # moetune's numerical guard: `stop` (default) or `skip` a step whose loss or gradient norm is NaN/Inf
+    on_divergence: DivergenceAction = option(DivergenceAction.STOP)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from moetune.arch.spec import supported_summary
 from moetune.errors import ArchError, LoadError, listing
@@ -61,6 +62,7 @@ def load_config(checkpoint: Checkpoint, trust_remote_code: bool = False) -> Any:
     """
     from transformers import CONFIG_MAPPING, AutoConfig
 
+    _check_config_mapping(checkpoint)
     model_type = checkpoint.model_type
     if not model_type:
         raise LoadError(f"{checkpoint.path}/config.json has no model_type: cannot tell the architecture")
@@ -86,8 +88,11 @@ def load_config(checkpoint: Checkpoint, trust_remote_code: bool = False) -> Any:
             config = CONFIG_MAPPING[alias.target].from_dict(alias.config_dict(checkpoint.config, where))
         else:
             config = AutoConfig.from_pretrained(str(checkpoint.path), trust_remote_code=False)
-    except (ValueError, KeyError, TypeError) as e:
-        raise LoadError(f"transformers cannot read {where} as a {model_type!r} config: {e}") from e
+    except (ValueError, KeyError, TypeError, StrictDataclassError) as e:
+        # StrictDataclassError: a field of the wrong type (``"hidden_size": "64"``), from huggingface_hub
+        raise LoadError(
+            f"transformers cannot read {where} as a {model_type!r} config: {e}; fix that field of config.json"
+        ) from e
     if alias is not None or (trust_remote_code and remote):
         logger.info(
             "moetune: %s (model_type %r) loads as transformers' own %s%s",
@@ -101,6 +106,16 @@ def load_config(checkpoint: Checkpoint, trust_remote_code: bool = False) -> Any:
         # holds the experts in its engine, so the transformers model is not a quantized one.
         del config.quantization_config
     return config
+
+
+def _check_config_mapping(checkpoint: Checkpoint) -> None:
+    """``LoadError`` unless config.json holds one JSON object (a list or a number parses, then fails deep in
+    transformers)."""
+    if not isinstance(checkpoint.config, Mapping):
+        raise LoadError(
+            f"{checkpoint.path}/config.json holds a JSON {type(checkpoint.config).__name__}, not an object of "
+            "config fields; restore the model's config.json"
+        )
 
 
 def model_class(config: Any) -> tuple[type[PreTrainedModel], Any]:

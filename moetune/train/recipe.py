@@ -1,8 +1,10 @@
 """``moetune train``: setup -> train -> save, top to bottom.
 
-config (validated) -> tokenizer + datasets (data errors surface before the model loads)
+config (validated) -> preflight (output_dir writable, model headers and lora_target on a meta-device model,
+  resume checkpoint complete) -> tokenizer + datasets (data errors surface before the model loads)
   -> moetune.load_model (routed experts into CPU engines) -> LoRA attached (attention/dense via PEFT,
-     experts in the engine) -> MoetuneTrainer (transformers Trainer) -> train (optionally resumed)
+     experts in the engine) -> MoetuneTrainer (transformers Trainer; NumericalGuard stops or skips a diverged
+     step) -> train (optionally resumed)
   -> output_dir: adapter (stock PEFT), tokenizer, trainer_state.json, loss_curve.png, run_summary.json
 """
 
@@ -39,11 +41,12 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
 
     from moetune.adapters.apply import LoraSettings, attach_lora
     from moetune.loading import load_model
-    from moetune.loading.hf import load_tokenizer
     from moetune.train.data import prepare_datasets
+    from moetune.train.preflight import check_before_load, load_tokenizer
 
     model_path = cfg.model.model_name_or_path
-    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    check_before_load(cfg)  # output_dir, model files, lora_target, resume checkpoint: before any weight loads
+    tokenizer = load_tokenizer(cfg)
     data = prepare_datasets(cfg.data, tokenizer, seed=cfg.training.seed)
     model = load_model(
         model_path,
@@ -66,6 +69,7 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any
     """Run transformers' training loop (resuming when the config says so); returns the trainer."""
     from transformers import PrinterCallback, TrainingArguments
 
+    from moetune.train.guards import NumericalGuard
     from moetune.train.trainer import MoetuneTrainer, ProgressBar
 
     args = TrainingArguments(
@@ -74,6 +78,7 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any
         activation_checkpointing_kwargs={"use_reentrant": False},
         include_num_input_tokens_seen="non_padding",
         disable_tqdm=True,  # ProgressBar replaces the Trainer's bar
+        logging_nan_inf_filter=False,  # a NaN loss is logged as NaN; NumericalGuard stops or skips that step
     )
     trainer = MoetuneTrainer(
         model=peft_model,
@@ -83,11 +88,17 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any
         data_collator=data.collator,
         processing_class=tokenizer,
         callbacks=[ProgressBar()],
+        guard=NumericalGuard(cfg.training.on_divergence, _vocab_size(peft_model)),
     )
     trainer.remove_callback(PrinterCallback)  # ProgressBar prints the logs
     resume = cfg.training.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=str(resume) if isinstance(resume, Path) else resume)
     return trainer
+
+
+def _vocab_size(peft_model: Any) -> int | None:
+    """The output vocabulary of the model (the uniform-guess loss is its log), None if its config has none."""
+    return getattr(peft_model.get_base_model().config.get_text_config(), "vocab_size", None)
 
 
 def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> dict[str, Any]:

@@ -14,6 +14,9 @@ RNG, trainer state, rotation) writes ``checkpoint-N`` inside a staging folder ``
 the complete folder is renamed into place, so a crash mid-save leaves no ``checkpoint-N`` for
 ``resume_from_checkpoint`` (transformers' ``get_last_checkpoint`` matches ``checkpoint-N`` only). transformers
 5.24 has no such mechanism of its own: it writes into ``checkpoint-N`` file by file.
+
+Given a ``guard`` (``moetune.train.guards.NumericalGuard``), every micro-batch's loss and every step's gradient
+norm reach it before ``optimizer.step()``, so a diverged step is stopped or skipped before it is applied.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from moetune.atomic import replace_folder
+from moetune.train.guards import NumericalGuard
 
 STAGING_PREFIX = "tmp-"  # tmp-checkpoint-N: matched neither by get_last_checkpoint nor by checkpoint rotation
 
@@ -38,6 +42,25 @@ class MoetuneTrainer(Trainer):
 
     # the folder Trainer._save_checkpoint writes under while a checkpoint is staged
     _staging: str | None = None
+
+    def __init__(self, *args: Any, guard: NumericalGuard | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.guard = guard
+        if guard is not None:
+            self.add_callback(guard)
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.guard is not None:
+            self.guard.add_loss(loss)
+        return loss
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        # called once per optimizer step, after clipping and right before optimizer.step()
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        if self.guard is not None:
+            self.guard.check_step(grad_norm, model, self.state)
+        return grad_norm
 
     def _get_output_dir(self, trial: Any) -> str:
         return self._staging if self._staging is not None else super()._get_output_dir(trial)

@@ -1,0 +1,232 @@
+"""Checks ``moetune train`` runs after the config parses and before the model loads.
+
+Everything here reads headers, small files and a model built on the meta device, so a mistake costs seconds,
+not a load of hundreds of GB of experts followed by a traceback at the first save or resume:
+
+- ``output_dir`` can be written: a file is created and removed in it (or in its nearest existing parent);
+- the model folder: ``load_model``'s own planning (config.json, safetensors headers, architecture, expert
+  layout) on a meta-device model, no integer-typed float weight (which transformers would silently cast),
+  and tokenizer files present;
+- ``lora_target`` resolves on that meta-device model with ``attach_lora``'s own resolution;
+- the checkpoint to resume from is complete (:func:`check_resume_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from moetune.config import MoetuneConfig
+from moetune.errors import CheckpointError, LoadError, MoetuneError, OutputDirError, listing
+from moetune.train.guards import checkpoints
+
+logger = logging.getLogger(__name__)
+
+# files of which a model folder needs at least one for transformers to build its tokenizer
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "tiktoken.model",
+)
+TRAINER_STATE = "trainer_state.json"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_FLOAT_CODES = ("F64", "F32", "F16", "BF16")
+_PEFT_PREFIX = "base_model.model."
+
+
+def check_before_load(cfg: MoetuneConfig) -> None:
+    """Every check of this module, in order; raises the first problem's ``MoetuneError``."""
+    from moetune.adapters.apply import resolve_targets
+    from moetune.loading.load import plan_load
+    from moetune.loading.options import LoadOptions
+
+    check_output_dir(cfg.training.output_dir)
+    model_path = cfg.model.model_name_or_path
+    planned = plan_load(
+        model_path,
+        LoadOptions.create(
+            dtype="bfloat16" if cfg.training.bf16 else "float32",
+            experts=cfg.engine.experts,
+            trust_remote_code=cfg.model.trust_remote_code,
+        ),
+    )
+    check_weight_dtypes(planned)
+    check_tokenizer_files(Path(model_path))
+    experts = [site.path for site in planned.sites]
+    targets = resolve_targets(planned.model, cfg.finetune.lora_target, experts)
+    resume = resume_checkpoint(cfg)
+    if resume is not None:
+        check_resume_checkpoint(resume, cfg, {*targets.linear, *targets.experts})
+
+
+def check_output_dir(out: Path) -> None:
+    """``OutputDirError`` unless a file can be created (and is then removed) in ``out``, or in its nearest
+    existing parent when ``out`` does not exist yet (the Trainer creates it at the first save)."""
+    probe = out
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise OutputDirError(
+            f"output_dir {out}: {probe} is a file, not a folder, so {out} cannot be created; "
+            "choose an output_dir whose parents are folders"
+        )
+    try:
+        fd, name = tempfile.mkstemp(prefix=".moetune-write-test-", dir=probe)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as err:
+        raise OutputDirError(
+            f"output_dir {out}: cannot write in {probe} ({err.strerror or err}); checkpoints and the adapter "
+            "would fail at the first save, after the training. Choose a writable output_dir or fix its permissions"
+        ) from None
+
+
+def check_weight_dtypes(planned: Any) -> None:
+    """``LoadError`` for a non-expert weight stored as integers where the model holds floats (an unquantized
+    checkpoint's ``q_proj`` saved as I32 would otherwise be cast silently)."""
+    meta = planned.model.state_dict()
+    bad = []
+    for key in planned.plan.other_keys:
+        info, dest = planned.checkpoint.tensors[key], planned.targets[key]
+        target = meta.get(dest.target)
+        if target is not None and target.is_floating_point() and info.dtype not in _FLOAT_CODES:
+            bad.append(f"{info.file}: {key} is stored as {info.dtype}")
+    if bad:
+        raise LoadError(
+            f"checkpoint {planned.checkpoint.path}: {len(bad)} weight(s) the model holds as floating point are "
+            f"stored as integers, which would be cast without scaling:{listing(bad)}\nA quantized checkpoint "
+            "needs its quantization_config in config.json; otherwise re-save these weights in F32/BF16/F16"
+        )
+
+
+def check_tokenizer_files(model_path: Path) -> None:
+    """``LoadError`` when the model folder has none of the files a tokenizer is built from (transformers would
+    otherwise build an empty one and the data step would report a missing chat template)."""
+    if (
+        model_path.is_dir()
+        and not any((model_path / f).is_file() for f in TOKENIZER_FILES)
+        and not any(model_path.glob("*.tiktoken"))
+    ):
+        raise LoadError(
+            f"{model_path} has no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}, *.tiktoken); copy the "
+            "tokenizer of the model (tokenizer.json and tokenizer_config.json) into the folder"
+        )
+
+
+def load_tokenizer(cfg: MoetuneConfig) -> Any:
+    """The model's tokenizer (``moetune.loading.hf.load_tokenizer``), with an unreadable tokenizer file reported as a
+    ``LoadError`` naming the folder rather than a tokenizers or JSON traceback."""
+    from moetune.loading.hf import load_tokenizer as load
+
+    path = Path(cfg.model.model_name_or_path)
+    check_tokenizer_files(path)
+    try:
+        return load(path, cfg.model.trust_remote_code)
+    except MoetuneError:
+        raise
+    except (
+        OSError,
+        ValueError,
+        TypeError,
+        KeyError,
+    ) as err:  # tokenizers' and json's errors on damaged files
+        raise LoadError(
+            f"cannot build the tokenizer from {path} (is tokenizer.json or tokenizer_config.json damaged?): "
+            f"{type(err).__name__}: {err}"
+        ) from None
+
+
+def resume_checkpoint(cfg: MoetuneConfig) -> Path | None:
+    """The checkpoint folder the run resumes from: the config's path, or for ``true`` the newest
+    ``checkpoint-N`` in output_dir (as ``Trainer.train`` picks it), or None."""
+    resume = cfg.training.resume_from_checkpoint
+    if isinstance(resume, Path):
+        return resume
+    if resume is True:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        last = get_last_checkpoint(str(cfg.training.output_dir))
+        return Path(last) if last else None
+    return None
+
+
+def checkpoint_problems(folder: Path, cfg: MoetuneConfig, targets: set[str]) -> list[str]:
+    """What is wrong with checkpoint ``folder`` for a run of ``cfg`` whose LoRA goes on module paths ``targets``:
+    unreadable files (torch ``.pt``/``.pth``/``.bin`` zip directories, the safetensors header and data size,
+    JSON files), and an adapter whose rank, alpha, rsLoRA or modules differ from the run's."""
+    from moetune.tensorfile import read_header
+
+    problems = []
+    for name in (TRAINER_STATE, ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (folder / name).is_file():
+            problems.append(f"{name} is missing")
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        try:
+            if path.suffix in (".pt", ".pth", ".bin"):
+                with zipfile.ZipFile(path) as archive:  # torch.save writes a zip; its directory is at the end
+                    archive.infolist()
+            elif path.suffix == ".safetensors":
+                read_header(path)
+            elif path.suffix == ".json":
+                json.loads(path.read_text())
+        except (zipfile.BadZipFile, LoadError, ValueError, OSError) as err:
+            problems.append(f"{path.name} is damaged or truncated ({err})")
+    if problems:
+        return problems
+    state = json.loads((folder / TRAINER_STATE).read_text())
+    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
+        problems.append(f"{TRAINER_STATE} has no global_step: not a Trainer state")
+    adapter = json.loads((folder / ADAPTER_CONFIG).read_text())
+    ft = cfg.finetune
+    for key, saved, want in (
+        ("lora_rank", adapter.get("r"), ft.lora_rank),
+        ("lora_alpha", adapter.get("lora_alpha"), ft.lora_alpha),
+        ("use_rslora", adapter.get("use_rslora", False), ft.use_rslora),
+    ):
+        if saved != want:
+            problems.append(f"{ADAPTER_CONFIG} was trained with {key} {saved}; this config has {key} {want}")
+    saved_modules = {
+        key.removeprefix(_PEFT_PREFIX).split(".lora_")[0].removesuffix(".base_layer")
+        for key in read_header(folder / ADAPTER_WEIGHTS)
+    }
+    if saved_modules != targets:
+        extra, missing = _leaves(saved_modules - targets), _leaves(targets - saved_modules)
+        problems.append(
+            f"{ADAPTER_WEIGHTS} holds LoRA on other modules than this config's lora_target "
+            f"{list(ft.lora_target)} selects (modules only in the checkpoint: {listing(extra, inline=True) or 'none'}; "
+            f"only in this run: {listing(missing, inline=True) or 'none'})"
+        )
+    return problems
+
+
+def _leaves(paths: set[str]) -> list[str]:
+    """Module names without their layer paths (``model.layers.3.self_attn.k_proj`` -> ``k_proj``), for messages."""
+    return sorted({p.rpartition(".")[2] for p in paths})
+
+
+def check_resume_checkpoint(folder: Path, cfg: MoetuneConfig, targets: set[str]) -> None:
+    """``CheckpointError`` naming each damaged file or mismatch of ``folder`` and the newest other checkpoint
+    beside it that passes the same checks."""
+    problems = checkpoint_problems(folder, cfg, targets)
+    if not problems:
+        return
+    others = [path for _, path in sorted(checkpoints(folder.parent), reverse=True) if path != folder]
+    good = next((p for p in others if not checkpoint_problems(p, cfg, targets)), None)
+    offer = (
+        f"The previous complete checkpoint is {good}: set resume_from_checkpoint: {good}"
+        if good is not None
+        else "No other checkpoint beside it passes these checks: remove resume_from_checkpoint to start over"
+    )
+    raise CheckpointError(
+        f"resume_from_checkpoint {folder} cannot be resumed:{listing(problems)}\n{offer} (or restore the "
+        "damaged files; a run whose LoRA settings changed cannot resume another's checkpoint)."
+    )
