@@ -139,6 +139,9 @@ def read_dataset(spec: DatasetSpec, cache_dir: str | Path | None = None) -> Any:
             raise DataError(
                 f"dataset {spec.name!r}: folder {path} mixes file types {sorted(builders)}; keep one"
             )
+        for f in files:
+            if FILE_BUILDERS[f.suffix.lower()] in TEXT_BUILDERS:
+                check_utf8(spec.name, f)
         return datasets.load_dataset(
             builders.pop(),
             data_files=[str(f) for f in files],
@@ -155,6 +158,41 @@ def read_dataset(spec: DatasetSpec, cache_dir: str | Path | None = None) -> Any:
         ):
             raise DataError(f"dataset {spec.name!r} ({path}) has no rows") from None
         raise DataError(f"dataset {spec.name!r}: cannot read {path}: {type(err).__name__}: {err}") from None
+
+
+TEXT_BUILDERS = ("json", "csv", "text")  # file formats read as text: their bytes must be UTF-8
+_UTF8_CHUNK = 1 << 24  # bytes decoded at a time: memory stays bounded for files of any size
+
+
+def check_utf8(name: str, path: Path) -> None:
+    """``DataError`` naming ``path`` and the line of its first byte sequence that is not UTF-8.
+
+    pyarrow reads such bytes into a dataset and fails only when the row is read back, with a
+    ``UnicodeDecodeError`` naming neither file nor row; this pass reads the file once, a chunk at a time.
+    """
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = lines = 0
+    with path.open("rb") as f:
+        while True:
+            chunk = f.read(_UTF8_CHUNK)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as err:
+                # err.start counts from the bytes the decoder held back (at most 3) plus this chunk
+                held = len(err.object) - len(chunk)
+                bad = max(err.start - held, 0)
+                line = lines + chunk[:bad].count(b"\n") + 1
+                raise DataError(
+                    f"dataset {name!r}: {path} is not UTF-8 text: line {line} (byte {offset + bad}) holds "
+                    f"{err.object[err.start : err.end]!r}, which UTF-8 cannot decode ({err.reason}). Re-encode "
+                    f"the file as UTF-8 (e.g. iconv -f latin1 -t utf-8) or fix that line"
+                ) from None
+            if not chunk:
+                return
+            offset += len(chunk)
+            lines += chunk.count(b"\n")
 
 
 def detect_layout(spec: DatasetSpec, columns: Sequence[str], first_row: Mapping[str, Any] | None) -> Layout:
