@@ -56,6 +56,11 @@ class Checkpoint:
             config = json.loads(config_file.read_text())
         except ValueError as e:
             raise LoadError(f"{config_file} is not valid JSON: {e}") from e
+        if not isinstance(config, dict):  # a list or a number parses, then fails deep in transformers
+            raise LoadError(
+                f"{config_file} holds a JSON {type(config).__name__}, not an object of config fields; "
+                "restore the model's config.json"
+            )
         files, expected = _weight_files(root)
         tensors: dict[str, TensorInfo] = {}
         for name in files:

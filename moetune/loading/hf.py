@@ -62,7 +62,6 @@ def load_config(checkpoint: Checkpoint, trust_remote_code: bool = False) -> Any:
     """
     from transformers import CONFIG_MAPPING, AutoConfig
 
-    _check_config_mapping(checkpoint)
     model_type = checkpoint.model_type
     if not model_type:
         raise LoadError(f"{checkpoint.path}/config.json has no model_type: cannot tell the architecture")
@@ -106,16 +105,6 @@ def load_config(checkpoint: Checkpoint, trust_remote_code: bool = False) -> Any:
         # holds the experts in its engine, so the transformers model is not a quantized one.
         del config.quantization_config
     return config
-
-
-def _check_config_mapping(checkpoint: Checkpoint) -> None:
-    """``LoadError`` unless config.json holds one JSON object (a list or a number parses, then fails deep in
-    transformers)."""
-    if not isinstance(checkpoint.config, Mapping):
-        raise LoadError(
-            f"{checkpoint.path}/config.json holds a JSON {type(checkpoint.config).__name__}, not an object of "
-            "config fields; restore the model's config.json"
-        )
 
 
 def model_class(config: Any) -> tuple[type[PreTrainedModel], Any]:
