@@ -177,9 +177,14 @@ def expert_option_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
         for name in values
         if name not in checks
     ]
+    # null is the default only where the default is None; elsewhere (a YAML `activation_policy:` left empty) it is
+    # checked like any other value
+    nullable = {f.name for f in dataclasses.fields(ExpertOptions) if f.default is None}
     for name, check in checks.items():
         value = values.get(name)
-        if value is not None and (message := check(value)) is not None:
+        if (value is not None or (name in values and name not in nullable)) and (
+            message := check(value)
+        ) is not None:
             problems.append((name, f"got {value!r}; {message}"))
     bad = {name for name, _ in problems}
     expert_format = values.get("expert_format", AUTO)

@@ -50,13 +50,18 @@ def load_config(path: str | Path, *, check_model_path: bool = True) -> MoetuneCo
 
     path = Path(path)
     try:
-        loader = _unique_keys_loader()(path.read_text())
+        loader = _unique_keys_loader()(path.read_text(encoding="utf-8"))
         try:
             raw = loader.get_single_data()
         finally:
             loader.dispose()
     except OSError as err:
         raise ConfigError(f"cannot read config file {path}: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{path} is not UTF-8 text (byte {err.start} is {err.object[err.start : err.end]!r}); save the config "
+            "as UTF-8"
+        ) from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {err}") from None
     if loader.duplicates:
