@@ -89,11 +89,30 @@ class NumericalGuard(TrainerCallback):
         self._zero_since: int | None = None  # first step of the current run of zero-gradient steps at ln V
         self._skips_in_a_row = 0
         self._output_dir = "."
+        # since the last logged loss: finite step losses, and how many steps were skipped
+        self._window: list[float] = []
+        self._window_skipped = 0
 
-    def add_loss(self, loss: torch.Tensor) -> None:
-        """Record one micro-batch's loss (a 0-d tensor, as ``Trainer.training_step`` returns it)."""
+    def add_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Record one micro-batch's loss (a 0-d tensor, as ``Trainer.training_step`` returns it); returns the
+        loss the Trainer should add to its running sum: ``loss``, or in ``skip`` mode 0 for a non-finite one
+        (the Trainer resets that sum by subtracting it from itself, so one NaN would make every later logged
+        loss NaN; :meth:`window_logs` then logs the mean of the finite steps instead)."""
         loss = loss.detach()
         self._loss = loss if self._loss is None else self._loss + loss
+        if self.action is DivergenceAction.SKIP and not bool(torch.isfinite(loss)):
+            return torch.zeros_like(loss)
+        return loss
+
+    def window_logs(self) -> dict[str, float]:
+        """Called when the Trainer logs a training loss: with steps skipped since the last log, the loss to log
+        instead (the mean of the window's finite step losses; NaN if none) and ``skipped_steps``; else nothing
+        (the Trainer's own mean is exact)."""
+        window, skipped = self._window, self._window_skipped
+        self._window, self._window_skipped = [], 0
+        if not skipped:
+            return {}
+        return {"loss": sum(window) / len(window) if window else math.nan, "skipped_steps": skipped}
 
     def check_step(self, grad_norm: Any, model: Any, state: Any) -> None:
         """Before ``optimizer.step()``: judge the step that is about to be applied (``state.global_step + 1``).
@@ -104,6 +123,8 @@ class NumericalGuard(TrainerCallback):
         loss = float(self._loss) if self._loss is not None else float("nan")
         self._loss = None
         norm = None if grad_norm is None else float(grad_norm)
+        if math.isfinite(loss):
+            self._window.append(loss)
         if not math.isfinite(loss) or (norm is not None and not math.isfinite(norm)):
             self._non_finite(step, loss, norm, model)
             return
@@ -117,6 +138,7 @@ class NumericalGuard(TrainerCallback):
         if self.action is DivergenceAction.SKIP and self._skips_in_a_row + 1 < MAX_SKIPS_IN_A_ROW:
             self._skips_in_a_row += 1
             self.skipped.append(step)
+            self._window_skipped += 1
             model.zero_grad(set_to_none=True)  # torch optimizers skip parameters without a gradient
             logger.warning(
                 "moetune: step %d skipped (on_divergence: skip): %s Its gradients were dropped; the optimizer "

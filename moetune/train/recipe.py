@@ -134,6 +134,8 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
         "final_eval_loss": next(
             (h["eval_loss"] for h in reversed(state.log_history) if "eval_loss" in h), None
         ),
+        # optimizer steps the numerical guard skipped (on_divergence: skip); their loss is logged as computed
+        "skipped_steps": list(trainer.guard.skipped) if trainer.guard is not None else [],
         "peak_ram_gb": round(peak_ram_gb(), 3),
         "peak_vram_gb": peak_vram_gb(),
         "loss_curve": str(curve) if curve else None,

@@ -51,9 +51,12 @@ class MoetuneTrainer(Trainer):
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if self.guard is not None:
-            self.guard.add_loss(loss)
-        return loss
+        return self.guard.add_loss(loss) if self.guard is not None else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.guard is not None and "loss" in logs:
+            logs = {**logs, **self.guard.window_logs()}  # a window with skipped steps: its finite steps' mean
+        super().log(logs, start_time)
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
         # called once per optimizer step, after clipping and right before optimizer.step()

@@ -451,16 +451,14 @@ def test_an_exploding_learning_rate_collapse_stops(tmp_path, demo_model) -> None
     assert good and "checkpoint-1" in good[0]  # the collapse began in the update of step 2
 
 
-@pytest.mark.parametrize("where", ["loss", "gradient"])
-def test_an_injected_inf_stops_before_the_update(tmp_path, demo_model, where) -> None:
-    """An inf in the logits at step 3 (loss inf), or in the gradient flowing into lm_head (loss finite)."""
-    cfg = load_config(write(tmp_path, config(tmp_path, demo_model)))
-    peft_model, tokenizer, data = recipe.setup(cfg, progress=False)
+def _inject_inf_at_call(peft_model, call: int, where: str) -> None:
+    """An inf in the logits of forward call ``call`` (loss inf), or in the gradient flowing into lm_head (loss
+    finite, gradient norm inf)."""
     calls = []
 
     def inject(module, args, out):
         calls.append(1)
-        if len(calls) != 3:
+        if len(calls) != call:
             return None
         if where == "loss":
             return out * math.inf
@@ -468,7 +466,31 @@ def test_an_injected_inf_stops_before_the_update(tmp_path, demo_model, where) ->
         return None
 
     peft_model.get_base_model().lm_head.register_forward_hook(inject)
+
+
+@pytest.mark.parametrize("where", ["loss", "gradient"])
+def test_an_injected_inf_stops_before_the_update(tmp_path, demo_model, where) -> None:
+    cfg = load_config(write(tmp_path, config(tmp_path, demo_model)))
+    peft_model, tokenizer, data = recipe.setup(cfg, progress=False)
+    _inject_inf_at_call(peft_model, 3, where)
     with pytest.raises(DivergenceError, match=f"diverged at step 3: the {where}") as err:
         recipe.train(cfg, peft_model, tokenizer, data)
     assert f"Last good checkpoint: {tmp_path / 'out/checkpoint-2'}" in str(err.value)
     _assert_nothing_diverged_saved(tmp_path / "out", "checkpoint-2")
+
+
+def test_skip_mode_through_the_recipe_logs_the_loss_unfiltered(tmp_path, demo_model) -> None:
+    """on_divergence: skip: the run finishes, the skipped step is in run_summary.json and in the log, every
+    logged loss is finite (one NaN in the Trainer's running sum would make all later ones NaN), and the adapter
+    is finite."""
+    cfg = load_config(write(tmp_path, config(tmp_path, demo_model, on_divergence="skip")))
+    peft_model, tokenizer, data = recipe.setup(cfg, progress=False)
+    _inject_inf_at_call(peft_model, 3, "loss")
+    trainer = recipe.train(cfg, peft_model, tokenizer, data)
+    summary = recipe.save(cfg, trainer, tokenizer, 0.0)
+    assert summary["skipped_steps"] == [3] and summary["steps"] == 4
+    logs = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    assert logs[3]["skipped_steps"] == 1 and math.isnan(logs[3]["loss"])  # no finite loss in that window
+    assert all(math.isfinite(logs[s]["loss"]) and "skipped_steps" not in logs[s] for s in (1, 2, 4))
+    adapter = load_file(tmp_path / "out" / "adapter_model.safetensors")
+    assert all(torch.isfinite(t).all() for t in adapter.values())

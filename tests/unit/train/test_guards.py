@@ -41,7 +41,14 @@ def rows(n: int, bad: int | None = None) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def run(tmp_path, data, steps: int, action=DivergenceAction.STOP, save_steps: int | None = None) -> nn.Module:
+def run(
+    tmp_path,
+    data,
+    steps: int,
+    action=DivergenceAction.STOP,
+    save_steps: int | None = None,
+    logging_steps: int = 500,
+) -> nn.Module:
     torch.manual_seed(0)
     model = Toy()
     args = TrainingArguments(
@@ -54,6 +61,7 @@ def run(tmp_path, data, steps: int, action=DivergenceAction.STOP, save_steps: in
         logging_nan_inf_filter=False,
         save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500,
+        logging_steps=logging_steps,
         report_to="none",
         use_cpu=True,
         disable_tqdm=True,
@@ -61,6 +69,7 @@ def run(tmp_path, data, steps: int, action=DivergenceAction.STOP, save_steps: in
     )
     trainer = MoetuneTrainer(model=model, args=args, train_dataset=data, guard=NumericalGuard(action, None))
     trainer.train()
+    model.log_history = trainer.state.log_history  # type: ignore[assignment]
     return model
 
 
@@ -85,10 +94,15 @@ def test_a_non_finite_loss_stops_before_the_update(tmp_path) -> None:
 
 
 def test_skip_mode_equals_a_run_without_the_bad_step(tmp_path) -> None:
-    skipped = run(tmp_path / "a", rows(4, bad=2), steps=5, action=DivergenceAction.SKIP)
-    without = run(tmp_path / "b", rows(4), steps=4)
+    skipped = run(tmp_path / "a", rows(4, bad=2), steps=5, action=DivergenceAction.SKIP, logging_steps=2)
+    without = run(tmp_path / "b", rows(4), steps=4, logging_steps=1)
     for a, b in zip(params(skipped), params(without), strict=True):
         assert torch.equal(a, b)  # bitwise: no parameter, no optimizer state moved at the skipped step
+    # the window of steps 3-4 (3 skipped) logs step 4's loss alone, which is step 3 of the run without it
+    logged = {h["step"]: h for h in skipped.log_history if "loss" in h}
+    reference = {h["step"]: h["loss"] for h in without.log_history if "loss" in h}
+    assert logged[4]["skipped_steps"] == 1 and logged[4]["loss"] == pytest.approx(reference[3], rel=1e-6)
+    assert "skipped_steps" not in logged[2]
 
 
 def test_skip_mode_stops_after_too_many_bad_steps_in_a_row(tmp_path) -> None:
