@@ -180,12 +180,11 @@ def check_utf8(name: str, path: Path) -> None:
             try:
                 decoder.decode(chunk, final=not chunk)
             except UnicodeDecodeError as err:
-                # err.start counts from the bytes the decoder held back (at most 3) plus this chunk
+                # err.object is the bytes the decoder held back (an incomplete character, no newline) + this chunk
                 held = len(err.object) - len(chunk)
-                bad = max(err.start - held, 0)
-                line = lines + chunk[:bad].count(b"\n") + 1
+                line = lines + err.object[: err.start].count(b"\n") + 1
                 raise DataError(
-                    f"dataset {name!r}: {path} is not UTF-8 text: line {line} (byte {offset + bad}) holds "
+                    f"dataset {name!r}: {path} is not UTF-8 text: line {line} (byte {offset - held + err.start}) holds "
                     f"{err.object[err.start : err.end]!r}, which UTF-8 cannot decode ({err.reason}). Re-encode "
                     f"the file as UTF-8 (e.g. iconv -f latin1 -t utf-8) or fix that line"
                 ) from None

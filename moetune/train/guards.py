@@ -212,8 +212,11 @@ class NumericalGuard(TrainerCallback):
         self._output_dir = args.output_dir
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        # runs after DefaultFlowCallback has decided whether this step saves, and before the save
         if control.should_save and model is not None:
             self._check_weights(model, state, f"checkpoint-{state.global_step}")
+
+    on_epoch_end = on_step_end  # save_strategy: epoch decides there, and saves right after
 
     def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if model is not None:

@@ -34,12 +34,14 @@ TOKENIZER_FILES = (
     "vocab.json",
     "vocab.txt",
     "spiece.model",
+    "sentencepiece.bpe.model",
     "tiktoken.model",
 )
 TRAINER_STATE = "trainer_state.json"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_FLOAT_CODES = ("F64", "F32", "F16", "BF16")
+# integer safetensors codes; a float weight stored so is a mistake unless a quantization method reads it
+_INTEGER_CODES = ("I64", "I32", "I16", "I8", "U8", "BOOL")
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -93,12 +95,14 @@ def check_output_dir(out: Path) -> None:
 def check_weight_dtypes(planned: Any) -> None:
     """``LoadError`` for a non-expert weight stored as integers where the model holds floats (an unquantized
     checkpoint's ``q_proj`` saved as I32 would otherwise be cast silently)."""
+    if planned.method is not None:  # quantized: the method reads its codes and scales (moetune.loading.quant)
+        return
     meta = planned.model.state_dict()
     bad = []
     for key in planned.plan.other_keys:
         info, dest = planned.checkpoint.tensors[key], planned.targets[key]
         target = meta.get(dest.target)
-        if target is not None and target.is_floating_point() and info.dtype not in _FLOAT_CODES:
+        if target is not None and target.is_floating_point() and info.dtype in _INTEGER_CODES:
             bad.append(f"{info.file}: {key} is stored as {info.dtype}")
     if bad:
         raise LoadError(

@@ -222,5 +222,6 @@ def test_yaml_trust_remote_code_reaches_the_config_loader(instruct, tmp_path, mo
     }
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     peft_model, _, _ = setup(load_config(tmp_path / "cfg.yaml"), progress=False)
-    assert seen == [True, True]  # the tokenizer is told moetune's config (hf.load_tokenizer), then the model
+    # the preflight's meta-device plan, the tokenizer (told moetune's config: hf.load_tokenizer), then the model
+    assert seen == [True, True, True]
     assert {e.weights.name for e in engines(peft_model).values()} == {"fp8_block"}
