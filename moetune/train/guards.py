@@ -171,13 +171,14 @@ class NumericalGuard(TrainerCallback):
         if self._zero_since is None:
             self._zero_since = step
         if step - self._zero_since + 1 >= COLLAPSE_STEPS:
+            # checkpoint-N holds N updates, and the update of step zero_since - 1 made the collapsed weights
+            began = self._zero_since - 1
             self._stop(
                 step,
-                self._zero_since
-                - 1,  # checkpoint-N holds N updates: the collapse began in the update of its step
+                began,
                 f"the model collapsed to a uniform guess: the gradient norm was exactly 0.0 for the last "
                 f"{step - self._zero_since + 1} steps ({self._zero_since}..{step}) while the loss sat at "
-                f"ln(vocab_size) = {uniform:.4f} (loss {loss:.4f}); the weights no longer depend on the input. "
+                f"ln(vocab_size) = {uniform:.4f} (loss {loss:.4f}); the output no longer depends on the input. "
                 "This follows a learning rate that blew the weights up: lower learning_rate or add warmup.",
             )
 

@@ -45,8 +45,9 @@ _INTEGER_CODES = ("I64", "I32", "I16", "I8", "U8", "BOOL")
 _PEFT_PREFIX = "base_model.model."
 
 
-def check_before_load(cfg: MoetuneConfig) -> None:
-    """Every check of this module, in order; raises the first problem's ``MoetuneError``."""
+def check_before_load(cfg: MoetuneConfig, dtype: str) -> None:
+    """Every check of this module, in order, for a model to be loaded in ``dtype``; raises the first problem's
+    ``MoetuneError``."""
     from moetune.adapters.apply import resolve_targets
     from moetune.loading.load import plan_load
     from moetune.loading.options import LoadOptions
@@ -56,7 +57,7 @@ def check_before_load(cfg: MoetuneConfig) -> None:
     planned = plan_load(
         model_path,
         LoadOptions.create(
-            dtype="bfloat16" if cfg.training.bf16 else "float32",
+            dtype=dtype,
             experts=cfg.engine.experts,
             trust_remote_code=cfg.model.trust_remote_code,
         ),

@@ -45,14 +45,16 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     from moetune.train.preflight import check_before_load, load_tokenizer
 
     model_path = cfg.model.model_name_or_path
-    check_before_load(cfg)  # output_dir, model files, lora_target, resume checkpoint: before any weight loads
+    # bf16 training keeps bf16 weights; otherwise fp32 (exact, twice the memory)
+    dtype = "bfloat16" if cfg.training.bf16 else "float32"
+    # output_dir, model files, lora_target, resume checkpoint: checked before any weight loads
+    check_before_load(cfg, dtype)
     tokenizer = load_tokenizer(cfg)
     data = prepare_datasets(cfg.data, tokenizer, seed=cfg.training.seed)
     model = load_model(
         model_path,
         device=_device(cfg),
-        # bf16 training keeps bf16 weights; otherwise fp32 (exact, twice the memory)
-        dtype="bfloat16" if cfg.training.bf16 else "float32",
+        dtype=dtype,
         experts=cfg.engine.experts,
         trust_remote_code=cfg.model.trust_remote_code,
         progress=progress,
