@@ -120,7 +120,8 @@ class NumericalGuard(TrainerCallback):
         Raises ``DivergenceError``, or in ``skip`` mode drops the step's gradients; returns normally otherwise.
         """
         step = state.global_step + 1
-        loss = float(self._loss) if self._loss is not None else float("nan")
+        assert self._loss is not None, "add_loss runs for every micro-batch (MoetuneTrainer.training_step)"
+        loss = float(self._loss)  # one host sync per optimizer step
         self._loss = None
         norm = None if grad_norm is None else float(grad_norm)
         if math.isfinite(loss):
