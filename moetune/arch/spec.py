@@ -34,6 +34,10 @@ class ExpertsCall(str, Enum):
         "experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H], where ids E..E+Z-1 name "
         "zero-computation experts that return the token itself (LongCat-Flash)"
     )
+    TOPK_POST_NORM = (
+        "experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H], each expert's output "
+        "normalised by the module's post_expert_norm before its routing weight applies (Muse Spark)"
+    )
     PRESCALED_DENSE = (
         "experts(routed_in [E*T, H]) -> [E*T, H]: row e*T + t is token t scaled by its router score for "
         "expert e, zero where e is not among its top k (Llama 4)"
@@ -86,6 +90,9 @@ class ArchSpec:
         call: how the MoE block calls its experts.
         identity_attr: for ``ExpertsCall.TOPK_WITH_IDENTITY``, the experts module's attribute holding the number
             Z of zero-computation experts (ids E..E+Z-1 after the E routed ones).
+        kept_modules: submodules of the experts module that stay torch modules on the model's device, moved
+            onto moetune's replacement (Muse Spark's ``post_expert_norm``, which ``ExpertsCall.TOPK_POST_NORM``
+            applies); their checkpoint tensors load through transformers, not into the engine.
         unsupported: why the family cannot run on the engine (its experts are not gated MLPs routed top-k);
             ``find_experts`` refuses it with this reason. None: supported.
     """
@@ -99,6 +106,7 @@ class ArchSpec:
     layout: LayoutFlags | None = None
     call: ExpertsCall = ExpertsCall.TOPK
     identity_attr: str | None = None
+    kept_modules: tuple[str, ...] = ()
     unsupported: str | None = None
 
     def describe(self) -> str:

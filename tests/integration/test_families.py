@@ -27,10 +27,7 @@ REFUSED = {
     "switch_transformers": "no causal-LM or image-text-to-text class",
     "openai_privacy_filter": "no causal-LM or image-text-to-text class",
     # experts the engine cannot run, with the reason
-    "nemotron_h": "non-gated experts",
-    "nemotron_h_omni": "non-gated experts",
-    "nemo_speechlm": "non-gated experts",
-    "muse_spark": "normalises each expert's output",
+    "nemo_speechlm": "speech-to-text model",
     "dbrx": "three flat",
     "doge": "single neurons",
     "jetmoe": "JetMoeMoE",
@@ -46,7 +43,9 @@ FAST = (
     "lfm2_moe",  # act_fn given as a plain function
     "longcat_flash",  # zero-computation experts beside the routed ones
     "step3p7",  # stacked per-projection experts, clamped after the activation
-    "nemotron_h",  # refused
+    "nemotron_h",  # non-gated experts (relu2), run as gated ones on tied rows
+    "muse_spark",  # a norm on each expert's output inside the weighted sum
+    "nemo_speechlm",  # refused
 )
 
 
