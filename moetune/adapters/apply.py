@@ -169,10 +169,11 @@ def peft_renamed(model: nn.Module, linear: Sequence[str]) -> list[str]:
     return [p for p in linear if p.rpartition(".")[2] in renamed]
 
 
-def expert_target_parameters(paths: Sequence[str]) -> list[str]:
+def expert_target_parameters(paths: Sequence[str], names: ExpertParamNames | None = None) -> list[str]:
     """``target_parameters`` for experts modules at ``paths``: ``<path after its layer index>.<param>`` when that
-    suffix is shared by every path (``mlp.experts.gate_up_proj``), else each full path; gate_up then down."""
-    names = ExpertParamNames()
+    suffix is shared by every path (``mlp.experts.gate_up_proj``), else each full path; gate_up then down.
+    ``names``: the modules' parameter names (default ``gate_up_proj`` / ``down_proj``)."""
+    names = names or ExpertParamNames()
     tails = {_after_layer_index(p) for p in paths}
     if len(tails) == 1:
         (tail,) = tails
@@ -201,7 +202,8 @@ def to_stock_config(
     with the experts in ``target_modules`` to save that adapter for stock PEFT.
     """
     live = peft_model.peft_config[adapter_name]
-    experts = [p for p, m in expert_modules(peft_model).items() if adapter_name in m.lora_A]
+    carrying = {p: m for p, m in expert_modules(peft_model).items() if adapter_name in m.lora_A}
+    experts = list(carrying)
     if isinstance(live.target_modules, str) and experts:
         raise AdapterError(
             f"adapter {adapter_name!r}: target_modules is the pattern {live.target_modules!r}; name the modules "
@@ -209,7 +211,8 @@ def to_stock_config(
         )
     modules = set(live.target_modules or ())  # PEFT may have made it a set
     in_experts = {e for e in modules if any(p == e or p.endswith("." + e) for p in experts)}
-    expert_params = expert_target_parameters(experts)
+    names = ExpertParamNames.of(next(iter(carrying.values())).experts) if carrying else None
+    expert_params = expert_target_parameters(experts, names)
     others = {*weight_entries, *(live.target_parameters or ())} - set(expert_params)
     params = sorted(others) + expert_params
     live.target_modules = sorted(modules - in_experts) or None

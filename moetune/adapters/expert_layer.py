@@ -39,7 +39,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from moetune.adapters.peft_layout import ExpertParamNames, deinterleaved_order, engine_view
+from moetune.adapters.peft_layout import ExpertParamNames, engine_view
 from moetune.engine import ExpertLoRA, lora_scaling
 from moetune.errors import AdapterError
 from moetune.layer import CpuExperts
@@ -74,7 +74,8 @@ class ExpertsLora(nn.Module, LoraLayer):
     def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
         assert isinstance(module, CpuExperts), type(module)
         h, i = module.engine.hidden_size, module.engine.intermediate_size
-        return (h, 2 * i) if self.projection == "gate_up" else (i, h)
+        gate_up_out = i if ExpertParamNames.of(module).tied else 2 * i  # non-gated: up_proj's I rows
+        return (h, gate_up_out) if self.projection == "gate_up" else (i, h)
 
     def update_layer(self, adapter_name: str, r: int, lora_alpha: float, config: Any, **kwargs: Any) -> None:
         """Add adapter ``adapter_name`` (rank ``r``) to this projection and, on the outer layer, to the inner one.
@@ -154,10 +155,9 @@ class ExpertsLora(nn.Module, LoraLayer):
             assert isinstance(lora_a, nn.Linear) and isinstance(lora_b, nn.Linear)
             a, b = engine_view(lora_a.weight, lora_b.weight, self.num_experts)
             tensors[f"{proj}_A"], tensors[f"{proj}_B"] = a, b
-        # the engine keeps gate rows first; an interleaved module's gate_up B is read through the row order
-        rows = None
-        if ExpertParamNames.of(self.experts).interleaved:
-            rows = deinterleaved_order(tensors["gate_up_B"].shape[1])
+        # the engine keeps gate rows first: an interleaved module's gate_up B is read through the row order, a
+        # non-gated module's up B serves both halves
+        rows = ExpertParamNames.of(self.experts).engine_rows(tensors["gate_up_B"].shape[1])
         p = getattr(self.lora_dropout[name], "p", 0.0)
         return ExpertLoRA(**tensors, scaling=self.scaling[name], dropout=p, gate_up_rows=rows)
 
