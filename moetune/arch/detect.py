@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moetune.arch.spec import ArchSpec, ExpertsCall, LayoutFlags, supported_summary
+from moetune.arch.spec import ArchSpec, ExpertsCall, FlatTensors, LayoutFlags, supported_summary
 from moetune.engine import ACTIVATIONS
 from moetune.errors import ArchError
 
@@ -87,10 +87,14 @@ class ExpertsLayout:
     # False: non-gated experts down(act(up x)) with up_proj [E, I, H] (NemotronH's relu2); the engine holds them
     # as gated ones whose gate rows equal their up rows, act(u) = g_act(u) * u (``activation`` names g_act)
     gated: bool = True
+    # experts kept as flat [E*I, H] matrices per projection (DBRX's mlp.w1/v1/w2, down transposed); None: fused
+    flat: FlatTensors | None = None
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
-        """The experts module's tensors, as named in the module and in fused checkpoints."""
+        """The experts module's tensors, as named in the module and in fused checkpoints (flat: attribute paths)."""
+        if self.flat is not None:
+            return self.flat.names
         if not self.gated:
             return (UP, DOWN)
         return (GATE_UP, DOWN, GATE_UP_BIAS, DOWN_BIAS) if self.has_bias else (GATE_UP, DOWN)
@@ -98,6 +102,8 @@ class ExpertsLayout:
     def runtime_shape(self, name: str) -> tuple[int, ...]:
         """The shape of tensor ``name`` in the transformers module."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        if self.flat is not None:
+            return (e * i, h)
         return {
             GATE_UP: (e, h, 2 * i) if self.transposed else (e, 2 * i, h),
             UP: (e, h, i) if self.transposed else (e, i, h),
@@ -124,9 +130,18 @@ def _tensor(module: nn.Module, name: str) -> torch.Tensor | None:
     return t if isinstance(t, torch.Tensor) else None
 
 
-def _looks_like_experts(module: nn.Module) -> bool:
-    """3-D gate_up_proj and down_proj, or the layout flags ``use_experts_implementation`` sets (which also marks
-    experts without a gate projection)."""
+def _attr(module: Any, dotted: str) -> Any:
+    """``module.a.b`` for ``"a.b"``, None where any step is missing."""
+    for part in dotted.split("."):
+        module = getattr(module, part, None)
+    return module
+
+
+def _looks_like_experts(module: nn.Module, spec: ArchSpec) -> bool:
+    """The spec's flat 2-D tensors (DBRX); else 3-D gate_up_proj and down_proj, or the layout flags
+    ``use_experts_implementation`` sets (which also marks experts without a gate projection)."""
+    if spec.flat is not None:
+        return all(isinstance(t := _attr(module, n), torch.Tensor) and t.dim() == 2 for n in spec.flat.names)
     gate_up, down = _tensor(module, GATE_UP), _tensor(module, DOWN)
     fused = gate_up is not None and down is not None and gate_up.dim() == 3 and down.dim() == 3
     return fused or all(hasattr(module, f) for f in LAYOUT_FLAGS)
@@ -241,8 +256,39 @@ def _check_post_norm(module: nn.Module, spec: ArchSpec, path: str) -> None:
         )
 
 
+def _flat_layout(module: nn.Module, spec: ArchSpec, flat: FlatTensors, path: str) -> ExpertsLayout:
+    """The layout of an experts module keeping flat ``[E*I, H]`` matrices (``ArchSpec.flat``: DBRX)."""
+    kind = type(module).__name__
+    e = getattr(module, flat.num_experts, None)
+    gate = _attr(module, flat.gate)
+    if not isinstance(e, int) or e <= 0 or not isinstance(gate, torch.Tensor) or gate.shape[0] % e:
+        raise ArchError(
+            f"{path} ({kind}): the {spec.name!r} spec reads E from .{flat.num_experts} ({e!r}) and flat [E*I, H] "
+            f"experts from .{flat.gate} ({None if gate is None else tuple(gate.shape)}), which do not fit"
+        )
+    act = _attr(module, flat.activation)
+    name = act_fn_name(act)
+    if name is None:
+        raise ArchError(
+            f"{path} ({kind}): expert activation {type(act).__name__} (.{flat.activation}) is not one the engine "
+            "computes"
+        )
+    rows, h = gate.shape
+    layout = ExpertsLayout(e, h, rows // e, False, False, False, name, flat=flat)
+    for tensor in flat.names:
+        t = _attr(module, tensor)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (rows, h):
+            raise ArchError(
+                f"{path} ({kind}): .{tensor} is {None if t is None else tuple(t.shape)}, expected {(rows, h)} "
+                f"like .{flat.gate}"
+            )
+    return layout
+
+
 def read_layout(module: nn.Module, spec: ArchSpec, path: str) -> ExpertsLayout:
     """The layout of one v5 experts module; ``ArchError`` naming ``path`` if the engine cannot run it."""
+    if spec.flat is not None:
+        return _flat_layout(module, spec, spec.flat, path)
     flags = _flags(module, spec, path)
     kind = type(module).__name__
     if getattr(module, "has_post_expert_norm", False) or spec.call is ExpertsCall.TOPK_POST_NORM:
@@ -325,7 +371,7 @@ def find_experts(model: nn.Module, spec: ArchSpec, model_type: str) -> list[Expe
         sites = [
             ExpertsSite(path, read_layout(module, spec, path), _router(model, path, spec), spec.kept_modules)
             for path, module in model.named_modules()
-            if _looks_like_experts(module)
+            if _looks_like_experts(module, spec)
         ]
     except ArchError as e:
         raise ArchError(f"{where}: {e}") from e

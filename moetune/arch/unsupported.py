@@ -8,11 +8,6 @@ Families refused by detection itself, with its own reason, are not listed.
 from moetune.arch.spec import ArchSpec, Routing, register
 
 _REASONS = {
-    "dbrx": (
-        "DBRX keeps its experts as three flat [E*I, H] matrices under experts.mlp (w1, v1, w2, down stored "
-        "transposed) and calls them on [B, S, H] hidden states, a layout and call moetune's experts modules do "
-        "not take"
-    ),
     "doge": (
         "Doge's routed experts are single neurons retrieved by product keys (rows of the down_embed/up_embed "
         "embeddings, mixed inside DogeCDMoE), not expert MLPs the engine could run"

@@ -2,6 +2,7 @@
 
 from moetune.layer.cpu_experts import (
     EXPERTS_MODULES,
+    BatchedExperts,
     CpuExperts,
     IdentityExperts,
     PostNormExperts,
@@ -11,6 +12,7 @@ from moetune.layer.function import ExpertsFunction, routed_experts
 
 __all__ = [
     "EXPERTS_MODULES",
+    "BatchedExperts",
     "CpuExperts",
     "ExpertsFunction",
     "IdentityExperts",

@@ -223,9 +223,28 @@ class PostNormExperts(CpuExperts):
         return self
 
 
+class BatchedExperts(CpuExperts):
+    """DBRX's experts call: ``experts(hidden [B, S, H], top_k_index [B*S, k], top_k_weights [B*S, k]) -> [B, S, H]``:
+    the tokens are flattened for the engine and the batch shape restored."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        lora: ExpertLoRA | None = None,
+    ) -> torch.Tensor:
+        """hidden_states ``[B, S, H]``, top_k_index and top_k_weights ``[B*S, k]`` -> ``[B, S, H]``; ``lora`` as in
+        :meth:`CpuExperts.forward`."""
+        h = hidden_states.shape[-1]
+        y = super().forward(hidden_states.reshape(-1, h), top_k_index, top_k_weights, lora=lora)
+        return y.view(hidden_states.shape[0], -1, h)
+
+
 EXPERTS_MODULES: dict[ExpertsCall, type[CpuExperts]] = {
     ExpertsCall.TOPK: CpuExperts,
     ExpertsCall.TOPK_POST_NORM: PostNormExperts,
+    ExpertsCall.TOPK_BATCHED: BatchedExperts,
     ExpertsCall.TOPK_WITH_IDENTITY: IdentityExperts,
     ExpertsCall.PRESCALED_DENSE: PrescaledDenseExperts,
 }

@@ -57,7 +57,8 @@ class ExpertSource:
     ``role`` is ``gate``/``up``/``down`` for a per-expert matrix (``expert`` set) or for one projection of
     every expert stacked ``[E, out, in]`` (``expert`` None), or a fused tensor name (``gate_up_proj``,
     ``down_proj``, ``gate_up_proj_bias``, ``down_proj_bias``; ``expert`` None).
-    ``swapped``: a fused 3-D tensor stored with its last two dimensions swapped relative to the module.
+    ``swapped``: a fused 3-D tensor stored with its last two dimensions swapped relative to the module, or a
+    stacked projection whose per-expert matrices are stored ``[in, out]`` (DBRX's flat down projection).
     ``interleaved``: a fused gate_up (or its bias) stored with gate and up interleaved along 2I.
     ``stem``: the key up to the experts container (``model.layers.0.block_sparse_moe.experts.``), as stored;
     ``proj``: a per-expert tensor's projection name (``gate_proj``, ``w1``, ...), for messages.
@@ -175,6 +176,8 @@ def _parse(info: TensorInfo, renamed: str, site: ExpertsSite, dest: KeyTarget) -
     attr = re.escape(site.path.rpartition(".")[2])
     lay = site.layout
     i, h = lay.intermediate_size, lay.hidden_size
+    if lay.flat is not None:
+        return _parse_flat(info, renamed, site)
     per_expert = re.search(rf"(?:^|\.){attr}\.((\d+)\.(\w+)\.weight)$", renamed)
     if per_expert:
         e, name = int(per_expert.group(2)), per_expert.group(3)
@@ -232,6 +235,24 @@ def _roles(gated: bool) -> tuple[str, ...]:
     return ROLES if gated else tuple(r for r in ROLES if r != "gate")
 
 
+def _parse_flat(info: TensorInfo, renamed: str, site: ExpertsSite) -> ExpertSource | str:
+    """A flat ``[E*I, H]`` projection of every expert (``ExpertsLayout.flat``: DBRX's ``mlp.w1/v1/w2``), read as
+    one projection stacked ``[E, I, H]``: the same bytes, expert e's block its e-th slice; the down projection
+    is stored transposed (``swapped``)."""
+    lay = site.layout
+    assert lay.flat is not None
+    tails = dict(zip(lay.flat.names, ROLES))
+    tail = next((t for t in tails if renamed.endswith(f"{site.path.rpartition('.')[2]}.{t}")), None)
+    if tail is None:
+        return f"not one of the flat expert tensors {', '.join(lay.flat.names)}"
+    want = lay.runtime_shape(tail)
+    if info.shape != want:
+        return f"shape {info.shape}, expected {want} (flat [E*I, H])"
+    stacked = dataclasses.replace(info, shape=(lay.num_experts, lay.intermediate_size, lay.hidden_size))
+    role = tails[tail]
+    return ExpertSource(stacked, role, swapped=role == "down", stem=renamed[: -len(tail)], proj=tail)
+
+
 def _missing(layer: LayerPlan) -> list[str]:
     """What ``layer`` still lacks, each with the key expected (named like the layer's own keys)."""
     site, lay = layer.site, layer.site.layout
@@ -252,6 +273,7 @@ def _missing(layer: LayerPlan) -> list[str]:
         have = {s.role for s in fused}
         have |= {GATE_UP} if {"gate", "up"} <= have else set()  # stacked projections build the fused tensors
         have |= {UP} if "up" in have else set()
+        have |= set(lay.flat.names) if lay.flat is not None and {"gate", "up", "down"} <= have else set()
         have |= {DOWN} if "down" in have else set()
         return [f"missing {stem}{n} ({site.path}; {where})" for n in lay.tensor_names if n not in have]
     scheme = next(s for s in PER_EXPERT_SCHEMES if per[0].proj in s)

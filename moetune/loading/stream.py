@@ -89,8 +89,10 @@ def _fill(buffers: _LayerBuffers, source: ExpertSource, reader: ShardReader) -> 
         return
     for e in range(buffers.layout.num_experts):  # one expert at a time: no full-tensor temporary
         w = reader.read(source.info, e)
-        if source.role in ROLES:  # one projection of every expert, stacked: expert e's [out, in]
-            buffers.put_per_expert(source.role, e, w)
+        if (
+            source.role in ROLES
+        ):  # one projection of every expert, stacked: expert e's [out, in] ([in, out] swapped)
+            buffers.put_per_expert(source.role, e, w.t() if source.swapped else w)
         else:
             buffers.put_fused(source.role, e, w, source.swapped, source.interleaved)
 

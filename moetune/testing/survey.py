@@ -99,12 +99,19 @@ def _weight_problems(ref: Any, model: Any) -> list[str]:
         engine, lay = model.get_submodule(path).engine, model.get_submodule(path).layout
         gate_up, down = engine.weights.dequantize(torch.float32)
         theirs = ref.get_submodule(path)
-        if lay.gated:
+        if lay.flat is not None:  # flat [E*I, H] matrices (DBRX): gate, up, and down transposed
+            gate, up, flat_down = (
+                theirs.get_parameter(n).detach().view(lay.num_experts, lay.intermediate_size, -1)
+                for n in lay.flat.names
+            )
+            want_gu, want_down = torch.cat((gate, up), dim=1), flat_down.transpose(1, 2)
+        elif lay.gated:
             want_gu = _engine_layout(getattr(theirs, GATE_UP).detach(), lay.transposed, lay.interleaved)
         else:  # non-gated experts run as gated ones whose gate rows are their up rows
             up = _engine_layout(getattr(theirs, UP).detach(), lay.transposed, False)
             want_gu = torch.cat((up, up), dim=1)
-        want_down = _engine_layout(getattr(theirs, DOWN).detach(), lay.transposed, False)
+        if lay.flat is None:
+            want_down = _engine_layout(getattr(theirs, DOWN).detach(), lay.transposed, False)
         if not (torch.equal(gate_up, want_gu[: len(gate_up)]) and torch.equal(down, want_down)):
             problems.append(f"{path}: expert weights differ from transformers' module")
     return problems

@@ -28,7 +28,6 @@ REFUSED = {
     "openai_privacy_filter": "no causal-LM or image-text-to-text class",
     # experts the engine cannot run, with the reason
     "nemo_speechlm": "speech-to-text model",
-    "dbrx": "three flat",
     "doge": "single neurons",
     "jetmoe": "JetMoeMoE",
     "diffusion_gemma": "ties the experts of its encoder",
@@ -45,6 +44,7 @@ FAST = (
     "step3p7",  # stacked per-projection experts, clamped after the activation
     "nemotron_h",  # non-gated experts (relu2), run as gated ones on tied rows
     "muse_spark",  # a norm on each expert's output inside the weighted sum
+    "dbrx",  # flat [E*I, H] experts (down transposed), called on [B, S, H]
     "nemo_speechlm",  # refused
 )
 

@@ -69,3 +69,37 @@ def test_trained_expert_lora_reloads_in_stock_peft(family, tmp_path) -> None:
     assert (want - base).abs().max() > 1e-2  # the adapter changes the logits
     loaded = PeftModel.from_pretrained(stock, tmp_path / "adapter").eval()
     torch.testing.assert_close(loaded(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+
+
+def test_dbrx_trains_attention_lora_and_refuses_expert_lora_before_training(tmp_path) -> None:
+    """DBRX's flat expert matrices have no per-expert LoRA in stock PEFT: asking for it is an AdapterError at
+    attach time; attention LoRA trains and reloads in stock PEFT."""
+    from peft import PeftModel
+
+    from moetune.adapters import attach_lora, save_adapter
+    from moetune.adapters.load import load_model
+    from moetune.errors import AdapterError
+    from moetune.testing.families import survey_config
+    from moetune.testing.survey import _random_model
+
+    path = tmp_path / "m"
+    _random_model(survey_config("dbrx"), seed=0).save_pretrained(path)
+    with pytest.raises(AdapterError, match=r"flat \[E\*I, H\] matrices(.|\n)*Wqkv,out_proj"):
+        attach_lora(load_model(path, device="cpu", dtype="float32", progress=False), rank=4, alpha=8)
+    model = attach_lora(
+        load_model(path, device="cpu", dtype="float32", progress=False),
+        rank=4,
+        alpha=8,
+        targets=("Wqkv", "out_proj"),
+    )
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    ids = torch.randint(4, 96, (2, 12), generator=gen)
+    want = model.eval()(input_ids=ids).logits
+    save_adapter(model, tmp_path / "adapter")
+    stock = type(model.get_base_model()).from_pretrained(path, dtype=torch.float32).eval()
+    loaded = PeftModel.from_pretrained(stock, tmp_path / "adapter").eval()
+    torch.testing.assert_close(loaded(input_ids=ids).logits, want, atol=1e-5, rtol=0)

@@ -43,6 +43,7 @@ def test_registered_families():
             "inkling2_loop_text",
             "muse_spark",
             "muse_spark_text",
+            "dbrx",
         ]
     )
     assert resolve_arch("glm4_moe").name == "deepseek_v3"
@@ -50,6 +51,7 @@ def test_registered_families():
     assert resolve_arch("ernie4_5_moe").name == "generic"  # no family code: detected from the modules
     assert resolve_arch("llama4").call is ExpertsCall.PRESCALED_DENSE
     assert resolve_arch("muse_spark").call is ExpertsCall.TOPK_POST_NORM
+    assert resolve_arch("dbrx").flat is not None and resolve_arch("dbrx").call is ExpertsCall.TOPK_BATCHED
     assert resolve_arch("doge").unsupported and "doge" not in supported_model_types()
     assert "generic" in ARCHS
     assert "unsupported_doge" not in supported_summary()  # refused families are not offered as supported
@@ -303,3 +305,19 @@ def test_own_gate_that_needs_weights_is_refused_not_crashed():
         module = cls(_config())
     with pytest.raises(ArchError, match="could not be checked"):
         read_layout(module, spec, "m.experts")
+
+
+def test_flat_experts_from_the_spec():
+    from moetune.testing.families import survey_config
+
+    model = empty_model(survey_config("dbrx"), torch.float32, "meta")
+    sites = find_experts(model, resolve_arch("dbrx"), "dbrx")
+    assert [s.path for s in sites] == ["transformer.blocks.0.ffn.experts", "transformer.blocks.1.ffn.experts"]
+    lay = sites[0].layout
+    assert (lay.num_experts, lay.hidden_size, lay.intermediate_size, lay.activation) == (8, 64, 24, "silu")
+    assert lay.tensor_names == ("mlp.w1", "mlp.v1", "mlp.w2") and lay.runtime_shape("mlp.w2") == (192, 64)
+    assert sites[0].router == "transformer.blocks.0.ffn.router"
+    experts = model.get_submodule("transformer.blocks.0.ffn.experts")
+    experts.mlp.v1 = nn.Parameter(torch.empty(192, 32, device="meta"))
+    with pytest.raises(ArchError, match=r"\.mlp\.v1 is \(192, 32\), expected \(192, 64\)"):
+        read_layout(experts, resolve_arch("dbrx"), "x")
