@@ -71,6 +71,15 @@ class ExpertsLora(nn.Module, LoraLayer):
     def num_experts(self) -> int:
         return self.experts.engine.num_experts
 
+    @property
+    def lora_experts(self) -> int:
+        """Experts this projection's LoRA is sized for, as stock PEFT sizes it from the module's parameter:
+        gate_up also counts the zero-computation experts whose unused rows it holds (LongCat-Flash's
+        ``[E + Z, 2I, H]``); the engine reads the first E."""
+        layout = self.experts.layout
+        extra = layout.identity_experts if layout is not None and self.projection == "gate_up" else 0
+        return self.num_experts + extra
+
     def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
         assert isinstance(module, CpuExperts), type(module)
         h, i = module.engine.hidden_size, module.engine.intermediate_size
@@ -92,7 +101,7 @@ class ExpertsLora(nn.Module, LoraLayer):
         # the engine applies dropout to each projection's input (an nn.Dropout here only records p; no state)
         p = float(config.lora_dropout)
         self.lora_dropout[adapter_name] = nn.Dropout(p) if p > 0 else nn.Identity()
-        rows = r * self.num_experts
+        rows = r * self.lora_experts
         n_in, n_out = self._get_in_out_features(self.experts)
         self.lora_A[adapter_name] = nn.Linear(n_in, rows, bias=False, dtype=torch.float32)
         self.lora_B[adapter_name] = nn.Linear(rows, n_out, bias=False, dtype=torch.float32)
@@ -153,8 +162,8 @@ class ExpertsLora(nn.Module, LoraLayer):
         for proj, layer in layers.items():
             lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
             assert isinstance(lora_a, nn.Linear) and isinstance(lora_b, nn.Linear)
-            a, b = engine_view(lora_a.weight, lora_b.weight, self.num_experts)
-            tensors[f"{proj}_A"], tensors[f"{proj}_B"] = a, b
+            a, b = engine_view(lora_a.weight, lora_b.weight, layer.lora_experts)
+            tensors[f"{proj}_A"], tensors[f"{proj}_B"] = a[: self.num_experts], b[: self.num_experts]
         # the engine keeps gate rows first: an interleaved module's gate_up B is read through the row order, a
         # non-gated module's up B serves both halves
         rows = ExpertParamNames.of(self.experts).engine_rows(tensors["gate_up_B"].shape[1])

@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-FAMILIES = {"nemotron_h": "mixer.experts.up_proj", "muse_spark": "mlp.experts.gate_up_proj"}
+# model type -> (lora targets: attention and the routed experts; the experts' target_parameters entry saved)
+FAMILIES = {
+    "nemotron_h": (("q_proj", "v_proj", "experts"), "mixer.experts.up_proj"),
+    "muse_spark": (("q_proj", "v_proj", "experts"), "mlp.experts.gate_up_proj"),
+    # stock PEFT sizes gate_up's LoRA by the E routed plus the Z zero-computation experts
+    "longcat_flash": (("q_b_proj", "o_proj", "experts"), "mlp.experts.gate_up_proj"),
+}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -37,11 +43,9 @@ def test_trained_expert_lora_reloads_in_stock_peft(family, tmp_path) -> None:
 
     name, path = family
     # explicit targets: stock PEFT refuses LoRA on NemotronH's Mamba out_proj, which "all" would select
+    targets, saved_entry = FAMILIES[name]
     model = attach_lora(
-        load_model(path, device="cpu", dtype="float32", progress=False),
-        rank=4,
-        alpha=8,
-        targets=("q_proj", "v_proj", "experts"),
+        load_model(path, device="cpu", dtype="float32", progress=False), rank=4, alpha=8, targets=targets
     )
     gen = torch.Generator().manual_seed(7)
     lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
@@ -63,7 +67,7 @@ def test_trained_expert_lora_reloads_in_stock_peft(family, tmp_path) -> None:
 
     save_adapter(model, tmp_path / "adapter")
     saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert FAMILIES[name] in saved["target_parameters"]
+    assert saved_entry in saved["target_parameters"]
     stock = type(model.get_base_model()).from_pretrained(path, dtype=torch.float32).eval()
     base = stock(input_ids=ids).logits
     assert (want - base).abs().max() > 1e-2  # the adapter changes the logits
