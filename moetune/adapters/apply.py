@@ -37,7 +37,7 @@ from typing import Any
 from torch import nn
 
 from moetune.adapters.peft_layout import PEFT_MODEL_PREFIX, ExpertParamNames
-from moetune.errors import AdapterError
+from moetune.errors import AdapterError, listing
 from moetune.layer import CpuExperts
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,11 @@ class LoraTargets:
     experts: tuple[str, ...]
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """Whether ``module`` computes as ``nn.Linear`` does (its class does not override ``forward``)."""
+    return type(module).forward is nn.Linear.forward
+
+
 def _is_router(path: str, experts_blocks: set[str]) -> bool:
     block, _, leaf = path.rpartition(".")
     return leaf in ROUTER_NAMES and block in experts_blocks
@@ -87,11 +92,25 @@ def resolve_targets(model: nn.Module, targets: Sequence[str]) -> LoraTargets:
     """Which modules of ``model`` get LoRA for ``lora_target`` ``targets``; ``AdapterError`` if nothing matches."""
     experts = [p for p, m in model.named_modules() if isinstance(m, CpuExperts)]
     blocks = {p.rpartition(".")[0] for p in experts}
-    linears = [p for p, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears = [p for p, m in model.named_modules() if isinstance(m, nn.Linear) and _plain_linear(m)]
+    # nn.Linear subclasses computing something else (DeepSeek-V4's block-diagonal o_a_proj): PEFT's Linear LoRA
+    # would add a full-matrix update to a grouped product (it fails on their 4-D input)
+    own = {
+        p: type(m).__name__
+        for p, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not _plain_linear(m)
+    }
     if tuple(targets) == (ALL,):
         linear = [
             p for p in linears if p.rpartition(".")[2] not in EXCLUDED_LINEARS and not _is_router(p, blocks)
         ]
+        if own:
+            logger.info(
+                "moetune: lora_target all leaves out %d nn.Linear subclass(es) with their own forward, which LoRA "
+                "for nn.Linear does not fit: %s",
+                len(own),
+                listing(sorted(f"{p} ({c})" for p, c in own.items()), inline=True),
+            )
         chosen = LoraTargets(tuple(linear), tuple(experts))
     else:
         unmatched, linear, exp = [], [], []
@@ -101,6 +120,12 @@ def resolve_targets(model: nn.Module, targets: Sequence[str]) -> LoraTargets:
                 return path == name or path.endswith("." + name)
 
             found_l, found_e = [p for p in linears if hit(p)], [p for p in experts if hit(p)]
+            if odd := sorted(f"{p} ({c})" for p, c in own.items() if hit(p)):
+                raise AdapterError(
+                    f"lora_target {name!r} names nn.Linear subclasses with their own forward, {listing(odd, inline=True)}: "
+                    "they do not compute x @ W^T + b (DeepSeek-V4's o_a_proj is a block-diagonal grouped projection), "
+                    "so PEFT's LoRA for nn.Linear does not fit them; leave them out of lora_target"
+                )
             if not found_l and not found_e:
                 unmatched.append(name)
             linear += [p for p in found_l if p not in linear]

@@ -1,6 +1,7 @@
 """Train-save-reload of LoRA (every target, routed experts included) on the families that run through an experts
-variant: NemotronH's non-gated experts (tied rows in the engine, ``up_proj`` in PEFT's layout) and Muse Spark's
-per-expert output norm (``PostNormExperts``).
+variant: NemotronH's non-gated experts (tied rows in the engine, ``up_proj`` in PEFT's layout), Muse Spark's
+per-expert output norm (``PostNormExperts``), LongCat-Flash's zero-computation experts (stock PEFT sizes gate_up's
+LoRA by E + Z) and DeepSeek-V4 with ``lora_target: all`` (its grouped ``o_a_proj`` left out).
 
 For each: the tiny survey checkpoint of the family (``moetune.testing.survey``), ``attach_lora`` on attention and
 the routed experts, three Adam steps on the LM loss (every LoRA tensor random first, so a wrong row order or a missing
@@ -22,6 +23,8 @@ FAMILIES = {
     "muse_spark": (("q_proj", "v_proj", "experts"), "mlp.experts.gate_up_proj"),
     # stock PEFT sizes gate_up's LoRA by the E routed plus the Z zero-computation experts
     "longcat_flash": (("q_b_proj", "o_proj", "experts"), "mlp.experts.gate_up_proj"),
+    # "all" leaves out DeepSeek-V4's grouped o_a_proj (an nn.Linear subclass with its own forward)
+    "deepseek_v4": (("all",), "mlp.experts.gate_up_proj"),
 }
 
 
@@ -40,6 +43,7 @@ def test_trained_expert_lora_reloads_in_stock_peft(family, tmp_path) -> None:
 
     from moetune.adapters import attach_lora, save_adapter
     from moetune.adapters.load import load_model
+    from moetune.errors import AdapterError
 
     name, path = family
     # explicit targets: stock PEFT refuses LoRA on NemotronH's Mamba out_proj, which "all" would select
@@ -61,6 +65,12 @@ def test_trained_expert_lora_reloads_in_stock_peft(family, tmp_path) -> None:
         opt.zero_grad()
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
+    if name == "deepseek_v4":
+        assert not any("o_a_proj" in n for n in lora)
+        with pytest.raises(AdapterError, match=r"o_a_proj \(DeepseekV4GroupedLinear\)(.|\n)*leave them out"):
+            attach_lora(
+                load_model(path, device="cpu", dtype="float32", progress=False), targets=("o_a_proj",)
+            )
     moved = [n for n, p in lora.items() if ".experts." in n and not torch.equal(p, before[n])]
     assert moved, "the experts' LoRA did not train"
     want = model.eval()(input_ids=ids).logits
