@@ -33,6 +33,7 @@ from moetune.testing.kimi import (
     compressed_int4_config,
     dequantize_int4,
     quantize_int4,
+    save_release,
 )
 
 K25_IGNORE = [*KIMI_IGNORE, "re:.*vision_tower.*", "re:.*mm_projector.*"]
@@ -70,31 +71,6 @@ def _release_tensors(model: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any
     return renamed, config
 
 
-def _write(path: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], shard: bool) -> Path:
-    """``tensors`` (one shard per decoder layer, the rest in the last, with an index; or one file) and config.json."""
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
-    layers = int(config["text_config"]["num_hidden_layers"])
-    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(layers + 1 if shard else 1)]
-    for key, t in tensors.items():
-        m = LAYER_KEY.match(key)
-        shards[int(m.group(1)) if m and shard else -1][key] = t.contiguous()
-    if not shard:
-        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        names = [f"model-{i + 1:05d}-of-{len(shards):06d}.safetensors" for i in range(len(shards))]
-        weight_map: dict[str, str] = {}
-        for name, part in zip(names, shards):
-            save_file(part, str(path / name), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(sorted(part), name))
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
-
-
 def save_kimi_k25(path: str | Path, *, seed: int = 0, dequantized_path: str | Path | None = None) -> Path:
     """A tiny Kimi-K2.5 (composite config, INT4 routed experts, ``text_config.quantization_config``) at ``path``;
     see the module docstring."""
@@ -124,6 +100,11 @@ def save_kimi_k25(path: str | Path, *, seed: int = 0, dequantized_path: str | Pa
         },
     }
     if dequantized_path is not None:
-        plain = {k: v for k, v in config.items() if k != "auto_map"}
-        _write(Path(dequantized_path), reference, plain, shard=False)
-    return _write(Path(path), stored, release, shard=True)
+        from safetensors.torch import save_file
+
+        ref = Path(dequantized_path)
+        ref.mkdir(parents=True, exist_ok=True)
+        save_file(reference, str(ref / "model.safetensors"), metadata={"format": "pt"})
+        (ref / "config.json").write_text(json.dumps(config, indent=2))
+    layers = int(text["num_hidden_layers"])
+    return save_release(path, stored, release, layer_key=LAYER_KEY, layers=layers)
