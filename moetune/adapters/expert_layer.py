@@ -82,6 +82,14 @@ class ExpertsLora(nn.Module, LoraLayer):
 
     def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
         assert isinstance(module, CpuExperts), type(module)
+        flat = module.layout.flat if module.layout is not None else None
+        if flat is not None:  # refused where an expert LoRA layer is created, before any training
+            raise AdapterError(
+                f"{module.engine.name}: these experts are flat [E*I, H] matrices ({', '.join(flat.names)}: DBRX); "
+                "stock PEFT adapts such a parameter with one low-rank update of the whole matrix, A shared by all "
+                "experts, which moetune's per-expert LoRA does not compute. Leave the experts out of lora_target "
+                "on this family (lora_target: Wqkv,out_proj trains DBRX's attention)"
+            )
         h, i = module.engine.hidden_size, module.engine.intermediate_size
         gate_up_out = i if ExpertParamNames.of(module).tied else 2 * i  # non-gated: up_proj's I rows
         return (h, gate_up_out) if self.projection == "gate_up" else (i, h)

@@ -188,13 +188,6 @@ class ExpertParamNames:
         (``experts.layout``; None: the engine's own gate-rows-first layout). transformers v5 experts modules all
         name their parameters ``gate_up_proj`` / ``down_proj`` and register gate_up first; non-gated ones
         ``up_proj`` / ``down_proj``, up first."""
-        if experts.layout is not None and experts.layout.flat is not None:
-            raise AdapterError(
-                f"{experts.engine.name}: these experts are flat [E*I, H] matrices ({', '.join(experts.layout.flat.names)}: "
-                "DBRX); stock PEFT adapts such a parameter with one low-rank update of the whole matrix, A shared by "
-                "all experts, which moetune's per-expert LoRA does not compute. Leave the experts out of lora_target "
-                "on this family (lora_target: Wqkv,out_proj trains DBRX's attention)"
-            )
         if experts.layout is not None and not experts.layout.gated:
             return cls(gate_up="up_proj", tied=True)
         return cls(interleaved=experts.layout is not None and experts.layout.interleaved)

@@ -8,7 +8,10 @@ interleaved along 2I), ``has_bias``, ``has_gate`` and ``has_post_expert_norm``; 
 the decorator the family's ``ArchSpec.layout`` gives them. E, H and I come from the parameter shapes; the
 activation from ``act_fn`` (a transformers activation module or a plain function) unless the class computes
 its own ``_apply_gate``, which the family's ``ArchSpec.activation`` must then name and which is checked against
-the module's own on a random probe. Works on a model built on the meta device.
+the module's own on a random probe. Non-gated experts (``has_gate=False``: ``up_proj`` ``[E, I, H]``) are held as
+gated ones on tied rows where their activation is ``f(u) * u`` (``relu2``); a per-expert output norm
+(``has_post_expert_norm``) needs a spec with the ``TOPK_POST_NORM`` call; a spec's ``FlatTensors`` describe experts
+kept as flat ``[E*I, H]`` matrices (DBRX). Works on a model built on the meta device.
 """
 
 from __future__ import annotations
@@ -120,9 +123,8 @@ class ExpertsSite:
     path: str  # e.g. "model.layers.3.mlp.experts"
     layout: ExpertsLayout
     router: str | None  # path of the block's router module, kept on the model's device
-    kept: tuple[
-        str, ...
-    ] = ()  # submodules of the experts module kept on the device (``ArchSpec.kept_modules``)
+    # submodules of the experts module kept on the device (``ArchSpec.kept_modules``: Muse Spark's norm)
+    kept: tuple[str, ...] = ()
 
 
 def _tensor(module: nn.Module, name: str) -> torch.Tensor | None:

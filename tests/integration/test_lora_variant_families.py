@@ -117,3 +117,5 @@ def test_dbrx_trains_attention_lora_and_refuses_expert_lora_before_training(tmp_
     stock = type(model.get_base_model()).from_pretrained(path, dtype=torch.float32).eval()
     loaded = PeftModel.from_pretrained(stock, tmp_path / "adapter").eval()
     torch.testing.assert_close(loaded(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+    again = load_model(path, device="cpu", dtype="float32", progress=False, adapter=tmp_path / "adapter")
+    torch.testing.assert_close(again(input_ids=ids).logits, want, atol=1e-6, rtol=0)
