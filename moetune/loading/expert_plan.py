@@ -273,7 +273,9 @@ def _missing(layer: LayerPlan) -> list[str]:
         have = {s.role for s in fused}
         have |= {GATE_UP} if {"gate", "up"} <= have else set()  # stacked projections build the fused tensors
         have |= {UP} if "up" in have else set()
-        have |= set(lay.flat.names) if lay.flat is not None and {"gate", "up", "down"} <= have else set()
+        have |= (
+            {n for n, role in zip(lay.flat.names, ROLES) if role in have} if lay.flat is not None else set()
+        )
         have |= {DOWN} if "down" in have else set()
         return [f"missing {stem}{n} ({site.path}; {where})" for n in lay.tensor_names if n not in have]
     scheme = next(s for s in PER_EXPERT_SCHEMES if per[0].proj in s)
