@@ -37,7 +37,7 @@ from typing import Any
 from torch import nn
 
 from moetune.adapters.peft_layout import PEFT_MODEL_PREFIX, ExpertParamNames
-from moetune.errors import AdapterError
+from moetune.errors import AdapterError, listing
 from moetune.layer import CpuExperts
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,11 @@ class LoraTargets:
     experts: tuple[str, ...]
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """Whether ``module`` computes as ``nn.Linear`` does (its class does not override ``forward``)."""
+    return type(module).forward is nn.Linear.forward
+
+
 def _is_router(path: str, experts_blocks: set[str]) -> bool:
     block, _, leaf = path.rpartition(".")
     return leaf in ROUTER_NAMES and block in experts_blocks
@@ -98,11 +103,25 @@ def resolve_targets(
         else [p for p, m in model.named_modules() if isinstance(m, CpuExperts)]
     )
     blocks = {p.rpartition(".")[0] for p in experts}
-    linears = [p for p, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears = [p for p, m in model.named_modules() if isinstance(m, nn.Linear) and _plain_linear(m)]
+    # nn.Linear subclasses computing something else (DeepSeek-V4's block-diagonal o_a_proj): PEFT's Linear LoRA
+    # would add a full-matrix update to a grouped product (it fails on their 4-D input)
+    own = {
+        p: type(m).__name__
+        for p, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not _plain_linear(m)
+    }
     if tuple(targets) == (ALL,):
         linear = [
             p for p in linears if p.rpartition(".")[2] not in EXCLUDED_LINEARS and not _is_router(p, blocks)
         ]
+        if own:
+            logger.info(
+                "moetune: lora_target all leaves out %d nn.Linear subclass(es) with their own forward, which LoRA "
+                "for nn.Linear does not fit: %s",
+                len(own),
+                listing(sorted(f"{p} ({c})" for p, c in own.items()), inline=True),
+            )
         chosen = LoraTargets(tuple(linear), tuple(experts))
     else:
         unmatched, linear, exp = [], [], []
@@ -112,6 +131,12 @@ def resolve_targets(
                 return path == name or path.endswith("." + name)
 
             found_l, found_e = [p for p in linears if hit(p)], [p for p in experts if hit(p)]
+            if odd := sorted(f"{p} ({c})" for p, c in own.items() if hit(p)):
+                raise AdapterError(
+                    f"lora_target {name!r} names nn.Linear subclasses with their own forward, {listing(odd, inline=True)}: "
+                    "they do not compute x @ W^T + b (DeepSeek-V4's o_a_proj is a block-diagonal grouped projection), "
+                    "so PEFT's LoRA for nn.Linear does not fit them; leave them out of lora_target"
+                )
             if not found_l and not found_e:
                 unmatched.append(name)
             linear += [p for p in found_l if p not in linear]
@@ -180,10 +205,11 @@ def peft_renamed(model: nn.Module, linear: Sequence[str]) -> list[str]:
     return [p for p in linear if p.rpartition(".")[2] in renamed]
 
 
-def expert_target_parameters(paths: Sequence[str]) -> list[str]:
+def expert_target_parameters(paths: Sequence[str], names: ExpertParamNames | None = None) -> list[str]:
     """``target_parameters`` for experts modules at ``paths``: ``<path after its layer index>.<param>`` when that
-    suffix is shared by every path (``mlp.experts.gate_up_proj``), else each full path; gate_up then down."""
-    names = ExpertParamNames()
+    suffix is shared by every path (``mlp.experts.gate_up_proj``), else each full path; gate_up then down.
+    ``names``: the modules' parameter names (default ``gate_up_proj`` / ``down_proj``)."""
+    names = names or ExpertParamNames()
     tails = {_after_layer_index(p) for p in paths}
     if len(tails) == 1:
         (tail,) = tails
@@ -212,7 +238,8 @@ def to_stock_config(
     with the experts in ``target_modules`` to save that adapter for stock PEFT.
     """
     live = peft_model.peft_config[adapter_name]
-    experts = [p for p, m in expert_modules(peft_model).items() if adapter_name in m.lora_A]
+    carrying = {p: m for p, m in expert_modules(peft_model).items() if adapter_name in m.lora_A}
+    experts = list(carrying)
     if isinstance(live.target_modules, str) and experts:
         raise AdapterError(
             f"adapter {adapter_name!r}: target_modules is the pattern {live.target_modules!r}; name the modules "
@@ -220,7 +247,8 @@ def to_stock_config(
         )
     modules = set(live.target_modules or ())  # PEFT may have made it a set
     in_experts = {e for e in modules if any(p == e or p.endswith("." + e) for p in experts)}
-    expert_params = expert_target_parameters(experts)
+    names = ExpertParamNames.of(next(iter(carrying.values())).experts) if carrying else None
+    expert_params = expert_target_parameters(experts, names)
     others = {*weight_entries, *(live.target_parameters or ())} - set(expert_params)
     params = sorted(others) + expert_params
     live.target_modules = sorted(modules - in_experts) or None

@@ -39,7 +39,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from moetune.adapters.peft_layout import ExpertParamNames, deinterleaved_order, engine_view
+from moetune.adapters.peft_layout import ExpertParamNames, engine_view
 from moetune.engine import ExpertLoRA, lora_scaling
 from moetune.errors import AdapterError
 from moetune.layer import CpuExperts
@@ -71,10 +71,28 @@ class ExpertsLora(nn.Module, LoraLayer):
     def num_experts(self) -> int:
         return self.experts.engine.num_experts
 
+    @property
+    def lora_experts(self) -> int:
+        """Experts this projection's LoRA is sized for, as stock PEFT sizes it from the module's parameter:
+        gate_up also counts the zero-computation experts whose unused rows it holds (LongCat-Flash's
+        ``[E + Z, 2I, H]``); the engine reads the first E."""
+        layout = self.experts.layout
+        extra = layout.identity_experts if layout is not None and self.projection == "gate_up" else 0
+        return self.num_experts + extra
+
     def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
         assert isinstance(module, CpuExperts), type(module)
+        flat = module.layout.flat if module.layout is not None else None
+        if flat is not None:  # refused where an expert LoRA layer is created, before any training
+            raise AdapterError(
+                f"{module.engine.name}: these experts are flat [E*I, H] matrices ({', '.join(flat.names)}: DBRX); "
+                "stock PEFT adapts such a parameter with one low-rank update of the whole matrix, A shared by all "
+                "experts, which moetune's per-expert LoRA does not compute. Leave the experts out of lora_target "
+                "on this family (lora_target: Wqkv,out_proj trains DBRX's attention)"
+            )
         h, i = module.engine.hidden_size, module.engine.intermediate_size
-        return (h, 2 * i) if self.projection == "gate_up" else (i, h)
+        gate_up_out = i if ExpertParamNames.of(module).tied else 2 * i  # non-gated: up_proj's I rows
+        return (h, gate_up_out) if self.projection == "gate_up" else (i, h)
 
     def update_layer(self, adapter_name: str, r: int, lora_alpha: float, config: Any, **kwargs: Any) -> None:
         """Add adapter ``adapter_name`` (rank ``r``) to this projection and, on the outer layer, to the inner one.
@@ -91,7 +109,7 @@ class ExpertsLora(nn.Module, LoraLayer):
         # the engine applies dropout to each projection's input (an nn.Dropout here only records p; no state)
         p = float(config.lora_dropout)
         self.lora_dropout[adapter_name] = nn.Dropout(p) if p > 0 else nn.Identity()
-        rows = r * self.num_experts
+        rows = r * self.lora_experts
         n_in, n_out = self._get_in_out_features(self.experts)
         self.lora_A[adapter_name] = nn.Linear(n_in, rows, bias=False, dtype=torch.float32)
         self.lora_B[adapter_name] = nn.Linear(rows, n_out, bias=False, dtype=torch.float32)
@@ -152,12 +170,11 @@ class ExpertsLora(nn.Module, LoraLayer):
         for proj, layer in layers.items():
             lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
             assert isinstance(lora_a, nn.Linear) and isinstance(lora_b, nn.Linear)
-            a, b = engine_view(lora_a.weight, lora_b.weight, self.num_experts)
-            tensors[f"{proj}_A"], tensors[f"{proj}_B"] = a, b
-        # the engine keeps gate rows first; an interleaved module's gate_up B is read through the row order
-        rows = None
-        if ExpertParamNames.of(self.experts).interleaved:
-            rows = deinterleaved_order(tensors["gate_up_B"].shape[1])
+            a, b = engine_view(lora_a.weight, lora_b.weight, layer.lora_experts)
+            tensors[f"{proj}_A"], tensors[f"{proj}_B"] = a[: self.num_experts], b[: self.num_experts]
+        # the engine keeps gate rows first: an interleaved module's gate_up B is read through the row order, a
+        # non-gated module's up B serves both halves
+        rows = ExpertParamNames.of(self.experts).engine_rows(tensors["gate_up_B"].shape[1])
         p = getattr(self.lora_dropout[name], "p", 0.0)
         return ExpertLoRA(**tensors, scaling=self.scaling[name], dropout=p, gate_up_rows=rows)
 

@@ -163,6 +163,9 @@ class ExpertParamNames:
     down: str = "down_proj"
     gate_up_first: bool = True
     interleaved: bool = False
+    # non-gated experts (NemotronH): the first projection is up_proj [E, I, H], which the engine uses for both
+    # its gate and its up rows (``ExpertsLayout.gated``); its lora_B has I rows
+    tied: bool = False
 
     @classmethod
     def from_module(
@@ -183,8 +186,18 @@ class ExpertParamNames:
     def of(cls, experts: CpuExperts) -> ExpertParamNames:
         """For a moetune ``CpuExperts``: the transformers module it replaced, as recorded at load
         (``experts.layout``; None: the engine's own gate-rows-first layout). transformers v5 experts modules all
-        name their parameters ``gate_up_proj`` / ``down_proj`` and register gate_up first."""
+        name their parameters ``gate_up_proj`` / ``down_proj`` and register gate_up first; non-gated ones
+        ``up_proj`` / ``down_proj``, up first."""
+        if experts.layout is not None and not experts.layout.gated:
+            return cls(gate_up="up_proj", tied=True)
         return cls(interleaved=experts.layout is not None and experts.layout.interleaved)
+
+    def engine_rows(self, out_rows: int) -> torch.Tensor | None:
+        """``ExpertLoRA.gate_up_rows`` for a gate_up ``lora_B`` of ``out_rows`` rows in this module's order: the
+        de-interleaving order (gpt-oss), the tie ``[0, I)`` twice (non-gated experts), or None (same order)."""
+        if self.tied:
+            return torch.arange(out_rows).repeat(2)
+        return deinterleaved_order(out_rows) if self.interleaved else None
 
     def key_prefixes(self, module_prefix: str) -> dict[str, str]:
         """``{"gate_up": ..., "down": ...}``: where each projection's ``lora_A.weight`` / ``lora_B.weight`` live.

@@ -8,7 +8,10 @@ interleaved along 2I), ``has_bias``, ``has_gate`` and ``has_post_expert_norm``; 
 the decorator the family's ``ArchSpec.layout`` gives them. E, H and I come from the parameter shapes; the
 activation from ``act_fn`` (a transformers activation module or a plain function) unless the class computes
 its own ``_apply_gate``, which the family's ``ArchSpec.activation`` must then name and which is checked against
-the module's own on a random probe. Works on a model built on the meta device.
+the module's own on a random probe. Non-gated experts (``has_gate=False``: ``up_proj`` ``[E, I, H]``) are held as
+gated ones on tied rows where their activation is ``f(u) * u`` (``relu2``); a per-expert output norm
+(``has_post_expert_norm``) needs a spec with the ``TOPK_POST_NORM`` call; a spec's ``FlatTensors`` describe experts
+kept as flat ``[E*I, H]`` matrices (DBRX). Works on a model built on the meta device.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from moetune.arch.spec import ArchSpec, LayoutFlags, supported_summary
+from moetune.arch.spec import ArchSpec, ExpertsCall, FlatTensors, LayoutFlags, supported_summary
 from moetune.engine import ACTIVATIONS
 from moetune.errors import ArchError
 
 GATE_UP, DOWN, GATE_UP_BIAS, DOWN_BIAS = "gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"
+UP = "up_proj"  # the first projection of non-gated experts (has_gate=False): [E, I, H]
 LAYOUT_FLAGS = ("is_transposed", "is_concatenated", "has_bias", "has_gate")  # LayoutFlags' fields, in order
 
 
@@ -43,6 +47,14 @@ def _act_fn_names() -> dict[Any, str]:
         F.gelu: "gelu",
         F.relu: "relu",
     }
+
+
+def _tied_gate_names() -> dict[Any, str]:
+    """Activations of non-gated experts ``down(act(up x))`` that are a gated one on tied rows,
+    ``act(u) = g_act(u) * u``, by the engine name of ``g_act``: relu2 (NemotronH), ``relu(u)^2 = relu(u) * u``."""
+    from transformers.activations import ReLUSquaredActivation
+
+    return {ReLUSquaredActivation: "relu"}
 
 
 def act_fn_name(act: Any) -> str | None:
@@ -75,17 +87,29 @@ class ExpertsLayout:
     # Z zero-computation experts after the E routed ones (ids E..E+Z-1 return the token: LongCat-Flash); the
     # module's gate_up_proj holds Z unused rows for them, which checkpoints may carry too
     identity_experts: int = 0
+    # False: non-gated experts down(act(up x)) with up_proj [E, I, H] (NemotronH's relu2); the engine holds them
+    # as gated ones whose gate rows equal their up rows, act(u) = g_act(u) * u (``activation`` names g_act)
+    gated: bool = True
+    # experts kept as flat [E*I, H] matrices per projection (DBRX's mlp.w1/v1/w2, down transposed); None: fused
+    flat: FlatTensors | None = None
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
-        """The experts module's tensors, as named in the module and in fused checkpoints."""
+        """The experts module's tensors, as named in the module and in fused checkpoints (flat: attribute paths)."""
+        if self.flat is not None:
+            return self.flat.names
+        if not self.gated:
+            return (UP, DOWN)
         return (GATE_UP, DOWN, GATE_UP_BIAS, DOWN_BIAS) if self.has_bias else (GATE_UP, DOWN)
 
     def runtime_shape(self, name: str) -> tuple[int, ...]:
         """The shape of tensor ``name`` in the transformers module."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        if self.flat is not None:
+            return (e * i, h)
         return {
             GATE_UP: (e, h, 2 * i) if self.transposed else (e, 2 * i, h),
+            UP: (e, h, i) if self.transposed else (e, i, h),
             DOWN: (e, i, h) if self.transposed else (e, h, i),
             GATE_UP_BIAS: (e, 2 * i),
             DOWN_BIAS: (e, h),
@@ -99,6 +123,8 @@ class ExpertsSite:
     path: str  # e.g. "model.layers.3.mlp.experts"
     layout: ExpertsLayout
     router: str | None  # path of the block's router module, kept on the model's device
+    # submodules of the experts module kept on the device (``ArchSpec.kept_modules``: Muse Spark's norm)
+    kept: tuple[str, ...] = ()
 
 
 def _tensor(module: nn.Module, name: str) -> torch.Tensor | None:
@@ -106,9 +132,18 @@ def _tensor(module: nn.Module, name: str) -> torch.Tensor | None:
     return t if isinstance(t, torch.Tensor) else None
 
 
-def _looks_like_experts(module: nn.Module) -> bool:
-    """3-D gate_up_proj and down_proj, or the layout flags ``use_experts_implementation`` sets (which also marks
-    experts without a gate projection, so that they are refused by name rather than overlooked)."""
+def _attr(module: Any, dotted: str) -> Any:
+    """``module.a.b`` for ``"a.b"``, None where any step is missing."""
+    for part in dotted.split("."):
+        module = getattr(module, part, None)
+    return module
+
+
+def _looks_like_experts(module: nn.Module, spec: ArchSpec) -> bool:
+    """The spec's flat 2-D tensors (DBRX); else 3-D gate_up_proj and down_proj, or the layout flags
+    ``use_experts_implementation`` sets (which also marks experts without a gate projection)."""
+    if spec.flat is not None:
+        return all(isinstance(t := _attr(module, n), torch.Tensor) and t.dim() == 2 for n in spec.flat.names)
     gate_up, down = _tensor(module, GATE_UP), _tensor(module, DOWN)
     fused = gate_up is not None and down is not None and gate_up.dim() == 3 and down.dim() == 3
     return fused or all(hasattr(module, f) for f in LAYOUT_FLAGS)
@@ -192,43 +227,111 @@ def _flags(module: nn.Module, spec: ArchSpec, path: str) -> LayoutFlags:
     )
 
 
-def read_layout(module: nn.Module, spec: ArchSpec, path: str) -> ExpertsLayout:
-    """The layout of one v5 experts module; ``ArchError`` naming ``path`` if the engine cannot run it."""
-    flags = _flags(module, spec, path)
-    kind = type(module).__name__
-    if not flags.has_gate:
+def _tied_activation(module: nn.Module, path: str) -> str:
+    """The engine activation of non-gated experts, computed as a gated one on tied gate and up rows."""
+    act = getattr(module, "act_fn", None)
+    found = _tied_gate_names().get(type(act)) if isinstance(act, nn.Module) else None
+    if found is None:
+        known = ", ".join(sorted(c.__name__ for c in _tied_gate_names()))
         raise ArchError(
-            f"{path} ({kind}) holds non-gated experts (down(act(up x)), no gate projection); the engine "
-            "computes gated experts down(act(gate x) * up x) only. Supported:\n" + supported_summary()
+            f"{path} ({type(module).__name__}) holds non-gated experts down(act(up x)) with act_fn "
+            f"{getattr(act, '__name__', type(act).__name__)}; the engine runs non-gated experts as gated ones "
+            f"with gate rows = up rows, which needs act(u) = f(u) * u: supported act_fn classes {known}"
         )
-    if getattr(module, "has_post_expert_norm", False):
+    return found
+
+
+def _check_post_norm(module: nn.Module, spec: ArchSpec, path: str) -> None:
+    """``ArchError`` unless the spec describes the module's per-expert output norm (``has_post_expert_norm``)."""
+    kind = type(module).__name__
+    if spec.call is not ExpertsCall.TOPK_POST_NORM:
         raise ArchError(
             f"{path} ({kind}) normalises each expert's output before weighting it (post_expert_norm inside "
-            "the sum over the top-k experts), which the engine's weighted combine cannot reproduce outside "
-            "itself; the engine computes sum_j w_j * down(act(gate x) * up x). Supported:\n"
-            + supported_summary()
+            f"the sum over the top-k experts), which the {spec.name!r} spec does not describe (it takes the call "
+            f"{spec.call.name}, not TOPK_POST_NORM). Supported:\n" + supported_summary()
         )
-    gate_up, down = _tensor(module, GATE_UP), _tensor(module, DOWN)
-    assert gate_up is not None and down is not None
+    missing = [n for n in spec.kept_modules if not isinstance(getattr(module, n, None), nn.Module)]
+    if missing:
+        raise ArchError(
+            f"{path} ({kind}): the {spec.name!r} spec keeps its submodule(s) {missing} on the device, but the "
+            "module has none of that name (did transformers rename them?)"
+        )
+
+
+def _flat_layout(module: nn.Module, spec: ArchSpec, flat: FlatTensors, path: str) -> ExpertsLayout:
+    """The layout of an experts module keeping flat ``[E*I, H]`` matrices (``ArchSpec.flat``: DBRX)."""
+    kind = type(module).__name__
+    e = getattr(module, flat.num_experts, None)
+    gate = _attr(module, flat.gate)
+    if not isinstance(e, int) or e <= 0 or not isinstance(gate, torch.Tensor) or gate.shape[0] % e:
+        raise ArchError(
+            f"{path} ({kind}): the {spec.name!r} spec reads E from .{flat.num_experts} ({e!r}) and flat [E*I, H] "
+            f"experts from .{flat.gate} ({None if gate is None else tuple(gate.shape)}), which do not fit"
+        )
+    act = _attr(module, flat.activation)
+    name = act_fn_name(act)
+    if name is None:
+        raise ArchError(
+            f"{path} ({kind}): expert activation {type(act).__name__} (.{flat.activation}) is not one the engine "
+            "computes"
+        )
+    rows, h = gate.shape
+    layout = ExpertsLayout(e, h, rows // e, False, False, False, name, flat=flat)
+    for tensor in flat.names:
+        t = _attr(module, tensor)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (rows, h):
+            raise ArchError(
+                f"{path} ({kind}): .{tensor} is {None if t is None else tuple(t.shape)}, expected {(rows, h)} "
+                f"like .{flat.gate}"
+            )
+    return layout
+
+
+def read_layout(module: nn.Module, spec: ArchSpec, path: str) -> ExpertsLayout:
+    """The layout of one v5 experts module; ``ArchError`` naming ``path`` if the engine cannot run it."""
+    if spec.flat is not None:
+        return _flat_layout(module, spec, spec.flat, path)
+    flags = _flags(module, spec, path)
+    kind = type(module).__name__
+    if getattr(module, "has_post_expert_norm", False) or spec.call is ExpertsCall.TOPK_POST_NORM:
+        _check_post_norm(module, spec, path)
+    first = GATE_UP if flags.has_gate else UP
+    gate_up, down = _tensor(module, first), _tensor(module, DOWN)
+    if gate_up is None or gate_up.dim() != 3 or down is None:
+        raise ArchError(
+            f"{path} ({kind}, has_gate={flags.has_gate}) has no 3-D {first} and {DOWN} tensors "
+            f"(found {first}: {None if gate_up is None else tuple(gate_up.shape)}, {DOWN}: "
+            f"{None if down is None else tuple(down.shape)}). Supported:\n{supported_summary()}"
+        )
     transposed = flags.is_transposed
-    rows, two_i, h = (
+    rows, out, h = (
         (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1]) if transposed else tuple(gate_up.shape)
     )
     identity = int(getattr(module, spec.identity_attr) or 0) if spec.identity_attr is not None else 0
     e = rows - identity
-    if two_i % 2:
-        raise ArchError(f"{path}: gate_up_proj {tuple(gate_up.shape)} has an odd 2I dimension ({two_i})")
-    act, kwargs = _activation(module, spec, path, not flags.is_concatenated)
+    if flags.has_gate:
+        if out % 2:
+            raise ArchError(f"{path}: gate_up_proj {tuple(gate_up.shape)} has an odd 2I dimension ({out})")
+        i = out // 2
+        act, kwargs = _activation(module, spec, path, not flags.is_concatenated)
+    else:
+        if flags.has_bias:
+            raise ArchError(
+                f"{path} ({kind}): non-gated experts with biases (has_bias=True); moetune runs non-gated experts "
+                "without biases only (NemotronH's)"
+            )
+        i, act, kwargs = out, _tied_activation(module, path), {}
     layout = ExpertsLayout(
         num_experts=e,
         hidden_size=h,
-        intermediate_size=two_i // 2,
+        intermediate_size=i,
         transposed=transposed,
         interleaved=not flags.is_concatenated,
         has_bias=flags.has_bias,
         activation=act,
         activation_kwargs=tuple(sorted(kwargs.items())),
         identity_experts=identity,
+        gated=flags.has_gate,
     )
     for name in layout.tensor_names:
         t = _tensor(module, name)
@@ -238,7 +341,7 @@ def read_layout(module: nn.Module, spec: ArchSpec, path: str) -> ExpertsLayout:
             raise ArchError(
                 f"{path} ({kind}, is_transposed={transposed}, has_bias={layout.has_bias}): "
                 f"{name} is {None if t is None else tuple(t.shape)}, expected {want} "
-                f"from gate_up_proj {tuple(gate_up.shape)}"
+                f"from {first} {tuple(gate_up.shape)}"
                 + (f" and {identity} zero-computation experts" if identity else "")
             )
     return layout
@@ -268,9 +371,9 @@ def find_experts(model: nn.Module, spec: ArchSpec, model_type: str) -> list[Expe
         raise ArchError(f"{where} is not supported: {spec.unsupported}. Supported:\n{supported_summary()}")
     try:
         sites = [
-            ExpertsSite(path, read_layout(module, spec, path), _router(model, path, spec))
+            ExpertsSite(path, read_layout(module, spec, path), _router(model, path, spec), spec.kept_modules)
             for path, module in model.named_modules()
-            if _looks_like_experts(module)
+            if _looks_like_experts(module, spec)
         ]
     except ArchError as e:
         raise ArchError(f"{where}: {e}") from e

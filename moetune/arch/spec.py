@@ -34,6 +34,13 @@ class ExpertsCall(str, Enum):
         "experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H], where ids E..E+Z-1 name "
         "zero-computation experts that return the token itself (LongCat-Flash)"
     )
+    TOPK_POST_NORM = (
+        "experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H], each expert's output "
+        "normalised by the module's post_expert_norm before its routing weight applies (Muse Spark)"
+    )
+    TOPK_BATCHED = (
+        "experts(hidden [B, S, H], top_k_index [B*S, k], top_k_weights [B*S, k]) -> [B, S, H] (DBRX)"
+    )
     PRESCALED_DENSE = (
         "experts(routed_in [E*T, H]) -> [E*T, H]: row e*T + t is token t scaled by its router score for "
         "expert e, zero where e is not among its top k (Llama 4)"
@@ -49,6 +56,26 @@ class LayoutFlags:
     is_concatenated: bool = True  # gate block then up block along 2I (else interleaved)
     has_bias: bool = False
     has_gate: bool = True
+
+
+@dataclass(frozen=True)
+class FlatTensors:
+    """Experts kept as one 2-D ``[E*I, H]`` matrix per projection, expert e's rows ``e*I .. (e+1)*I`` (DBRX), for a
+    family whose experts module has neither fused 3-D tensors nor transformers' layout flags.
+
+    Each name is an attribute path under the experts module (``"mlp.w1"``), also the checkpoint key's tail.
+    """
+
+    gate: str  # [E*I, H]: gate rows of each expert, [out, in]
+    up: str  # [E*I, H]: up rows, [out, in]
+    down: str  # [E*I, H]: each expert's down matrix transposed ([in, out]: the module computes h @ W_e)
+    activation: str  # attribute path of the gate's activation module (a transformers act_fn)
+    num_experts: str = "num_experts"  # attribute of the experts module holding E
+
+    @property
+    def names(self) -> tuple[str, str, str]:
+        """The three tensors, gate, up, down."""
+        return (self.gate, self.up, self.down)
 
 
 class Routing(str, Enum):
@@ -86,6 +113,11 @@ class ArchSpec:
         call: how the MoE block calls its experts.
         identity_attr: for ``ExpertsCall.TOPK_WITH_IDENTITY``, the experts module's attribute holding the number
             Z of zero-computation experts (ids E..E+Z-1 after the E routed ones).
+        kept_modules: submodules of the experts module that stay torch modules on the model's device, moved
+            onto moetune's replacement (Muse Spark's ``post_expert_norm``, which ``ExpertsCall.TOPK_POST_NORM``
+            applies); their checkpoint tensors load through transformers, not into the engine.
+        flat: the experts' tensors where the module keeps one flat ``[E*I, H]`` matrix per projection (DBRX);
+            None: fused 3-D tensors, read off the module.
         unsupported: why the family cannot run on the engine (its experts are not gated MLPs routed top-k);
             ``find_experts`` refuses it with this reason. None: supported.
     """
@@ -99,6 +131,8 @@ class ArchSpec:
     layout: LayoutFlags | None = None
     call: ExpertsCall = ExpertsCall.TOPK
     identity_attr: str | None = None
+    kept_modules: tuple[str, ...] = ()
+    flat: FlatTensors | None = None
     unsupported: str | None = None
 
     def describe(self) -> str:

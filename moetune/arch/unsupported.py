@@ -2,18 +2,12 @@
 
 Detection alone would only say "no routed-experts module" for these (their experts are not transformers v5
 experts modules, or not ones the engine can stand in for); naming the reason tells a user what is missing.
-Families refused by detection itself, with its own reason, are not listed: NemotronH (non-gated experts),
-Muse Spark (a norm on each expert's output inside the weighted sum).
+Families refused by detection itself, with its own reason, are not listed.
 """
 
 from moetune.arch.spec import ArchSpec, Routing, register
 
 _REASONS = {
-    "dbrx": (
-        "DBRX keeps its experts as three flat [E*I, H] matrices under experts.mlp (w1, v1, w2, down stored "
-        "transposed) and calls them on [B, S, H] hidden states, a layout and call moetune's experts modules do "
-        "not take"
-    ),
     "doge": (
         "Doge's routed experts are single neurons retrieved by product keys (rows of the down_embed/up_embed "
         "embeddings, mixed inside DogeCDMoE), not expert MLPs the engine could run"
@@ -22,6 +16,11 @@ _REASONS = {
         "JetMoE routes inside one module (JetMoeMoE, and JetMoeMoA for its attention experts) through parallel "
         "expert linears called with per-expert token counts, with no experts module of the v5 call "
         "experts(hidden, top_k_index, top_k_weights) to stand in for"
+    ),
+    "nemo_speechlm": (
+        "Nemotron-3.5-Transcribe is a speech-to-text model (audio tower, then a NemotronH language model saved "
+        "under llm.): transformers has no causal-LM or image-text-to-text class for it, and moetune does not load "
+        "its language model apart from the checkpoint it shares with the audio tower"
     ),
     "diffusion_gemma": (
         "DiffusionGemma ties the experts of its encoder to those of its decoder (one checkpoint tensor feeds two "

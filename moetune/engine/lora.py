@@ -36,12 +36,14 @@ class ExpertLoRA:
     The tensors may be ``nn.Parameter`` objects owned by a module, or views of other parameters (PEFT's
     ``lora_A`` / ``lora_B``); the engine only reads them and returns gradients of the same shapes and layout.
     ``gate_up_rows`` (``[2I]`` int64) says which row of ``gate_up_B`` each of the engine's gate_up outputs
-    (gate rows, then up rows) uses, for a module that orders its outputs otherwise (gpt-oss interleaves gate
-    and up); None: the same order. It lets ``gate_up_B`` stay a view of such a module's parameter.
+    (gate rows, then up rows) uses, for a module that orders its outputs otherwise; None: the same order. A
+    permutation for gpt-oss (it interleaves gate and up); a tie for non-gated experts run on tied gate and up
+    rows (``[0, I)`` twice, ``gate_up_B`` ``[E, I, r]``: the module's up projection, whose gradient is the sum over
+    both uses). It lets ``gate_up_B`` stay a view of such a module's parameter.
     """
 
     gate_up_A: torch.Tensor  # [E, r, H]
-    gate_up_B: torch.Tensor  # [E, 2I, r]
+    gate_up_B: torch.Tensor  # [E, 2I, r], or [E, R, r] with gate_up_rows [2I] indexing its R rows
     down_A: torch.Tensor  # [E, r, I]
     down_B: torch.Tensor  # [E, H, r]
     scaling: float
@@ -52,13 +54,22 @@ class ExpertLoRA:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"lora_dropout must be in [0, 1); got {self.dropout}")
         e, r, h = self.gate_up_A.shape
-        two_i = self.gate_up_B.shape[1]
+        b_rows = self.gate_up_B.shape[1]
         rows = self.gate_up_rows
-        if rows is not None and (rows.dtype != torch.int64 or tuple(rows.shape) != (two_i,)):
-            raise EngineError(f"gate_up_rows must be [{two_i}] int64; got {tuple(rows.shape)} {rows.dtype}")
+        two_i = b_rows if rows is None else rows.shape[0]
+        if rows is not None and (
+            rows.dtype != torch.int64
+            or rows.dim() != 1
+            or two_i % 2
+            or (two_i and not 0 <= int(rows.min()) <= int(rows.max()) < b_rows)
+        ):
+            raise EngineError(
+                f"gate_up_rows must be [2I] int64 indices of gate_up_B's {b_rows} rows; got {tuple(rows.shape)} "
+                f"{rows.dtype}"
+            )
         want = {
             "gate_up_A": (e, r, h),
-            "gate_up_B": (e, two_i, r),
+            "gate_up_B": (e, b_rows, r),
             "down_A": (e, r, two_i // 2),
             "down_B": (e, h, r),
         }
@@ -228,18 +239,22 @@ class LoraPass:
         grads[f"{proj}_B"][e].copy_((a_proj.t() @ g_out).t()).mul_(s)
 
     def zero_grads(self) -> dict[str, torch.Tensor]:
-        """Zeroed grads shaped like the four tensors, keyed by ``LORA_NAMES``: fp32 at least (fp64 for fp64
-        LoRA), so that accumulating them over many micro-batches loses nothing."""
+        """Zeroed grads shaped like the four tensors in the engine's order (gate_up_B ``[E, 2I, r]``), keyed by
+        ``LORA_NAMES``: fp32 at least (fp64 for fp64 LoRA), so that accumulating them over many micro-batches
+        loses nothing."""
+        (a1, b1), (a2, b2) = self._ab["gate_up"], self._ab["down"]
         return {
-            name: torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32))
-            for name, p in zip(LORA_NAMES, self.lora.tensors())
+            name: torch.zeros(t.shape, dtype=torch.promote_types(p.dtype, torch.float32))
+            for name, t, p in zip(LORA_NAMES, (a1, b1, a2, b2), self.lora.tensors())
         }
 
     def in_call_order(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``grads`` (from :meth:`backward`) with gate_up_B's ``[E, 2I, r]`` rows put back in the order of the
-        tensor the call passed (``ExpertLoRA.gate_up_rows``), so each grad matches its tensor's layout."""
+        """``grads`` (from :meth:`backward`) with gate_up_B's ``[E, 2I, r]`` rows put back in the order and shape
+        of the tensor the call passed (``ExpertLoRA.gate_up_rows``), so each grad matches its tensor's layout;
+        a row the engine used twice (tied rows) gets the sum of both."""
         rows = self.lora.gate_up_rows
         if rows is None:
             return grads
         g = grads["gate_up_B"]  # [E, 2I, r], engine order: row j holds the grad of the call's row rows[j]
-        return {**grads, "gate_up_B": torch.empty_like(g).index_copy_(1, rows, g)}
+        call = torch.zeros((g.shape[0], self.lora.gate_up_B.shape[1], g.shape[2]), dtype=g.dtype)
+        return {**grads, "gate_up_B": call.index_add_(1, rows, g)}

@@ -187,8 +187,64 @@ class IdentityExperts(CpuExperts):
         return out.index_add(0, token, y.to(out.dtype))
 
 
+class PostNormExperts(CpuExperts):
+    """Muse Spark's experts call: ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])`` computing
+    ``sum_j w[t, j] * norm(FFN_e(x[t]))``, ``norm`` the replaced module's ``post_expert_norm`` (set on this one by
+    the loader, ``ArchSpec.kept_modules``: a torch module on the model's device).
+
+    Each (token, slot) goes to the engine as a row of its own with weight 1 (``[T*k, H]``, ``k = 1``), so the
+    engine returns every unweighted expert output; the norm and the routing weights apply here, on the device,
+    and autograd differentiates them (the norm's weight included) exactly. The engine computes the same T*k
+    rows as for a weighted call; the host copies of the input and output grow k-fold.
+    """
+
+    post_expert_norm: nn.Module
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        lora: ExpertLoRA | None = None,
+    ) -> torch.Tensor:
+        """hidden_states ``[T, H]``, top_k_index ``[T, k]``, top_k_weights ``[T, k]`` -> ``[T, H]``; ``lora`` as in
+        :meth:`CpuExperts.forward`."""
+        t, k = top_k_index.shape
+        rows = hidden_states.repeat_interleave(k, dim=0)  # [T*k, H]: row t*k + j is token t for slot j
+        ones = torch.ones(t * k, 1, dtype=hidden_states.dtype, device=hidden_states.device)  # [T*k, 1]
+        y = super().forward(rows, top_k_index.reshape(t * k, 1), ones, lora=lora)  # [T*k, H] unweighted
+        y = self.post_expert_norm(y) * top_k_weights.reshape(t * k, 1)
+        return y.view(t, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> PostNormExperts:
+        # the norm is a device module of the model: it moves and casts with it (the engine's state does not)
+        if recurse:
+            self.post_expert_norm._apply(fn)
+        return self
+
+
+class BatchedExperts(CpuExperts):
+    """DBRX's experts call: ``experts(hidden [B, S, H], top_k_index [B*S, k], top_k_weights [B*S, k]) -> [B, S, H]``:
+    the tokens are flattened for the engine and the batch shape restored."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        lora: ExpertLoRA | None = None,
+    ) -> torch.Tensor:
+        """hidden_states ``[B, S, H]``, top_k_index and top_k_weights ``[B*S, k]`` -> ``[B, S, H]``; ``lora`` as in
+        :meth:`CpuExperts.forward`."""
+        h = hidden_states.shape[-1]
+        y = super().forward(hidden_states.reshape(-1, h), top_k_index, top_k_weights, lora=lora)
+        return y.view(hidden_states.shape[0], -1, h)
+
+
 EXPERTS_MODULES: dict[ExpertsCall, type[CpuExperts]] = {
     ExpertsCall.TOPK: CpuExperts,
+    ExpertsCall.TOPK_POST_NORM: PostNormExperts,
+    ExpertsCall.TOPK_BATCHED: BatchedExperts,
     ExpertsCall.TOPK_WITH_IDENTITY: IdentityExperts,
     ExpertsCall.PRESCALED_DENSE: PrescaledDenseExperts,
 }

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS, ExpertsSite
+from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS, UP, ExpertsSite
 from moetune.errors import LoadError, listing
 from moetune.loading.checkpoint import Checkpoint, TensorInfo
 from moetune.loading.hf import KeyTarget
@@ -47,7 +47,7 @@ FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16
 # On-disk per-expert projection names, one naming scheme per tuple (gate, up, down).
 PER_EXPERT_SCHEMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"), ("fc1", "fc3", "fc2"))
 _ROLE_OF = {name: role for scheme in PER_EXPERT_SCHEMES for name, role in zip(scheme, ROLES)}
-_FUSED = (GATE_UP, DOWN, GATE_UP_BIAS, DOWN_BIAS)
+_FUSED = (GATE_UP, UP, DOWN, GATE_UP_BIAS, DOWN_BIAS)
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,8 @@ class ExpertSource:
     ``role`` is ``gate``/``up``/``down`` for a per-expert matrix (``expert`` set) or for one projection of
     every expert stacked ``[E, out, in]`` (``expert`` None), or a fused tensor name (``gate_up_proj``,
     ``down_proj``, ``gate_up_proj_bias``, ``down_proj_bias``; ``expert`` None).
-    ``swapped``: a fused 3-D tensor stored with its last two dimensions swapped relative to the module.
+    ``swapped``: a fused 3-D tensor stored with its last two dimensions swapped relative to the module, or a
+    stacked projection whose per-expert matrices are stored ``[in, out]`` (DBRX's flat down projection).
     ``interleaved``: a fused gate_up (or its bias) stored with gate and up interleaved along 2I.
     ``stem``: the key up to the experts container (``model.layers.0.block_sparse_moe.experts.``), as stored;
     ``proj``: a per-expert tensor's projection name (``gate_proj``, ``w1``, ...), for messages.
@@ -175,12 +176,16 @@ def _parse(info: TensorInfo, renamed: str, site: ExpertsSite, dest: KeyTarget) -
     attr = re.escape(site.path.rpartition(".")[2])
     lay = site.layout
     i, h = lay.intermediate_size, lay.hidden_size
+    if lay.flat is not None:
+        return _parse_flat(info, renamed, site)
     per_expert = re.search(rf"(?:^|\.){attr}\.((\d+)\.(\w+)\.weight)$", renamed)
     if per_expert:
         e, name = int(per_expert.group(2)), per_expert.group(3)
         if name not in _ROLE_OF:
             return f"unknown expert projection {name!r} (known: {', '.join(sorted(_ROLE_OF))})"
         role = _ROLE_OF[name]
+        if role not in _roles(lay.gated):
+            return f"a {role} projection ({name}), but the model's experts are not gated (up and down only)"
         if lay.num_experts <= e < lay.num_experts + lay.identity_experts and role != "down":
             return None
         if e >= lay.num_experts:
@@ -191,7 +196,7 @@ def _parse(info: TensorInfo, renamed: str, site: ExpertsSite, dest: KeyTarget) -
         return ExpertSource(info, role, e, stem=_stem(info.key, renamed, per_expert.group(1)), proj=name)
     into = dest.target.rpartition(".")[2]  # the module tensor transformers builds from it
     stacked = re.search(r"\.(\w+)\.weight$", renamed)
-    if into in (GATE_UP, DOWN) and stacked and stacked.group(1) in _ROLE_OF:
+    if into in (GATE_UP, UP, DOWN) and stacked and stacked.group(1) in _ROLE_OF:
         role = _ROLE_OF[stacked.group(1)]
         want = (lay.num_experts, h, i) if role == "down" else (lay.num_experts, i, h)
         if info.shape != want:
@@ -207,10 +212,11 @@ def _parse(info: TensorInfo, renamed: str, site: ExpertsSite, dest: KeyTarget) -
         return (
             "not an expert tensor name moetune reads (per expert: {e}.gate_proj/up_proj/down_proj.weight, "
             "{e}.w1/w3/w2.weight or {e}.fc1/fc3/fc2.weight; stacked: gate_proj/up_proj/down_proj.weight "
-            "[E, out, in]; fused: gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias)"
+            "[E, out, in]; fused: gate_up_proj (non-gated experts: up_proj), down_proj, gate_up_proj_bias, "
+            "down_proj_bias)"
         )
     if name not in lay.tensor_names:
-        return f"{name} but the model's experts have no biases"
+        return f"{name}, which the model's experts do not have (they have {', '.join(lay.tensor_names)})"
     stem = _stem(info.key, renamed, fused.group(1) if fused else name)
     # stored interleaved: the module's order, flipped where transformers' converter interleaves on load
     interleaved = name in (GATE_UP, GATE_UP_BIAS) and lay.interleaved != ("Interleave" in dest.ops)
@@ -222,6 +228,29 @@ def _parse(info: TensorInfo, renamed: str, site: ExpertsSite, dest: KeyTarget) -
         return ExpertSource(info, name, swapped=True, interleaved=interleaved, stem=stem)
     alt = f" or {swapped}" if len(want) == 3 else ""
     return f"shape {info.shape}, expected {want}{alt}"
+
+
+def _roles(gated: bool) -> tuple[str, ...]:
+    """The projections an expert has: gate, up and down, or up and down for non-gated experts."""
+    return ROLES if gated else tuple(r for r in ROLES if r != "gate")
+
+
+def _parse_flat(info: TensorInfo, renamed: str, site: ExpertsSite) -> ExpertSource | str:
+    """A flat ``[E*I, H]`` projection of every expert (``ExpertsLayout.flat``: DBRX's ``mlp.w1/v1/w2``), read as
+    one projection stacked ``[E, I, H]``: the same bytes, expert e's block its e-th slice; the down projection
+    is stored transposed (``swapped``)."""
+    lay = site.layout
+    assert lay.flat is not None
+    tails = dict(zip(lay.flat.names, ROLES))
+    tail = next((t for t in tails if renamed.endswith(f"{site.path.rpartition('.')[2]}.{t}")), None)
+    if tail is None:
+        return f"not one of the flat expert tensors {', '.join(lay.flat.names)}"
+    want = lay.runtime_shape(tail)
+    if info.shape != want:
+        return f"shape {info.shape}, expected {want} (flat [E*I, H])"
+    stacked = dataclasses.replace(info, shape=(lay.num_experts, lay.intermediate_size, lay.hidden_size))
+    role = tails[tail]
+    return ExpertSource(stacked, role, swapped=role == "down", stem=renamed[: -len(tail)], proj=tail)
 
 
 def _missing(layer: LayerPlan) -> list[str]:
@@ -243,6 +272,10 @@ def _missing(layer: LayerPlan) -> list[str]:
     if fused:
         have = {s.role for s in fused}
         have |= {GATE_UP} if {"gate", "up"} <= have else set()  # stacked projections build the fused tensors
+        have |= {UP} if "up" in have else set()
+        have |= (
+            {n for n, role in zip(lay.flat.names, ROLES) if role in have} if lay.flat is not None else set()
+        )
         have |= {DOWN} if "down" in have else set()
         return [f"missing {stem}{n} ({site.path}; {where})" for n in lay.tensor_names if n not in have]
     scheme = next(s for s in PER_EXPERT_SCHEMES if per[0].proj in s)
@@ -251,7 +284,7 @@ def _missing(layer: LayerPlan) -> list[str]:
         f"missing {stem}{e}.{name}.weight ({role} of expert {e} of {site.path}; {where})"
         for e in range(lay.num_experts)
         for role, name in zip(ROLES, scheme)
-        if (e, role) not in have_pe
+        if role in _roles(lay.gated) and (e, role) not in have_pe
     ]
     if lay.has_bias:
         out.append(
@@ -297,6 +330,8 @@ def plan_experts(
     for key, info in checkpoint.tensors.items():
         site = _site_of(targets[key].target, by_path)
         weight = quantized.get(key)
+        if site is not None and any(targets[key].target.startswith(f"{site.path}.{m}.") for m in site.kept):
+            site = None  # a submodule the family keeps on the device (Muse Spark's post_expert_norm)
         if site is None:
             if weight is not None and method is not None and method.experts_only:
                 problems.add(
@@ -320,6 +355,12 @@ def plan_experts(
             problems.add(f"{info.file}: unexpected expert tensor {key} for {site.path}: {parsed}")
             continue
         if weight is not None and method is not None:
+            if not site.layout.gated:
+                problems.add(
+                    f"{weight.main.file}: {weight.main.key} is {method.label}; moetune reads the experts of "
+                    f"non-gated families ({site.path}) from float checkpoints only"
+                )
+                continue
             if (why := method.expert_problem(weight, parsed.role, site)) is not None:
                 problems.add(why)
                 continue

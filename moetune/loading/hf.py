@@ -100,10 +100,12 @@ def load_config(checkpoint: Checkpoint, trust_remote_code: bool = False) -> Any:
             type(config).__name__,
             f"; the checkpoint's remote code (auto_map {remote}) is not run" if remote else "",
         )
-    if hasattr(config, "quantization_config"):
-        # moetune reads the quantization itself (loading.quant): it dequantizes every non-expert weight and
-        # holds the experts in its engine, so the transformers model is not a quantized one.
-        del config.quantization_config
+    for part in [config, *(getattr(config, key, None) for key in config.sub_configs)]:
+        if part is not None and hasattr(part, "quantization_config"):
+            # moetune reads the quantization itself (loading.quant): it dequantizes every non-expert weight and
+            # holds the experts in its engine, so the transformers model is not a quantized one (a composite
+            # model, Kimi-K2.5, declares it in its text config).
+            del part.quantization_config
     return config
 
 

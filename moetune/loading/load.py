@@ -53,11 +53,14 @@ logger = logging.getLogger(__name__)
 
 
 class PendingExperts(nn.Module):
-    """Holds an experts module's place while the rest of the model loads; it has no tensors to materialise."""
+    """Holds an experts module's place while the rest of the model loads; its only tensors are those of the
+    submodules the family keeps on the device (``ExpertsSite.kept``), which transformers loads here."""
 
-    def __init__(self, site: ExpertsSite) -> None:
+    def __init__(self, site: ExpertsSite, replaced: nn.Module) -> None:
         super().__init__()
         self.site = site
+        for name in site.kept:
+            self.add_module(name, getattr(replaced, name))
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise LoadError(f"{self.site.path}: routed experts were never loaded (load_model was interrupted)")
@@ -170,7 +173,7 @@ def load_model(
         planned.plan,
     )
     for site in sites:
-        model.set_submodule(site.path, PendingExperts(site))
+        model.set_submodule(site.path, PendingExperts(site, model.get_submodule(site.path)))
     hf.skip_weight_init(model, sorted({s.path.rpartition(".")[0] for s in sites} - {""}))
     hf.check_non_expert(model, checkpoint, planned.targets, plan.other_keys)
     store = (
@@ -205,6 +208,9 @@ def load_model(
     )
     for layer, engine in experts:
         module = EXPERTS_MODULES[spec.call](engine, layout=layer.site.layout)
+        pending = model.get_submodule(layer.site.path)
+        for name in layer.site.kept:  # loaded on the device with the rest of the model
+            module.add_module(name, getattr(pending, name))
         model.set_submodule(layer.site.path, module)
         held += engine.weights.nbytes
     hf.finish(model, checkpoint)

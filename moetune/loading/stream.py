@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import torch
 
-from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS, ExpertsLayout
+from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS, UP, ExpertsLayout
 from moetune.engine import EngineOptions, ExpertEngine, get_activation
 from moetune.engine.formats import ExpertFormat
 from moetune.loading.checkpoint import Checkpoint, ShardReader
@@ -54,8 +54,11 @@ class _LayerBuffers:
         self.down_bias = torch.empty(e, h, dtype=dtype) if layout.has_bias else None  # [E, H]
 
     def put_per_expert(self, role: str, e: int, w: torch.Tensor) -> None:
-        """``w`` is expert ``e``'s ``[out, in]`` matrix: gate/up ``[I, H]``, down ``[H, I]``."""
+        """``w`` is expert ``e``'s ``[out, in]`` matrix: gate/up ``[I, H]``, down ``[H, I]``. Non-gated experts'
+        up rows fill the gate rows too (``ExpertsLayout.gated``: act(u) = f(u) * u on tied rows)."""
         i = self.layout.intermediate_size
+        if role == "up" and not self.layout.gated:
+            self.gate_up[e, :i].copy_(w)
         dst = {"gate": self.gate_up[e, :i], "up": self.gate_up[e, i:], "down": self.down[e]}[role]
         dst.copy_(w)
 
@@ -63,8 +66,11 @@ class _LayerBuffers:
         """``w``: expert ``e``'s slice of fused tensor ``name`` as stored (``swapped``: last dims flipped;
         ``interleaved``: gate and up alternate along 2I)."""
         lay = self.layout
-        if name in (GATE_UP, DOWN) and lay.transposed != swapped:
+        if name in (GATE_UP, UP, DOWN) and lay.transposed != swapped:
             w = w.t()  # stored x @ W: [H, 2I] / [I, H] -> [2I, H] / [H, I]
+        if name == UP:  # a non-gated expert's [I, H]
+            self.put_per_expert("up", e, w)
+            return
         if name in (GATE_UP, GATE_UP_BIAS) and interleaved:
             w = _deinterleave(w)
         dst = {
@@ -83,8 +89,10 @@ def _fill(buffers: _LayerBuffers, source: ExpertSource, reader: ShardReader) -> 
         return
     for e in range(buffers.layout.num_experts):  # one expert at a time: no full-tensor temporary
         w = reader.read(source.info, e)
-        if source.role in ROLES:  # one projection of every expert, stacked: expert e's [out, in]
-            buffers.put_per_expert(source.role, e, w)
+        if (
+            source.role in ROLES
+        ):  # one projection of every expert, stacked: expert e's [out, in] ([in, out] swapped)
+            buffers.put_per_expert(source.role, e, w.t() if source.swapped else w)
         else:
             buffers.put_fused(source.role, e, w, source.swapped, source.interleaved)
 

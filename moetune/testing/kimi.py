@@ -200,17 +200,28 @@ def _released(key: str, t: torch.Tensor) -> torch.Tensor:
     return t.float() if key.endswith(FLOAT_KEPT) else t.to(torch.bfloat16)
 
 
-def save_release(path: str | Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Path:
-    """Write ``tensors`` sharded as Kimi's releases are (one shard per decoder layer, the embedding with the
-    first, one more for the final norm and lm_head) with ``model.safetensors.index.json`` and ``config``."""
+LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")  # a decoder layer's keys in Kimi-K2's releases
+
+
+def save_release(
+    path: str | Path,
+    tensors: dict[str, torch.Tensor],
+    config: dict[str, Any],
+    *,
+    layer_key: re.Pattern[str] = LAYER_KEY,
+    layers: int | None = None,
+) -> Path:
+    """Write ``tensors`` sharded as Kimi's releases are (one shard per decoder layer, whose keys ``layer_key``
+    matches, the embedding with the first, one more for the rest) with ``model.safetensors.index.json`` and
+    ``config``. ``layers``: the number of decoder layers (default ``config["num_hidden_layers"]``)."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    layers = int(config["num_hidden_layers"])
+    layers = int(config["num_hidden_layers"]) if layers is None else layers
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(layers + 1)]
     for key, t in tensors.items():
-        m = re.match(r"model\.layers\.(\d+)\.", key)
+        m = layer_key.match(key)
         shards[int(m.group(1)) if m else 0 if key.startswith("model.embed_tokens") else layers][key] = t
     names = [f"model-{i + 1:05d}-of-{len(shards):06d}.safetensors" for i in range(len(shards))]
     weight_map: dict[str, str] = {}

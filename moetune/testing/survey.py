@@ -9,7 +9,8 @@ compares:
     module it replaced, in the engine's layout              reaches, such as ERNIE-4.5-VL's vision experts)
     logits on one batch of token ids (no grad)             max |diff| <= 1e-5 * max(1, max |logits|)
     loss.backward(): the gradient of every parameter       max |diff| <= 1e-5 * max(1, max |grad|)
-    outside the routed experts (routers, attention, shared experts, embeddings)
+    outside the routed experts (routers, attention, shared experts, embeddings, and a norm the experts module
+    applies to each expert's output, which moetune keeps as a torch module)
 
 An omni model moetune loads a part of (Qwen3-Omni: its thinker) is saved whole, as released.
 
@@ -91,15 +92,26 @@ def _engine_layout(t: torch.Tensor, transposed: bool, interleaved: bool) -> torc
 def _weight_problems(ref: Any, model: Any) -> list[str]:
     """Each engine's expert weights against the transformers module they replaced: every expert, including
     those a text batch never reaches (ERNIE-4.5-VL's vision experts)."""
-    from moetune.arch.detect import DOWN, GATE_UP
+    from moetune.arch.detect import DOWN, GATE_UP, UP
 
     problems = []
     for path in _expert_paths(model):
         engine, lay = model.get_submodule(path).engine, model.get_submodule(path).layout
         gate_up, down = engine.weights.dequantize(torch.float32)
         theirs = ref.get_submodule(path)
-        want_gu = _engine_layout(getattr(theirs, GATE_UP).detach(), lay.transposed, lay.interleaved)
-        want_down = _engine_layout(getattr(theirs, DOWN).detach(), lay.transposed, False)
+        if lay.flat is not None:  # flat [E*I, H] matrices (DBRX): gate, up, and down transposed
+            gate, up, flat_down = (
+                theirs.get_parameter(n).detach().view(lay.num_experts, lay.intermediate_size, -1)
+                for n in lay.flat.names
+            )
+            want_gu, want_down = torch.cat((gate, up), dim=1), flat_down.transpose(1, 2)
+        elif lay.gated:
+            want_gu = _engine_layout(getattr(theirs, GATE_UP).detach(), lay.transposed, lay.interleaved)
+        else:  # non-gated experts run as gated ones whose gate rows are their up rows
+            up = _engine_layout(getattr(theirs, UP).detach(), lay.transposed, False)
+            want_gu = torch.cat((up, up), dim=1)
+        if lay.flat is None:
+            want_down = _engine_layout(getattr(theirs, DOWN).detach(), lay.transposed, False)
         if not (torch.equal(gate_up, want_gu[: len(gate_up)]) and torch.equal(down, want_down)):
             problems.append(f"{path}: expert weights differ from transformers' module")
     return problems
@@ -121,8 +133,9 @@ def compare(ref: Any, model: Any, seed: int = 0) -> list[str]:
         m(**batch).loss.backward()
         m.eval()
     experts = [p + "." for p in _expert_paths(model)]
-    ref_params = {n: p for n, p in ref.named_parameters() if not n.startswith(tuple(experts))}
     got = dict(model.named_parameters())
+    # inside an experts module only what moetune keeps as a torch module (Muse Spark's post_expert_norm)
+    ref_params = {n: p for n, p in ref.named_parameters() if not n.startswith(tuple(experts)) or n in got}
     if set(got) != set(ref_params):
         problems.append(f"parameters differ: {sorted(set(got) ^ set(ref_params))[:8]}")
     for name in sorted(set(got) & set(ref_params)):

@@ -17,9 +17,12 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
-from moetune.testing.families import MOE_FAMILIES
-from moetune.testing.survey import survey_family
+import moetune
+from moetune.layer import PostNormExperts
+from moetune.testing.families import MOE_FAMILIES, survey_config
+from moetune.testing.survey import _random_model, survey_family
 
 REFUSED = {
     # no text-generation class in transformers
@@ -27,11 +30,7 @@ REFUSED = {
     "switch_transformers": "no causal-LM or image-text-to-text class",
     "openai_privacy_filter": "no causal-LM or image-text-to-text class",
     # experts the engine cannot run, with the reason
-    "nemotron_h": "non-gated experts",
-    "nemotron_h_omni": "non-gated experts",
-    "nemo_speechlm": "non-gated experts",
-    "muse_spark": "normalises each expert's output",
-    "dbrx": "three flat",
+    "nemo_speechlm": "speech-to-text model",
     "doge": "single neurons",
     "jetmoe": "JetMoeMoE",
     "diffusion_gemma": "ties the experts of its encoder",
@@ -46,7 +45,10 @@ FAST = (
     "lfm2_moe",  # act_fn given as a plain function
     "longcat_flash",  # zero-computation experts beside the routed ones
     "step3p7",  # stacked per-projection experts, clamped after the activation
-    "nemotron_h",  # refused
+    "nemotron_h",  # non-gated experts (relu2), run as gated ones on tied rows
+    "muse_spark",  # a norm on each expert's output inside the weighted sum
+    "dbrx",  # flat [E*I, H] experts (down transposed), called on [B, S, H]
+    "nemo_speechlm",  # refused
 )
 
 
@@ -90,3 +92,19 @@ def test_the_list_covers_every_family_transformers_ships():
             missing.append(f"{modeling.parent.name} ({sorted(types)})")
     assert not missing, f"MoE families not in moetune.testing.families.MOE_FAMILIES: {missing}"
     assert set(REFUSED) <= set(MOE_FAMILIES) and set(FAST) <= set(MOE_FAMILIES)
+
+
+def test_post_expert_norm_moves_with_the_model(tmp_path):
+    """Muse Spark's post_expert_norm is a torch module of the model on moetune's experts module: ``model.to``
+    casts it (and it is loaded from the checkpoint), while the engine's host state stays as it is."""
+    ref = _random_model(survey_config("muse_spark"), seed=0)
+    ref.save_pretrained(tmp_path)
+    model = moetune.load_model(tmp_path, dtype="float32", device="cpu", progress=False, num_threads=1)
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, PostNormExperts)}
+    assert experts
+    for path, module in experts.items():
+        assert torch.equal(module.post_expert_norm.weight, ref.get_submodule(path).post_expert_norm.weight)
+    model.to(torch.float64)
+    for module in experts.values():
+        assert module.post_expert_norm.weight.dtype == torch.float64
+        assert module.engine.weights.storage_dtype == torch.float32

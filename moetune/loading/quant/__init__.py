@@ -44,16 +44,21 @@ def supported_methods() -> str:
 
 
 def checkpoint_quantization(checkpoint: Checkpoint) -> QuantMethod | None:
-    """The checkpoint's quantization method, its config validated (None for a float checkpoint).
+    """The checkpoint's quantization method, its config validated (None for a float checkpoint), from config.json's
+    ``quantization_config`` or, for a composite model, its ``text_config``'s.
 
     ``LoadError`` for a ``quant_method`` no method handles (listing the supported ones), on a model type the
     method does not read, and for any field the method cannot hold as shipped: nothing is ever loaded in a
     silently different precision.
     """
-    quant = checkpoint.config.get("quantization_config")
+    quant, field = checkpoint.config.get("quantization_config"), "quantization_config"
+    text = checkpoint.config.get("text_config")
+    if not quant and isinstance(text, dict) and text.get("quantization_config"):
+        # a composite config (Kimi-K2.5: kimi_k25) declares its language model's quantization there
+        quant, field = text["quantization_config"], "text_config.quantization_config"
     if not quant:
         return None
-    where = f"{checkpoint.path}/config.json quantization_config"
+    where = f"{checkpoint.path}/config.json {field}"
     if not isinstance(quant, dict):
         raise LoadError(f"{where} must be a mapping; got {quant!r}")
     method = quant.get("quant_method")

@@ -41,12 +41,17 @@ def test_registered_families():
             "inkling2_text",
             "inkling2_loop",
             "inkling2_loop_text",
+            "muse_spark",
+            "muse_spark_text",
+            "dbrx",
         ]
     )
     assert resolve_arch("glm4_moe").name == "deepseek_v3"
     assert resolve_arch("gpt_oss").routing is Routing.TOPK_SOFTMAX
     assert resolve_arch("ernie4_5_moe").name == "generic"  # no family code: detected from the modules
     assert resolve_arch("llama4").call is ExpertsCall.PRESCALED_DENSE
+    assert resolve_arch("muse_spark").call is ExpertsCall.TOPK_POST_NORM
+    assert resolve_arch("dbrx").flat is not None and resolve_arch("dbrx").call is ExpertsCall.TOPK_BATCHED
     assert resolve_arch("doge").unsupported and "doge" not in supported_model_types()
     assert "generic" in ARCHS
     assert "unsupported_doge" not in supported_summary()  # refused families are not offered as supported
@@ -232,12 +237,61 @@ def test_layout_flags_from_the_spec():
     )
 
 
-def test_non_gated_experts_and_unsupported_families_are_refused_by_name():
+def test_non_gated_experts_run_as_tied_gated_ones():
     from moetune.testing.families import survey_config
 
     model = empty_model(survey_config("nemotron_h"), torch.float32, "meta")
-    with pytest.raises(ArchError, match=r"model_type 'nemotron_h'(.|\n)*non-gated experts(.|\n)*Supported"):
-        find_experts(model, resolve_arch("nemotron_h"), "nemotron_h")
+    (site,) = find_experts(model, resolve_arch("nemotron_h"), "nemotron_h")
+    lay = site.layout
+    assert not lay.gated and lay.activation == "relu"  # relu2(u) = relu(u) * u
+    assert lay.tensor_names == ("up_proj", "down_proj") and lay.runtime_shape("up_proj") == (8, 24, 64)
+
+
+def _non_gated_class(act: nn.Module, **flags):
+    from transformers.integrations.moe import use_experts_implementation
+
+    class Experts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.up_proj = nn.Parameter(torch.empty(4, 6, 10))
+            self.down_proj = nn.Parameter(torch.empty(4, 10, 6))
+            self.act_fn = act
+
+    return use_experts_implementation(Experts, has_gate=False, **flags)
+
+
+def test_non_gated_experts_other_than_f_times_u_are_refused():
+    from transformers.activations import ReLUSquaredActivation
+
+    layout = read_layout(_non_gated_class(ReLUSquaredActivation())(_config()), resolve_arch("x"), "m.experts")
+    assert (layout.num_experts, layout.hidden_size, layout.intermediate_size, layout.gated) == (
+        4,
+        10,
+        6,
+        False,
+    )
+    with pytest.raises(ArchError, match=r"non-gated experts(.|\n)*act_fn SiLU(.|\n)*ReLUSquaredActivation"):
+        read_layout(_non_gated_class(nn.SiLU())(_config()), resolve_arch("x"), "m.experts")
+    with pytest.raises(ArchError, match="non-gated experts with biases"):
+        read_layout(
+            _non_gated_class(ReLUSquaredActivation(), has_bias=True)(_config()),
+            resolve_arch("x"),
+            "m.experts",
+        )
+
+
+def test_post_expert_norm_needs_the_call_and_the_module():
+    spec = resolve_arch("muse_spark")
+    with pytest.raises(ArchError, match="keeps its submodule"):
+        read_layout(_experts_class(has_post_expert_norm=True)(_config()), spec, "m.experts")
+    module = _experts_class(has_post_expert_norm=True)(_config())
+    module.post_expert_norm = nn.LayerNorm(10)
+    assert read_layout(module, spec, "m.experts").intermediate_size == 6
+
+
+def test_unsupported_families_are_refused_by_name():
+    from moetune.testing.families import survey_config
+
     model = empty_model(survey_config("doge"), torch.float32, "meta")
     with pytest.raises(ArchError, match=r"model_type 'doge' \(DogeForCausalLM\) is not supported: Doge's"):
         find_experts(model, resolve_arch("doge"), "doge")
@@ -251,3 +305,19 @@ def test_own_gate_that_needs_weights_is_refused_not_crashed():
         module = cls(_config())
     with pytest.raises(ArchError, match="could not be checked"):
         read_layout(module, spec, "m.experts")
+
+
+def test_flat_experts_from_the_spec():
+    from moetune.testing.families import survey_config
+
+    model = empty_model(survey_config("dbrx"), torch.float32, "meta")
+    sites = find_experts(model, resolve_arch("dbrx"), "dbrx")
+    assert [s.path for s in sites] == ["transformer.blocks.0.ffn.experts", "transformer.blocks.1.ffn.experts"]
+    lay = sites[0].layout
+    assert (lay.num_experts, lay.hidden_size, lay.intermediate_size, lay.activation) == (8, 64, 24, "silu")
+    assert lay.tensor_names == ("mlp.w1", "mlp.v1", "mlp.w2") and lay.runtime_shape("mlp.w2") == (192, 64)
+    assert sites[0].router == "transformer.blocks.0.ffn.router"
+    experts = model.get_submodule("transformer.blocks.0.ffn.experts")
+    experts.mlp.v1 = nn.Parameter(torch.empty(192, 32, device="meta"))
+    with pytest.raises(ArchError, match=r"\.mlp\.v1 is \(192, 32\), expected \(192, 64\)"):
+        read_layout(experts, resolve_arch("dbrx"), "x")
