@@ -112,11 +112,26 @@ def check_finite(tensors: Mapping[str, torch.Tensor], where: Path) -> None:
             )
 
 
+def scan_adapter_values(adapter: AdapterFolder) -> None:
+    """Read the adapter's tensors one at a time (safetensors' lazy reader; one tensor in memory at a time) and
+    refuse NaN/Inf by :func:`check_finite`, before a model is loaded for it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(adapter.weights_file), "pt") as f:
+            for key in list(f.keys()):  # safe_open is not iterable
+                check_finite({key: f.get_tensor(key)}, adapter.weights_file)
+    except SafetensorError as e:
+        raise AdapterError(f"{adapter.weights_file} cannot be read ({e}); re-save the adapter") from None
+
+
 def _read_config(path: Path) -> tuple[dict[str, Any], int, float]:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise AdapterError(f"{path} is not valid JSON ({e}); re-save the adapter or restore the file") from None
+        raise AdapterError(
+            f"{path} is not valid JSON ({e}); re-save the adapter or restore the file"
+        ) from None
     if not isinstance(config, dict):
         raise AdapterError(f"{path} holds a JSON {type(config).__name__}; an adapter config is a JSON object")
     if config.get("peft_type") != "LORA":
@@ -157,7 +172,9 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
     for key, info in tensors.items():
         size = FLOAT_CODES.get(info.dtype)
         if size is None:
-            raise AdapterError(f"{path}: tensor {key} has dtype {info.dtype}; LoRA weights are floating point")
+            raise AdapterError(
+                f"{path}: tensor {key} has dtype {info.dtype}; LoRA weights are floating point"
+            )
         if info.nbytes != math.prod(info.shape) * size:
             raise AdapterError(
                 f"{path} is damaged: tensor {key} spans {info.nbytes} bytes, its shape {list(info.shape)} and "
@@ -186,7 +203,9 @@ def _pairs(adapter: AdapterFolder) -> dict[str, tuple[TensorInfo, TensorInfo]]:
         )
     half = sorted(f"{m}.lora_{'B' if 'A' in ab else 'A'}.weight" for m, ab in found.items() if len(ab) != 2)
     if half:
-        raise AdapterError(f"{where} is incomplete: it lacks {listing(half, inline=True)}; save the adapter again")
+        raise AdapterError(
+            f"{where} is incomplete: it lacks {listing(half, inline=True)}; save the adapter again"
+        )
     pairs = {m: (ab["A"], ab["B"]) for m, ab in found.items()}
     for module, (a, b) in pairs.items():
         ok = len(a.shape) == 2 and len(b.shape) == 2 and a.shape[0] == b.shape[1] and a.shape[0] % r == 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moetune.adapters.check import check_adapter_folder
+from moetune.adapters.check import check_adapter_folder, scan_adapter_values
 from moetune.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ def load_model(
 
     folder = check_adapter_folder(adapter).folder  # the folder alone first: no checkpoint header read for it
     config = hf.load_config(Checkpoint.open(path), bool(options.get("trust_remote_code", False)))
-    check_adapter_folder(folder, config)
+    scan_adapter_values(check_adapter_folder(folder, config))
     model = load_checkpoint(path, device=device, dtype=dtype, **options)
     from moetune.adapters.save import load_adapter
 

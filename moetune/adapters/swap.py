@@ -96,7 +96,9 @@ def recover_adapter(folder: Path) -> list[str]:
         done.append(f"finished an interrupted save of the adapter in {folder}")
     if (folder / PARTIAL).exists():
         shutil.rmtree(folder / PARTIAL)
-        done.append(f"removed {folder / PARTIAL} (an adapter save that did not finish; the previous one is kept)")
+        done.append(
+            f"removed {folder / PARTIAL} (an adapter save that did not finish; the previous one is kept)"
+        )
     for name in (WEIGHTS_NAME, CONFIG_NAME):
         leftover = folder / (name + TMP_SUFFIX)
         if leftover.is_file():
