@@ -80,7 +80,7 @@ def check_adapter_folder(path: str | Path, model_config: Any = None) -> AdapterF
     recover_adapter(folder)
     if not folder.is_dir():
         raise AdapterError(
-            f"adapter {str(folder)!r} is not a folder (it does not exist{', it is a file' if folder.exists() else ''}); "
+            f"adapter {str(folder)!r} is not a folder ({'it is a file' if folder.exists() else 'it does not exist'}); "
             "pass the output_dir of `moetune train`, or a PEFT save_pretrained folder"
         )
     missing = [name for name in (CONFIG_NAME, WEIGHTS_NAME) if not (folder / name).is_file()]
@@ -269,11 +269,10 @@ def _check_against_model(
 
     expected: dict[str, _Target] = {}  # key prefix -> the shapes its pair must have
     for path, target in linears.items():
-        hit = (
-            re.fullmatch(modules, path) is not None
-            if isinstance(modules, str)
-            else any(_matches(path, e) for e in modules)
-        )
+        if isinstance(modules, str):  # a pattern: PEFT matches the whole module path
+            hit = re.fullmatch(modules, path) is not None
+        else:
+            hit = any(_matches(path, e) for e in modules)
         if hit or any(_matches(f"{path}.weight", e) for e in params):
             expected[path] = target
     for path in experts:
