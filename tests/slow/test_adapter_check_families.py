@@ -1,6 +1,6 @@
 """``check_adapter_folder`` accepts a good adapter of every tiny family (no false refusal: shared experts, dense
 MLPs targeted by weight, transposed and interleaved experts, vision-language models), and refuses it against
-another family's config."""
+a wider model's config."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def test_good_adapter_passes_the_check_for_its_model_only(family, tmp_path):
     save_adapter(peft, tmp_path / "a")
     adapter = check_adapter_folder(tmp_path / "a", hf.load_config(Checkpoint.open(path)))
     assert adapter.r == 4 and any("experts" in k for k in adapter.tensors)
-    other = "gpt_oss" if family != "gpt_oss" else "qwen3_moe"
-    other_path = save_tiny_model(other, tmp_path / "other", tokenizer=False)
-    with pytest.raises(AdapterError, match="was the adapter saved for this model"):
+    other_path = save_tiny_model(
+        "qwen3_moe", tmp_path / "other", tokenizer=False, hidden_size=96, head_dim=24
+    )
+    with pytest.raises(AdapterError, match="(?i)was the adapter saved for this model"):
         check_adapter_folder(tmp_path / "a", hf.load_config(Checkpoint.open(other_path)))
