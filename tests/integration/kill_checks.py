@@ -1,5 +1,5 @@
 """kill -9 checks shared by ``tests/integration/test_kill_saves.py`` (one kill of each kind, default suite) and
-``tests/slow/test_kill_saves.py`` (more seeds).
+``tests/slow/test_kill_saves_many.py`` (more seeds).
 
 Each check starts a child Python process that saves in a loop (an adapter save, a convert, a training run
 with a checkpoint every step), SIGKILLs it after a delay drawn from ``random.Random(seed)`` once it has
