@@ -26,8 +26,9 @@ logger = logging.getLogger(__name__)
 TMP_SUFFIX = ".tmp"  # <name>.tmp beside <name>: recognisable as a leftover of this module's writes
 
 
-def fsync_folder(path: Path) -> None:
-    """Make a rename inside ``path`` durable (POSIX: the folder entry itself is fsynced)."""
+def fsync(path: Path) -> None:
+    """Make ``path`` durable: a file's content, or a folder's entries (a rename inside it; POSIX fsyncs the
+    folder entry itself)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -51,17 +52,13 @@ def write_atomically(final: str | Path, write: Callable[[Path], object], *, dura
     try:
         write(tmp)
         if durable:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync(tmp)
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     if durable:
-        fsync_folder(final.parent)
+        fsync(final.parent)
     return final
 
 
@@ -78,7 +75,7 @@ def replace_folder(staged: str | Path, final: str | Path, aside: str | Path) -> 
     if moved:
         os.rename(final, aside)
     os.rename(staged, final)
-    fsync_folder(final.parent)
+    fsync(final.parent)
     if moved:
         shutil.rmtree(aside, ignore_errors=True)
 
@@ -96,7 +93,7 @@ def recover_folder(final: str | Path, staged: str | Path, aside: str | Path) -> 
     done = []
     if aside.exists() and not final.exists():
         os.rename(aside, final)
-        fsync_folder(final.parent)
+        fsync(final.parent)
         done.append(f"restored {final} from {aside.name} (a replacement was interrupted between its renames)")
     elif aside.exists():
         shutil.rmtree(aside)

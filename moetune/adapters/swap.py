@@ -25,7 +25,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from moetune.atomic import TMP_SUFFIX, fsync_folder
+from moetune.atomic import TMP_SUFFIX, fsync
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +33,6 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PARTIAL = ".moetune-adapter.partial"
 COMMITTED = ".moetune-adapter.new"
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_pair(folder: Path, config_text: str, write_weights: Callable[[Path], object]) -> None:
@@ -54,13 +46,13 @@ def save_pair(folder: Path, config_text: str, write_weights: Callable[[Path], ob
         write_weights(partial / WEIGHTS_NAME)
         (partial / CONFIG_NAME).write_text(config_text, encoding="utf-8")
         for name in (WEIGHTS_NAME, CONFIG_NAME):
-            _fsync_file(partial / name)
-        fsync_folder(partial)
+            fsync(partial / name)
+        fsync(partial)
         os.rename(partial, folder / COMMITTED)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    fsync_folder(folder)
+    fsync(folder)
     _roll_forward(folder)
 
 
@@ -69,11 +61,11 @@ def _roll_forward(folder: Path) -> None:
     new = folder / COMMITTED
     if (new / CONFIG_NAME).exists():  # the old config goes first: the folder never pairs old and new
         (folder / CONFIG_NAME).unlink(missing_ok=True)
-        fsync_folder(folder)
+        fsync(folder)
     for name in (WEIGHTS_NAME, CONFIG_NAME):
         if (new / name).exists():
             os.replace(new / name, folder / name)
-    fsync_folder(folder)
+    fsync(folder)
     shutil.rmtree(new)
 
 

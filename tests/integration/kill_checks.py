@@ -17,8 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 import moetune
 from moetune.adapters.check import check_adapter_folder
 from moetune.cli.main import main
@@ -26,6 +24,7 @@ from moetune.errors import LoadError
 from moetune.loading import hf
 from moetune.loading.checkpoint import Checkpoint
 from moetune.testing.tiny import save_tiny_model
+from tests.integration import test_train
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = {"moe_intermediate_size": 32}
@@ -178,31 +177,8 @@ main(["train", sys.argv[1]])
 
 
 def train_config(tmp: Path, model: Path, **over) -> Path:
-    cfg = {
-        "model_name_or_path": str(model),
-        "lora_rank": 4,
-        "lora_alpha": 8,
-        "lora_target": "all",
-        "dataset": "demo_train",
-        "dataset_dir": str(ROOT / "examples/data"),
-        "max_samples": 64,
-        "cutoff_len": 32,
-        "output_dir": str(tmp / "out"),
-        "per_device_train_batch_size": 4,
-        "learning_rate": 1e-2,
-        "max_steps": STEPS,
-        "logging_steps": 1,
-        "save_steps": 1,
-        "save_total_limit": 2,
-        "seed": 0,
-        "gradient_checkpointing": False,
-        "report_to": "none",
-        "moetune": {"device": "cpu", "num_threads": 1},
-        **over,
-    }
-    path = tmp / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    """``test_train``'s tiny run, longer, with a checkpoint every step and rotation."""
+    return test_train._config(tmp, model, max_steps=STEPS, save_steps=1, save_total_limit=2, **over)
 
 
 def train_save_kill(tmp: Path, demo_model: Path, seed: int) -> None:
