@@ -283,6 +283,11 @@ CONVERT_CASES: dict[str, tuple[Callable[[Path, Path], None], list[str], str]] = 
         ["--format", "int8", "--overwrite"],
         r"holds entries moetune convert did not write \(model.safetensors\); convert never deletes them",
     ),
+    "destination is the source checkpoint": (
+        lambda m, d: shutil.copytree(m, d),
+        ["--format", "int8", "--overwrite"],
+        r"holds entries moetune convert did not write \(config.json, generation_config.json, model.safetensors\)",
+    ),
     "destination is a file": (
         lambda m, d: d.write_text("x"),
         ["--format", "int8"],
