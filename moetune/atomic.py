@@ -8,20 +8,27 @@ summaries, loss curves, benchmark records, checkpoints) instead of one per calle
   file is removed when ``write`` fails, and a fixed name means a crash leftover is overwritten by the rerun.
 - :func:`replace_folder`: put a completely written folder in the place of ``final`` (an existing ``final``
   is moved aside first, since a rename cannot replace a non-empty folder, and removed after).
+  :func:`recover_folder` undoes what a process killed during it, or while writing the staged folder, left:
+  run it before the next write of ``final`` (and before reading ``final``, so a kill between the two renames
+  never shows as a missing folder).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
+
 TMP_SUFFIX = ".tmp"  # <name>.tmp beside <name>: recognisable as a leftover of this module's writes
 
 
-def fsync_folder(path: Path) -> None:
-    """Make a rename inside ``path`` durable (POSIX: the folder entry itself is fsynced)."""
+def fsync(path: Path) -> None:
+    """Make ``path`` durable: a file's content, or a folder's entries (a rename inside it; POSIX fsyncs the
+    folder entry itself)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -45,17 +52,13 @@ def write_atomically(final: str | Path, write: Callable[[Path], object], *, dura
     try:
         write(tmp)
         if durable:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync(tmp)
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     if durable:
-        fsync_folder(final.parent)
+        fsync(final.parent)
     return final
 
 
@@ -72,6 +75,32 @@ def replace_folder(staged: str | Path, final: str | Path, aside: str | Path) -> 
     if moved:
         os.rename(final, aside)
     os.rename(staged, final)
-    fsync_folder(final.parent)
+    fsync(final.parent)
     if moved:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def recover_folder(final: str | Path, staged: str | Path, aside: str | Path) -> list[str]:
+    """Clean up after a :func:`replace_folder` of ``final`` from ``staged`` via ``aside`` that a kill interrupted
+    (or a kill while ``staged`` was still being written); returns what was done, in words, each also logged.
+
+    - ``final`` missing and ``aside`` present: the kill came between the two renames; ``aside`` is the previous
+      ``final``, complete, and is renamed back (the interrupted write must then be redone).
+    - ``final`` and ``aside`` present: the swap finished and only the removal of ``aside`` was cut short.
+    - ``staged`` present: an unfinished (or never swapped-in) write; removed.
+    """
+    final, staged, aside = Path(final), Path(staged), Path(aside)
+    done = []
+    if aside.exists() and not final.exists():
+        os.rename(aside, final)
+        fsync(final.parent)
+        done.append(f"restored {final} from {aside.name} (a replacement was interrupted between its renames)")
+    elif aside.exists():
+        shutil.rmtree(aside)
+        done.append(f"removed {aside} (the previous {final.name}, already replaced)")
+    if staged.exists():
+        shutil.rmtree(staged)
+        done.append(f"removed {staged} (left by an interrupted write)")
+    for line in done:
+        logger.warning("moetune: %s", line)
+    return done

@@ -50,6 +50,10 @@ class LoadError(MoetuneError):
     """A checkpoint cannot be loaded: missing or extra files or tensors, wrong shapes, unsupported formats."""
 
 
+class NonFiniteWeightError(LoadError):
+    """A checkpoint's routed-expert weights hold NaN or Inf (found when they are read; named by file, tensor, layer)."""
+
+
 class DataError(MoetuneError, ValueError):
     """A dataset cannot be loaded or turned into training examples (missing fields, wrong format, no labels)."""
 

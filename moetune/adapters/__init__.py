@@ -4,10 +4,13 @@
 ``target_parameters`` layout (tensor layout, key names, config facts in its docstring); ``expert_layer`` is
 the PEFT LoRA layer that holds routed-expert LoRA in that layout around a ``CpuExperts`` (imported on use: it
 imports PEFT); ``apply`` attaches LoRA to a loaded model through ``peft.get_peft_model``; ``save`` writes and
-reads the whole adapter as one stock PEFT adapter.
+reads the whole adapter as one stock PEFT adapter; ``check`` checks a saved adapter folder before any model
+weight is read (``check_adapter_folder``); ``swap`` replaces an adapter's config and weights together and
+recovers what a killed save left.
 """
 
 from moetune.adapters.apply import LoraSettings, attach_lora, resolve_targets, to_stock_config
+from moetune.adapters.check import check_adapter_folder
 from moetune.adapters.peft_layout import (
     PEFT_MODEL_PREFIX,
     ExpertParamNames,
@@ -21,6 +24,7 @@ from moetune.adapters.save import load_adapter, load_adapter_weights, save_adapt
 __all__ = [
     "LoraSettings",
     "attach_lora",
+    "check_adapter_folder",
     "load_adapter",
     "load_adapter_weights",
     "resolve_targets",

@@ -1,7 +1,8 @@
 """``moetune.load_model``: a checkpoint loaded by ``moetune.loading``, with a saved adapter attached when asked.
 
-Loading knows nothing about adapters; this is where the two meet. The adapter folder is checked before the
-checkpoint is read, so a wrong path costs no model load.
+Loading knows nothing about adapters; this is where the two meet. The adapter folder is checked before any
+weight is read (``moetune.adapters.check``: files, config, headers, and every tensor's name and shape against
+the model built on the meta device from the checkpoint's config), so a bad adapter costs no model load.
 """
 
 from __future__ import annotations
@@ -9,21 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moetune.adapters.check import check_adapter_folder, scan_adapter_values
 from moetune.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
-
-
-def check_adapter_dir(adapter: str | Path) -> Path:
-    """``adapter`` as a Path if it is an adapter folder (it holds ``adapter_config.json``), else ``ConfigError``."""
-    path = Path(adapter)
-    if not (path / "adapter_config.json").is_file():
-        raise ConfigError(
-            f"adapter {str(path)!r} is not an adapter directory: no adapter_config.json in it "
-            "(pass the output_dir of `moetune train`, or a PEFT save_pretrained directory)"
-        )
-    return path
 
 
 def load_model(
@@ -37,15 +28,21 @@ def load_model(
 ) -> Any:
     """:func:`moetune.loading.load_model` (same arguments and result), then, with ``adapter`` (a saved
     moetune/PEFT adapter folder), that adapter attached: a ``PeftModel`` whose LoRA is trainable when
-    ``adapter_trainable``. Bad adapter arguments raise ``ConfigError`` before any weight is read."""
+    ``adapter_trainable``. A bad ``adapter_trainable`` raises ``ConfigError``, a bad adapter ``AdapterError``,
+    both before any weight is read."""
     from moetune.loading import load_model as load_checkpoint
 
     if not isinstance(adapter_trainable, bool):
         raise ConfigError(f"adapter_trainable must be True or False; got {adapter_trainable!r}")
-    folder = None if adapter is None else check_adapter_dir(adapter)
+    if adapter is None:
+        return load_checkpoint(path, device=device, dtype=dtype, **options)
+    from moetune.loading import hf
+    from moetune.loading.checkpoint import Checkpoint
+
+    folder = check_adapter_folder(adapter).folder  # the folder alone first: no checkpoint header read for it
+    config = hf.load_config(Checkpoint.open(path), bool(options.get("trust_remote_code", False)))
+    scan_adapter_values(check_adapter_folder(folder, config))
     model = load_checkpoint(path, device=device, dtype=dtype, **options)
-    if folder is None:
-        return model
     from moetune.adapters.save import load_adapter
 
     return load_adapter(model, folder, is_trainable=adapter_trainable)

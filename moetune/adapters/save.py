@@ -10,8 +10,9 @@ dict and config, and::
 computes what the moetune model computed. ``save_adapter`` writes what ``PeftModel.save_pretrained`` writes
 (the config gets e.g. ``target_parameters: ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``, preceded
 by ``"gate_proj.weight"``-style entries for dense and shared-expert MLPs whose names PEFT rewrites, and
-``lora_dropout: 0`` when it has any), into a temporary folder next to ``output_dir`` renamed into place, so a
-crash leaves no half-written adapter.
+``lora_dropout: 0`` when it has any). The two files are replaced together (``swap``: staged in the folder,
+committed by one rename, moved in so that no crash pairs an old file with a new one; the next save or load
+finishes or removes what a kill left).
 
 ``load_adapter(model, dir)`` attaches a saved adapter to a ``moetune.load_model`` model: the config's
 ``target_parameters`` name the routed experts and the linear weights to wrap, and PEFT's
@@ -22,8 +23,6 @@ adapter's values into one that is already attached.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,13 +31,11 @@ import torch
 from torch import nn
 
 from moetune.adapters.apply import linear_weight_paths, peft_model_with
+from moetune.adapters.check import check_adapter_folder, check_finite
 from moetune.adapters.peft_layout import ExpertParamNames
-from moetune.atomic import replace_folder, write_atomically, write_text_atomically
+from moetune.adapters.swap import CONFIG_NAME, save_pair
 from moetune.errors import AdapterError
 from moetune.layer import CpuExperts
-
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
 
 
 def adapter_config(peft_model: Any) -> dict[str, Any]:
@@ -62,49 +59,30 @@ def save_adapter(peft_model: Any, output_dir: str | Path) -> Path:
     """Write ``peft_model``'s LoRA to ``output_dir`` as a stock PEFT adapter, atomically; returns the folder.
 
     Files already in ``output_dir`` other than the adapter's two are kept (a Trainer checkpoint folder holds
-    optimizer and scheduler state next to it).
+    optimizer and scheduler state next to it); the two are replaced together (``moetune.adapters.swap``).
     """
     from safetensors.torch import save_file
 
     out = Path(output_dir)
     state = adapter_state(peft_model)
     config = json.dumps(adapter_config(peft_model), indent=2, sort_keys=True) + "\n"
-
-    def write_weights(path: Path) -> None:
-        save_file(state, str(path), metadata={"format": "pt"})
-
-    if out.is_dir():  # each file replaced atomically; the pair is written last
-        write_atomically(out / WEIGHTS_NAME, write_weights)
-        write_text_atomically(out / CONFIG_NAME, config)
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:  # a new folder appears whole
-        write_weights(staged / WEIGHTS_NAME)
-        (staged / CONFIG_NAME).write_text(config)
-        replace_folder(staged, out, aside=staged.with_name(staged.name + "-old"))
-    except BaseException:
-        shutil.rmtree(staged, ignore_errors=True)
-        raise
+    save_pair(out, config, lambda path: save_file(state, str(path), metadata={"format": "pt"}))
     return out
 
 
 def read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config dict, state dict) of a saved adapter; ``AdapterError`` naming a missing or unreadable file."""
+    """(config dict, state dict) of a saved adapter, checked (``check.check_adapter_folder``) and its values
+    finite; ``AdapterError`` naming the file and field or tensor otherwise."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    folder = Path(adapter_dir)
-    missing = [f for f in (CONFIG_NAME, WEIGHTS_NAME) if not (folder / f).is_file()]
-    if missing:
-        raise AdapterError(
-            f"adapter folder {folder} lacks {missing}; expected a PEFT adapter saved by moetune or PEFT"
-        )
-    config = json.loads((folder / CONFIG_NAME).read_text())
-    if config.get("peft_type") != "LORA":
-        raise AdapterError(
-            f"{folder / CONFIG_NAME}: peft_type {config.get('peft_type')!r}; moetune loads LORA adapters"
-        )
-    return config, load_file(str(folder / WEIGHTS_NAME))
+    adapter = check_adapter_folder(adapter_dir)
+    try:
+        state = load_file(str(adapter.weights_file))
+    except (SafetensorError, OSError) as e:
+        raise AdapterError(f"{adapter.weights_file} cannot be read ({e}); re-save the adapter") from None
+    check_finite(state, adapter.weights_file)
+    return adapter.config, state
 
 
 def expert_targets(
@@ -147,9 +125,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: boo
     from peft import LoraConfig, set_peft_model_state_dict
 
     config, state = read_adapter(adapter_dir)
-    r, alpha, rslora = int(config["r"]), float(config["lora_alpha"]), bool(config.get("use_rslora", False))
-    if config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise AdapterError(f"{adapter_dir}: rank_pattern / alpha_pattern are not supported by moetune yet")
+    r, alpha, rslora = config["r"], float(config["lora_alpha"]), config.get("use_rslora", False)
     target_parameters = list(config.get("target_parameters") or [])
     where = str(Path(adapter_dir) / CONFIG_NAME)
     experts, expert_entries = expert_targets(model, target_parameters, where)

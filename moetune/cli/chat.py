@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import TextIO
 
-from moetune.cli.generate import add_model_args
+from moetune.cli.generate import add_model_args, check_adapter_arg
 from moetune.errors import ConfigError
 
 RESET, EXIT = "/reset", "/exit"
@@ -49,6 +49,7 @@ def read_message(stream: TextIO, interactive: bool) -> str | None:
 def run(args: argparse.Namespace) -> int:
     from moetune.train.generation import complete, load_for_inference, render
 
+    check_adapter_arg(args)
     model, tok = load_for_inference(
         args.model,
         args.adapter,

@@ -14,12 +14,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="quantize a checkpoint's routed experts once into a store (load it with expert_path)",
         description="Read SRC's routed experts layer by layer (bounded RAM: one layer at a time), quantize them "
         "and write DST: one safetensors file per experts module plus manifest.json (format, shapes, "
-        "quantization parameters, each file's size and SHA-256, SRC's identity), written last so an "
-        "interrupted conversion never looks complete. Load with moetune.load_model(SRC, expert_path=DST) or "
+        "quantization parameters, each file's size and SHA-256, SRC's identity). The store is written beside DST "
+        "and swapped in whole at the end, so an interrupted conversion leaves DST as it was and a rerun works. "
+        "NaN/Inf weights in SRC are refused by name. Load with moetune.load_model(SRC, expert_path=DST) or "
         "`expert_path: DST` under `moetune:` in a training YAML.",
     )
     p.add_argument("src", metavar="SRC", help="Hugging Face checkpoint directory (safetensors)")
-    p.add_argument("dst", metavar="DST", help="store directory to write (new, or an unfinished store)")
+    p.add_argument(
+        "dst",
+        metavar="DST",
+        help="store directory to write: new, empty, or a store (never a folder holding other files)",
+    )
     p.add_argument(
         "--format",
         required=True,
@@ -38,7 +43,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="int4: no zero points (default)",
     )
     sym.add_argument("--asymmetric", dest="symmetric", action="store_false", help="int4: uint8 zero points")
-    p.add_argument("--overwrite", action="store_true", help="replace DST if it is a finished store")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace DST if it is a finished store (it stays loadable until the new one is whole)",
+    )
     p.add_argument("--threads", type=int, help="CPU threads for quantizing (default: the physical cores)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)

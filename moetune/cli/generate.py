@@ -33,6 +33,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
 
+def check_adapter_arg(args: argparse.Namespace) -> None:
+    """``--adapter``'s folder checked on its own before the tokenizer or model loads (``load_model`` then checks
+    it against the model's config before reading any weight)."""
+    if args.adapter is not None:
+        from moetune.adapters.check import check_adapter_folder
+
+        check_adapter_folder(args.adapter)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="answer prompts greedily with a model and optional adapter")
     add_model_args(p)
@@ -43,6 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from moetune.train.generation import answer, load_for_inference
 
+    check_adapter_arg(args)
     model, tok = load_for_inference(
         args.model,
         args.adapter,

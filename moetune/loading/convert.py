@@ -44,7 +44,9 @@ def convert_checkpoint(
     checkpoints written in their own format keep their bytes as shipped.
 
     Every check (destination, options, checkpoint headers, int4 group size against H and I) runs before
-    anything is read or removed. Returns the manifest written last.
+    anything is read or removed; ``dst`` must be new, empty, or a store (``moetune.store.destination``). The
+    store is written beside ``dst`` and swapped in whole at the end, so a failure, NaN/Inf source weights
+    included (``LoadError`` naming file, tensor and layer), leaves ``dst`` as it was. Returns the manifest.
     """
     if expert_format == AUTO:
         raise ConfigError(
@@ -65,16 +67,20 @@ def convert_checkpoint(
     # process-wide, once: quantizing runs on torch's intra-op pool
     set_engine_threads(opts.experts.num_threads)
     writer.begin()
-    for layer, engine in stream_experts(
-        planned.checkpoint,
-        planned.plan.layers,
-        planned.formats,
-        _stream_dtype(planned, opts),
-        opts.engine,
-        progress=progress,
-    ):
-        writer.add(layer.site.path, engine.weights, engine.gate_up_bias, engine.down_bias)
-    manifest = writer.finish(planned.checkpoint.model_type, source)
+    try:  # a failure (NaN source weights, a full disk, Ctrl-C) leaves dst as it was; a kill -9, the staging
+        for layer, engine in stream_experts(  # folder, which the next convert to dst removes
+            planned.checkpoint,
+            planned.plan.layers,
+            planned.formats,
+            _stream_dtype(planned, opts),
+            opts.engine,
+            progress=progress,
+        ):
+            writer.add(layer.site.path, engine.weights, engine.gate_up_bias, engine.down_bias)
+        manifest = writer.finish(planned.checkpoint.model_type, source)
+    except BaseException:
+        writer.abort()
+        raise
     stored = sum(f.size for f in manifest.files.values())
     logger.info(
         "moetune: %d experts modules of %s written to %s as %s (%s)",

@@ -34,6 +34,7 @@ from moetune.loading.expert_plan import ExpertSource, LayerPlan
 from moetune.loading.options import ExpertFormatChoice
 from moetune.loading.quant import QuantizedWeight
 from moetune.loading.quant.base import ROLES
+from moetune.loading.scan import check_finite_layer
 from moetune.progress import LayerProgress
 
 
@@ -146,16 +147,27 @@ def build_engine(
     lay = layer.site.layout
     weights: ExpertFormat
     biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # per-expert checkpoints: none
+    stored: ExpertFormat | None = None
     if layer.method is not None:
         stored = read_quantized(layer, reader)
-        weights = stored if choice == layer.method.native else choice.from_dense(*stored.dequantize(dtype))
         biases = read_biases(layer, reader, dtype)
+        read = {**stored.state_tensors(), "gate_up_bias": biases[0], "down_bias": biases[1]}
     else:
         read_dtype = dtype if choice.keeps_input else layer.float_dtype
         fits = spare is not None and spare.layout == lay and spare.gate_up.dtype == read_dtype
         buffers = spare if spare is not None and fits else _LayerBuffers(lay, read_dtype)
         for source in layer.sources:
             _fill(buffers, source, reader)
+        read = {
+            "gate_up": buffers.gate_up,
+            "down": buffers.down,
+            "gate_up_bias": buffers.gate_up_bias,
+            "down_bias": buffers.down_bias,
+        }
+    check_finite_layer(layer, read)  # as read, before any quantization can hide a NaN
+    if stored is not None and layer.method is not None:
+        weights = stored if choice == layer.method.native else choice.from_dense(*stored.dequantize(dtype))
+    else:
         weights = choice.from_dense(buffers.gate_up, buffers.down)
         if choice.keeps_input:  # the engine holds the buffers, biases included
             biases, spare = (buffers.gate_up_bias, buffers.down_bias), None

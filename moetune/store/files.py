@@ -1,9 +1,10 @@
 """Pre-quantized expert stores: one safetensors file per experts module plus ``manifest.json``.
 
 Writing (``StoreWriter``) is atomic per file and for the store as a whole. Each layer goes to
-``<module>.safetensors.tmp``, is fsynced and renamed; the manifest, with every file's size and SHA-256, is
-written the same way after the last layer. A store without a manifest is therefore an unfinished
-conversion, and a rerun simply writes it again. Overwriting a finished store removes its manifest first.
+``<module>.safetensors.tmp`` inside a staging folder beside the destination, is fsynced and renamed; the
+manifest, with every file's size and SHA-256, is written the same way after the last layer, and then the
+staging folder takes the destination's place whole (``destination``: which destinations are accepted, what a
+kill leaves and how the next run recovers). A previous store stays loadable until the new one replaces it.
 
 Reading (``ExpertStore``) memory-maps the files (``MappedFile``): a format's tensors are views of the
 mapping, and nothing is copied. ``ExpertStore.open`` checks every file's presence, size and safetensors
@@ -22,7 +23,7 @@ everything up front.
 from __future__ import annotations
 
 import hashlib
-import re
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,16 +31,15 @@ from typing import Any
 import torch
 
 from moetune.arch import ExpertsSite
-from moetune.atomic import TMP_SUFFIX, fsync_folder, write_atomically
+from moetune.atomic import replace_folder, write_atomically
 from moetune.engine.formats import FORMATS, ExpertFormat
-from moetune.errors import ConfigError, EngineError, LoadError, RegistryError, listing
+from moetune.errors import EngineError, LoadError, RegistryError, listing
+from moetune.store.destination import SUFFIX, check_destination, recover, staging_paths, unfinished_note
 from moetune.store.manifest import MANIFEST, Manifest, SourceIdentity, StoredFile, StoredLayer
 from moetune.store.mapped import MappedFile, page_rounded
 from moetune.tensorfile import read_header
 
 BIASES = ("gate_up_bias", "down_bias")  # [E, 2I], [E, H]: stored next to the format's tensors, in float
-SUFFIX = ".safetensors"
-_STORE_FILE = re.compile(rf"(.+{re.escape(SUFFIX)}|{re.escape(MANIFEST)})({re.escape(TMP_SUFFIX)})?")
 _READ_CHUNK = 64 << 20
 
 
@@ -52,10 +52,12 @@ def file_sha256(path: Path) -> str:
 
 
 class StoreWriter:
-    """Writes a store into ``root``: ``prepare`` (checks only), ``begin``, ``add`` per layer, ``finish``."""
+    """Writes a store into ``root``: ``prepare`` (checks only), ``begin``, ``add`` per layer, ``finish`` (or
+    ``abort``). Everything is written into ``staging`` and moved to ``root`` whole by ``finish``."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.staging, self.aside = staging_paths(root)
         self.layers: list[StoredLayer] = []
         self.files: dict[str, StoredFile] = {}
         self.format: tuple[str, dict[str, Any]] | None = None
@@ -63,36 +65,22 @@ class StoreWriter:
     @classmethod
     def prepare(cls, dst: str | Path, *, overwrite: bool = False) -> StoreWriter:
         """Check that ``dst`` may be written, before any long work: ``ConfigError`` for a finished store
-        (unless ``overwrite``), a file, or a directory holding anything but a store's files."""
+        (unless ``overwrite``), a file, or a directory holding anything moetune did not write there
+        (``destination.check_destination``). First puts back what an interrupted conversion left (logged)."""
         root = Path(dst).expanduser()
-        if root.exists() and not root.is_dir():
-            raise ConfigError(f"store destination {root} exists and is not a directory")
-        if (root / MANIFEST).exists() and not overwrite:
-            raise ConfigError(
-                f"{root} already holds a converted store ({MANIFEST}); pass --overwrite (overwrite=True) to "
-                "replace it, or choose another destination"
-            )
-        foreign = (
-            sorted(p.name for p in root.iterdir() if not _STORE_FILE.fullmatch(p.name))
-            if root.exists()
-            else []
-        )
-        if foreign:
-            raise ConfigError(
-                f"store destination {root} holds files that are not part of a moetune store "
-                f"({listing(foreign, inline=True)}); "
-                "choose a new or empty directory"
-            )
+        recover(root)
+        check_destination(root, overwrite=overwrite)
         return cls(root)
 
     def begin(self) -> None:
-        """Create the directory and remove a previous store's files, manifest first (so it stops being whole)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        (self.root / MANIFEST).unlink(missing_ok=True)
-        fsync_folder(self.root)
-        for p in self.root.iterdir():
-            if _STORE_FILE.fullmatch(p.name):
-                p.unlink()
+        """Create the (empty) staging folder."""
+        self.staging.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.staging.mkdir()
+
+    def abort(self) -> None:
+        """Remove the staging folder (a conversion that failed); ``root`` was never touched."""
+        shutil.rmtree(self.staging, ignore_errors=True)
 
     def add(
         self,
@@ -112,7 +100,7 @@ class StoreWriter:
             if bias is not None:
                 tensors[name] = bias.detach()
         tensors = {k: t.contiguous() for k, t in tensors.items()}
-        final = self.root / f"{module}{SUFFIX}"
+        final = self.staging / f"{module}{SUFFIX}"
         metadata = {"moetune_store": "1", "module": module, "format": fmt.name}
         write_atomically(final, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
         self.files[final.name] = StoredFile(final.stat().st_size, file_sha256(final))
@@ -120,13 +108,14 @@ class StoreWriter:
         self.layers.append(StoredLayer(module, final.name, e, h, i, gate_up_bias is not None))
 
     def finish(self, model_type: str, source: SourceIdentity) -> Manifest:
-        """Write the manifest (last, atomically): from now on the store is whole."""
+        """Write the manifest (last, atomically), then put the whole store in ``root``'s place."""
         if self.format is None:
             raise LoadError(f"no experts module was written to {self.root}; a store needs at least one")
         manifest = Manifest(
             model_type, self.format[0], self.format[1], source, tuple(self.layers), self.files
         )
-        write_atomically(self.root / MANIFEST, lambda tmp: tmp.write_text(manifest.to_json()))
+        write_atomically(self.staging / MANIFEST, lambda tmp: tmp.write_text(manifest.to_json()))
+        replace_folder(self.staging, self.root, aside=self.aside)
         return manifest
 
 
@@ -143,11 +132,13 @@ class ExpertStore:
     def open(cls, path: str | Path) -> ExpertStore:
         root = Path(path).expanduser()
         if not root.is_dir():
-            raise LoadError(f"expert store {root} does not exist (make one with: moetune convert SRC {root})")
+            raise LoadError(
+                f"expert store {root} does not exist (make one with: moetune convert SRC {root}).{unfinished_note(root)}"
+            )
         if not (root / MANIFEST).is_file():
             raise LoadError(
                 f"{root} has no {MANIFEST}: not a moetune store, or a conversion that did not finish (the "
-                f"manifest is written last). Run moetune convert SRC {root} again"
+                f"manifest is written last). Run moetune convert SRC {root} again.{unfinished_note(root)}"
             )
         manifest = Manifest.read(root / MANIFEST)
         try:

@@ -109,9 +109,9 @@ def test_import_stays_cheap():
 
 def test_adapter_must_be_an_adapter_directory(tmp_path, no_heavy_work):
     import moetune
-    from moetune.errors import ConfigError
+    from moetune.errors import AdapterError, ConfigError
 
-    with pytest.raises(ConfigError, match="no adapter_config.json"):
+    with pytest.raises(AdapterError, match="lacks adapter_config.json and adapter_model.safetensors"):
         moetune.load_model(tmp_path / "model", device="cpu", adapter=tmp_path)  # before the model is read
     with pytest.raises(ConfigError, match="adapter_trainable must be True or False"):
         moetune.load_model(tmp_path / "model", device="cpu", adapter=tmp_path, adapter_trainable="yes")

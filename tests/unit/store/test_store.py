@@ -19,6 +19,7 @@ from moetune.arch.detect import ExpertsLayout
 from moetune.config import parse_config
 from moetune.engine.formats import FORMATS, DenseExperts
 from moetune.errors import ConfigError, EngineError, LoadError
+from moetune.store.destination import staging_paths
 from moetune.store.files import ExpertStore, StoreWriter
 from moetune.store.manifest import MANIFEST, SourceIdentity
 from moetune.testing.memory import mapped_usage, rss_anon
@@ -145,35 +146,70 @@ def test_reading_maps_the_file_and_copies_nothing(tmp_path):
 # ---- writing: atomic, refusing to clobber
 
 
-def test_interrupted_write_leaves_no_manifest_and_a_rerun_succeeds(tmp_path):
+def test_interrupted_write_leaves_the_destination_alone_and_a_rerun_succeeds(tmp_path):
     root = tmp_path / "s"
-    with pytest.raises(RuntimeError, match="injected"):
+    with pytest.raises(RuntimeError, match="injected"):  # as a kill -9 would: the writer never cleans up
         _write(root, fail_after=2)
-    assert not (root / MANIFEST).exists() and (root / f"{MODULES[1]}.safetensors").exists()
-    with pytest.raises(LoadError, match=rf"{root} has no {MANIFEST}: .* conversion that did not finish"):
+    staging, _ = staging_paths(root)
+    assert not root.exists() and (staging / f"{MODULES[1]}.safetensors").exists()
+    with pytest.raises(LoadError, match=rf"{root} does not exist .* did not finish .*{staging.name}"):
         ExpertStore.open(root)
     ExpertStore.open(_write(root))  # no --overwrite needed: an unfinished store is not a store
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]  # the leftover was removed
 
 
-def test_a_finished_store_is_refused_unless_overwritten(tmp_path):
+def test_a_finished_store_is_refused_unless_overwritten_and_stays_whole_until_replaced(tmp_path):
     root = _write(tmp_path / "s")
+    before = {p.name: p.read_bytes() for p in root.iterdir()}
     with pytest.raises(ConfigError, match=rf"{root} already holds a converted store .* --overwrite"):
         StoreWriter.prepare(root)
     writer = StoreWriter.prepare(root, overwrite=True)
-    assert (root / MANIFEST).exists()  # prepare only checks
     writer.begin()
-    assert list(root.iterdir()) == []  # the manifest went first, then the layer files
+    writer.add(MODULES[0], CASES[1].build(*gaussian(seed=9)))
+    assert {p.name: p.read_bytes() for p in root.iterdir()} == before  # the old store until the new is whole
+    writer.finish("qwen3_moe", SOURCE)
+    assert [layer.module for layer in ExpertStore.open(root).manifest.layers] == [MODULES[0]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
 
 
-def test_a_directory_with_other_files_is_refused(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(
-        ConfigError, match=r"holds files that are not part of a moetune store \(config.json\)"
-    ):
+def test_a_kill_between_the_two_renames_is_undone_by_the_next_run(tmp_path):
+    root = _write(tmp_path / "s")
+    staging, aside = staging_paths(root)
+    root.rename(aside)  # the state replace_folder passes through: old store aside, new one staged
+    staging.mkdir()
+    with pytest.raises(LoadError, match=rf"previous store is in {aside}"):
+        ExpertStore.open(root)
+    StoreWriter.prepare(root, overwrite=True)  # restores the old store first
+    assert ExpertStore.open(root).manifest.layers and not aside.exists() and not staging.exists()
+
+
+@pytest.mark.parametrize(
+    "name", ["model.safetensors", "config.json", "notes.txt", f"{MODULES[0]}.safetensors"]
+)
+def test_a_directory_with_files_convert_did_not_write_is_refused_and_kept(tmp_path, name):
+    (tmp_path / name).write_bytes(b"a user's own file")
+    with pytest.raises(ConfigError, match=rf"holds entries moetune convert did not write \({name}\)"):
         StoreWriter.prepare(tmp_path)
+    assert (tmp_path / name).read_bytes() == b"a user's own file"
     (tmp_path / "f").write_text("")
     with pytest.raises(ConfigError, match="exists and is not a directory"):
         StoreWriter.prepare(tmp_path / "f")
+
+
+def test_a_store_with_a_foreign_file_is_refused_even_with_overwrite(tmp_path):
+    root = _write(tmp_path / "s")
+    (root / "README.md").write_text("mine")
+    with pytest.raises(ConfigError, match=r"is a moetune store but also holds .*\(README.md\)"):
+        StoreWriter.prepare(root, overwrite=True)
+
+
+def test_an_unfinished_store_of_an_older_moetune_is_replaced(tmp_path):
+    root = _write(tmp_path / "s")
+    (root / MANIFEST).unlink()  # older moetune wrote layer files into DST itself, the manifest last
+    leftover = root / f"{MODULES[2]}.safetensors.tmp"
+    leftover.write_bytes((root / f"{MODULES[2]}.safetensors").read_bytes()[:500])
+    ExpertStore.open(_write(root))
+    assert not leftover.exists()
 
 
 # ---- every manifest failure: a LoadError naming the file
