@@ -2,7 +2,8 @@
 
 config (validated) -> tokenizer + datasets (data errors surface before the model loads)
   -> moetune.load_model (routed experts into CPU engines) -> LoRA attached (attention/dense via PEFT,
-     experts in the engine) -> MoetuneTrainer (transformers Trainer) -> train (optionally resumed)
+     experts in the engine) -> the stage's trainer (moetune.train.stages: sft/pt a transformers Trainer,
+     dpo/kto TRL's) -> train (optionally resumed)
   -> output_dir: adapter (stock PEFT), tokenizer, trainer_state.json, loss_curve.png, run_summary.json
 """
 
@@ -41,10 +42,13 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     from moetune.loading import load_model
     from moetune.loading.hf import load_tokenizer
     from moetune.train.data import prepare_datasets
+    from moetune.train.stages import stage_for
 
+    stage = stage_for(cfg)
+    _check_requires(cfg, stage.requires)
     model_path = cfg.model.model_name_or_path
     tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-    data = prepare_datasets(cfg.data, tokenizer, seed=cfg.training.seed)
+    data = prepare_datasets(cfg.data, tokenizer, seed=cfg.training.seed, codec=stage.codec)
     model = load_model(
         model_path,
         device=_device(cfg),
@@ -62,28 +66,34 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     return peft_model, tokenizer, data
 
 
+def _check_requires(cfg: MoetuneConfig, packages: tuple[str, ...]) -> None:
+    import importlib.util
+
+    from moetune.errors import ConfigError
+
+    missing = [p for p in packages if importlib.util.find_spec(p) is None]
+    if missing:
+        raise ConfigError(
+            f"stage {cfg.finetune.stage.value!r} needs {', '.join(missing)}, which is not installed; "
+            f"install moetune's dependencies (pip install 'trl>=1.16')"
+        )
+
+
 def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any:
-    """Run transformers' training loop (resuming when the config says so); returns the trainer."""
-    from transformers import PrinterCallback, TrainingArguments
+    """Run the stage's training loop (resuming when the config says so); returns the trainer."""
+    from transformers import PrinterCallback
 
-    from moetune.train.trainer import MoetuneTrainer, ProgressBar
+    from moetune.train.stages import stage_for
+    from moetune.train.trainer import ProgressBar
 
-    args = TrainingArguments(
+    args = dict(
         **training_arguments_kwargs(cfg),
         # non-reentrant: the CPU experts' forward is then reused by the recompute (moetune.layer.memo)
         activation_checkpointing_kwargs={"use_reentrant": False},
         include_num_input_tokens_seen="non_padding",
         disable_tqdm=True,  # ProgressBar replaces the Trainer's bar
     )
-    trainer = MoetuneTrainer(
-        model=peft_model,
-        args=args,
-        train_dataset=data.train,
-        eval_dataset=data.eval,
-        data_collator=data.collator,
-        processing_class=tokenizer,
-        callbacks=[ProgressBar()],
-    )
+    trainer = stage_for(cfg).build_trainer(cfg, peft_model, tokenizer, data, args, [ProgressBar()])
     trainer.remove_callback(PrinterCallback)  # ProgressBar prints the logs
     resume = cfg.training.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=str(resume) if isinstance(resume, Path) else resume)
