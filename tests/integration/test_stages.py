@@ -217,3 +217,55 @@ def test_a_preference_checkpoint_appears_only_when_complete(tmp_path, demo_model
     assert {"adapter_model.safetensors", "optimizer.pt"} <= set(seen["staged"])
     assert get_last_checkpoint(str(out)) == str(out / f"checkpoint-{STEPS // 2}")
     assert not list(out.glob("tmp-*"))
+
+
+def test_library_path_trains_trl_rows_with_the_adapter_disabled_reference(tmp_path, demo_model) -> None:
+    """load_model -> attach_lora -> MoetuneDPOTrainer on TRL's own conversational rows (TRL tokenizes them):
+    the stock ``DPOTrainer`` would add a copy of the adapter as its reference, which cannot reach the experts."""
+    import datasets
+    from transformers import AutoTokenizer
+    from trl import DPOConfig
+
+    from moetune.adapters import attach_lora
+    from moetune.loading import load_model
+    from moetune.train.stages.trl_trainers import MoetuneDPOTrainer
+
+    rows = json.loads((ROOT / "examples/data/demo_dpo.json").read_text())[:32]
+
+    def turn(role: str, content: str) -> dict:
+        return {"role": role, "content": content}
+
+    ds = datasets.Dataset.from_list(
+        [
+            {
+                "prompt": [turn("user", r["conversations"][0]["value"])],
+                "chosen": [turn("assistant", r["chosen"]["value"])],
+                "rejected": [turn("assistant", r["rejected"]["value"])],
+            }
+            for r in rows
+        ]
+    )
+    torch.manual_seed(0)
+    model = attach_lora(
+        load_model(demo_model, device="cpu", dtype="float32", progress=False), rank=4, alpha=8
+    )
+    args = DPOConfig(
+        str(tmp_path / "out"),
+        max_steps=6,
+        per_device_train_batch_size=8,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_steps=3,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+    )
+    tok = AutoTokenizer.from_pretrained(demo_model)
+    trainer = MoetuneDPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
+    assert list(model.peft_config) == ["default"] and trainer.ref_model is None
+    trainer.train()
+    margins = [h["rewards/margins"] for h in trainer.state.log_history if "rewards/margins" in h]
+    assert margins[0] == pytest.approx(0.0, abs=1e-5) and max(margins[-3:]) > 0.1, margins
+    assert (tmp_path / "out" / "checkpoint-6" / "adapter_model.safetensors").is_file()

@@ -3,9 +3,11 @@
 Two things differ from stock TRL:
 
 - Checkpoints are atomic (:class:`~moetune.train.checkpoints.AtomicCheckpoints`, as for sft).
-- The datasets arrive tokenized by moetune's data path (``moetune.train.preference``: LLaMA-Factory's row
-  forms, moetune's chat rendering, truncation and checks), so TRL's ``_prepare_dataset`` (prompt extraction,
-  tokenization) is replaced by a check of the columns; kto adds its KL completions there as TRL does.
+- Datasets tokenized by moetune's data path (``moetune.train.preference``: LLaMA-Factory's row forms, moetune's
+  chat rendering, truncation and checks; what ``moetune train`` passes) skip TRL's ``_prepare_dataset`` (prompt
+  extraction, tokenization); kto adds its KL completions to them as TRL does. Any other dataset (TRL's own
+  ``prompt`` / ``chosen`` / ``rejected`` or ``prompt`` / ``completion`` / ``label`` rows, on the library path)
+  goes through TRL's preparation unchanged.
 
 - The reference policy is the model with its adapters disabled, never a copy. Given a ``PeftModel`` and no
   ``ref_model``, TRL 1.16's ``__init__`` adds a frozen copy of the adapter named ``ref`` (dpo_trainer.py:689,
@@ -56,26 +58,30 @@ class AdapterDisabledReference:
         self.ref_model = None  # TRL's PEFT path from here on: use_adapter(model, None)
 
 
-def _check_columns(dataset: Any, columns: tuple[str, ...], name: str) -> None:
-    missing = sorted(set(columns) - set(dataset.column_names))
-    assert not missing, f"{name} dataset lacks {missing}: it did not come from moetune.train.preference"
+def _tokenized(dataset: Any, columns: tuple[str, ...]) -> bool:
+    """True for a dataset of moetune's token columns (``moetune.train.preference``)."""
+    return set(columns) <= set(getattr(dataset, "column_names", None) or ())
 
 
 class MoetuneDPOTrainer(AtomicCheckpoints, AdapterDisabledReference, DPOTrainer):
-    """TRL's ``DPOTrainer`` over moetune-tokenized pairs, with atomic checkpoints."""
+    """TRL's ``DPOTrainer`` for a moetune ``PeftModel``: the reference is the model with its adapters disabled,
+    checkpoints are atomic, and moetune-tokenized pairs skip TRL's tokenization."""
 
     def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
-        _check_columns(dataset, DPO_COLUMNS, dataset_name)
-        return dataset
+        if _tokenized(dataset, DPO_COLUMNS):
+            return dataset
+        return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
 
 
 class MoetuneKTOTrainer(AtomicCheckpoints, AdapterDisabledReference, KTOTrainer):
-    """TRL's ``KTOTrainer`` over moetune-tokenized rows, with atomic checkpoints."""
+    """TRL's ``KTOTrainer`` for a moetune ``PeftModel``: the reference is the model with its adapters disabled,
+    checkpoints are atomic, and moetune-tokenized rows skip TRL's tokenization."""
 
     calculate_KL: bool  # set by KTOTrainer.__init__ before it prepares the datasets
 
     def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
-        _check_columns(dataset, KTO_COLUMNS, dataset_name)
+        if not _tokenized(dataset, KTO_COLUMNS):
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
         if not self.calculate_KL:
             return dataset
         # as TRL pairs them: within each batch of per_device_train_batch_size rows (the sampler is sequential),
