@@ -8,18 +8,14 @@ The flow, for each dataset of the config::
       -> encode: conversations through the chat template, loss on assistant tokens only;
                  prompt/completion strings: loss on the completion; plain text: loss on every token
       -> truncate to cutoff_len, drop rows left with no trained token (all of them: an error)
-    then concatenate, hold out val_size, and optionally pack the training rows.
+    then concatenate, hold out val_size, and optionally pack the training rows (``moetune.train.packing``).
 
-Packing concatenates examples into rows of at most ``cutoff_len`` tokens with ``position_ids`` that
-restart at 0 for each example and no ``attention_mask``: transformers then builds a block-diagonal causal
-mask from the position_ids, so packed examples do not attend to each other. That holds only while the
-model runs without a KV cache (``model.config.use_cache = False`` in training); the first label of each
-packed example is -100 so no example is trained to predict the start of the next.
+Each stage reads its rows with a :class:`RowCodec` (sft's :data:`SUPERVISED`, pt's :data:`TEXT`, the
+preference stages' in ``moetune.train.preference``) on this one path.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,12 +34,12 @@ from moetune.config.datasets import (
 )
 from moetune.config.schema import DataConfig
 from moetune.errors import LISTED, DataError, listing
-from moetune.train.templates import IGNORE_INDEX, ExampleEncoder, Sample
+from moetune.train.packing import PadCollator, pack
+from moetune.train.templates import ExampleEncoder, Sample
 
 log = logging.getLogger(__name__)
 
 COLUMNS = ("input_ids", "attention_mask", "labels")  # what an unpacked example holds
-PACKED_COLUMNS = ("input_ids", "labels", "position_ids")  # what a packed row holds
 
 # the sharegpt roles moetune renders, per tag of LLaMA-Factory's `tags`
 _ROLE_OF_TAG = {
@@ -81,8 +77,8 @@ class Layout:
 class PreparedData:
     """What the trainer needs from the data: datasets of token ids and labels, and their collator.
 
-    The columns are the codec's: COLUMNS for sft and pt (PACKED_COLUMNS when packed); the preference stages'
-    are in ``moetune.train.preference``, and their collator is the TRL trainer's own (None here).
+    The columns are the codec's: COLUMNS for sft and pt (``packing.PACKED_COLUMNS`` when packed); the
+    preference stages' are in ``moetune.train.preference``, with the TRL trainer's own collator (None here).
     """
 
     train: Any  # datasets.Dataset
@@ -504,69 +500,3 @@ def _drop_untrained(ds: Any, spec: DatasetSpec, cutoff: int) -> Any:
     if truncated:
         log.info("dataset %r: %d rows truncated to cutoff_len %d", spec.name, truncated, cutoff)
     return ds.remove_columns(["_length", "_first_label"])
-
-
-def pack(ds: Any, cutoff_len: int, batch_size: int = 1000) -> Any:
-    """Pack examples into rows of at most ``cutoff_len`` tokens (best fit, longest first, within each batch
-    of ``batch_size`` examples), with ``position_ids`` restarting per example and no ``attention_mask``."""
-
-    def pack_batch(batch: Mapping[str, list[Any]]) -> dict[str, list[Any]]:
-        ids, labels = batch["input_ids"], batch["labels"]
-        bins: list[list[int]] = []
-        free: list[tuple[int, int]] = []  # (space left, bin), sorted: bisect finds the tightest fit
-        for i in sorted(range(len(ids)), key=lambda i: -len(ids[i])):
-            n = len(ids[i])
-            k = bisect.bisect_left(free, (n, -1))
-            if k == len(free):
-                bins.append([i])
-                bisect.insort(free, (cutoff_len - n, len(bins) - 1))
-            else:
-                space, b = free.pop(k)
-                bins[b].append(i)
-                bisect.insort(free, (space - n, b))
-        out: dict[str, list[Any]] = {k: [] for k in PACKED_COLUMNS}
-        for members in bins:
-            row_ids: list[int] = []
-            row_labels: list[int] = []
-            row_pos: list[int] = []
-            for i in members:
-                row_ids += ids[i]
-                row_labels += [IGNORE_INDEX] + labels[i][1:]  # never predict an example from the one before
-                row_pos += range(len(ids[i]))
-            out["input_ids"].append(row_ids)
-            out["labels"].append(row_labels)
-            out["position_ids"].append(row_pos)
-        return out
-
-    return ds.map(
-        pack_batch, batched=True, batch_size=batch_size, remove_columns=ds.column_names, desc="packing"
-    )
-
-
-@dataclass(frozen=True)
-class PadCollator:
-    """Pads examples to the longest in the batch (rounded up to ``pad_to_multiple_of``).
-
-    ``input_ids`` get ``pad_token_id``, ``labels`` -100, ``attention_mask`` 0; ``position_ids`` (packed
-    rows) continue as a fresh sequence 0, 1, ..., which the block-diagonal mask keeps to itself.
-    Returns ``[B, L]`` int64 tensors.
-    """
-
-    pad_token_id: int
-    pad_to_multiple_of: int | None = None
-
-    def __call__(self, features: Sequence[Mapping[str, Sequence[int]]]) -> dict[str, Any]:
-        import torch
-
-        longest = max(len(f["input_ids"]) for f in features)
-        if self.pad_to_multiple_of:
-            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        fill = {"input_ids": self.pad_token_id, "labels": IGNORE_INDEX, "attention_mask": 0}
-        batch = {}
-        for key in features[0]:
-            rows = []
-            for f in features:
-                n = longest - len(f[key])
-                rows.append([*f[key], *(range(n) if key == "position_ids" else [fill[key]] * n)])
-            batch[key] = torch.tensor(rows, dtype=torch.long)
-        return batch

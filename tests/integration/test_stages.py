@@ -269,3 +269,23 @@ def test_library_path_trains_trl_rows_with_the_adapter_disabled_reference(tmp_pa
     margins = [h["rewards/margins"] for h in trainer.state.log_history if "rewards/margins" in h]
     assert margins[0] == pytest.approx(0.0, abs=1e-5) and max(margins[-3:]) > 0.1, margins
     assert (tmp_path / "out" / "checkpoint-6" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("stage", ["dpo", "kto"])
+def test_resume_matches_an_uninterrupted_run(tmp_path, demo_model, stage) -> None:
+    from moetune.train.recipe import run
+
+    def losses(out: Path) -> list[float]:
+        state = json.loads((out / "trainer_state.json").read_text())
+        return [h["loss"] for h in state["log_history"] if "loss" in h]
+
+    full = tmp_path / "full"
+    full.mkdir()
+    run(load_config(_example(full, stage, demo_model)), progress=False)
+    part = tmp_path / "part"
+    part.mkdir()
+    ckpt = full / "out" / f"checkpoint-{STEPS // 2}"
+    run(load_config(_example(part, stage, demo_model, resume_from_checkpoint=str(ckpt))), progress=False)
+    want, got = losses(full / "out"), losses(part / "out")
+    assert len(want) == len(got) == STEPS
+    assert got[STEPS // 2 :] == pytest.approx(want[STEPS // 2 :], abs=1e-6)
