@@ -45,8 +45,8 @@ def _example(tmp: Path, stage: str, model: Path, **over: Any) -> Path:
         save_steps=STEPS // 2,
         learning_rate=1e-2,
         gradient_checkpointing=False,
-        **over,
     )
+    cfg.update(over)
     cfg["moetune"]["num_threads"] = 1
     path = tmp / f"{stage}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -289,3 +289,21 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, demo_model, stage) -> Non
     want, got = losses(full / "out"), losses(part / "out")
     assert len(want) == len(got) == STEPS
     assert got[STEPS // 2 :] == pytest.approx(want[STEPS // 2 :], abs=1e-6)
+
+
+def test_dpo_with_gradient_checkpointing_trains_the_same(tmp_path, demo_model) -> None:
+    """The shipped configs keep gradient checkpointing on (LLaMA-Factory's default); TRL switches it off around
+    each reference forward and back on (non-reentrant, so the CPU experts' forward is reused by the recompute)."""
+    from moetune.train.recipe import run
+
+    logs = {}
+    for on in (True, False):
+        tmp = tmp_path / str(on)
+        tmp.mkdir()
+        cfg = _example(tmp, "dpo", demo_model, max_steps=3, gradient_checkpointing=on)
+        result = run(load_config(cfg), progress=False)
+        logs[on] = [
+            v for h in result.trainer.state.log_history if "loss" in h for v in (h["loss"], h["grad_norm"])
+        ]
+    assert len(logs[True]) == 6
+    assert logs[True] == pytest.approx(logs[False], rel=1e-5, abs=1e-6)
