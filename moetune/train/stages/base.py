@@ -32,3 +32,23 @@ class TrainingStage:
 
 
 STAGES: Registry[TrainingStage] = Registry("training stage")
+
+
+def preference_builder(stage: str, arguments: Callable[[MoetuneConfig], dict[str, Any]]) -> BuildTrainer:
+    """The builder of TRL's trainer for preference ``stage`` (``trl_trainers.PREFERENCE_TRAINERS``): TRL's config
+    from the run's ``TrainingArguments`` keywords plus ``arguments(cfg)`` (the stage's keys). TRL is imported
+    only when the trainer is built."""
+
+    def build(
+        cfg: MoetuneConfig,
+        model: Any,
+        tokenizer: Any,
+        data: PreparedData,
+        args: dict[str, Any],
+        callbacks: list[Any],
+    ) -> Any:
+        from moetune.train.stages.trl_trainers import build_preference_trainer
+
+        return build_preference_trainer(stage, {**args, **arguments(cfg)}, model, tokenizer, data, callbacks)
+
+    return build

@@ -13,9 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from moetune.config import MoetuneConfig
-from moetune.train.data import PreparedData
 from moetune.train.preference import PAIRED
-from moetune.train.stages.base import STAGES, TrainingStage
+from moetune.train.stages.base import STAGES, TrainingStage, preference_builder
 
 
 def dpo_arguments(cfg: MoetuneConfig) -> dict[str, Any]:
@@ -28,28 +27,4 @@ def dpo_arguments(cfg: MoetuneConfig) -> dict[str, Any]:
     return {"beta": f.pref_beta, "loss_type": losses, "loss_weights": weights}
 
 
-def build_trainer(
-    cfg: MoetuneConfig,
-    model: Any,
-    tokenizer: Any,
-    data: PreparedData,
-    args: dict[str, Any],
-    callbacks: list[Any],
-) -> Any:
-    """A ``MoetuneDPOTrainer``; rows are truncated already (``max_length=None``; no router
-    auxiliary loss, as in sft and LLaMA-Factory: the collator cuts nothing)."""
-    from trl import DPOConfig
-
-    from moetune.train.stages.trl_trainers import MoetuneDPOTrainer
-
-    return MoetuneDPOTrainer(
-        model=model,
-        args=DPOConfig(**args, **dpo_arguments(cfg), max_length=None, router_aux_loss_coef=0.0),
-        train_dataset=data.train,
-        eval_dataset=data.eval,
-        processing_class=tokenizer,
-        callbacks=callbacks,
-    )
-
-
-STAGES.register("dpo")(TrainingStage(PAIRED, build_trainer, requires=("trl",)))
+STAGES.register("dpo")(TrainingStage(PAIRED, preference_builder("dpo", dpo_arguments), requires=("trl",)))

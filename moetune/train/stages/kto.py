@@ -13,9 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from moetune.config import MoetuneConfig
-from moetune.train.data import PreparedData
 from moetune.train.preference import UNPAIRED
-from moetune.train.stages.base import STAGES, TrainingStage
+from moetune.train.stages.base import STAGES, TrainingStage, preference_builder
 
 
 def kto_arguments(cfg: MoetuneConfig) -> dict[str, Any]:
@@ -29,28 +28,4 @@ def kto_arguments(cfg: MoetuneConfig) -> dict[str, Any]:
     }
 
 
-def build_trainer(
-    cfg: MoetuneConfig,
-    model: Any,
-    tokenizer: Any,
-    data: PreparedData,
-    args: dict[str, Any],
-    callbacks: list[Any],
-) -> Any:
-    """A ``MoetuneKTOTrainer``; rows are truncated already (``max_length=None``; no router
-    auxiliary loss, as in sft and LLaMA-Factory)."""
-    from trl import KTOConfig
-
-    from moetune.train.stages.trl_trainers import MoetuneKTOTrainer
-
-    return MoetuneKTOTrainer(
-        model=model,
-        args=KTOConfig(**args, **kto_arguments(cfg), max_length=None, router_aux_loss_coef=0.0),
-        train_dataset=data.train,
-        eval_dataset=data.eval,
-        processing_class=tokenizer,
-        callbacks=callbacks,
-    )
-
-
-STAGES.register("kto")(TrainingStage(UNPAIRED, build_trainer, requires=("trl",)))
+STAGES.register("kto")(TrainingStage(UNPAIRED, preference_builder("kto", kto_arguments), requires=("trl",)))

@@ -25,9 +25,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from trl import DPOTrainer, KTOTrainer
+from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
 from moetune.train.checkpoints import AtomicCheckpoints
+from moetune.train.data import PreparedData
 
 DPO_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 KTO_COLUMNS = ("prompt_ids", "completion_ids", "label")
@@ -97,3 +98,29 @@ class MoetuneKTOTrainer(AtomicCheckpoints, AdapterDisabledReference, KTOTrainer)
 def _rotate_completions(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
     completions = batch["completion_ids"]
     return {"KL_completion_ids": [completions[-1], *completions[:-1]]}
+
+
+# stage -> (trainer, TRL config class)
+PREFERENCE_TRAINERS: dict[str, tuple[type, type]] = {
+    "dpo": (MoetuneDPOTrainer, DPOConfig),
+    "kto": (MoetuneKTOTrainer, KTOConfig),
+}
+
+
+def build_preference_trainer(
+    stage: str, args: dict[str, Any], model: Any, tokenizer: Any, data: PreparedData, callbacks: list[Any]
+) -> Any:
+    """The trainer of preference ``stage`` over moetune-tokenized data; ``args`` are TRL config keywords.
+
+    The rows are truncated already (``max_length=None``: the collator cuts nothing); the router's auxiliary
+    loss stays off (``router_aux_loss_coef=0``), as in sft and LLaMA-Factory's preference trainers.
+    """
+    trainer, config = PREFERENCE_TRAINERS[stage]
+    return trainer(
+        model=model,
+        args=config(**args, max_length=None, router_aux_loss_coef=0.0),
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
