@@ -29,6 +29,8 @@ _STAGE_KEYS: dict[str, tuple[Stage, ...]] = {
 }
 # data keys that preference stages cannot honour: they compare whole responses, one pair or row at a time
 _NOT_FOR_PREFERENCE = ("packing", "train_on_prompt", "mask_history")
+# data keys of chat rendering, which plain text (pt) never goes through
+_CHAT_KEYS = ("template", "default_system", "enable_thinking", "train_on_prompt", "mask_history")
 
 
 def check_stage(
@@ -52,6 +54,14 @@ def check_stage(
                     key,
                     f"is true but stage {stage.value!r} scores whole responses, one example at a time "
                     f"(no packing, no prompt or history tokens trained); remove it",
+                )
+    if kind is RowKind.TEXT:
+        for key in _CHAT_KEYS:
+            if getattr(data, key) not in (None, False):
+                problems.add(
+                    key,
+                    "is set but stage 'pt' trains on plain text with no chat template (every token trained); "
+                    "remove it",
                 )
     if stage is Stage.KTO and training.per_device_train_batch_size < 2:
         problems.add(

@@ -205,6 +205,11 @@ def test_pretraining_text_in_llamafactory_form_trains_every_token(workdir: Path,
             "kto_rejected_weight: is set but stage is 'dpo'",
         ),
         ("pt", {"dataset": "sg"}, "has formatting 'sharegpt', and stage pt reads one plain text per row"),
+        (
+            "pt",
+            {"dataset": "plain", "default_system": "be brief"},
+            "default_system: is set but stage 'pt' trains",
+        ),
     ],
 )
 def test_stage_and_data_mismatches_are_config_errors(
