@@ -318,3 +318,22 @@ def test_dpo_with_gradient_checkpointing_trains_the_same(tmp_path, demo_model) -
         ]
     assert len(logs[True]) == 6
     assert logs[True] == pytest.approx(logs[False], rel=1e-5, abs=1e-6)
+
+
+def test_pref_ftx_adds_the_chosen_responses_nll(tmp_path, demo_model) -> None:
+    """pref_ftx: step 1 (policy = reference, so the DPO term is log 2) logs log 2 + pref_ftx x the chosen tokens'
+    mean NLL under the base model, over the whole batch (all 64 pairs; their chosen responses have equal lengths,
+    so TRL's token mean is also LLaMA-Factory's per-response mean here)."""
+    import math
+
+    from moetune.train.recipe import run
+
+    cfg = _example(tmp_path, "dpo", demo_model, max_steps=1, pref_ftx=0.5, per_device_train_batch_size=64)
+    result = run(load_config(cfg), progress=False)
+    loss = next(h["loss"] for h in result.trainer.state.log_history if "loss" in h)
+    rows = _rows(cfg)
+    assert len(rows) == 64 and len({len(r) for r in rows["chosen_ids"]}) == 1
+    nll = -sum(_logps(_stock(demo_model), [(r["prompt_ids"], r["chosen_ids"]) for r in rows]))
+    want = math.log(2) + 0.5 * nll / sum(len(c) for c in rows["chosen_ids"])
+    assert loss == pytest.approx(want, abs=1e-4)
+    assert abs(loss - math.log(2)) > 0.5  # the NLL term is there
