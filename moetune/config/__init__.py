@@ -17,6 +17,7 @@ from moetune.config.schema import (
     IntervalStrategy,
     ModelConfig,
     MoetuneConfig,
+    PrefLoss,
     Stage,
     TrainingConfig,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "IntervalStrategy",
     "ModelConfig",
     "MoetuneConfig",
+    "PrefLoss",
     "Stage",
     "TrainingConfig",
     "known_keys",

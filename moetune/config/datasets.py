@@ -3,7 +3,8 @@
 A name is looked up in ``dataset_dir/dataset_info.json`` (LLaMA-Factory's registry of datasets), else taken
 as a path to a local file or folder (as written, or under ``dataset_dir``). An entry of dataset_info.json
 may give ``file_name``, ``formatting`` (``alpaca`` | ``sharegpt``, plus moetune's ``prompt_completion`` |
-``text``), ``columns``, ``tags`` and ``split``; moetune reads local files only, so hub entries are errors
+``text``), ``columns`` (preference roles ``chosen`` / ``rejected`` / ``kto_tag`` included), ``tags``, ``split``
+and ``ranking``; moetune reads local files only, so hub entries are errors
 that say how to download them. Rows are read later, by ``moetune.train.data``.
 """
 
@@ -56,6 +57,45 @@ COLUMN_ROLES: dict[DataFormat, dict[str, tuple[tuple[str, ...], bool]]] = {
     DataFormat.TEXT: {"text": (("text",), True)},
 }
 
+
+class RowKind(str, enum.Enum):
+    """What a training stage reads from a row (``moetune.train.stages`` declares one per stage)."""
+
+    SUPERVISED = "supervised"  # sft: a conversation, prompt/completion or text
+    TEXT = "text"  # pt: one text per row, every token trained
+    PAIRED = "paired"  # dpo: a prompt with a chosen and a rejected response (LLaMA-Factory's `ranking`)
+    UNPAIRED = "unpaired"  # kto: a conversation ending in a response, and a desirable/undesirable tag
+
+
+# the preference roles LLaMA-Factory's `columns` may map, and the formats that carry them
+PAIR_ROLES: dict[str, tuple[tuple[str, ...], bool]] = {
+    "chosen": (("chosen",), True),
+    "rejected": (("rejected",), True),
+}
+KTO_ROLES: dict[str, tuple[tuple[str, ...], bool]] = {"kto_tag": (("kto_tag",), True)}
+_PREFERENCE_FORMATS = (DataFormat.ALPACA, DataFormat.SHAREGPT)
+
+
+def layout_roles(
+    fmt: DataFormat, kind: RowKind, mapped: Mapping[str, str]
+) -> dict[str, tuple[tuple[str, ...], bool]] | None:
+    """The column roles a row of format ``fmt`` needs for ``kind`` (role -> (default column names, required)),
+    or None when the format cannot hold such rows. ``mapped`` is the entry's ``columns``: plain text (pt) reads
+    the column LLaMA-Factory maps as ``prompt``, else ``text``."""
+    if kind is RowKind.SUPERVISED:
+        return COLUMN_ROLES[fmt]
+    if kind is RowKind.TEXT:
+        if fmt is not DataFormat.TEXT:
+            return None
+        return {"text": ((mapped.get("prompt", mapped.get("text", "text")),), True)}
+    if fmt not in _PREFERENCE_FORMATS:
+        return None
+    if kind is RowKind.UNPAIRED:
+        return {**COLUMN_ROLES[fmt], **KTO_ROLES}
+    roles = {r: v for r, v in COLUMN_ROLES[fmt].items() if r != "response"}  # the responses are the pair
+    return {**roles, **PAIR_ROLES}
+
+
 # LLaMA-Factory's sharegpt tags and their defaults
 DEFAULT_TAGS: dict[str, str] = {
     "role_tag": "from",
@@ -71,9 +111,6 @@ _UNSUPPORTED_COLUMNS = {
     "images": "multimodal data is not supported",
     "videos": "multimodal data is not supported",
     "audios": "multimodal data is not supported",
-    "chosen": "preference data is for stage dpo, which a later version adds",
-    "rejected": "preference data is for stage dpo, which a later version adds",
-    "kto_tag": "KTO data is for stage kto, which a later version adds",
     "tools": "tool definitions are not supported yet",
 }
 
@@ -106,6 +143,7 @@ class DatasetSpec:
     columns: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     tags: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     split: str = "train"  # the split of a saved DatasetDict
+    ranking: bool = False  # LLaMA-Factory's `ranking`: rows are preference pairs (stage dpo)
 
 
 def resolve_datasets(
@@ -170,8 +208,10 @@ def _from_entry(name: str, entry: Any, dataset_dir: Path, key: str, problems: Pr
     unknown = sorted(set(entry) - _ENTRY_KEYS - set(_HUB_KEYS))
     if unknown:
         errors.append(f"has unknown keys {unknown}; allowed: {sorted(_ENTRY_KEYS)}")
+    ranking = entry.get("ranking", False)
+    if not isinstance(ranking, bool):
+        errors.append(f"has ranking {ranking!r}; expected true (a preference dataset) or false")
     for unsupported, reason in (
-        ("ranking", "preference data (stage dpo) is added by a later version"),
         ("subset", "dataset configurations apply to hub datasets only"),
         ("folder", "hub folders apply to hub datasets only"),
         ("num_samples", "sampling a dataset to a size is not supported; use max_samples"),
@@ -191,10 +231,10 @@ def _from_entry(name: str, entry: Any, dataset_dir: Path, key: str, problems: Pr
     for role, column in columns.items():
         if role in _UNSUPPORTED_COLUMNS:
             errors.append(f"maps column role {role!r} ({column!r}): {_UNSUPPORTED_COLUMNS[role]}")
-        elif formatting is not None and role not in COLUMN_ROLES[formatting]:
+        elif formatting is not None and role not in _roles_of(formatting):
             errors.append(
                 f"maps column role {role!r}, which {formatting.value} does not have; "
-                f"allowed: {sorted(COLUMN_ROLES[formatting])}"
+                f"allowed: {sorted(_roles_of(formatting))}"
             )
     bad_tags = sorted(set(tags) - set(DEFAULT_TAGS))
     if bad_tags:
@@ -217,8 +257,15 @@ def _from_entry(name: str, entry: Any, dataset_dir: Path, key: str, problems: Pr
         columns=MappingProxyType(columns),
         tags=MappingProxyType(tags),
         split=split,
+        ranking=ranking is True,
     )
     return _checked_path(spec, key, problems)
+
+
+def _roles_of(fmt: DataFormat) -> set[str]:
+    """Every column role an entry of format ``fmt`` may map, for any stage."""
+    roles = set(COLUMN_ROLES[fmt])
+    return roles | set(PAIR_ROLES) | set(KTO_ROLES) if fmt in _PREFERENCE_FORMATS else roles
 
 
 def _string_map(value: Any, what: str, errors: list[str]) -> dict[str, str]:

@@ -50,6 +50,11 @@ _INFER = "generation/inference settings do not apply to `moetune train`"
 _MULTIMODAL = "multimodal training is not supported"
 _HUB = "moetune reads local models and datasets only; download them first and give local paths"
 _DIST = "moetune trains in one process on one workstation; DeepSpeed/FSDP are not used"
+_PREF = (
+    "this preference-training option has no equivalent in TRL's DPOTrainer/KTOTrainer, which moetune's dpo and "
+    "kto stages run; supported: pref_beta, pref_ftx, pref_loss (sigmoid, hinge, ipo), kto_chosen_weight, "
+    "kto_rejected_weight (docs/stages.md)"
+)
 
 REJECTED: dict[str, Rejected] = {
     # KTransformers backend
@@ -135,6 +140,8 @@ REJECTED: dict[str, Rejected] = {
             "ld_alpha": None,
         },
     ),
+    # preference options without a TRL equivalent; accepted at the values that ask for nothing
+    **_group(_PREF, {"pref_bco_weight": 0.0, "dpo_label_smoothing": 0.0, "simpo_gamma": 0.5}),
     "adapter_name_or_path": Rejected(
         "continuing from an existing adapter is not supported yet; to continue a moetune run use "
         "resume_from_checkpoint"
@@ -257,10 +264,10 @@ REJECTED_PREFIXES: tuple[tuple[str, str], ...] = (
     ("oft_", _LATER_METHOD),
     ("apollo_", _LATER_METHOD),
     ("badam_", _LATER_METHOD),
-    ("pref_", _LATER_METHOD + " (preference training)"),
-    ("dpo_", _LATER_METHOD + " (preference training)"),
-    ("simpo_", _LATER_METHOD + " (preference training)"),
-    ("kto_", _LATER_METHOD + " (preference training)"),
+    ("pref_", _PREF),
+    ("dpo_", _PREF),
+    ("simpo_", _PREF),
+    ("kto_", _PREF),
     ("ppo_", _LATER_METHOD + " (PPO)"),
     ("ref_model_", _LATER_METHOD),
     ("reward_model_", _LATER_METHOD),

@@ -31,6 +31,7 @@ from moetune.config.schema import (
     MoetuneConfig,
     TrainingConfig,
 )
+from moetune.config.stage_rules import check_stage
 from moetune.errors import ConfigError, listing
 
 # LLaMA-Factory spells "no gradient checkpointing" as a negative flag; read it as gradient_checkpointing
@@ -116,6 +117,7 @@ def parse_config(
     engine = _parse_engine(engine_raw if isinstance(engine_raw, Mapping) else {}, problems)
     _check_cross_fields(finetune, data, training, problems)
     data = _resolve_data(data, problems)
+    check_stage(finetune, data, training, problems)
     _check_files(model, data, training, problems, check_model_path)
     problems.raise_if_any()
 

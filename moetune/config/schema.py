@@ -38,6 +38,7 @@ __all__ = [
     "IntervalStrategy",
     "ModelConfig",
     "MoetuneConfig",
+    "PrefLoss",
     "Stage",
     "TrainingConfig",
 ]
@@ -47,6 +48,17 @@ class Stage(str, enum.Enum):
     """The training stage (LLaMA-Factory's ``stage``)."""
 
     SFT = "sft"
+    PT = "pt"
+    DPO = "dpo"
+    KTO = "kto"
+
+
+class PrefLoss(str, enum.Enum):
+    """The DPO loss (LLaMA-Factory's ``pref_loss``); each is TRL ``DPOTrainer``'s loss of that name."""
+
+    SIGMOID = "sigmoid"
+    HINGE = "hinge"
+    IPO = "ipo"
 
 
 class FinetuningType(str, enum.Enum):
@@ -120,10 +132,7 @@ class FinetuneConfig:
     ``lora_alpha`` is resolved to ``2 * lora_rank`` when unset, as in LLaMA-Factory.
     """
 
-    stage: Stage = option(
-        Stage.SFT,
-        later={"pt": "pre-training", "rm": "reward modelling", "ppo": "PPO", "dpo": "DPO", "kto": "KTO"},
-    )
+    stage: Stage = option(Stage.SFT, later={"rm": "reward modelling", "ppo": "PPO"})
     do_train: bool = option(True)
     finetuning_type: FinetuningType = option(
         FinetuningType.LORA,
@@ -134,6 +143,19 @@ class FinetuneConfig:
     lora_dropout: float = option(0.0, check=unit_interval)
     lora_target: tuple[str, ...] = option(("all",), check=_lora_target)
     use_rslora: bool = option(False)  # scale alpha / sqrt(rank) instead of alpha / rank
+    # preference stages (dpo, kto; docs/stages.md): LLaMA-Factory's keys and defaults
+    pref_beta: float = option(0.1, check=positive)
+    pref_ftx: float = option(0.0, check=non_negative)  # dpo: weight of the NLL on the chosen response
+    pref_loss: PrefLoss = option(
+        PrefLoss.SIGMOID,
+        later={
+            "kto_pair": "the paired KTO loss; for KTO use stage: kto",
+            "orpo": "ORPO, reference-free",
+            "simpo": "SimPO, reference-free",
+        },
+    )
+    kto_chosen_weight: float = option(1.0, check=positive)  # kto: weight of the desirable rows' loss
+    kto_rejected_weight: float = option(1.0, check=positive)  # kto: weight of the undesirable rows' loss
 
     @property
     def targets_all(self) -> bool:

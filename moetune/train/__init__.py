@@ -5,7 +5,8 @@ of a config and returns :class:`PreparedData` (train / eval ``datasets.Dataset``
 ``attention_mask`` (unpacked) or ``position_ids`` (packed), ``labels``; and the ``PadCollator``).
 """
 
-from moetune.train.data import PadCollator, PreparedData, pack, prepare_datasets, read_dataset
+from moetune.train.data import PreparedData, prepare_datasets, read_dataset
+from moetune.train.packing import PadCollator, pack
 from moetune.train.templates import IGNORE_INDEX, ChatRenderer, ExampleEncoder, Sample
 
 __all__ = [

@@ -8,41 +8,38 @@ The flow, for each dataset of the config::
       -> encode: conversations through the chat template, loss on assistant tokens only;
                  prompt/completion strings: loss on the completion; plain text: loss on every token
       -> truncate to cutoff_len, drop rows left with no trained token (all of them: an error)
-    then concatenate, hold out val_size, and optionally pack the training rows.
+    then concatenate, hold out val_size, and optionally pack the training rows (``moetune.train.packing``).
 
-Packing concatenates examples into rows of at most ``cutoff_len`` tokens with ``position_ids`` that
-restart at 0 for each example and no ``attention_mask``: transformers then builds a block-diagonal causal
-mask from the position_ids, so packed examples do not attend to each other. That holds only while the
-model runs without a KV cache (``model.config.use_cache = False`` in training); the first label of each
-packed example is -100 so no example is trained to predict the start of the next.
+Each stage reads its rows with a :class:`RowCodec` (sft's :data:`SUPERVISED`, pt's :data:`TEXT`, the
+preference stages' in ``moetune.train.preference``) on this one path.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from moetune.config.datasets import (
-    COLUMN_ROLES,
     DEFAULT_TAGS,
     FILE_BUILDERS,
     DataFormat,
     DatasetSpec,
+    RowKind,
     data_files,
     is_saved_dataset,
+    layout_roles,
 )
 from moetune.config.schema import DataConfig
 from moetune.errors import LISTED, DataError, listing
-from moetune.train.templates import IGNORE_INDEX, ExampleEncoder, Sample
+from moetune.train.packing import PadCollator, pack
+from moetune.train.templates import ExampleEncoder, Sample
 
 log = logging.getLogger(__name__)
 
 COLUMNS = ("input_ids", "attention_mask", "labels")  # what an unpacked example holds
-PACKED_COLUMNS = ("input_ids", "labels", "position_ids")  # what a packed row holds
 
 # the sharegpt roles moetune renders, per tag of LLaMA-Factory's `tags`
 _ROLE_OF_TAG = {
@@ -78,29 +75,58 @@ class Layout:
 
 @dataclass(frozen=True)
 class PreparedData:
-    """What the trainer needs from the data: datasets of token ids and labels, and their collator."""
+    """What the trainer needs from the data: datasets of token ids and labels, and their collator.
 
-    train: Any  # datasets.Dataset with COLUMNS, or PACKED_COLUMNS when packed
-    eval: Any | None  # datasets.Dataset with COLUMNS (never packed), or None
-    collator: PadCollator
+    The columns are the codec's: COLUMNS for sft and pt (``packing.PACKED_COLUMNS`` when packed); the
+    preference stages' are in ``moetune.train.preference``, with the TRL trainer's own collator (None here).
+    """
+
+    train: Any  # datasets.Dataset
+    eval: Any | None  # datasets.Dataset (never packed), or None
+    collator: PadCollator | None
+
+
+@dataclass(frozen=True)
+class RowCodec:
+    """How a stage turns rows into examples, on the one read -> validate -> encode -> truncate path.
+
+    ``kind`` decides which columns a layout needs (``config.datasets.layout_roles``); ``read`` turns a row
+    into a sample (``RowError`` naming the field when it does not fit); ``encode`` turns a sample into one
+    example's columns, truncated to ``cutoff``, plus ``_length`` (tokens before truncation) and
+    ``_first_label`` (index of the first trained token, -1 for none) for the truncation checks.
+    """
+
+    kind: RowKind
+    read: Callable[[Mapping[str, Any], Layout], Any]
+    encode: Callable[[Any, ExampleEncoder, int], dict[str, Any]]
+    packable: bool = True  # rows of input_ids / labels that `pack` may concatenate
 
 
 def prepare_datasets(
-    config: DataConfig, tokenizer: Any, *, seed: int = 42, cache_dir: str | Path | None = None
+    config: DataConfig,
+    tokenizer: Any,
+    *,
+    seed: int = 42,
+    cache_dir: str | Path | None = None,
+    codec: RowCodec | None = None,
 ) -> PreparedData:
     """Read, validate, tokenize and (optionally) pack the datasets of ``config``.
 
     Raises ``DataError`` naming the dataset, the rows and fields at fault, before any training starts.
-    ``seed`` fixes the ``val_size`` split; ``cache_dir`` is where `datasets` keeps its cache files.
+    ``seed`` fixes the ``val_size`` split; ``cache_dir`` is where `datasets` keeps its cache files; ``codec``
+    is the stage's (default: sft's, :data:`SUPERVISED`).
     """
+    codec = codec if codec is not None else SUPERVISED
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(
             f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} is not a fast tokenizer; moetune needs "
             f"token offsets to place labels (save the model with a tokenizer.json)"
         )
     encoder = ExampleEncoder(tokenizer, config)
-    train = _encode_all(config.train_sources, encoder, config, cache_dir)
-    evals = _encode_all(config.eval_sources, encoder, config, cache_dir) if config.eval_sources else None
+    train = _encode_all(config.train_sources, encoder, config, cache_dir, codec)
+    evals = (
+        _encode_all(config.eval_sources, encoder, config, cache_dir, codec) if config.eval_sources else None
+    )
     if config.val_size > 0:
         size = int(config.val_size) if config.val_size >= 1 else config.val_size
         if isinstance(size, int) and size >= len(train):
@@ -110,7 +136,10 @@ def prepare_datasets(
         split = train.train_test_split(test_size=size, seed=seed)
         train, evals = split["train"], split["test"]
     if config.packing:
+        assert codec.packable, "config.stage_rules refuses packing for stages whose rows cannot be packed"
         train = pack(train, config.cutoff_len, config.preprocessing_batch_size)
+    if not codec.packable:
+        return PreparedData(train=train, eval=evals, collator=None)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise DataError("the tokenizer has neither a pad token nor an eos token to pad batches with")
@@ -194,17 +223,33 @@ def check_utf8(name: str, path: Path) -> None:
             lines += chunk.count(b"\n")
 
 
-def detect_layout(spec: DatasetSpec, columns: Sequence[str], first_row: Mapping[str, Any] | None) -> Layout:
-    """The row layout of ``spec``: the format dataset_info.json names, else the first format whose
-    required columns are present; each role's column as mapped there, else the first default present."""
+def detect_layout(
+    spec: DatasetSpec,
+    columns: Sequence[str],
+    first_row: Mapping[str, Any] | None,
+    kind: RowKind = RowKind.SUPERVISED,
+) -> Layout:
+    """The row layout of ``spec`` for rows of ``kind``: the format dataset_info.json names, else the first
+    format whose required columns are present; each role's column as mapped there, else the first default
+    present. Plain text (pt) is always the text format: LLaMA-Factory writes pt datasets as alpaca entries
+    whose ``prompt`` column holds the text."""
     present = set(columns)
-    formats = [spec.formatting] if spec.formatting is not None else list(DataFormat)
+    if kind is RowKind.TEXT:
+        formats = [DataFormat.TEXT]
+    else:
+        formats = [spec.formatting] if spec.formatting is not None else list(DataFormat)
     problems = []
     for fmt in formats:
+        roles = layout_roles(fmt, kind, spec.columns)
+        if roles is None:
+            problems.append(f"{fmt.value} rows cannot hold {kind.value} examples")
+            continue
         resolved: dict[str, str] = {}
         missing = []
-        for role, (defaults, required) in COLUMN_ROLES[fmt].items():
-            candidates = (spec.columns[role],) if role in spec.columns else defaults
+        for role, (defaults, required) in roles.items():
+            candidates = (
+                (spec.columns[role],) if role in spec.columns and kind is not RowKind.TEXT else defaults
+            )
             column = next((c for c in candidates if c in present), None)
             if column is not None:
                 resolved[role] = column
@@ -275,8 +320,14 @@ def _messages(value: Any, tags: Mapping[str, str], column: str) -> list[dict[str
 
 
 def _alpaca(row: Mapping[str, Any], layout: Layout) -> Sample:
+    response = _field(row, layout.columns["response"])
+    return Sample(messages=[*alpaca_prompt(row, layout), {"role": "assistant", "content": response}])
+
+
+def alpaca_prompt(row: Mapping[str, Any], layout: Layout) -> list[dict[str, str]]:
+    """An alpaca row's messages up to and including the user turn: system, history pairs, instruction + input."""
     c = layout.columns
-    prompt, response = _field(row, c["prompt"]), _field(row, c["response"])
+    prompt = _field(row, c["prompt"])
     query = _optional(row, c["query"]) if "query" in c else None
     system = _optional(row, c["system"]) if "system" in c else None
     user = "\n".join(part for part in (prompt, query) if part)
@@ -294,20 +345,25 @@ def _alpaca(row: Mapping[str, Any], layout: Layout) -> Sample:
                 f"{c['history']}[{k}] must be a [query, response] pair of strings, got {turn!r:.60}"
             )
         messages += [{"role": "user", "content": turn[0]}, {"role": "assistant", "content": turn[1]}]
-    return Sample(
-        messages=[*messages, {"role": "user", "content": user}, {"role": "assistant", "content": response}]
-    )
+    return [*messages, {"role": "user", "content": user}]
 
 
 def _sharegpt(row: Mapping[str, Any], layout: Layout) -> Sample:
+    column = layout.columns["messages"]
+    messages = sharegpt_messages(row, layout)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RowError(f"field {column!r} has no assistant message to train on")
+    return Sample(messages=messages)
+
+
+def sharegpt_messages(row: Mapping[str, Any], layout: Layout) -> list[dict[str, str]]:
+    """A sharegpt row's messages with moetune's roles, the system column's message first when it has one."""
     column = layout.columns["messages"]
     messages = _messages(row.get(column), layout.tags, column)
     system = _optional(row, layout.columns["system"]) if "system" in layout.columns else None
     if system and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})
-    if not any(m["role"] == "assistant" for m in messages):
-        raise RowError(f"field {column!r} has no assistant message to train on")
-    return Sample(messages=messages)
+    return messages
 
 
 def _prompt_completion(row: Mapping[str, Any], layout: Layout) -> Sample:
@@ -349,7 +405,7 @@ def _rows(batch: Mapping[str, list[Any]]) -> list[dict[str, Any]]:
     return [dict(zip(keys, values)) for values in zip(*(batch[k] for k in keys))]
 
 
-def _validate(ds: Any, layout: Layout, spec: DatasetSpec) -> None:
+def _validate(ds: Any, layout: Layout, spec: DatasetSpec, read: Callable[..., Any] = to_sample) -> None:
     """Check every row up front; raise one DataError listing the first problems and counting the rest."""
     problems: list[str] = []
     count = 0
@@ -357,7 +413,7 @@ def _validate(ds: Any, layout: Layout, spec: DatasetSpec) -> None:
     for batch in ds.iter(batch_size=1000):
         for row in _rows(batch):
             try:
-                to_sample(row, layout)
+                read(row, layout)
             except RowError as err:
                 count += 1
                 if len(problems) < LISTED:
@@ -366,12 +422,19 @@ def _validate(ds: Any, layout: Layout, spec: DatasetSpec) -> None:
     if count:
         raise DataError(
             f"dataset {spec.name!r} ({spec.path}): {count} of {len(ds)} rows do not fit the {layout.format.value} "
-            f"format:{listing(problems, total=count)}"
+            f"format{_for_kind(layout)}:{listing(problems, total=count)}"
         )
 
 
+def _for_kind(layout: Layout) -> str:
+    roles = set(layout.columns)
+    if {"chosen", "rejected"} <= roles:
+        return " with chosen/rejected responses (ranking)"
+    return " with a kto_tag" if "kto_tag" in roles else ""
+
+
 def _encode_all(
-    specs: Sequence[DatasetSpec], encoder: ExampleEncoder, config: DataConfig, cache_dir: Any
+    specs: Sequence[DatasetSpec], encoder: ExampleEncoder, config: DataConfig, cache_dir: Any, codec: RowCodec
 ) -> Any:
     """Read and validate every dataset (their problems reported together), then encode and concatenate."""
     import datasets
@@ -379,43 +442,60 @@ def _encode_all(
     loaded, problems = [], []
     for spec in specs:
         try:
-            loaded.append(_read_valid(spec, config, cache_dir))
+            loaded.append(_read_valid(spec, config, cache_dir, codec))
         except DataError as err:
             problems.append(str(err))
     if problems:
         raise DataError("\n".join(problems))
-    parts = [_encode(spec, ds, layout, encoder, config) for spec, ds, layout in loaded]
+    parts = [_encode(spec, ds, layout, encoder, config, codec) for spec, ds, layout in loaded]
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
-def _read_valid(spec: DatasetSpec, config: DataConfig, cache_dir: Any) -> tuple[DatasetSpec, Any, Layout]:
+def _read_valid(
+    spec: DatasetSpec, config: DataConfig, cache_dir: Any, codec: RowCodec
+) -> tuple[DatasetSpec, Any, Layout]:
     ds = read_dataset(spec, cache_dir)
     if config.max_samples is not None and len(ds) > config.max_samples:
         ds = ds.select(range(config.max_samples))
     if len(ds) == 0:
         raise DataError(f"dataset {spec.name!r} ({spec.path}) has no rows")
-    layout = detect_layout(spec, ds.column_names, ds[0])
-    _validate(ds, layout, spec)
+    layout = detect_layout(spec, ds.column_names, ds[0], codec.kind)
+    _validate(ds, layout, spec, codec.read)
     return spec, ds, layout
 
 
-def _encode(spec: DatasetSpec, ds: Any, layout: Layout, encoder: ExampleEncoder, config: DataConfig) -> Any:
+def encode_supervised(sample: Sample, encoder: ExampleEncoder, cutoff: int) -> dict[str, Any]:
+    """sft's and pt's example: COLUMNS truncated to ``cutoff``, plus the truncation-check columns."""
+    encoded = encoder.encode(sample)
+    ids, labels = encoded.input_ids[:cutoff], encoded.labels[:cutoff]
+    first = encoded.first_label
+    return {
+        "input_ids": ids,
+        "attention_mask": [1] * len(ids),
+        "labels": labels,
+        "_length": len(encoded.input_ids),
+        "_first_label": -1 if first is None else first,
+    }
+
+
+SUPERVISED = RowCodec(RowKind.SUPERVISED, to_sample, encode_supervised)  # sft
+TEXT = RowCodec(RowKind.TEXT, _text, encode_supervised)  # pt: the text format's reader, every token trained
+
+
+def _encode(
+    spec: DatasetSpec, ds: Any, layout: Layout, encoder: ExampleEncoder, config: DataConfig, codec: RowCodec
+) -> Any:
     cutoff = config.cutoff_len
 
     def encode_batch(batch: Mapping[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
-        out: dict[str, list[Any]] = {k: [] for k in (*COLUMNS, "_length", "_first_label")}
+        out: dict[str, list[Any]] = {}
         for row, index in zip(_rows(batch), indices):
             try:
-                encoded = encoder.encode(to_sample(row, layout))
+                example = codec.encode(codec.read(row, layout), encoder, cutoff)
             except DataError as err:
                 raise DataError(f"dataset {spec.name!r} ({spec.path}) row {index}: {err}") from None
-            ids, labels = encoded.input_ids[:cutoff], encoded.labels[:cutoff]
-            out["input_ids"].append(ids)
-            out["attention_mask"].append([1] * len(ids))
-            out["labels"].append(labels)
-            out["_length"].append(len(encoded.input_ids))
-            first = encoded.first_label
-            out["_first_label"].append(-1 if first is None else first)
+            for key, value in example.items():
+                out.setdefault(key, []).append(value)
         return out
 
     ds = ds.map(
@@ -457,69 +537,3 @@ def _drop_untrained(ds: Any, spec: DatasetSpec, cutoff: int) -> Any:
     if truncated:
         log.info("dataset %r: %d rows truncated to cutoff_len %d", spec.name, truncated, cutoff)
     return ds.remove_columns(["_length", "_first_label"])
-
-
-def pack(ds: Any, cutoff_len: int, batch_size: int = 1000) -> Any:
-    """Pack examples into rows of at most ``cutoff_len`` tokens (best fit, longest first, within each batch
-    of ``batch_size`` examples), with ``position_ids`` restarting per example and no ``attention_mask``."""
-
-    def pack_batch(batch: Mapping[str, list[Any]]) -> dict[str, list[Any]]:
-        ids, labels = batch["input_ids"], batch["labels"]
-        bins: list[list[int]] = []
-        free: list[tuple[int, int]] = []  # (space left, bin), sorted: bisect finds the tightest fit
-        for i in sorted(range(len(ids)), key=lambda i: -len(ids[i])):
-            n = len(ids[i])
-            k = bisect.bisect_left(free, (n, -1))
-            if k == len(free):
-                bins.append([i])
-                bisect.insort(free, (cutoff_len - n, len(bins) - 1))
-            else:
-                space, b = free.pop(k)
-                bins[b].append(i)
-                bisect.insort(free, (space - n, b))
-        out: dict[str, list[Any]] = {k: [] for k in PACKED_COLUMNS}
-        for members in bins:
-            row_ids: list[int] = []
-            row_labels: list[int] = []
-            row_pos: list[int] = []
-            for i in members:
-                row_ids += ids[i]
-                row_labels += [IGNORE_INDEX] + labels[i][1:]  # never predict an example from the one before
-                row_pos += range(len(ids[i]))
-            out["input_ids"].append(row_ids)
-            out["labels"].append(row_labels)
-            out["position_ids"].append(row_pos)
-        return out
-
-    return ds.map(
-        pack_batch, batched=True, batch_size=batch_size, remove_columns=ds.column_names, desc="packing"
-    )
-
-
-@dataclass(frozen=True)
-class PadCollator:
-    """Pads examples to the longest in the batch (rounded up to ``pad_to_multiple_of``).
-
-    ``input_ids`` get ``pad_token_id``, ``labels`` -100, ``attention_mask`` 0; ``position_ids`` (packed
-    rows) continue as a fresh sequence 0, 1, ..., which the block-diagonal mask keeps to itself.
-    Returns ``[B, L]`` int64 tensors.
-    """
-
-    pad_token_id: int
-    pad_to_multiple_of: int | None = None
-
-    def __call__(self, features: Sequence[Mapping[str, Sequence[int]]]) -> dict[str, Any]:
-        import torch
-
-        longest = max(len(f["input_ids"]) for f in features)
-        if self.pad_to_multiple_of:
-            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        fill = {"input_ids": self.pad_token_id, "labels": IGNORE_INDEX, "attention_mask": 0}
-        batch = {}
-        for key in features[0]:
-            rows = []
-            for f in features:
-                n = longest - len(f[key])
-                rows.append([*f[key], *(range(n) if key == "position_ids" else [fill[key]] * n)])
-            batch[key] = torch.tensor(rows, dtype=torch.long)
-        return batch

@@ -229,3 +229,35 @@ class NumericalGuard(TrainerCallback):
                 len(self.skipped),
                 ", ".join(map(str, self.skipped)),
             )
+
+
+class GuardedSteps:
+    """Mixin for a transformers ``Trainer`` subclass (before the trainer class in the bases, as
+    ``AtomicCheckpoints``): every micro-batch's loss and every step's gradient norm reach ``guard`` (set with
+    :func:`attach_guard`) before ``optimizer.step()``. Without a guard the trainer behaves as its base."""
+
+    guard: NumericalGuard | None = None
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        loss = super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
+        return self.guard.add_loss(loss) if self.guard is not None else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.guard is not None and "loss" in logs:
+            logs = {**logs, **self.guard.window_logs()}  # a window with skipped steps: its finite steps' mean
+        super().log(logs, start_time)  # type: ignore[misc]
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        # called once per optimizer step, after clipping and right before optimizer.step()
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)  # type: ignore[misc]
+        if self.guard is not None:
+            self.guard.check_step(grad_norm, model, self.state)  # type: ignore[attr-defined]
+        return grad_norm
+
+
+def attach_guard(trainer: Any, guard: NumericalGuard) -> None:
+    """Give a :class:`GuardedSteps` trainer its guard (also registered as a callback: weights before saves)."""
+    if not isinstance(trainer, GuardedSteps):
+        raise TypeError(f"{type(trainer).__name__} does not mix in GuardedSteps; the guard would see nothing")
+    trainer.guard = guard
+    trainer.add_callback(guard)  # type: ignore[attr-defined]  # a Trainer (GuardedSteps is its mixin)

@@ -3,8 +3,8 @@
 config (validated) -> preflight (output_dir writable, model headers and lora_target on a meta-device model,
   resume checkpoint complete) -> tokenizer + datasets (data errors surface before the model loads)
   -> moetune.load_model (routed experts into CPU engines) -> LoRA attached (attention/dense via PEFT,
-     experts in the engine) -> MoetuneTrainer (transformers Trainer; NumericalGuard stops or skips a diverged
-     step) -> train (optionally resumed)
+     experts in the engine) -> the stage's trainer (moetune.train.stages: sft/pt a transformers Trainer,
+     dpo/kto TRL's; NumericalGuard stops or skips a diverged step) -> train (optionally resumed)
   -> output_dir: adapter (stock PEFT), tokenizer, trainer_state.json, loss_curve.png, run_summary.json
 """
 
@@ -43,14 +43,17 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     from moetune.loading import load_model
     from moetune.train.data import prepare_datasets
     from moetune.train.preflight import check_before_load, load_tokenizer
+    from moetune.train.stages import stage_for
 
+    stage = stage_for(cfg)
+    _check_requires(cfg, stage.requires)
     model_path = cfg.model.model_name_or_path
     # bf16 training keeps bf16 weights; otherwise fp32 (exact, twice the memory)
     dtype = "bfloat16" if cfg.training.bf16 else "float32"
     # output_dir, model files, lora_target, resume checkpoint: checked before any weight loads
     check_before_load(cfg, dtype)
     tokenizer = load_tokenizer(cfg)
-    data = prepare_datasets(cfg.data, tokenizer, seed=cfg.training.seed)
+    data = prepare_datasets(cfg.data, tokenizer, seed=cfg.training.seed, codec=stage.codec)
     model = load_model(
         model_path,
         device=_device(cfg),
@@ -67,14 +70,28 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     return peft_model, tokenizer, data
 
 
+def _check_requires(cfg: MoetuneConfig, packages: tuple[str, ...]) -> None:
+    import importlib.util
+
+    from moetune.errors import ConfigError
+
+    missing = [p for p in packages if importlib.util.find_spec(p) is None]
+    if missing:
+        raise ConfigError(
+            f"stage {cfg.finetune.stage.value!r} needs {', '.join(missing)}, which is not installed; "
+            f"install moetune's dependencies (pip install 'trl>=1.16')"
+        )
+
+
 def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any:
-    """Run transformers' training loop (resuming when the config says so); returns the trainer."""
-    from transformers import PrinterCallback, TrainingArguments
+    """Run the stage's training loop (resuming when the config says so); returns the trainer."""
+    from transformers import PrinterCallback
 
-    from moetune.train.guards import NumericalGuard
-    from moetune.train.trainer import MoetuneTrainer, ProgressBar
+    from moetune.train.guards import NumericalGuard, attach_guard
+    from moetune.train.stages import stage_for
+    from moetune.train.trainer import ProgressBar
 
-    args = TrainingArguments(
+    args = dict(
         **training_arguments_kwargs(cfg),
         # non-reentrant: the CPU experts' forward is then reused by the recompute (moetune.layer.memo)
         activation_checkpointing_kwargs={"use_reentrant": False},
@@ -82,16 +99,8 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any
         disable_tqdm=True,  # ProgressBar replaces the Trainer's bar
         logging_nan_inf_filter=False,  # a NaN loss is logged as NaN; NumericalGuard stops or skips that step
     )
-    trainer = MoetuneTrainer(
-        model=peft_model,
-        args=args,
-        train_dataset=data.train,
-        eval_dataset=data.eval,
-        data_collator=data.collator,
-        processing_class=tokenizer,
-        callbacks=[ProgressBar()],
-        guard=NumericalGuard(cfg.training.on_divergence, _vocab_size(peft_model)),
-    )
+    trainer = stage_for(cfg).build_trainer(cfg, peft_model, tokenizer, data, args, [ProgressBar()])
+    attach_guard(trainer, NumericalGuard(cfg.training.on_divergence, _vocab_size(peft_model)))
     trainer.remove_callback(PrinterCallback)  # ProgressBar prints the logs
     resume = cfg.training.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=str(resume) if isinstance(resume, Path) else resume)

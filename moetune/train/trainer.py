@@ -9,92 +9,28 @@ Optimizer state: torch's AdamW creates ``exp_avg`` / ``exp_avg_sq`` with ``zeros
 expert LoRA (fp32 CPU parameters) gets fp32 CPU state next to it while GPU LoRA keeps its state on the GPU;
 ``clip_grad_norm_`` computes one norm over both devices.
 
-Checkpoints are written atomically: the Trainer's own ``_save_checkpoint`` (adapter, optimizer, scheduler,
-RNG, trainer state, rotation) writes ``checkpoint-N`` inside a staging folder ``tmp-checkpoint-N/`` and only
-the complete folder is renamed into place, so a crash mid-save leaves no ``checkpoint-N`` for
-``resume_from_checkpoint`` (transformers' ``get_last_checkpoint`` matches ``checkpoint-N`` only). transformers
-5.24 has no such mechanism of its own: it writes into ``checkpoint-N`` file by file.
-
-Given a ``guard`` (``moetune.train.guards.NumericalGuard``), every micro-batch's loss and every step's gradient
-norm reach it before ``optimizer.step()``, so a diverged step is stopped or skipped before it is applied.
+Checkpoints are written atomically (``moetune.train.checkpoints``, shared with the TRL trainers of the dpo and
+kto stages). Given a guard (``moetune.train.guards.attach_guard``), every micro-batch's loss and every step's
+gradient norm reach it before ``optimizer.step()``, so a diverged step is stopped or skipped before it is applied.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from typing import Any
 
 from transformers import Trainer, TrainerCallback
-from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from moetune.atomic import replace_folder
-from moetune.train.guards import NumericalGuard
+from moetune.train.checkpoints import STAGING_PREFIX, AtomicCheckpoints
+from moetune.train.guards import GuardedSteps
 
-STAGING_PREFIX = "tmp-"  # tmp-checkpoint-N: matched neither by get_last_checkpoint nor by checkpoint rotation
+__all__ = ["STAGING_PREFIX", "MoetuneTrainer", "ProgressBar"]
 
 
-class MoetuneTrainer(Trainer):
+class MoetuneTrainer(GuardedSteps, AtomicCheckpoints, Trainer):
     """A ``Trainer`` (a subclass; no library class is patched) whose checkpoints are renamed into place only
-    once complete."""
-
-    # the folder Trainer._save_checkpoint writes under while a checkpoint is staged
-    _staging: str | None = None
-
-    def __init__(self, *args: Any, guard: NumericalGuard | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.guard = guard
-        if guard is not None:
-            self.add_callback(guard)
-
-    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        return self.guard.add_loss(loss) if self.guard is not None else loss
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self.guard is not None and "loss" in logs:
-            logs = {**logs, **self.guard.window_logs()}  # a window with skipped steps: its finite steps' mean
-        super().log(logs, start_time)
-
-    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
-        # called once per optimizer step, after clipping and right before optimizer.step()
-        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
-        if self.guard is not None:
-            self.guard.check_step(grad_norm, model, self.state)
-        return grad_norm
-
-    def _get_output_dir(self, trial: Any) -> str:
-        return self._staging if self._staging is not None else super()._get_output_dir(trial)
-
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        run_dir = super()._get_output_dir(trial)
-        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        final, staging = os.path.join(run_dir, name), os.path.join(run_dir, STAGING_PREFIX + name)
-        staged = os.path.join(staging, name)
-        if self.args.should_save:
-            shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save of this step
-        self._staging = staging
-        try:
-            # everything goes to `staged`; its own rotation sees that one checkpoint only
-            super()._save_checkpoint(model, trial)
-            if self.args.should_save:
-                if self.state.best_model_checkpoint == staged:  # the best is this one: record its final path
-                    self.state.best_model_checkpoint = final
-                    self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
-                replace_folder(staged, final, aside=os.path.join(staging, "replaced"))
-        finally:
-            self._staging = None
-            if self.args.should_save:
-                shutil.rmtree(staging, ignore_errors=True)
-        if self.args.should_save:
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,  # as Trainer._save_checkpoint rotates
-            )
+    once complete (:class:`~moetune.train.checkpoints.AtomicCheckpoints`) and whose steps a numerical guard can
+    stop or skip (:class:`~moetune.train.guards.GuardedSteps`)."""
 
 
 class ProgressBar(TrainerCallback):

@@ -173,7 +173,21 @@ def test_required_keys_are_listed(workdir: Path) -> None:
         ("lr_scheduler_type", "cosin", "allowed: linear, cosine"),
         ("report_to", "tensorbord", "allowed:"),
         ("save_strategy", "sometimes", "one of: no, steps, epoch"),
-        ("stage", "dpo", "'dpo' (DPO) is not supported yet; a later moetune version adds it. Supported: sft"),
+        (
+            "stage",
+            "ppo",
+            "'ppo' (PPO) is not supported yet; a later moetune version adds it. Supported: sft, pt",
+        ),
+        (
+            "pref_loss",
+            "orpo",
+            "'orpo' (ORPO, reference-free) is not supported yet; a later moetune version adds it. Supported: sigmoid, hinge, ipo",
+        ),
+        ("pref_beta", 0.2, "is set but stage is 'sft'; it applies to stage dpo / kto only"),
+        ("kto_chosen_weight", 2.0, "applies to stage kto only"),
+        ("dpo_label_smoothing", 0.1, "no equivalent in TRL's DPOTrainer/KTOTrainer"),
+        ("pref_bco_weight", 0.5, "supported: pref_beta, pref_ftx, pref_loss (sigmoid, hinge, ipo)"),
+        ("simpo_gamma", 1.0, "no equivalent"),
         ("finetuning_type", "full", "a later moetune version adds it. Supported: lora"),
         ("do_train", False, "always trains"),
         ("template", "qwen3_nothink", "looks like a LLaMA-Factory template name"),
@@ -297,7 +311,7 @@ def test_dataset_paths_and_dataset_info_entries(workdir: Path) -> None:
     assert chat.path == Path("chat.jsonl") and chat.formatting is None
     text = problems_of(minimal(dataset="hub_only,pairs,odd,gone,word"))
     assert "'hub_only' has hf_hub_url but no file_name; moetune reads local files only" in text
-    assert "sets 'ranking'" in text and "maps column role 'chosen'" in text
+    assert "dataset 'pairs' is a preference dataset (ranking: true), which only stage dpo reads" in text
     assert "maps column role 'messages', which alpaca does not have" in text
     assert "has unknown tags ['x']" in text
     assert "missing.json does not exist" in text

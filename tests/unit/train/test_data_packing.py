@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moetune.errors import DataError
-from moetune.train.data import PACKED_COLUMNS, PadCollator, pack
+from moetune.train.packing import PACKED_COLUMNS, PadCollator, pack
 from moetune.train.templates import IGNORE_INDEX, ChatRenderer, encode_spans
 
 datasets.disable_progress_bars()

@@ -17,6 +17,7 @@ from moetune.train.guards import (
     COLLAPSE_STEPS,
     MAX_SKIPS_IN_A_ROW,
     NumericalGuard,
+    attach_guard,
     last_checkpoint_before,
 )
 from moetune.train.trainer import MoetuneTrainer
@@ -67,7 +68,8 @@ def run(
         disable_tqdm=True,
         remove_unused_columns=False,
     )
-    trainer = MoetuneTrainer(model=model, args=args, train_dataset=data, guard=NumericalGuard(action, None))
+    trainer = MoetuneTrainer(model=model, args=args, train_dataset=data)
+    attach_guard(trainer, NumericalGuard(action, None))
     trainer.train()
     model.log_history = trainer.state.log_history  # type: ignore[assignment]
     return model
