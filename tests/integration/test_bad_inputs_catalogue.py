@@ -428,16 +428,30 @@ def _assert_nothing_diverged_saved(out: Path, last_good: str | None) -> None:
         assert all(torch.isfinite(t).all() for t in load_file(ckpt / "adapter_model.safetensors").values())
 
 
-def test_nan_in_an_expert_weight_stops_at_step_1(tmp_path, demo_model, capsys) -> None:
+def _model_with_nan(tmp_path: Path, demo_model: Path, part: str) -> tuple[Path, str]:
+    """A copy of the demo model whose first tensor with ``part`` in its name holds a NaN; (folder, that key)."""
     model = model_copy(tmp_path, demo_model)
     tensors = load_file(model / "model.safetensors")
-    key = next(k for k in sorted(tensors) if ".experts." in k)
+    key = next(k for k in sorted(tensors) if part in k)
     tensors[key].view(-1)[0] = math.nan
     save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    return model, key
+
+
+def test_nan_in_an_expert_weight_is_refused_at_load(tmp_path, demo_model, capsys) -> None:
+    model, key = _model_with_nan(tmp_path, demo_model, ".experts.")
     assert main(["train", str(write(tmp_path, config(tmp_path, model)))]) == 2  # exit code != 0
     err = capsys.readouterr().err
-    assert "training diverged at step 1: the loss is not finite (loss nan" in err
-    assert "check_finite: true" in err and "No checkpoint was saved before it" in err
+    assert key in err and "NaN" in err  # the expert scan names the tensor as it streams
+    _assert_nothing_diverged_saved(tmp_path / "out", None)
+
+
+def test_nan_in_an_attention_weight_stops_at_step_1(tmp_path, demo_model, capsys) -> None:
+    model, _ = _model_with_nan(tmp_path, demo_model, ".q_proj.")
+    assert main(["train", str(write(tmp_path, config(tmp_path, model)))]) == 2  # exit code != 0
+    err = capsys.readouterr().err
+    assert "training diverged at step 1: the gradient norm is not finite" in err  # the loss may still be finite
+    assert "self_attn.q_proj.lora_A" in err and "No checkpoint was saved before it" in err
     _assert_nothing_diverged_saved(tmp_path / "out", None)
 
 
