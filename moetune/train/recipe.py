@@ -40,6 +40,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     import torch
 
     from moetune.adapters.apply import LoraSettings, attach_lora
+    from moetune.adapters.swap import recover_adapter
     from moetune.loading import load_model
     from moetune.train.data import prepare_datasets
     from moetune.train.preflight import check_before_load, load_tokenizer
@@ -52,6 +53,8 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     dtype = "bfloat16" if cfg.training.bf16 else "float32"
     # output_dir, model files, lora_target, resume checkpoint: checked before any weight loads
     check_before_load(cfg, dtype)
+    # an adapter save a crash interrupted in output_dir is finished or removed now, not at the next save
+    recover_adapter(Path(cfg.training.output_dir))
     tokenizer = load_tokenizer(cfg)
     data = prepare_datasets(cfg.data, tokenizer, seed=cfg.training.seed, codec=stage.codec)
     model = load_model(
