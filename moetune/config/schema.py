@@ -49,9 +49,11 @@ class Stage(str, enum.Enum):
 
 
 class FinetuningType(str, enum.Enum):
-    """What is trained (LLaMA-Factory's ``finetuning_type``)."""
+    """What is trained (LLaMA-Factory's ``finetuning_type``; ``moetune.train.modes`` applies it)."""
 
     LORA = "lora"
+    FULL = "full"
+    FREEZE = "freeze"
 
 
 class IntervalStrategy(str, enum.Enum):
@@ -87,6 +89,10 @@ def _lr_scheduler(value: str) -> str | None:
     return None if value in allowed else f"allowed: {', '.join(allowed)}"
 
 
+def _nonzero(value: int) -> str | None:
+    return None if value != 0 else "must be N > 0 (the last N layers train) or -N < 0 (the first N)"
+
+
 def _lora_target(value: tuple[str, ...]) -> str | None:
     if "all" in value and len(value) > 1:
         return "'all' targets every linear layer and cannot be combined with module names"
@@ -119,13 +125,21 @@ class FinetuneConfig:
     do_train: bool = option(True)
     finetuning_type: FinetuningType = option(
         FinetuningType.LORA,
-        later={"full": "full-parameter training", "freeze": "partial freezing", "oft": "OFT"},
+        later={"oft": "OFT"},
     )
     lora_rank: int = option(8, check=positive)
     lora_alpha: int | None = option(None, check=positive)
     lora_dropout: float = option(0.0, check=unit_interval)
     lora_target: tuple[str, ...] = option(("all",), check=_lora_target)
     use_rslora: bool = option(False)  # scale alpha / sqrt(rank) instead of alpha / rank
+    # lora: modules trained fully beside the LoRA (PEFT modules_to_save), e.g. a router
+    additional_target: tuple[str, ...] | None = option(None)
+    # freeze (README "training modes"): > 0 the last N decoder layers train, < 0 the first -N
+    freeze_trainable_layers: int = option(2, check=_nonzero)
+    freeze_trainable_modules: tuple[str, ...] = option(("all",))  # in those layers: all, or module names
+    freeze_extra_modules: tuple[str, ...] | None = option(
+        None
+    )  # modules outside the layers (embed_tokens, ...)
 
     @property
     def targets_all(self) -> bool:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from moetune.config import MoetuneConfig, training_arguments_kwargs
+from moetune.config.schema import FinetuningType
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +38,15 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     """(peft_model, tokenizer, prepared data) for ``cfg``; the data is read and checked before the model loads."""
     import torch
 
-    from moetune.adapters.apply import LoraSettings, attach_lora
+    from moetune.adapters.apply import LoraSettings
     from moetune.loading import load_model
     from moetune.loading.hf import load_tokenizer
     from moetune.train.data import prepare_datasets
+    from moetune.train.modes import ModeSettings, apply_mode, check_before_load
 
     model_path = cfg.model.model_name_or_path
+    modes = ModeSettings.from_config(cfg.finetune, bf16=cfg.training.bf16)
+    check_before_load(model_path, cfg.engine.experts, modes, cfg.model.trust_remote_code)
     tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
     data = prepare_datasets(cfg.data, tokenizer, seed=cfg.training.seed)
     model = load_model(
@@ -58,7 +62,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     torch.manual_seed(
         cfg.training.seed
     )  # expert LoRA's A is drawn from the global RNG, as PEFT draws its own
-    peft_model = attach_lora(model, LoraSettings.from_config(cfg.finetune))
+    peft_model = apply_mode(model, modes, LoraSettings.from_config(cfg.finetune))
     return peft_model, tokenizer, data
 
 
@@ -93,6 +97,8 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any
 def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> dict[str, Any]:
     """Write the final adapter, tokenizer, trainer state, loss curve and run summary; returns the summary."""
     from moetune.adapters.save import save_adapter
+    from moetune.train.model_save import save_model
+    from moetune.train.modes import memory_report
     from moetune.train.outputs import (
         LOSS_CURVE,
         SUMMARY,
@@ -103,7 +109,10 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
     )
 
     out = Path(cfg.training.output_dir)
-    save_adapter(trainer.model, out)
+    if cfg.finetune.finetuning_type is FinetuningType.LORA:
+        save_adapter(trainer.model, out)
+    else:
+        save_model(trainer.model, out)
     tokenizer.save_pretrained(out)
     trainer.save_state()
     state = trainer.state
@@ -125,6 +134,8 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
         ),
         "peak_ram_gb": round(peak_ram_gb(), 3),
         "peak_vram_gb": peak_vram_gb(),
+        "finetuning_type": cfg.finetune.finetuning_type.value,
+        "memory": memory_report(trainer.model),
         "loss_curve": str(curve) if curve else None,
         "config": cfg.summary(),
     }

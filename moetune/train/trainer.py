@@ -28,6 +28,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from moetune.atomic import replace_folder
+from moetune.errors import LoadError
 
 STAGING_PREFIX = "tmp-"  # tmp-checkpoint-N: matched neither by get_last_checkpoint nor by checkpoint rotation
 
@@ -69,6 +70,35 @@ class MoetuneTrainer(Trainer):
                 best_model_checkpoint=self.state.best_model_checkpoint,
                 use_mtime=True,  # as Trainer._save_checkpoint rotates
             )
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        from peft import PeftModel
+
+        if self._staging is None or isinstance(self.model, PeftModel):
+            super()._save(output_dir, state_dict)
+            return
+        # A full/freeze checkpoint (moetune.train.modes): its weights in the live modules' layout, which
+        # resume's `model.load_state_dict` matches; the final save_model writes the base checkpoint's own layout.
+        out = str(output_dir if output_dir is not None else self.args.output_dir)
+        os.makedirs(out, exist_ok=True)
+        model: Any = self.model
+        model.save_pretrained(out, state_dict=state_dict, save_original_format=False)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(out)
+
+    def _issue_warnings_after_load(self, load_result: Any) -> None:
+        from moetune.layer import CpuExperts
+
+        model: Any = self.model
+        experts = [p for p, m in model.named_modules() if isinstance(m, CpuExperts) and m.exports]
+        lost = [k for k in load_result.missing_keys if any(k.startswith(p + ".") for p in experts)]
+        if lost:
+            raise LoadError(
+                f"resume_from_checkpoint: the checkpoint lacks the routed-expert weights {lost[:4]}...; it was not "
+                "written by this moetune run's mode (full/freeze checkpoints keep the live layout). Resume from a "
+                "checkpoint of the same run, or start without resume_from_checkpoint"
+            )
+        super()._issue_warnings_after_load(load_result)
 
 
 class ProgressBar(TrainerCallback):
