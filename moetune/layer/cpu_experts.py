@@ -204,9 +204,13 @@ class CpuExperts(nn.Module):
             with torch.no_grad():
                 t.copy_(src)
         rest = {k: v for k, v in state_dict.items() if k.startswith(prefix) and k[len(prefix) :] not in mine}
+        before = len(missing_keys)
         super()._load_from_state_dict(
             rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        # in full mode the engine's tensors are also this module's parameters, which torch looked for in `rest`
+        handled = {prefix + name for name in mine}
+        missing_keys[before:] = [k for k in missing_keys[before:] if k not in handled]
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> CpuExperts:
         # model.to("cuda") / model.bfloat16() must not move or down-cast host-resident expert state:

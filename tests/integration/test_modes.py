@@ -1,0 +1,310 @@
+"""Training modes (moetune.train.modes) against the unmodified transformers model in float64.
+
+For qwen3_moe, deepseek_v3 and gpt_oss (transposed, interleaved experts with biases): full mode's gradients of
+every parameter, routed experts included, equal stock autograd's; freeze trains exactly the chosen modules with
+stock's gradients; frozen experts (LoRA not on the experts) hold no trainable tensor and their engine forms only
+input and routing gradients; a router that is not an nn.Linear takes LoRA through target_parameters and the saved
+adapter loads in stock PEFT; a full-mode model saves a checkpoint plain transformers loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetune.config.schema import FinetuningType
+from moetune.testing.inputs import text_inputs
+from moetune.testing.tiny import save_tiny_model
+
+FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
+TOL = 1e-12  # float64 on both sides; only summation order differs
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory) -> tuple[str, Path]:
+    return request.param, save_tiny_model(request.param, tmp_path_factory.mktemp(request.param) / "m")
+
+
+def _stock(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    # transformers' grouped_mm experts refuse float64; its eager loop is the reference
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float64, experts_implementation="eager"
+    ).train()
+
+
+def _moetune(path: Path, **mode):
+    from moetune.loading import load_model
+    from moetune.train.modes import ModeSettings, apply_mode
+
+    model = load_model(path, device="cpu", dtype="float64", progress=False)
+    return apply_mode(model, ModeSettings(**mode)).train()
+
+
+def _backward(model) -> float:
+    inputs = text_inputs(0, 2, 14)
+    loss = model(**inputs, labels=inputs["input_ids"]).loss
+    loss.backward()
+    return float(loss.detach())
+
+
+def _grads_in_stock_layout(model) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient, the routed experts' turned into the transformers module's layout."""
+    from moetune.layer import CpuExperts
+    from moetune.layer.runtime_layout import to_runtime
+
+    experts = {p: m for p, m in model.named_modules() if isinstance(m, CpuExperts)}
+    out = {}
+    for name, p in model.named_parameters():
+        module, _, leaf = name.rpartition(".")
+        g = p.grad if p.requires_grad else None
+        out[name] = to_runtime(leaf, g, experts[module].layout) if module in experts and g is not None else g
+    return out
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.detach(), b.detach()
+    return bool((a - b).abs().max() <= TOL * max(float(b.abs().max()), 1.0))
+
+
+def test_full_mode_gradients_equal_transformers(family) -> None:
+    from moetune.engine import TrainMode
+    from moetune.layer import CpuExperts
+
+    _, path = family
+    stock, model = _stock(path), _moetune(path, method=FinetuningType.FULL)
+    engines = [m.engine for m in model.modules() if isinstance(m, CpuExperts)]
+    assert engines and all(e.mode is TrainMode.FULL for e in engines)
+    assert _backward(model) == pytest.approx(_backward(stock), abs=1e-12)
+    ref = dict(stock.named_parameters())
+    got = _grads_in_stock_layout(model)
+    assert set(got) == set(ref)  # every parameter trains, under its stock name
+    for name, g in got.items():
+        assert g is not None and _close(g, ref[name].grad), name
+
+
+def test_freeze_trains_the_chosen_modules_with_stock_gradients(family) -> None:
+    _, path = family
+    stock = _stock(path)
+    model = _moetune(
+        path,
+        method=FinetuningType.FREEZE,
+        trainable_layers=-1,
+        trainable_modules=("mlp",),
+        extra_modules=("norm",),
+    )
+    _backward(stock), _backward(model)
+    ref = dict(stock.named_parameters())
+    got = _grads_in_stock_layout(model)
+    trained = {n for n, g in got.items() if g is not None}
+    # the first layer's MLP (routed experts too where layer 0 is an MoE layer) and the final norm, nothing else
+    expected = {n for n in ref if n.startswith("model.layers.0.mlp.") or n == "model.norm.weight"}
+    assert trained == expected
+    for name in trained:
+        assert _close(got[name], ref[name].grad), name
+
+
+def test_frozen_experts_hold_nothing_trainable_and_lora_gradients_are_exact(family) -> None:
+    """LoRA on attention only: no expert tensor trains, every engine is FROZEN (backward forms no weight
+    gradient and gathers no inputs), and the LoRA gradients equal stock PEFT's on the transformers model."""
+    from peft import LoraConfig, get_peft_model
+
+    from moetune.adapters import attach_lora
+    from moetune.engine import TrainMode
+    from moetune.layer import CpuExperts
+    from moetune.loading import load_model
+
+    _, path = family
+    model = attach_lora(
+        load_model(path, device="cpu", dtype="float64", progress=False), rank=4, alpha=8, targets=("o_proj",)
+    )
+    engines = [m.engine for m in model.modules() if isinstance(m, CpuExperts)]
+    assert engines and all(e.mode is TrainMode.FROZEN and not e.plan.gather_inputs for e in engines)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".o_proj.lora_" in n for n in trainable)
+    stock = get_peft_model(_stock(path), LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"]))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1)
+    stock.load_state_dict({n: p for n, p in model.named_parameters() if p.requires_grad}, strict=False)
+    model.train(), stock.train()
+    _backward(model), _backward(stock)
+    ref = dict(stock.named_parameters())
+    for n in trainable:
+        assert _close(dict(model.named_parameters())[n].grad, ref[n].grad), n
+
+
+def test_router_lora_and_full_router_training(tmp_path) -> None:
+    """qwen3_moe's router is a TopKRouter (not nn.Linear): lora_target 'gate' gives it LoRA through PEFT's
+    target_parameters; gradients equal stock PEFT's on the transformers model and the saved adapter loads there
+    with the same logits. additional_target 'gate' trains the router fully (PEFT modules_to_save)."""
+    from peft import PeftModel
+
+    from moetune.adapters import attach_lora, save_adapter
+    from moetune.loading import load_model
+
+    path = save_tiny_model("qwen3_moe", tmp_path / "m")
+    model = attach_lora(
+        load_model(path, device="cpu", dtype="float64", progress=False), rank=4, alpha=8, targets=("gate",)
+    )
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".mlp.gate." in n and ".lora_" in n for n in trainable)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(std=0.1)
+    save_adapter(model, tmp_path / "adapter")
+    stock = PeftModel.from_pretrained(_stock(path), tmp_path / "adapter", is_trainable=True)
+    model.train()
+    inputs = text_inputs(0, 2, 14)
+    ours, theirs = model(**inputs).logits, stock(**inputs).logits
+    assert _close(ours, theirs)
+    _backward(model), _backward(stock)
+    ref = dict(stock.named_parameters())
+    for n in trainable:
+        assert _close(dict(model.named_parameters())[n].grad, ref[n].grad), n
+
+    full = attach_lora(
+        load_model(path, device="cpu", dtype="float64", progress=False),
+        rank=4,
+        alpha=8,
+        targets=("q_proj",),
+        modules_to_save=("gate",),
+    )
+    routers = [n for n, p in full.named_parameters() if p.requires_grad and ".mlp.gate." in n]
+    assert routers and all("modules_to_save" in n for n in routers)
+    _backward(full)
+    assert all(dict(full.named_parameters())[n].grad.abs().sum() > 0 for n in routers)
+
+
+def test_full_model_saves_a_checkpoint_plain_transformers_loads(family, tmp_path) -> None:
+    """After every expert weight changed in place, the saved checkpoint has the base checkpoint's own keys
+    (qwen3_moe, deepseek_v3: per expert; gpt_oss: fused, transposed and interleaved) and loads in plain
+    transformers with the same logits."""
+    from moetune.train.model_save import save_model
+
+    _, path = family
+    model = _moetune(path, method=FinetuningType.FULL).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".experts." in n:
+                p.add_(torch.randn_like(p) * 0.05)
+    save_model(model, tmp_path / "out")
+    assert not list((tmp_path / "out").glob(".model.tmp-*"))
+    assert _weights(tmp_path / "out").keys() == _weights(path).keys()
+    reloaded = _stock(tmp_path / "out").eval()
+    inputs = text_inputs(0, 2, 14)
+    with torch.no_grad():
+        assert _close(model(**inputs).logits, reloaded(**inputs).logits)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory) -> Path:
+    from moetune.train.demo import make_demo_model
+
+    return make_demo_model(tmp_path_factory.mktemp("demo") / "tiny", ROOT / "examples/data/demo_tokenizer")
+
+
+def _run(tmp: Path, model: Path, **over):
+    import yaml
+
+    from moetune.config import load_config
+    from moetune.train.recipe import run
+
+    cfg = {
+        "model_name_or_path": str(model),
+        "finetuning_type": "full",
+        "dataset": "demo_train",
+        "eval_dataset": "demo_heldout",
+        "dataset_dir": str(ROOT / "examples/data"),
+        "max_samples": 64,
+        "cutoff_len": 32,
+        "output_dir": str(tmp / "out"),
+        "per_device_train_batch_size": 8,
+        "per_device_eval_batch_size": 16,
+        "learning_rate": 3e-3,
+        "max_steps": 6,
+        "logging_steps": 1,
+        "save_steps": 3,
+        "eval_strategy": "steps",
+        "eval_steps": 6,
+        "seed": 0,
+        "gradient_checkpointing": False,
+        "report_to": "none",
+        "moetune": {"device": "cpu", "num_threads": 1},
+        **over,
+    }
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    return run(load_config(tmp / "cfg.yaml"), progress=False)
+
+
+def _eval_loss(model, trainer) -> float:
+    return float(trainer.evaluate()["eval_loss"])
+
+
+def test_full_training_lowers_held_out_loss_resumes_exactly_and_saves_a_transformers_checkpoint(
+    tmp_path, demo_model
+) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    whole = _run(tmp_path / "whole", demo_model)
+    out = tmp_path / "whole" / "out"
+    logs = whole.trainer.state.log_history
+    assert whole.summary["memory"]["trainable_host_params"] > 0  # the routed experts trained on the host
+    assert whole.summary["final_eval_loss"] < _eval_loss(None, _untrained_trainer(whole, demo_model))
+    assert (out / "checkpoint-3" / "optimizer.pt").is_file()
+    # resumed from checkpoint-3 of the same run: the same losses and the same final weights
+    _run(
+        tmp_path / "resumed",
+        demo_model,
+        resume_from_checkpoint=str(out / "checkpoint-3"),
+    )
+    want = [h["loss"] for h in logs if "loss" in h]
+    got = [h["loss"] for h in _log(tmp_path / "resumed" / "out") if "loss" in h]
+    assert len(want) == 6 and got[3:] == pytest.approx(want[3:], abs=1e-6)
+    a, b = _weights(out), _weights(tmp_path / "resumed" / "out")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    # the final output is a plain transformers checkpoint with the trained experts
+    stock = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(4, 17, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(stock(input_ids=ids).logits, whole.model.eval()(input_ids=ids).logits)
+    base = load_file(next(demo_model.glob("*.safetensors")))
+    assert a.keys() == base.keys()  # the base checkpoint's own keys
+    assert any(".experts." in k and not torch.equal(a[k], base[k]) for k in a)  # the experts trained
+
+
+def _untrained_trainer(run, demo_model):
+    """The same trainer's eval on the untrained model (a fresh load)."""
+    from moetune.loading import load_model
+    from moetune.train.trainer import MoetuneTrainer
+
+    model = load_model(demo_model, device="cpu", dtype="float32", progress=False)
+    return MoetuneTrainer(
+        model=model,
+        args=run.trainer.args,
+        eval_dataset=run.trainer.eval_dataset,
+        data_collator=run.trainer.data_collator,
+    )
+
+
+def _log(out: Path) -> list[dict]:
+    import json
+
+    return json.loads((out / "trainer_state.json").read_text())["log_history"]
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
