@@ -128,7 +128,7 @@ def test_frozen_experts_hold_nothing_trainable_and_lora_gradients_are_exact(fami
     stock = get_peft_model(_stock(path), LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"]))
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for n, p in model.named_parameters():
+        for p in model.parameters():
             if p.requires_grad:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1)
     stock.load_state_dict({n: p for n, p in model.named_parameters() if p.requires_grad}, strict=False)
