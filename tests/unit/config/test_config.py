@@ -174,7 +174,7 @@ def test_required_keys_are_listed(workdir: Path) -> None:
         ("report_to", "tensorbord", "allowed:"),
         ("save_strategy", "sometimes", "one of: no, steps, epoch"),
         ("stage", "dpo", "'dpo' (DPO) is not supported yet; a later moetune version adds it. Supported: sft"),
-        ("finetuning_type", "full", "a later moetune version adds it. Supported: lora"),
+        ("finetuning_type", "oft", "a later moetune version adds it. Supported: lora, full, freeze"),
         ("do_train", False, "always trains"),
         ("template", "qwen3_nothink", "looks like a LLaMA-Factory template name"),
         ("template", "templates/chat.jinja", "does not exist"),
