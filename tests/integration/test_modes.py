@@ -86,6 +86,23 @@ def test_full_mode_gradients_equal_transformers(family) -> None:
         assert g is not None and _close(g, ref[name].grad), name
 
 
+def test_full_mode_with_activation_checkpointing_gives_the_same_gradients(family) -> None:
+    """The checkpointing memo (one engine forward per layer, reused by the recompute) with trained base weights."""
+    from moetune.layer import CpuExperts
+
+    _, path = family
+    plain, ckpt = _moetune(path, method=FinetuningType.FULL), _moetune(path, method=FinetuningType.FULL)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ckpt.train()
+    engines = [m.engine for m in ckpt.modules() if isinstance(m, CpuExperts)]
+    before = [e._forwards for e in engines]
+    _backward(plain), _backward(ckpt)
+    assert [e._forwards - b for e, b in zip(engines, before)] == [1] * len(engines)
+    want = dict(plain.named_parameters())
+    for n, p in ckpt.named_parameters():
+        assert _close(p.grad, want[n].grad), n
+
+
 def test_freeze_trains_the_chosen_modules_with_stock_gradients(family) -> None:
     _, path = family
     stock = _stock(path)
