@@ -123,7 +123,6 @@ REJECTED: dict[str, Rejected] = {
             "use_mca": False,
             "module_dropout": 0.0,
             "use_dft_loss": False,
-            "pure_bf16": False,
             "train_from_scratch": False,
             "ref_model": None,
             "reward_model": None,

@@ -137,9 +137,10 @@ class FinetuneConfig:
     # freeze (README "training modes"): > 0 the last N decoder layers train, < 0 the first -N
     freeze_trainable_layers: int = option(2, check=_nonzero)
     freeze_trainable_modules: tuple[str, ...] = option(("all",))  # in those layers: all, or module names
-    freeze_extra_modules: tuple[str, ...] | None = option(
-        None
-    )  # modules outside the layers (embed_tokens, ...)
+    # freeze: modules outside the decoder layers (embed_tokens, norm, lm_head)
+    freeze_extra_modules: tuple[str, ...] | None = option(None)
+    # load in bf16 and keep trainable weights, their grads and optimizer state in bf16 (no fp32 upcast)
+    pure_bf16: bool = option(False)
 
     @property
     def targets_all(self) -> bool:

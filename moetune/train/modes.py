@@ -16,7 +16,8 @@ Full and freeze models save as plain checkpoints in the base model's key layout 
 so they need dense float experts: a quantized expert format is refused before the model loads.
 
 Trainable parameters are upcast to fp32 in a bf16 run, as LLaMA-Factory does (``cast_trainable_params_to_fp32``):
-an optimizer step on bf16 weights loses updates smaller than 2^-8 of the weight.
+an optimizer step on bf16 weights loses updates smaller than 2^-8 of the weight. ``pure_bf16: true`` (LLaMA-Factory's
+key) keeps them, their gradients and AdamW's moments in bf16: half the host memory of the trained experts.
 """
 
 from __future__ import annotations
@@ -52,14 +53,14 @@ class ModeSettings:
 
     @classmethod
     def from_config(cls, finetune: FinetuneConfig, *, bf16: bool = False) -> ModeSettings:
-        """The mode of a validated config (``bf16``: the run's ``bf16`` key)."""
+        """The mode of a validated config (``bf16``: the run's ``bf16`` key; ``pure_bf16`` keeps bf16 weights)."""
         return cls(
             method=finetune.finetuning_type,
             trainable_layers=finetune.freeze_trainable_layers,
             trainable_modules=tuple(finetune.freeze_trainable_modules),
             extra_modules=tuple(finetune.freeze_extra_modules or ()),
             additional=tuple(finetune.additional_target or ()),
-            upcast=bf16,
+            upcast=bf16 and not finetune.pure_bf16,
         )
 
     @property
@@ -243,8 +244,8 @@ def memory_report(model: nn.Module) -> dict[str, Any]:
     return {
         "trainable_host_params": host,
         "trainable_device_params": device,
-        "host_train_state_gb": round(host_bytes / gib, 4),
-        "device_train_state_gb": round(device_bytes / gib, 4),
+        "host_train_state_gb": round(host_bytes / gib, 6),
+        "device_train_state_gb": round(device_bytes / gib, 6),
     }
 
 

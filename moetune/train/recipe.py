@@ -52,8 +52,8 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     model = load_model(
         model_path,
         device=_device(cfg),
-        # bf16 training keeps bf16 weights; otherwise fp32 (exact, twice the memory)
-        dtype="bfloat16" if cfg.training.bf16 else "float32",
+        # bf16 (or pure_bf16) training loads bf16 weights; otherwise fp32 (exact, twice the memory)
+        dtype="bfloat16" if cfg.training.bf16 or cfg.finetune.pure_bf16 else "float32",
         experts=cfg.engine.experts,
         trust_remote_code=cfg.model.trust_remote_code,
         progress=progress,

@@ -411,3 +411,21 @@ def test_each_mode_example_trains_what_it_says(example, tmp_path, demo_model) ->
 def test_every_mode_example_is_covered() -> None:
     shipped = {p.name for p in (ROOT / "examples").glob("demo_*.yaml")} - {"demo_lora.yaml"}
     assert shipped == set(EXAMPLES)
+
+
+def test_pure_bf16_keeps_the_trained_experts_in_bf16(tmp_path, demo_model) -> None:
+    """bf16 upcasts trainable weights to fp32 (as LLaMA-Factory); pure_bf16 keeps them, grads and moments bf16."""
+    from moetune.layer import CpuExperts
+
+    def expert_dtypes(run) -> set[torch.dtype]:
+        return {p.dtype for m in run.model.modules() if isinstance(m, CpuExperts) for p in m.parameters()}
+
+    over = {"max_steps": 1, "eval_strategy": "no", "eval_dataset": None, "eval_steps": None, "bf16": True}
+    upcast = _run(tmp_path / "a", demo_model, **over)
+    pure = _run(tmp_path / "b", demo_model, pure_bf16=True, **over)
+    assert expert_dtypes(upcast) == {torch.float32} and expert_dtypes(pure) == {torch.bfloat16}
+    state = pure.trainer.optimizer.state
+    assert all(s["exp_avg"].dtype == torch.bfloat16 for s in state.values() if "exp_avg" in s)
+    assert pure.summary["memory"]["host_train_state_gb"] == pytest.approx(
+        upcast.summary["memory"]["host_train_state_gb"] / 2, rel=0.01
+    )

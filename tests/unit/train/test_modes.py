@@ -49,6 +49,8 @@ def test_llamafactory_freeze_keys_parse(workdir: Path) -> None:
         FinetuningType.FREEZE, -2, ("mlp", "self_attn"), ("embed_tokens", "norm"), (), upcast=True
     )
     assert _cfg(finetuning_type="full").finetune.finetuning_type is FinetuningType.FULL
+    pure = _cfg(finetuning_type="full", pure_bf16=True, bf16=True).finetune
+    assert ModeSettings.from_config(pure, bf16=True).upcast is False  # bf16 weights, grads and AdamW moments
     assert _cfg(additional_target="gate").finetune.additional_target == ("gate",)
 
 
