@@ -9,6 +9,10 @@ Optimizer state: torch's AdamW creates ``exp_avg`` / ``exp_avg_sq`` with ``zeros
 expert LoRA (fp32 CPU parameters) gets fp32 CPU state next to it while GPU LoRA keeps its state on the GPU;
 ``clip_grad_norm_`` computes one norm over both devices.
 
+A full/freeze model (``moetune.train.modes``; no PEFT wrapper) checkpoints its weights and optimizer state layer by
+layer as safetensors instead of ``model.safetensors`` / ``optimizer.pt`` (``moetune.train.layered``), and a resume
+that would leave routed-expert weights unloaded raises ``LoadError`` (the Trainer only warns about missing keys).
+
 Checkpoints are written atomically: the Trainer's own ``_save_checkpoint`` (adapter, optimizer, scheduler,
 RNG, trainer state, rotation) writes ``checkpoint-N`` inside a staging folder ``tmp-checkpoint-N/`` and only
 the complete folder is renamed into place, so a crash mid-save leaves no ``checkpoint-N`` for
@@ -23,12 +27,19 @@ import shutil
 import time
 from typing import Any
 
+import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from moetune.atomic import replace_folder
 from moetune.errors import LoadError
+from moetune.train.layered import (
+    OPTIMIZER_INDEX,
+    load_optimizer_by_layer,
+    save_model_by_layer,
+    save_optimizer_by_layer,
+)
 
 STAGING_PREFIX = "tmp-"  # tmp-checkpoint-N: matched neither by get_last_checkpoint nor by checkpoint rotation
 
@@ -71,20 +82,40 @@ class MoetuneTrainer(Trainer):
                 use_mtime=True,  # as Trainer._save_checkpoint rotates
             )
 
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+    def _layered(self) -> bool:
+        """A full/freeze model (``moetune.train.modes``): its checkpoints are written layer by layer."""
         from peft import PeftModel
 
-        if self._staging is None or isinstance(self.model, PeftModel):
+        return not isinstance(self.model, PeftModel)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if self._staging is None or not self._layered():
             super()._save(output_dir, state_dict)
             return
-        # A full/freeze checkpoint (moetune.train.modes): its weights in the live modules' layout, which
-        # resume's `model.load_state_dict` matches; the final save_model writes the base checkpoint's own layout.
+        # a checkpoint: weights in the live modules' layout, which resume's load_sharded_checkpoint matches; the
+        # final save_model writes the base checkpoint's own layout instead
         out = str(output_dir if output_dir is not None else self.args.output_dir)
-        os.makedirs(out, exist_ok=True)
-        model: Any = self.model
-        model.save_pretrained(out, state_dict=state_dict, save_original_format=False)
+        save_model_by_layer(self.model, out)  # type: ignore[arg-type]
         if self.processing_class is not None:
             self.processing_class.save_pretrained(out)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._layered():
+            super()._save_optimizer_and_scheduler(output_dir)
+            return
+        assert self.optimizer is not None and self.lr_scheduler is not None
+        save_optimizer_by_layer(self.optimizer, self.model, output_dir)  # type: ignore[arg-type]
+        torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, OPTIMIZER_INDEX)):
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        assert self.optimizer is not None and self.lr_scheduler is not None
+        load_optimizer_by_layer(self.optimizer, self.model, checkpoint)  # type: ignore[arg-type]
+        self.lr_scheduler.load_state_dict(
+            torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
+        )
 
     def _issue_warnings_after_load(self, load_result: Any) -> None:
         from moetune.layer import CpuExperts

@@ -9,6 +9,7 @@ adapter loads in stock PEFT; a full-mode model saves a checkpoint plain transfor
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -279,7 +280,18 @@ def test_full_training_lowers_held_out_loss_resumes_exactly_and_saves_a_transfor
     logs = whole.trainer.state.log_history
     assert whole.summary["memory"]["trainable_host_params"] > 0  # the routed experts trained on the host
     assert whole.summary["final_eval_loss"] < _eval_loss(None, _untrained_trainer(whole, demo_model))
-    assert (out / "checkpoint-3" / "optimizer.pt").is_file()
+    ckpt = out / "checkpoint-3"  # written layer by layer, indexes last (moetune.train.layered)
+    assert not (ckpt / "optimizer.pt").exists()
+    assert {
+        "model-model.layers.0.safetensors",
+        "optimizer-model.layers.2.safetensors",
+        "optimizer-other.safetensors",
+    } <= {p.name for p in ckpt.iterdir()}
+    index = json.loads((ckpt / "optimizer.index.json").read_text())
+    assert (
+        index["files"]["model.layers.0.mlp.experts.gate_up_proj/exp_avg"]
+        == "optimizer-model.layers.0.safetensors"
+    )
     # resumed from checkpoint-3 of the same run: the same losses and the same final weights
     _run(
         tmp_path / "resumed",
