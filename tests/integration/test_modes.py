@@ -441,3 +441,32 @@ def test_pure_bf16_keeps_the_trained_experts_in_bf16(tmp_path, demo_model) -> No
     assert pure.summary["memory"]["host_train_state_gb"] == pytest.approx(
         upcast.summary["memory"]["host_train_state_gb"] / 2, rel=0.01
     )
+
+
+def test_moetune_train_prints_the_modes_memory(tmp_path, demo_model, capsys) -> None:
+    """`moetune train` on the freeze example: the printed summary names the mode and its host/device memory."""
+    import yaml
+
+    from moetune.cli.main import main
+
+    cfg = yaml.safe_load((ROOT / "examples" / "demo_freeze.yaml").read_text())
+    cfg.update(
+        model_name_or_path=str(demo_model),
+        output_dir=str(tmp_path / "out"),
+        dataset_dir=str(ROOT / "examples/data"),
+        max_samples=8,
+        max_steps=1,
+        per_device_train_batch_size=4,
+        plot_loss=False,
+    )
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(tmp_path / "cfg.yaml")]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    start = lines.index("{")  # the printed summary (the progress lines before it are dict reprs)
+    summary = json.loads("\n".join(lines[start : lines.index("}", start) + 1]))
+    assert summary["finetuning_type"] == "freeze"
+    memory = summary["memory"]
+    assert memory["trainable_host_params"] > 0 and memory["trainable_device_params"] > 0
+    assert memory["host_train_state_gb"] > 0 and memory["device_train_state_gb"] > 0
+    assert f"model written to {tmp_path / 'out'}" in out
