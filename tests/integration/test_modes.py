@@ -395,13 +395,9 @@ EXAMPLES = {
 }
 
 
-@pytest.mark.parametrize("example", sorted(EXAMPLES))
-def test_each_mode_example_trains_what_it_says(example, tmp_path, demo_model) -> None:
-    """Every shipped mode example, run for one step on the demo model, trains exactly its mode's tensors."""
+def _one_step_example(example: str, tmp_path: Path, demo_model: Path) -> dict:
+    """examples/``example`` on the demo model for one step, written to ``tmp_path/cfg.yaml``; returns it."""
     import yaml
-
-    from moetune.config import load_config
-    from moetune.train.recipe import run
 
     cfg = yaml.safe_load((ROOT / "examples" / example).read_text())
     cfg.update(
@@ -415,6 +411,16 @@ def test_each_mode_example_trains_what_it_says(example, tmp_path, demo_model) ->
     )
     cfg["moetune"] = {**cfg["moetune"], "num_threads": 1}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    return cfg
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_each_mode_example_trains_what_it_says(example, tmp_path, demo_model) -> None:
+    """Every shipped mode example, run for one step on the demo model, trains exactly its mode's tensors."""
+    from moetune.config import load_config
+    from moetune.train.recipe import run
+
+    cfg = _one_step_example(example, tmp_path, demo_model)
     result = run(load_config(tmp_path / "cfg.yaml"), progress=False)
     assert result.summary["finetuning_type"] == cfg["finetuning_type"]
     EXAMPLES[example](result, tmp_path / "out")
@@ -445,21 +451,9 @@ def test_pure_bf16_keeps_the_trained_experts_in_bf16(tmp_path, demo_model) -> No
 
 def test_moetune_train_prints_the_modes_memory(tmp_path, demo_model, capsys) -> None:
     """`moetune train` on the freeze example: the printed summary names the mode and its host/device memory."""
-    import yaml
-
     from moetune.cli.main import main
 
-    cfg = yaml.safe_load((ROOT / "examples" / "demo_freeze.yaml").read_text())
-    cfg.update(
-        model_name_or_path=str(demo_model),
-        output_dir=str(tmp_path / "out"),
-        dataset_dir=str(ROOT / "examples/data"),
-        max_samples=8,
-        max_steps=1,
-        per_device_train_batch_size=4,
-        plot_loss=False,
-    )
-    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    _one_step_example("demo_freeze.yaml", tmp_path, demo_model)
     assert main(["train", str(tmp_path / "cfg.yaml")]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
