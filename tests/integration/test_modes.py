@@ -198,6 +198,16 @@ def test_router_lora_and_full_router_training(tmp_path) -> None:
     assert routers and all("modules_to_save" in n for n in routers)
     _backward(full)
     assert all(dict(full.named_parameters())[n].grad.abs().sum() > 0 for n in routers)
+    with (
+        torch.no_grad()
+    ):  # a trained router (and LoRA) saved in the adapter: stock PEFT gives the same logits
+        for p in full.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+    save_adapter(full, tmp_path / "hybrid")
+    stock = PeftModel.from_pretrained(_stock(path), tmp_path / "hybrid").eval()
+    with torch.no_grad():
+        assert _close(full.eval()(**inputs).logits, stock(**inputs).logits)
 
 
 def test_full_model_saves_a_checkpoint_plain_transformers_loads(family, tmp_path) -> None:
