@@ -135,7 +135,6 @@ REJECTED: dict[str, Rejected] = {
         "resume_from_checkpoint"
     ),
     "adapter_folder": Rejected("continuing from an existing adapter is not supported yet"),
-    "moe_aux_loss_coef": Rejected("router training (and its auxiliary loss) is not supported yet", None),
     "fp16": Rejected(
         "moetune trains in bf16 or fp32 (fp16 needs loss scaling the CPU expert engine does not do); use bf16: true",
         False,

@@ -141,6 +141,8 @@ class FinetuneConfig:
     freeze_extra_modules: tuple[str, ...] | None = option(None)
     # load in bf16 and keep trainable weights, their grads and optimizer state in bf16 (no fp32 upcast)
     pure_bf16: bool = option(False)
+    # the router's load-balancing loss weight (the model's router_aux_loss_coef; its aux loss joins the loss)
+    moe_aux_loss_coef: float | None = option(None, check=non_negative)
 
     @property
     def targets_all(self) -> bool:

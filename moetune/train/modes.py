@@ -37,6 +37,7 @@ from moetune.layer import CpuExperts
 logger = logging.getLogger(__name__)
 
 ALL = "all"
+AUX_COEF = "router_aux_loss_coef"  # the config field of transformers' MoE families with a load-balancing loss
 _INDEX = re.compile(r"\.(\d+)(?:\.|$)")
 
 
@@ -50,6 +51,7 @@ class ModeSettings:
     extra_modules: tuple[str, ...] = ()  # freeze: modules outside the layers (embed_tokens, norm, lm_head)
     additional: tuple[str, ...] = ()  # lora: modules trained fully beside the LoRA (PEFT modules_to_save)
     upcast: bool = False  # trainable weights in fp32 (a bf16 run)
+    aux_loss_coef: float | None = None  # the router's load-balancing loss joins the loss with this weight
 
     @classmethod
     def from_config(cls, finetune: FinetuneConfig, *, bf16: bool = False) -> ModeSettings:
@@ -61,6 +63,7 @@ class ModeSettings:
             extra_modules=tuple(finetune.freeze_extra_modules or ()),
             additional=tuple(finetune.additional_target or ()),
             upcast=bf16 and not finetune.pure_bf16,
+            aux_loss_coef=finetune.moe_aux_loss_coef,
         )
 
     @property
@@ -144,7 +147,7 @@ def _experts_under(model: nn.Module, paths: list[str]) -> list[str]:
 def check_before_load(model_path: str, experts: Any, settings: ModeSettings, trust_remote_code: bool) -> None:
     """:func:`check_mode` on ``model_path`` built on the meta device with the run's expert options
     (``ExpertOptions``), before any weight is read; nothing to check for LoRA without ``additional_target``."""
-    if settings.method is FinetuningType.LORA and not settings.additional:
+    if settings.method is FinetuningType.LORA and not settings.additional and settings.aux_loss_coef is None:
         return
     from moetune.loading.load import plan_load
     from moetune.loading.options import LoadOptions
@@ -158,7 +161,13 @@ def check_before_load(model_path: str, experts: Any, settings: ModeSettings, tru
 def check_mode(meta_model: nn.Module, settings: ModeSettings, formats: list[str], sites: list[str]) -> None:
     """Every check of the mode that needs no weight, on the model built on the meta device: the freeze
     selection resolves, and every experts module that would train or save fully is held dense (``formats[j]``
-    is the format name of ``sites[j]``). ``ConfigError`` naming the key and value."""
+    is the format name of ``sites[j]``), and the model has a router loss to weight. ``ConfigError`` naming the key
+    and value."""
+    if settings.aux_loss_coef is not None and not hasattr(meta_model.config, AUX_COEF):
+        raise ConfigError(
+            f"moe_aux_loss_coef: {settings.aux_loss_coef} is set, but {type(meta_model).__name__} computes no router "
+            f"auxiliary loss (its config has no {AUX_COEF}); remove it"
+        )
     if settings.method is FinetuningType.LORA:
         experts = set(_experts_under(meta_model, list(_additional_paths(meta_model, settings.additional))))
         if experts:
@@ -192,6 +201,15 @@ def _additional_paths(model: nn.Module, names: tuple[str, ...]) -> list[str]:
 def apply_mode(model: nn.Module, settings: ModeSettings, lora: Any = None) -> nn.Module:
     """Make the loaded ``model`` trainable as ``settings`` says; returns what to train (a ``PeftModel`` for
     LoRA, the model itself otherwise). ``lora``: the ``LoraSettings`` of a LoRA run."""
+    if settings.aux_loss_coef is not None:
+        # transformers adds router_aux_loss_coef * load-balancing loss to the loss when the model outputs its
+        # router logits (as LLaMA-Factory's moe_aux_loss_coef does); its CausalLM copies the weight from the
+        # config when built, so the instances holding it get the new value too
+        setattr(model.config, AUX_COEF, settings.aux_loss_coef)
+        model.config.output_router_logits = True  # type: ignore[union-attr]
+        for module in model.modules():
+            if hasattr(module, AUX_COEF):
+                setattr(module, AUX_COEF, settings.aux_loss_coef)
     if settings.method is FinetuningType.LORA:
         from moetune.adapters.apply import attach_lora
 

@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from moetune.config.schema import FinetuningType
+from moetune.errors import ConfigError
 from moetune.testing.inputs import text_inputs
 from moetune.testing.tiny import save_tiny_model
+from moetune.train.modes import ModeSettings
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
 TOL = 1e-12  # float64 on both sides; only summation order differs
@@ -85,6 +87,40 @@ def test_full_mode_gradients_equal_transformers(family) -> None:
     assert set(got) == set(ref)  # every parameter trains, under its stock name
     for name, g in got.items():
         assert g is not None and _close(g, ref[name].grad), name
+
+
+def test_router_aux_loss_joins_the_loss_as_in_transformers(family) -> None:
+    """moe_aux_loss_coef (LLaMA-Factory's key): the load-balancing loss weighted into the loss and its gradient,
+    as transformers computes them with output_router_logits; refused where the family has no such loss."""
+    from transformers import AutoModelForCausalLM
+
+    from moetune.loading.load import plan_load
+    from moetune.loading.options import LoadOptions
+    from moetune.train.modes import check_mode
+
+    name, path = family
+    settings = {"method": FinetuningType.FULL, "aux_loss_coef": 0.5}
+    if name == "deepseek_v3":  # its routing is aux-loss-free
+        meta = plan_load(path, LoadOptions.create(device="cpu")).model
+        with pytest.raises(
+            ConfigError, match="moe_aux_loss_coef: 0.5 is set, but DeepseekV3ForCausalLM computes no"
+        ):
+            check_mode(meta, ModeSettings(**settings), [], [])
+        return
+    stock = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=torch.float64,
+        experts_implementation="eager",
+        output_router_logits=True,
+        router_aux_loss_coef=0.5,
+    ).train()
+    plain = _backward(_stock(path))
+    model = _moetune(path, **settings)
+    loss = _backward(model)
+    assert loss == pytest.approx(_backward(stock), abs=1e-12) and abs(loss - plain) > 1e-3
+    ref = dict(stock.named_parameters())
+    for n, g in _grads_in_stock_layout(model).items():
+        assert _close(g, ref[n].grad), n
 
 
 def test_full_mode_with_activation_checkpointing_gives_the_same_gradients(family) -> None:
