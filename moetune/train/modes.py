@@ -169,14 +169,7 @@ def check_mode(meta_model: nn.Module, settings: ModeSettings, formats: list[str]
             f"auxiliary loss (its config has no {AUX_COEF}); remove it"
         )
     if settings.method is FinetuningType.LORA:
-        experts = set(_experts_under(meta_model, list(_additional_paths(meta_model, settings.additional))))
-        if experts:
-            raise ConfigError(
-                f"additional_target: {list(settings.additional)} includes routed experts "
-                f"({listing(sorted(experts), inline=True)}), which cannot be PEFT modules_to_save (they live in the CPU "
-                "engine); train experts fully with finetuning_type: freeze (freeze_trainable_modules: mlp.experts) "
-                "or full, or give them LoRA with lora_target"
-            )
+        _check_additional(meta_model, settings)
         return
     if settings.method is FinetuningType.FREEZE:
         freeze_selection(meta_model, settings)
@@ -198,50 +191,78 @@ def _additional_paths(model: nn.Module, names: tuple[str, ...]) -> list[str]:
     return out
 
 
+def _check_additional(model: nn.Module, settings: ModeSettings) -> None:
+    """``additional_target`` names modules of ``model``, none of them routed experts (``ConfigError``)."""
+    missing = [n for n in settings.additional if not _additional_paths(model, (n,))]
+    if missing:
+        raise ConfigError(
+            f"additional_target: {missing} matched no module of {type(model).__name__} (a name matches a module "
+            "whose path ends with it, as in PEFT's modules_to_save); e.g. gate for the routers"
+        )
+    experts = set(_experts_under(model, _additional_paths(model, settings.additional)))
+    if experts:
+        raise ConfigError(
+            f"additional_target: {list(settings.additional)} includes routed experts "
+            f"({listing(sorted(experts), inline=True)}), which cannot be PEFT modules_to_save (they live in the CPU "
+            "engine); train experts fully with finetuning_type: freeze (freeze_trainable_modules: mlp.experts) "
+            "or full, or give them LoRA with lora_target"
+        )
+
+
+def _set_aux_loss(model: nn.Module, coef: float) -> None:
+    """transformers adds ``router_aux_loss_coef`` * the load-balancing loss to the loss when the model outputs its
+    router logits (LLaMA-Factory's ``moe_aux_loss_coef`` sets the same); its CausalLM copies the weight from the
+    config when built, so the instances holding it get the new value too."""
+    setattr(model.config, AUX_COEF, coef)
+    model.config.output_router_logits = True  # type: ignore[union-attr]
+    for module in model.modules():
+        if hasattr(module, AUX_COEF):
+            setattr(module, AUX_COEF, coef)
+
+
 def apply_mode(model: nn.Module, settings: ModeSettings, lora: Any = None) -> nn.Module:
     """Make the loaded ``model`` trainable as ``settings`` says; returns what to train (a ``PeftModel`` for
-    LoRA, the model itself otherwise). ``lora``: the ``LoraSettings`` of a LoRA run."""
+    LoRA, the model itself otherwise). ``lora``: the ``LoraSettings`` of a LoRA run (default: its defaults)."""
     if settings.aux_loss_coef is not None:
-        # transformers adds router_aux_loss_coef * load-balancing loss to the loss when the model outputs its
-        # router logits (as LLaMA-Factory's moe_aux_loss_coef does); its CausalLM copies the weight from the
-        # config when built, so the instances holding it get the new value too
-        setattr(model.config, AUX_COEF, settings.aux_loss_coef)
-        model.config.output_router_logits = True  # type: ignore[union-attr]
-        for module in model.modules():
-            if hasattr(module, AUX_COEF):
-                setattr(module, AUX_COEF, settings.aux_loss_coef)
+        _set_aux_loss(model, settings.aux_loss_coef)
     if settings.method is FinetuningType.LORA:
         from moetune.adapters.apply import attach_lora
 
-        missing = [n for n in settings.additional if not _additional_paths(model, (n,))]
-        if missing:
-            raise ConfigError(f"additional_target: {missing} matched no module of {type(model).__name__}")
-        return attach_lora(model, lora, modules_to_save=settings.additional)
+        _check_additional(model, settings)
+        trained: nn.Module = attach_lora(model, lora, modules_to_save=settings.additional)
+    else:
+        _train_fully(model, settings)
+        trained = model
+    if settings.upcast:
+        for p in trained.parameters():
+            if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
+                p.data = p.data.float()
+    report = memory_report(trained)
+    logger.info(
+        "moetune: %s training: %s", settings.method.value, ", ".join(f"{k}={v}" for k, v in report.items())
+    )
+    return trained
+
+
+def _train_fully(model: nn.Module, settings: ModeSettings) -> None:
+    """Full or freeze: mark the chosen parameters trainable, put the routed experts among them in full mode
+    (fp32 copies when upcasting) and let every experts module save its weights."""
     if settings.method is FinetuningType.FULL:
-        chosen = [""]
         model.requires_grad_(True)
+        experts = None  # all of them
     else:
         chosen = freeze_selection(model, settings)
         model.requires_grad_(False)
         for path in chosen:
             model.get_submodule(path).requires_grad_(True)
+        experts = set(_experts_under(model, chosen))
     dtype = torch.float32 if settings.upcast else None
-    trained = set(_experts_under(model, chosen)) if chosen != [""] else None
     for path, module in model.named_modules():
         if isinstance(module, CpuExperts):
-            if trained is None or path in trained:
+            if experts is None or path in experts:
                 module.train_base(dtype)
             else:
                 module.export_weights()
-    if settings.upcast:
-        for p in model.parameters():
-            if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
-                p.data = p.data.float()
-    report = memory_report(model)
-    logger.info(
-        "moetune: %s training: %s", settings.method.value, ", ".join(f"{k}={v}" for k, v in report.items())
-    )
-    return model
 
 
 def memory_report(model: nn.Module) -> dict[str, Any]:

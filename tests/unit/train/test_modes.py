@@ -150,6 +150,12 @@ def test_full_and_freeze_refuse_quantized_experts_and_lora_refuses_experts_as_ad
                 sites,
             )
     check_mode(meta_qwen, ModeSettings(FinetuningType.LORA, additional=("gate",)), ["int4", "int4"], sites)
+    with pytest.raises(
+        ConfigError, match=r"additional_target: \['router'\] matched no module of Qwen3MoeForCausalLM"
+    ):
+        check_mode(
+            meta_qwen, ModeSettings(FinetuningType.LORA, additional=("router",)), ["dense", "dense"], sites
+        )
     with pytest.raises(ConfigError, match="additional_target: .*includes routed experts"):
         check_mode(
             meta_qwen, ModeSettings(FinetuningType.LORA, additional=("mlp",)), ["dense", "dense"], sites
