@@ -31,12 +31,13 @@ def family(request, tmp_path_factory) -> tuple[str, Path]:
 
 
 def _stock(path: Path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from moetune.testing.tiny import auto_class
 
     # transformers' grouped_mm experts refuse float64; its eager loop is the reference
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float64, experts_implementation="eager"
-    ).train()
+    cls = auto_class(AutoConfig.from_pretrained(path))
+    return cls.from_pretrained(path, dtype=torch.float64, experts_implementation="eager").train()
 
 
 def _moetune(path: Path, **mode):
@@ -121,6 +122,39 @@ def test_router_aux_loss_joins_the_loss_as_in_transformers(family) -> None:
     ref = dict(stock.named_parameters())
     for n, g in _grads_in_stock_layout(model).items():
         assert _close(g, ref[n].grad), n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name",
+    [
+        "mixtral",
+        "qwen2_moe",
+        "olmoe",
+        "deepseek_v2",
+        "glm4_moe",
+        "ernie4_5_moe",
+        "minimax",
+        "qwen3_5_moe",
+        "qwen3_vl_moe",
+    ],
+)
+def test_full_mode_on_the_other_tiny_families(name, tmp_path) -> None:
+    """The full-mode battery on every other tiny family: stock gradients (parameters the text batch does not
+    reach, e.g. a vision tower, have none on both sides) and a saved checkpoint with the base checkpoint's keys."""
+    from moetune.train.model_save import save_model
+
+    path = save_tiny_model(name, tmp_path / "m")
+    stock, model = _stock(path), _moetune(path, method=FinetuningType.FULL)
+    _backward(stock), _backward(model)
+    ref = dict(stock.named_parameters())
+    got = _grads_in_stock_layout(model)
+    assert set(got) == set(ref)
+    for n, g in got.items():
+        assert (g is None) == (ref[n].grad is None), n
+        assert g is None or _close(g, ref[n].grad), n
+    save_model(model, tmp_path / "out")
+    assert _weights(tmp_path / "out").keys() == _weights(path).keys()
 
 
 def test_full_mode_with_activation_checkpointing_gives_the_same_gradients(family) -> None:
