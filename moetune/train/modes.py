@@ -257,12 +257,23 @@ def _train_fully(model: nn.Module, settings: ModeSettings) -> None:
             model.get_submodule(path).requires_grad_(True)
         experts = set(_experts_under(model, chosen))
     dtype = torch.float32 if settings.upcast else None
+    full, frozen = [], []
     for path, module in model.named_modules():
         if isinstance(module, CpuExperts):
             if experts is None or path in experts:
                 module.train_base(dtype)
+                full.append(path)
             else:
                 module.export_weights()
+                frozen.append(path)
+    logger.info(
+        "moetune: %s: %d routed-experts modules train fully (%s), %d stay frozen (%s)",
+        settings.method.value,
+        len(full),
+        listing(full, inline=True) or "none",
+        len(frozen),
+        listing(frozen, inline=True) or "none",
+    )
 
 
 def memory_report(model: nn.Module) -> dict[str, Any]:
