@@ -76,6 +76,7 @@ class LoraTargets:
 
     linear: tuple[str, ...]
     experts: tuple[str, ...]
+    routers: tuple[str, ...] = ()  # MoE routers that are not nn.Linear (v5 TopKRouter): LoRA on their weight
 
 
 def _plain_linear(module: nn.Module) -> bool:
@@ -86,6 +87,18 @@ def _plain_linear(module: nn.Module) -> bool:
 def _is_router(path: str, experts_blocks: set[str]) -> bool:
     block, _, leaf = path.rpartition(".")
     return leaf in ROUTER_NAMES and block in experts_blocks
+
+
+def _is_weight_router(path: str, module: nn.Module, experts_blocks: set[str]) -> bool:
+    """A router that is not an ``nn.Linear`` but owns a 2-D ``weight`` (transformers v5 ``TopKRouter``): PEFT
+    gives it LoRA through ``target_parameters`` (``ParamWrapper``: ``(W + s B A) x``)."""
+    weight = getattr(module, "weight", None)
+    return (
+        _is_router(path, experts_blocks)
+        and not isinstance(module, nn.Linear)
+        and isinstance(weight, nn.Parameter)
+        and weight.dim() == 2
+    )
 
 
 def resolve_targets(
@@ -111,6 +124,7 @@ def resolve_targets(
         for p, m in model.named_modules()
         if isinstance(m, nn.Linear) and not _plain_linear(m)
     }
+    routers = [p for p, m in model.named_modules() if _is_weight_router(p, m, blocks)]
     if tuple(targets) == (ALL,):
         linear = [
             p for p in linears if p.rpartition(".")[2] not in EXCLUDED_LINEARS and not _is_router(p, blocks)
@@ -124,7 +138,7 @@ def resolve_targets(
             )
         chosen = LoraTargets(tuple(linear), tuple(experts))
     else:
-        unmatched, linear, exp = [], [], []
+        unmatched, linear, exp, router = [], [], [], []
         for name in targets:
 
             def hit(path: str, name: str = name) -> bool:
@@ -137,20 +151,22 @@ def resolve_targets(
                     "they do not compute x @ W^T + b (DeepSeek-V4's o_a_proj is a block-diagonal grouped projection), "
                     "so PEFT's LoRA for nn.Linear does not fit them; leave them out of lora_target"
                 )
-            if not found_l and not found_e:
+            found_r = [p for p in routers if hit(p)]
+            if not found_l and not found_e and not found_r:
                 unmatched.append(name)
             linear += [p for p in found_l if p not in linear]
             exp += [p for p in found_e if p not in exp]
+            router += [p for p in found_r if p not in router]
         if unmatched:
-            leaves = sorted({p.rpartition(".")[2] for p in linears} | {p.rpartition(".")[2] for p in experts})
+            leaves = sorted({p.rpartition(".")[2] for p in [*linears, *experts, *routers]})
             raise AdapterError(
                 f"lora_target {unmatched} matched no module of {type(model).__name__}: searched the "
-                f"{len(linears)} nn.Linear modules and {len(experts)} routed-experts modules (a name matches a "
-                f"module whose path ends with it). Their names: {', '.join(leaves)}; or use 'all'. "
-                "(Routers that are not nn.Linear cannot take LoRA.)"
+                f"{len(linears)} nn.Linear modules, {len(experts)} routed-experts modules and {len(routers)} "
+                f"routers (a name matches a module whose path ends with it). Their names: {', '.join(leaves)}; "
+                "or use 'all'."
             )
-        chosen = LoraTargets(tuple(linear), tuple(exp))
-    if not chosen.linear and not chosen.experts:
+        chosen = LoraTargets(tuple(linear), tuple(exp), tuple(router))
+    if not chosen.linear and not chosen.experts and not chosen.routers:
         raise AdapterError(
             f"lora_target {list(targets)} selects nothing in {type(model).__name__}: it has "
             f"{len(linears)} nn.Linear modules ({', '.join(linears[:5])}...) and {len(experts)} CpuExperts"
@@ -319,7 +335,13 @@ def linear_weight_paths(model: nn.Module, target_parameters: Sequence[str]) -> d
     return out
 
 
-def attach_lora(model: nn.Module, settings: LoraSettings | None = None, **kwargs: Any) -> Any:
+def attach_lora(
+    model: nn.Module,
+    settings: LoraSettings | None = None,
+    *,
+    modules_to_save: Sequence[str] = (),
+    **kwargs: Any,
+) -> Any:
     """Give a ``moetune.load_model`` model trainable LoRA; returns the ``peft.PeftModel`` to train.
 
     ``settings`` (or keyword arguments of :class:`LoraSettings`: ``rank``, ``alpha``, ``dropout``, ``targets``,
@@ -327,6 +349,11 @@ def attach_lora(model: nn.Module, settings: LoraSettings | None = None, **kwargs
     (:class:`~moetune.adapters.expert_layer.ExpertsLora`). Everything else is frozen. Save the result with
     ``peft_model.save_pretrained(dir)`` or :func:`moetune.adapters.save_adapter` (atomic): a stock PEFT
     adapter that ``PeftModel.from_pretrained`` loads on the unmodified transformers model.
+
+    A router named in the targets that is not an ``nn.Linear`` (transformers v5 ``TopKRouter``) gets LoRA on its
+    ``weight`` through PEFT's ``target_parameters``. ``modules_to_save``: module names trained fully beside the
+    LoRA (PEFT's own ``modules_to_save``: a trainable copy saved with the adapter; LLaMA-Factory's
+    ``additional_target``), e.g. a router.
     """
     from peft import LoraConfig
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -340,7 +367,12 @@ def attach_lora(model: nn.Module, settings: LoraSettings | None = None, **kwargs
     targets = resolve_targets(model, settings.targets)
     by_weight = peft_renamed(model, targets.linear)
     by_name = [p for p in targets.linear if p not in by_weight]
-    if not by_name and not targets.experts:
+    if targets.routers and settings.dropout:
+        raise AdapterError(
+            f"lora_dropout: {settings.dropout} with the routers {list(targets.routers[:2])}... among lora_target: "
+            "PEFT gives a non-Linear router LoRA through target_parameters, which refuses dropout; set lora_dropout: 0"
+        )
+    if not by_name and not targets.experts and not targets.routers:
         raise AdapterError(
             f"lora_target {list(settings.targets)} selects only {len(by_weight)} MLP projections whose names PEFT "
             "rewrites and no module PEFT targets by name; moetune trains through a PEFT model, which needs at "
@@ -351,7 +383,10 @@ def attach_lora(model: nn.Module, settings: LoraSettings | None = None, **kwargs
         lora_alpha=settings.alpha,  # type: ignore[arg-type]  # PEFT annotates int; float works
         lora_dropout=settings.dropout,
         target_modules=peft_target_modules(model, by_name),
+        target_parameters=[f"{entry}.weight" for entry in peft_target_modules(model, targets.routers)]
+        or None,
         use_rslora=settings.use_rslora,
+        modules_to_save=list(modules_to_save) or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -359,13 +394,15 @@ def attach_lora(model: nn.Module, settings: LoraSettings | None = None, **kwargs
     peft_model = peft_model_with(model, config, by_weight, targets.experts, weight_entries)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     logger.info(
-        "moetune: LoRA r=%d alpha=%g on %d linear modules (%d by weight, as stock PEFT will load them) and %d "
-        "routed-experts modules; %d trainable parameters",
+        "moetune: LoRA r=%d alpha=%g on %d linear modules (%d by weight, as stock PEFT will load them), %d "
+        "routed-experts modules and %d routers by weight; modules trained fully: %s; %d trainable parameters",
         settings.rank,
         settings.alpha,
         len(targets.linear),
         len(by_weight),
         len(targets.experts),
+        len(targets.routers),
+        list(modules_to_save) or "none",
         trainable,
     )
     return peft_model

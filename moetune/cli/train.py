@@ -31,7 +31,10 @@ def run(args: argparse.Namespace) -> int:
         "final_train_loss",
         "final_eval_loss",
         "peak_ram_gb",
+        "finetuning_type",
+        "memory",
     )
     print(json.dumps({k: result.summary[k] for k in keep}, indent=2))
-    print(f"adapter written to {cfg.training.output_dir}")
+    what = "adapter" if result.summary["finetuning_type"] == "lora" else "model"
+    print(f"{what} written to {cfg.training.output_dir}")
     return 0

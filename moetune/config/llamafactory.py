@@ -119,7 +119,6 @@ REJECTED: dict[str, Rejected] = {
             "loraplus_lr_ratio": None,
             "loraplus_lr_embedding": 1e-6,
             "create_new_adapter": False,
-            "additional_target": None,
             "use_galore": False,
             "use_apollo": False,
             "use_badam": False,
@@ -129,10 +128,6 @@ REJECTED: dict[str, Rejected] = {
             "use_mca": False,
             "module_dropout": 0.0,
             "use_dft_loss": False,
-            "pure_bf16": False,
-            "freeze_trainable_layers": 2,
-            "freeze_trainable_modules": "all",
-            "freeze_extra_modules": None,
             "train_from_scratch": False,
             "ref_model": None,
             "reward_model": None,
@@ -147,7 +142,6 @@ REJECTED: dict[str, Rejected] = {
         "resume_from_checkpoint"
     ),
     "adapter_folder": Rejected("continuing from an existing adapter is not supported yet"),
-    "moe_aux_loss_coef": Rejected("router training (and its auxiliary loss) is not supported yet", None),
     "fp16": Rejected(
         "moetune trains in bf16 or fp32 (fp16 needs loss scaling the CPU expert engine does not do); use bf16: true",
         False,

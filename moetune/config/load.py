@@ -26,6 +26,7 @@ from moetune.config.schema import (
     DataConfig,
     EngineConfig,
     FinetuneConfig,
+    FinetuningType,
     IntervalStrategy,
     ModelConfig,
     MoetuneConfig,
@@ -231,6 +232,7 @@ def _check_cross_fields(
 ) -> None:
     if not finetune.do_train and not problems.has("do_train"):
         problems.add("do_train", "is false, but `moetune train` always trains; set it to true or remove it")
+    _check_mode_keys(finetune, problems)
     if training.warmup_ratio and training.warmup_steps:
         problems.add("warmup_steps", "is set together with warmup_ratio; set only one of them")
     has_eval = data.eval_dataset is not None or data.val_size > 0
@@ -257,6 +259,34 @@ def _check_cross_fields(
         problems.add("eval_steps", "is set but eval_strategy is not 'steps'; set eval_strategy: steps")
     if training.report_to != ("none",) and not problems.has("report_to"):
         _check_report_to(training.report_to, problems)
+
+
+def _check_mode_keys(finetune: FinetuneConfig, problems: Problems) -> None:
+    """Keys of one training mode set under another are errors, not silently unused."""
+    method = finetune.finetuning_type
+    if method is not FinetuningType.FREEZE:
+        defaults = {f.name: f.default for f in dataclasses.fields(FinetuneConfig)}
+        for key in ("freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules"):
+            if getattr(finetune, key) != defaults[key] and not problems.has(key):
+                problems.add(
+                    key,
+                    f"applies to finetuning_type: freeze, but finetuning_type is {method.value}; remove it",
+                )
+    if (
+        method is not FinetuningType.LORA
+        and finetune.additional_target
+        and not problems.has("additional_target")
+    ):
+        problems.add(
+            "additional_target",
+            f"names modules trained fully beside LoRA; with finetuning_type {method.value} use "
+            + (
+                "freeze_extra_modules / freeze_trainable_modules"
+                if method is FinetuningType.FREEZE
+                else "nothing: full trains every module"
+            )
+            + " and remove it",
+        )
 
 
 def _check_report_to(report_to: tuple[str, ...], problems: Problems) -> None:

@@ -62,9 +62,11 @@ class PrefLoss(str, enum.Enum):
 
 
 class FinetuningType(str, enum.Enum):
-    """What is trained (LLaMA-Factory's ``finetuning_type``)."""
+    """What is trained (LLaMA-Factory's ``finetuning_type``; ``moetune.train.modes`` applies it)."""
 
     LORA = "lora"
+    FULL = "full"
+    FREEZE = "freeze"
 
 
 class DivergenceAction(str, enum.Enum):
@@ -107,6 +109,10 @@ def _lr_scheduler(value: str) -> str | None:
     return None if value in allowed else f"allowed: {', '.join(allowed)}"
 
 
+def _nonzero(value: int) -> str | None:
+    return None if value != 0 else "must be N > 0 (the last N layers train) or -N < 0 (the first N)"
+
+
 def _lora_target(value: tuple[str, ...]) -> str | None:
     if "all" in value and len(value) > 1:
         return "'all' targets every linear layer and cannot be combined with module names"
@@ -136,7 +142,7 @@ class FinetuneConfig:
     do_train: bool = option(True)
     finetuning_type: FinetuningType = option(
         FinetuningType.LORA,
-        later={"full": "full-parameter training", "freeze": "partial freezing", "oft": "OFT"},
+        later={"oft": "OFT"},
     )
     lora_rank: int = option(8, check=positive)
     lora_alpha: int | None = option(None, check=positive)
@@ -156,6 +162,17 @@ class FinetuneConfig:
     )
     kto_chosen_weight: float = option(1.0, check=positive)  # kto: weight of the desirable rows' loss
     kto_rejected_weight: float = option(1.0, check=positive)  # kto: weight of the undesirable rows' loss
+    # lora: modules trained fully beside the LoRA (PEFT modules_to_save), e.g. a router
+    additional_target: tuple[str, ...] | None = option(None)
+    # freeze (README "training modes"): > 0 the last N decoder layers train, < 0 the first -N
+    freeze_trainable_layers: int = option(2, check=_nonzero)
+    freeze_trainable_modules: tuple[str, ...] = option(("all",))  # in those layers: all, or module names
+    # freeze: modules outside the decoder layers (embed_tokens, norm, lm_head)
+    freeze_extra_modules: tuple[str, ...] | None = option(None)
+    # load in bf16 and keep trainable weights, their grads and optimizer state in bf16 (no fp32 upcast)
+    pure_bf16: bool = option(False)
+    # the router's load-balancing loss weight (the model's router_aux_loss_coef; its aux loss joins the loss)
+    moe_aux_loss_coef: float | None = option(None, check=non_negative)
 
     @property
     def targets_all(self) -> bool:

@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS
 from moetune.arch.spec import ExpertsCall
 from moetune.engine import LORA_NAMES, DenseExperts, ExpertEngine, ExpertLoRA, TrainMode
-from moetune.errors import SaveError
+from moetune.errors import ConfigError, SaveError
 from moetune.layer.function import routed_experts
 from moetune.layer.memo import ForwardMemo
 from moetune.layer.overlap import SharedAhead
+from moetune.layer.runtime_layout import from_runtime, to_runtime
 from moetune.layer.transfer import HostCopy
 
 if TYPE_CHECKING:
@@ -55,16 +57,68 @@ class CpuExperts(nn.Module):
                 param = nn.Parameter(getattr(engine.lora, name).detach())
                 setattr(engine.lora, name, param)  # the engine reads the very Parameter objects
                 self.register_parameter(f"lora_{name}", param)
+        self.exports = False  # a state dict of the model carries the dense expert weights (export_weights)
         if engine.mode is TrainMode.FULL:
-            weights = engine.weights
-            assert isinstance(weights, DenseExperts)
-            weights.gate_up = nn.Parameter(weights.gate_up.detach())
-            weights.down = nn.Parameter(weights.down.detach())
-            self.gate_up_proj, self.down_proj = weights.gate_up, weights.down
-            if engine.gate_up_bias is not None:
-                engine.gate_up_bias = self.gate_up_proj_bias = nn.Parameter(engine.gate_up_bias.detach())
-            if engine.down_bias is not None:
-                engine.down_bias = self.down_proj_bias = nn.Parameter(engine.down_bias.detach())
+            self._register_base()
+
+    def _register_base(self) -> None:
+        """Make the full-mode engine's base weights and biases this module's ``nn.Parameter``s, sharing storage."""
+        engine = self.engine
+        weights = engine.weights
+        assert isinstance(weights, DenseExperts)
+        weights.gate_up = nn.Parameter(weights.gate_up.detach())
+        weights.down = nn.Parameter(weights.down.detach())
+        self.gate_up_proj, self.down_proj = weights.gate_up, weights.down
+        if engine.gate_up_bias is not None:
+            engine.gate_up_bias = self.gate_up_proj_bias = nn.Parameter(engine.gate_up_bias.detach())
+        if engine.down_bias is not None:
+            engine.down_bias = self.down_proj_bias = nn.Parameter(engine.down_bias.detach())
+
+    def export_weights(self) -> None:
+        """Let a state dict of the model carry this module's expert weights, in the layout of the transformers
+        module it replaced (``moetune.layer.runtime_layout``), and ``load_state_dict`` fill them back; then
+        ``model.save_pretrained`` writes a checkpoint plain transformers loads. Dense formats only: a quantized
+        format has no exact float weights to write (``ConfigError``)."""
+        if not isinstance(self.engine.weights, DenseExperts):
+            raise ConfigError(
+                f"{self.engine.name}: the routed experts are held as {self.engine.weights.name!r}, which has no "
+                "exact float weights to save or train; full and freeze training need "
+                "`moetune: {expert_format: dense}` on a float checkpoint (LoRA trains quantized experts)"
+            )
+        if self.layout is not None and self.layout.identity_experts:
+            raise ConfigError(
+                f"{self.engine.name}: its transformers module holds {self.layout.identity_experts} zero-computation "
+                "experts the engine does not; full and freeze training of these experts are not supported (use LoRA)"
+            )
+        self.exports = True
+
+    def train_base(self, dtype: torch.dtype | None = None) -> None:
+        """Switch to full mode: the base expert weights (and biases) become trainable CPU ``nn.Parameter``s whose
+        gradient the engine computes (``TrainMode.FULL``). ``dtype``: hold them in it (a copy, e.g. fp32 master
+        weights of a bf16 model), else in place, without a copy. Also :meth:`export_weights`."""
+        self.export_weights()
+        old = self.engine
+        weights = old.weights
+        assert isinstance(weights, DenseExperts)
+        if old.mode is TrainMode.FULL:
+            return
+        cast = dtype if dtype is not None and dtype != weights.storage_dtype else None
+
+        def held(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None or cast is None else t.detach().to(cast)
+
+        self.engine = ExpertEngine(
+            DenseExperts(weights.gate_up.to(cast), weights.down.to(cast)) if cast is not None else weights,
+            activation=old.act,
+            gate_up_bias=held(old.gate_up_bias) if cast is not None else old.gate_up_bias,
+            down_bias=held(old.down_bias) if cast is not None else old.down_bias,
+            lora=old.lora,
+            train_base=True,
+            options=old.options,
+            name=old.name,
+        )
+        self.memo = ForwardMemo()  # forwards of the old engine are not this one's
+        self._register_base()
 
     def forward(
         self,
@@ -94,17 +148,69 @@ class CpuExperts(nn.Module):
             lora=lora,
         )
 
+    def _expert_tensors(self) -> dict[str, torch.Tensor]:
+        """The engine's dense tensors by module name (``gate_up_proj``, ``down_proj``, biases), engine layout."""
+        weights = self.engine.weights
+        assert isinstance(weights, DenseExperts)
+        out = {GATE_UP: weights.gate_up, DOWN: weights.down}
+        for name, bias in ((GATE_UP_BIAS, self.engine.gate_up_bias), (DOWN_BIAS, self.engine.down_bias)):
+            if bias is not None:
+                out[name] = bias
+        return out
+
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        if PEFT_WRAPPED_PREFIX not in prefix:
+        if PEFT_WRAPPED_PREFIX in prefix:
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+            return
+        if not self.exports:
             raise SaveError(
                 f"{prefix.rstrip('.') or 'this module'}: the routed experts live in moetune's CPU engine, not in "
                 "torch parameters, so a state dict or save_pretrained of this model would silently leave them out. "
                 "Save what you trained as an adapter instead, moetune.save_adapter(peft_model, dir) or "
                 "peft_model.save_pretrained(dir) (stock PEFT format, loads on the original checkpoint), and keep "
-                "using the original base checkpoint; "
-                "exporting merged full weights is not supported yet."
+                "using the original base checkpoint; a model trained with finetuning_type full or freeze "
+                "(moetune.train.modes) saves its dense experts."
             )
-        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, t in self._expert_tensors().items():
+            out = to_runtime(name, t, self.layout)
+            destination[prefix + name] = out if keep_vars else out.detach()
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict,
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        if not self.exports or PEFT_WRAPPED_PREFIX in prefix:
+            super()._load_from_state_dict(
+                state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+            )
+            return
+        mine = self._expert_tensors()
+        for name, t in mine.items():
+            key = prefix + name
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            src = from_runtime(name, state_dict[key], self.layout)
+            if tuple(src.shape) != tuple(t.shape):
+                expected = tuple(to_runtime(name, t, self.layout).shape)
+                error_msgs.append(f"{key}: expected shape {expected}, got {tuple(state_dict[key].shape)}")
+                continue
+            with torch.no_grad():
+                t.copy_(src)
+        rest = {k: v for k, v in state_dict.items() if k.startswith(prefix) and k[len(prefix) :] not in mine}
+        before = len(missing_keys)
+        super()._load_from_state_dict(
+            rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        # in full mode the engine's tensors are also this module's parameters, which torch looked for in `rest`
+        handled = {prefix + name for name in mine}
+        missing_keys[before:] = [k for k in missing_keys[before:] if k not in handled]
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> CpuExperts:
         # model.to("cuda") / model.bfloat16() must not move or down-cast host-resident expert state:

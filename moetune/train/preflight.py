@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from moetune.config import MoetuneConfig
+from moetune.config.schema import FinetuningType
 from moetune.errors import CheckpointError, LoadError, MoetuneError, OutputDirError, listing
 from moetune.train.guards import checkpoints
+from moetune.train.modes import ModeSettings
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +47,14 @@ _INTEGER_CODES = ("I64", "I32", "I16", "I8", "U8", "BOOL")
 _PEFT_PREFIX = "base_model.model."
 
 
-def check_before_load(cfg: MoetuneConfig, dtype: str) -> None:
-    """Every check of this module, in order, for a model to be loaded in ``dtype``; raises the first problem's
+def check_before_load(cfg: MoetuneConfig, dtype: str, modes: ModeSettings) -> None:
+    """Every check of this module, in order, for a model to be loaded in ``dtype`` and trained as ``modes``
+    says (``moetune.train.modes``: its checks run on the same meta-device model); raises the first problem's
     ``MoetuneError``."""
     from moetune.adapters.apply import resolve_targets
     from moetune.loading.load import plan_load
     from moetune.loading.options import LoadOptions
+    from moetune.train.modes import check_mode_planned
 
     check_output_dir(cfg.training.output_dir)
     model_path = cfg.model.model_name_or_path
@@ -65,10 +69,13 @@ def check_before_load(cfg: MoetuneConfig, dtype: str) -> None:
     check_weight_dtypes(planned)
     check_tokenizer_files(Path(model_path))
     experts = [site.path for site in planned.sites]
+    check_mode_planned(planned, cfg.engine.experts, modes)
+    lora = modes.method is FinetuningType.LORA
     targets = resolve_targets(planned.model, cfg.finetune.lora_target, experts)
     resume = resume_checkpoint(cfg)
     if resume is not None:
-        check_resume_checkpoint(resume, cfg, {*targets.linear, *targets.experts})
+        lora_paths = {*targets.linear, *targets.experts, *targets.routers} if lora else None
+        check_resume_checkpoint(resume, cfg, lora_paths)
 
 
 def check_output_dir(out: Path) -> None:
@@ -164,14 +171,15 @@ def resume_checkpoint(cfg: MoetuneConfig) -> Path | None:
     return None
 
 
-def checkpoint_problems(folder: Path, cfg: MoetuneConfig, targets: set[str]) -> list[str]:
-    """What is wrong with checkpoint ``folder`` for a run of ``cfg`` whose LoRA goes on module paths ``targets``:
-    unreadable files (torch ``.pt``/``.pth``/``.bin`` zip directories, the safetensors header and data size,
-    JSON files), and an adapter whose rank, alpha, rsLoRA or modules differ from the run's."""
+def checkpoint_problems(folder: Path, cfg: MoetuneConfig, targets: set[str] | None) -> list[str]:
+    """What is wrong with checkpoint ``folder`` for a run of ``cfg`` whose LoRA goes on module paths ``targets``
+    (None: a full/freeze run, no adapter): unreadable files (torch ``.pt``/``.pth``/``.bin`` zip directories, the
+    safetensors header and data size, JSON files), and an adapter whose rank, alpha, rsLoRA or modules differ
+    from the run's."""
     from moetune.tensorfile import read_header
 
     problems = []
-    for name in (TRAINER_STATE, ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+    for name in (TRAINER_STATE, ADAPTER_CONFIG, ADAPTER_WEIGHTS) if targets is not None else (TRAINER_STATE,):
         if not (folder / name).is_file():
             problems.append(f"{name} is missing")
     for path in sorted(p for p in folder.iterdir() if p.is_file()):
@@ -190,6 +198,8 @@ def checkpoint_problems(folder: Path, cfg: MoetuneConfig, targets: set[str]) -> 
     state = json.loads((folder / TRAINER_STATE).read_text())
     if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
         problems.append(f"{TRAINER_STATE} has no global_step: not a Trainer state")
+    if targets is None:
+        return problems
     adapter = json.loads((folder / ADAPTER_CONFIG).read_text())
     ft = cfg.finetune
     for key, saved, want in (
@@ -202,6 +212,7 @@ def checkpoint_problems(folder: Path, cfg: MoetuneConfig, targets: set[str]) -> 
     saved_modules = {
         key.removeprefix(_PEFT_PREFIX).split(".lora_")[0].removesuffix(".base_layer")
         for key in read_header(folder / ADAPTER_WEIGHTS)
+        if ".lora_" in key  # modules_to_save (additional_target) keep whole weights beside the LoRA
     }
     if saved_modules != targets:
         extra, missing = _leaves(saved_modules - targets), _leaves(targets - saved_modules)
@@ -218,7 +229,7 @@ def _leaves(paths: set[str]) -> list[str]:
     return sorted({p.rpartition(".")[2] for p in paths})
 
 
-def check_resume_checkpoint(folder: Path, cfg: MoetuneConfig, targets: set[str]) -> None:
+def check_resume_checkpoint(folder: Path, cfg: MoetuneConfig, targets: set[str] | None) -> None:
     """``CheckpointError`` naming each damaged file or mismatch of ``folder`` and the newest other checkpoint
     beside it that passes the same checks."""
     problems = checkpoint_problems(folder, cfg, targets)

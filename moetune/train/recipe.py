@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from moetune.config import MoetuneConfig, training_arguments_kwargs
+from moetune.config.schema import FinetuningType
 
 logger = logging.getLogger(__name__)
 
@@ -39,20 +40,23 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     """(peft_model, tokenizer, prepared data) for ``cfg``; the data is read and checked before the model loads."""
     import torch
 
-    from moetune.adapters.apply import LoraSettings, attach_lora
+    from moetune.adapters.apply import LoraSettings
     from moetune.adapters.swap import recover_adapter
     from moetune.loading import load_model
     from moetune.train.data import prepare_datasets
+    from moetune.train.modes import ModeSettings, apply_mode
     from moetune.train.preflight import check_before_load, load_tokenizer
     from moetune.train.stages import stage_for
 
     stage = stage_for(cfg)
     _check_requires(cfg, stage.requires)
     model_path = cfg.model.model_name_or_path
-    # bf16 training keeps bf16 weights; otherwise fp32 (exact, twice the memory)
-    dtype = "bfloat16" if cfg.training.bf16 else "float32"
-    # output_dir, model files, lora_target, resume checkpoint: checked before any weight loads
-    check_before_load(cfg, dtype)
+    # bf16 (or pure_bf16) training loads bf16 weights; otherwise fp32 (exact, twice the memory)
+    dtype = "bfloat16" if cfg.training.bf16 or cfg.finetune.pure_bf16 else "float32"
+    modes = ModeSettings.from_config(cfg.finetune, bf16=cfg.training.bf16)
+    # output_dir, model files, lora_target, resume checkpoint, what the mode asks of the experts: checked before
+    # any weight loads
+    check_before_load(cfg, dtype, modes)
     # an adapter save a crash interrupted in output_dir is finished or removed now, not at the next save
     recover_adapter(Path(cfg.training.output_dir))
     tokenizer = load_tokenizer(cfg)
@@ -69,7 +73,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     torch.manual_seed(
         cfg.training.seed
     )  # expert LoRA's A is drawn from the global RNG, as PEFT draws its own
-    peft_model = attach_lora(model, LoraSettings.from_config(cfg.finetune))
+    peft_model = apply_mode(model, modes, LoraSettings.from_config(cfg.finetune))
     return peft_model, tokenizer, data
 
 
@@ -118,6 +122,8 @@ def _vocab_size(peft_model: Any) -> int | None:
 def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> dict[str, Any]:
     """Write the final adapter, tokenizer, trainer state, loss curve and run summary; returns the summary."""
     from moetune.adapters.save import save_adapter
+    from moetune.train.model_save import save_model
+    from moetune.train.modes import memory_report
     from moetune.train.outputs import (
         LOSS_CURVE,
         SUMMARY,
@@ -128,7 +134,10 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
     )
 
     out = Path(cfg.training.output_dir)
-    save_adapter(trainer.model, out)
+    if cfg.finetune.finetuning_type is FinetuningType.LORA:
+        save_adapter(trainer.model, out)
+    else:
+        save_model(trainer.model, out)
     tokenizer.save_pretrained(out)
     trainer.save_state()
     state = trainer.state
@@ -152,6 +161,8 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
         "skipped_steps": list(trainer.guard.skipped) if trainer.guard is not None else [],
         "peak_ram_gb": round(peak_ram_gb(), 3),
         "peak_vram_gb": peak_vram_gb(),
+        "finetuning_type": cfg.finetune.finetuning_type.value,
+        "memory": memory_report(trainer.model),
         "loss_curve": str(curve) if curve else None,
         "config": cfg.summary(),
     }

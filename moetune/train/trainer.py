@@ -12,17 +12,30 @@ expert LoRA (fp32 CPU parameters) gets fp32 CPU state next to it while GPU LoRA 
 Checkpoints are written atomically (``moetune.train.checkpoints``, shared with the TRL trainers of the dpo and
 kto stages). Given a guard (``moetune.train.guards.attach_guard``), every micro-batch's loss and every step's
 gradient norm reach it before ``optimizer.step()``, so a diverged step is stopped or skipped before it is applied.
+A full/freeze model (``moetune.train.modes``; no PEFT wrapper) checkpoints its weights and optimizer state layer by
+layer as safetensors instead of ``model.safetensors`` / ``optimizer.pt`` (``moetune.train.layered``), and a resume
+that would leave routed-expert weights unloaded raises ``LoadError`` (the Trainer only warns about missing keys).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
+import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer import SCHEDULER_NAME
 
+from moetune.errors import LoadError
 from moetune.train.checkpoints import STAGING_PREFIX, AtomicCheckpoints
 from moetune.train.guards import GuardedSteps
+from moetune.train.layered import (
+    OPTIMIZER_INDEX,
+    load_optimizer_by_layer,
+    save_model_by_layer,
+    save_optimizer_by_layer,
+)
 
 __all__ = ["STAGING_PREFIX", "MoetuneTrainer", "ProgressBar"]
 
@@ -31,6 +44,55 @@ class MoetuneTrainer(GuardedSteps, AtomicCheckpoints, Trainer):
     """A ``Trainer`` (a subclass; no library class is patched) whose checkpoints are renamed into place only
     once complete (:class:`~moetune.train.checkpoints.AtomicCheckpoints`) and whose steps a numerical guard can
     stop or skip (:class:`~moetune.train.guards.GuardedSteps`)."""
+
+    def _layered(self) -> bool:
+        """A full/freeze model (``moetune.train.modes``): its checkpoints are written layer by layer."""
+        from peft import PeftModel
+
+        return not isinstance(self.model, PeftModel)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if self._staging is None or not self._layered():
+            super()._save(output_dir, state_dict)
+            return
+        # a checkpoint: weights in the live modules' layout, which resume's load_sharded_checkpoint matches; the
+        # final save_model writes the base checkpoint's own layout instead
+        out = str(output_dir if output_dir is not None else self.args.output_dir)
+        save_model_by_layer(self.model, out)  # type: ignore[arg-type]
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(out)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._layered():
+            super()._save_optimizer_and_scheduler(output_dir)
+            return
+        assert self.optimizer is not None and self.lr_scheduler is not None
+        save_optimizer_by_layer(self.optimizer, self.model, output_dir)  # type: ignore[arg-type]
+        torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, OPTIMIZER_INDEX)):
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        assert self.optimizer is not None and self.lr_scheduler is not None
+        load_optimizer_by_layer(self.optimizer, self.model, checkpoint)  # type: ignore[arg-type]
+        self.lr_scheduler.load_state_dict(
+            torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
+        )
+
+    def _issue_warnings_after_load(self, load_result: Any) -> None:
+        from moetune.layer import CpuExperts
+
+        model: Any = self.model
+        experts = [p for p, m in model.named_modules() if isinstance(m, CpuExperts) and m.exports]
+        lost = [k for k in load_result.missing_keys if any(k.startswith(p + ".") for p in experts)]
+        if lost:
+            raise LoadError(
+                f"resume_from_checkpoint: the checkpoint lacks the routed-expert weights {lost[:4]}...; it was not "
+                "written by this moetune run's mode (full/freeze checkpoints keep the live layout). Resume from a "
+                "checkpoint of the same run, or start without resume_from_checkpoint"
+            )
+        super()._issue_warnings_after_load(load_result)
 
 
 class ProgressBar(TrainerCallback):

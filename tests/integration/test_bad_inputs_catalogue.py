@@ -450,7 +450,9 @@ def test_nan_in_an_attention_weight_stops_at_step_1(tmp_path, demo_model, capsys
     model, _ = _model_with_nan(tmp_path, demo_model, ".q_proj.")
     assert main(["train", str(write(tmp_path, config(tmp_path, model)))]) == 2  # exit code != 0
     err = capsys.readouterr().err
-    assert "training diverged at step 1: the gradient norm is not finite" in err  # the loss may still be finite
+    assert (
+        "training diverged at step 1: the gradient norm is not finite" in err
+    )  # the loss may still be finite
     assert "self_attn.q_proj.lora_A" in err and "No checkpoint was saved before it" in err
     _assert_nothing_diverged_saved(tmp_path / "out", None)
 

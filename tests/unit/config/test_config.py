@@ -188,7 +188,7 @@ def test_required_keys_are_listed(workdir: Path) -> None:
         ("dpo_label_smoothing", 0.1, "no equivalent in TRL's DPOTrainer/KTOTrainer"),
         ("pref_bco_weight", 0.5, "supported: pref_beta, pref_ftx, pref_loss (sigmoid, hinge, ipo)"),
         ("simpo_gamma", 1.0, "no equivalent"),
-        ("finetuning_type", "full", "a later moetune version adds it. Supported: lora"),
+        ("finetuning_type", "oft", "a later moetune version adds it. Supported: lora, full, freeze"),
         ("do_train", False, "always trains"),
         ("template", "qwen3_nothink", "looks like a LLaMA-Factory template name"),
         ("template", "templates/chat.jinja", "does not exist"),

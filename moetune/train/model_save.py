@@ -1,0 +1,67 @@
+"""The final output of a full or freeze run: the trained model as a checkpoint in the base model's own layout.
+
+``model.save_pretrained`` writes it (the routed experts come from ``CpuExperts.export_weights``, in the
+transformers module's layout) and reverts the key conversions that loading applied, as recorded in the model's
+``_weight_conversions``. transformers' loader records there the conversions that matched the checkpoint's keys;
+moetune reads the routed experts itself, so the expert conversions (per-expert ``experts.N.gate_proj.weight``
+-> fused ``experts.gate_up_proj``) are added here when the base checkpoint's keys match them: a per-expert base
+gets per-expert keys back, a fused one stays fused.
+
+Files go to a staging folder inside the output folder and are renamed into place, weight shards first, the shard
+index after them and ``config.json`` last, so a folder with a config has every weight file its index names.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from moetune.atomic import fsync
+
+_LAST = ("config.json",)
+
+
+def _order(path: Path) -> tuple[int, str]:
+    """Shards, then the index, then other files, then config.json."""
+    if path.name in _LAST:
+        return (3, path.name)
+    if path.name.endswith(".index.json"):
+        return (1, path.name)
+    return (0 if path.suffix == ".safetensors" else 2, path.name)
+
+
+def _record_base_conversions(model: Any) -> None:
+    """Add to ``model._weight_conversions`` transformers' conversions for this model whose source keys the base
+    checkpoint (``config.name_or_path``) has, as ``from_pretrained`` would have recorded them."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    from moetune.loading.checkpoint import Checkpoint
+
+    keys = list(Checkpoint.open(model.config.name_or_path).tensors)
+    recorded = list(getattr(model, "_weight_conversions", None) or [])
+    for conversion in get_model_conversion_mapping(model, add_legacy=False):
+        patterns = [re.compile(re.escape(p).replace(r"\*", r"\d+")) for p in conversion.source_patterns]
+        used = any(p.search(k) for p in patterns for k in keys)
+        if used and all(repr(conversion) != repr(r) for r in recorded):
+            recorded.append(conversion)
+    model._weight_conversions = recorded
+
+
+def save_model(model: Any, output_dir: str | Path) -> Path:
+    """Write ``model`` (a transformers model whose experts export their weights) to ``output_dir``; returns it."""
+    _record_base_conversions(model)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=".model.tmp-", dir=out))
+    try:
+        model.save_pretrained(staged)
+        for path in sorted(staged.iterdir(), key=_order):
+            os.replace(path, out / path.name)
+        fsync(out)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    return out
