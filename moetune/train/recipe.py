@@ -116,7 +116,9 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any
 
 def _vocab_size(peft_model: Any) -> int | None:
     """The output vocabulary of the model (the uniform-guess loss is its log), None if its config has none."""
-    return getattr(peft_model.get_base_model().config.get_text_config(), "vocab_size", None)
+    # full/freeze runs train the transformers model itself, LoRA runs its PeftModel
+    base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
+    return getattr(base.config.get_text_config(), "vocab_size", None)
 
 
 def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> dict[str, Any]:

@@ -49,7 +49,11 @@ class MoetuneTrainer(GuardedSteps, AtomicCheckpoints, Trainer):
         """A full/freeze model (``moetune.train.modes``): its checkpoints are written layer by layer."""
         from peft import PeftModel
 
-        return not isinstance(self.model, PeftModel)
+        from moetune.layer import CpuExperts
+
+        model: Any = self.model
+        # a plain torch model (no routed experts in engines) keeps the Trainer's own checkpoint
+        return not isinstance(model, PeftModel) and any(isinstance(m, CpuExperts) for m in model.modules())
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if self._staging is None or not self._layered():
