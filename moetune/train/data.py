@@ -173,7 +173,16 @@ def detect_layout(spec: DatasetSpec, columns: Sequence[str], first_row: Mapping[
                 resolved[role] = column
             elif required or role in spec.columns:
                 missing.append(f"{'/'.join(candidates)} ({role})")
+        unread = sorted(set(spec.columns) - set(COLUMN_ROLES[fmt]))
+        if unread and not missing:  # never drop a mapping the user wrote
+            problems.append(f"{fmt.value} reads no {', '.join(unread)} column, which dataset_info.json maps")
+            continue
         if not missing:
+            if fmt is DataFormat.TEXT:
+                log.warning(
+                    "dataset %r: plain-text rows (format text): every token is trained, as in pre-training",
+                    spec.name,
+                )
             if spec.formatting is None:
                 log.info(
                     "dataset %r: format %s, detected from columns %s", spec.name, fmt.value, sorted(present)
@@ -183,10 +192,17 @@ def detect_layout(spec: DatasetSpec, columns: Sequence[str], first_row: Mapping[
                 tags = _detect_tags(first_row.get(resolved["messages"]))
             return Layout(fmt, resolved, {**DEFAULT_TAGS, **tags})
         problems.append(f"{fmt.value} needs {', '.join(missing)}")
+    pretraining = set(spec.columns) == {"prompt"} and spec.formatting in (None, DataFormat.ALPACA)
+    hint = (
+        ". A lone prompt column is LLaMA-Factory's pre-training layout (stage pt): under stage sft give the "
+        "rows a response column, or set formatting: text with columns {text: ...} to train on every token"
+        if pretraining
+        else ""
+    )
     raise DataError(
         f"dataset {spec.name!r} ({spec.path}): columns {sorted(present)} do not fit "
         f"{'the ' + formats[0].value + ' format' if spec.formatting else 'any format'} ({'; '.join(problems)}); "
-        f"rename the columns, or map them with 'formatting' and 'columns' in dataset_info.json"
+        f"rename the columns, or map them with 'formatting' and 'columns' in dataset_info.json{hint}"
     )
 
 

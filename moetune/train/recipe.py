@@ -66,6 +66,7 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any
     """Run transformers' training loop (resuming when the config says so); returns the trainer."""
     from transformers import PrinterCallback, TrainingArguments
 
+    from moetune.train.outputs import TrainerLog
     from moetune.train.trainer import MoetuneTrainer, ProgressBar
 
     args = TrainingArguments(
@@ -82,7 +83,7 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any
         eval_dataset=data.eval,
         data_collator=data.collator,
         processing_class=tokenizer,
-        callbacks=[ProgressBar()],
+        callbacks=[ProgressBar(), TrainerLog()],
     )
     trainer.remove_callback(PrinterCallback)  # ProgressBar prints the logs
     resume = cfg.training.resume_from_checkpoint
@@ -98,6 +99,7 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
         SUMMARY,
         peak_ram_gb,
         peak_vram_gb,
+        train_losses,
         write_loss_curve,
         write_summary,
     )
@@ -119,7 +121,7 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
         "tokens_per_second": round(state.num_input_tokens_seen / final[-1]["train_runtime"], 1)
         if final and final[-1]["train_runtime"]
         else None,
-        "final_train_loss": next((h["loss"] for h in reversed(state.log_history) if "loss" in h), None),
+        "final_train_loss": next((loss for _, loss in reversed(train_losses(state.log_history))), None),
         "final_eval_loss": next(
             (h["eval_loss"] for h in reversed(state.log_history) if "eval_loss" in h), None
         ),
