@@ -9,7 +9,7 @@ so a name here selects:
 - the **switches** LLaMA-Factory's template implies: ``enable_thinking`` (``qwen3`` on, ``qwen3_nothink``
   off) and a ``default_system`` message for conversations without one (``qwen``);
 - a **fallback** Jinja template, written here, for checkpoints that ship no chat template (ChatML for the
-  Qwen names, llama3, llama4, deepseek3 and mistral). ``gpt_oss``, ``glm4_moe`` and ``deepseekr1`` have
+  Qwen names, llama3, llama4, deepseek, deepseek3 and mistral). ``gpt_oss``, ``glm4_moe`` and ``deepseekr1`` have
   none: their formats (channels, reasoning blocks) need the checkpoint's own template.
 
 The user's own ``enable_thinking`` / ``default_system`` keys win over a name's defaults; a contradiction
@@ -30,6 +30,7 @@ class NamedTemplate:
     enable_thinking: bool | None = None  # passed to the chat template; None: the template's own default
     default_system: str | None = None  # system message for conversations without one
     fallback: str | None = None  # Jinja used when the tokenizer has no chat template
+    plain_text: bool = False  # the markers are plain words, not tokens: a vocabulary cannot be checked
 
 
 # ChatML: <|im_start|>role\ncontent<|im_end|>\n, as LLaMA-Factory's chatml/qwen formats write it
@@ -68,6 +69,13 @@ _MISTRAL = (
     "{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
 )
 
+# DeepSeek-V2: system text, then "User: q\n\nAssistant: a<eos>" per turn
+_DEEPSEEK = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n\nAssistant:"
+    "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
 _QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 _CHATML_MARKERS = ("<|im_start|>", "<|im_end|>")
 
@@ -86,8 +94,21 @@ NAMED_TEMPLATES: dict[str, NamedTemplate] = {
     "qwen3_5_nothink": NamedTemplate(
         "ChatML (Qwen3.5)", _CHATML_MARKERS, enable_thinking=False, fallback=_CHATML
     ),
+    "qwen3_6": NamedTemplate(
+        "ChatML (Qwen3.6)", _CHATML_MARKERS, enable_thinking=True, fallback=_CHATML_THINKING
+    ),
+    # the Qwen3-VL names on Qwen3-VL-MoE checkpoints, text only
+    "qwen3_vl": NamedTemplate(
+        "ChatML (Qwen3-VL)", _CHATML_MARKERS, enable_thinking=True, fallback=_CHATML_THINKING
+    ),
+    "qwen3_vl_nothink": NamedTemplate(
+        "ChatML (Qwen3-VL)", _CHATML_MARKERS, enable_thinking=False, fallback=_CHATML
+    ),
     "llama3": NamedTemplate("Llama 3", ("<|start_header_id|>", "<|eot_id|>"), fallback=_LLAMA3),
     "llama4": NamedTemplate("Llama 4", ("<|header_start|>", "<|eot|>"), fallback=_LLAMA4),
+    "deepseek": NamedTemplate(
+        "DeepSeek-V2 (User:/Assistant:)", ("User: ", "Assistant:"), fallback=_DEEPSEEK, plain_text=True
+    ),
     "deepseek3": NamedTemplate("DeepSeek-V3", ("<｜User｜>", "<｜Assistant｜>"), fallback=_DEEPSEEK3),
     "deepseekr1": NamedTemplate("DeepSeek-R1", ("<｜User｜>", "<｜Assistant｜>")),
     "mistral": NamedTemplate("Mistral/Mixtral", ("[INST]", "[/INST]"), fallback=_MISTRAL),
@@ -104,11 +125,21 @@ def family_problem(name: str, chat_template: str | None, vocab: set[str]) -> str
     (its token strings), or None when it fits."""
     spec = NAMED_TEMPLATES[name]
     where = "chat template" if chat_template else "vocabulary"
-    missing = [m for m in spec.markers if m not in (chat_template if chat_template else vocab)]
-    if not missing:
+
+    def fits(s: NamedTemplate) -> bool:
+        if chat_template:
+            return all(m in chat_template for m in s.markers)
+        return s.plain_text or all(m in vocab for m in s.markers)
+
+    if fits(spec):
         return None
-    fits = [n for n, s in NAMED_TEMPLATES.items() if all(m in (chat_template or vocab) for m in s.markers)]
-    hint = f"names that fit it: {', '.join(fits)}" if fits else "remove `template` to use the tokenizer's own"
+    missing = [m for m in spec.markers if m not in (chat_template or vocab)]
+    fitting = [n for n, s in NAMED_TEMPLATES.items() if fits(s) and not s.plain_text]
+    hint = (
+        f"names that fit it: {', '.join(fitting)}"
+        if fitting
+        else "remove `template` to use the tokenizer's own"
+    )
     return (
         f"template {name!r} is the {spec.family} format, but the tokenizer's {where} has no {missing[0]!r}: it "
         f"is another family's tokenizer; set `template` to the model's own family ({hint})"

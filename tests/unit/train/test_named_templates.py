@@ -133,3 +133,41 @@ def test_template_names_in_the_config(workdir: Path) -> None:
         parse_config({**base, "template": "vicuna_x"}, check_model_path=False)
     with pytest.raises(ConfigError, match="enable_thinking: is True but template 'qwen3_nothink' means"):
         parse_config({**base, "template": "qwen3_nothink", "enable_thinking": True}, check_model_path=False)
+
+
+@pytest.mark.parametrize(
+    ("name", "want"),
+    [
+        (
+            "llama3",
+            "<s><|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|><|start_header_id|>user<|end_header_id|>"
+            "\n\nQ1<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nA1<|eot_id|><|start_header_id|>user"
+            "<|end_header_id|>\n\nQ2<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nA2<|eot_id|>",
+        ),
+        ("deepseek3", "<s>S<｜User｜>Q1<｜Assistant｜>A1</s><｜User｜>Q2<｜Assistant｜>A2</s>"),
+        ("deepseek", "<s>S\n\nUser: Q1\n\nAssistant:A1</s>User: Q2\n\nAssistant:A2</s>"),
+        ("mistral", "<s>[INST] S\n\nQ1[/INST] A1</s>[INST] Q2[/INST] A2</s>"),
+        (
+            "qwen3",
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\n"
+            "<think>\n\n</think>\n\nA1<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n"
+            "<think>\n\n</think>\n\nA2<|im_end|>\n",
+        ),
+    ],
+)
+def test_builtin_formats_write_llamafactorys_text(name: str, want: str) -> None:
+    """The fallbacks against LLaMA-Factory's formats, written out (bos <s>, eos </s>)."""
+    from moetune.config.chat_templates import NAMED_TEMPLATES
+
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "Q2"},
+        {"role": "assistant", "content": "A2"},
+    ]
+    tok = word_tokenizer(chat_template=None)
+    assert (
+        tok.apply_chat_template(messages, chat_template=NAMED_TEMPLATES[name].fallback, tokenize=False)
+        == want
+    )
