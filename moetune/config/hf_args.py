@@ -141,7 +141,8 @@ def scheduler_problem(name: str, kwargs: Mapping[str, Any]) -> str | None:
             if p not in ("optimizer", "num_warmup_steps", "num_training_steps", "last_epoch")
         ]
         return (
-            f"got {dict(kwargs)!r}; the {name!r} scheduler refuses it ({err}); it takes: "
+            f"{f'got {dict(kwargs)!r}' if kwargs else 'without lr_scheduler_kwargs'}; the {name!r} scheduler "
+            f"refuses it ({err}); it takes: "
             f"{', '.join(taken) or 'no extra arguments'}"
         )
     return None

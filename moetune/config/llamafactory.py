@@ -227,6 +227,11 @@ REJECTED: dict[str, Rejected] = {
             "skip_special_tokens": True,
             "infer_backend": "huggingface",
             "eval_num_beams": None,
+            # Seq2SeqTrainingArguments, which LLaMA-Factory's training arguments extend
+            "sortish_sampler": False,
+            "generation_max_length": None,
+            "generation_num_beams": None,
+            "generation_config": None,
         },
     ),
 }

@@ -46,6 +46,8 @@ from moetune.errors import ConfigError, listing
 
 log = logging.getLogger(__name__)
 
+_PLAIN_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+
 # LLaMA-Factory spells "no gradient checkpointing" as a negative flag; read it as gradient_checkpointing
 _NEGATED_ALIASES = {"disable_gradient_checkpointing": "gradient_checkpointing"}
 # files whose presence in output_dir means a previous run lives there
@@ -144,12 +146,13 @@ def parse_config(
 
 def _check_training_arguments(config: MoetuneConfig, problems: Problems) -> None:
     """With keys passed through to transformers or scheduler arguments: build what the Trainer will build
-    (TrainingArguments, the scheduler on a dummy optimizer) now, before anything loads."""
+    (TrainingArguments, the scheduler on a dummy optimizer) now, before anything loads. Schedulers that take
+    no arguments are not built (that would import transformers for every config)."""
     t = config.training
-    if t.lr_scheduler_kwargs:
-        message = scheduler_problem(t.lr_scheduler_type, t.lr_scheduler_kwargs)
+    if t.lr_scheduler_kwargs or t.lr_scheduler_type not in _PLAIN_SCHEDULERS:
+        message = scheduler_problem(t.lr_scheduler_type, t.lr_scheduler_kwargs or {})
         if message is not None:
-            problems.add("lr_scheduler_kwargs", message)
+            problems.add("lr_scheduler_kwargs" if t.lr_scheduler_kwargs else "lr_scheduler_type", message)
             return
     if t.extra_args:
         message = check_training_arguments(

@@ -186,6 +186,8 @@ def test_required_keys_are_listed(workdir: Path) -> None:
         ("adam_beta2", "high", "expected a number (transformers TrainingArguments.adam_beta2)"),
         ("gradient_checkpointing_kwargs", {"use_reentrant": True}, "is set by moetune itself"),
         ("lr_scheduler_kwargs", {"min_lr_rate": 0.1}, "the 'linear' scheduler refuses it"),
+        ("lr_scheduler_type", "cosine_with_min_lr", "the 'cosine_with_min_lr' scheduler refuses it"),
+        ("sortish_sampler", True, "generation/inference settings do not apply"),
         ("kt_weight_path", "/kt", "moetune convert MODEL_DIR STORE_DIR --format int8"),
         ("kt_num_gpu_experts", 8, "experts resident on the GPU are not supported yet"),
         ("kt_backend", "AMXINT2", "allowed: auto, amxbf16"),
