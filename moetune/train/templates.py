@@ -191,14 +191,15 @@ class ChatRenderer:
                 f"last assistant turn only, or give a `template` file that keeps history as written"
             )
         alone = full if i == len(messages) - 1 else self.render(messages[: i + 1])
-        if i == len(messages) - 1 and not alone.startswith(prompt):
-            raise DataError(
-                f"the chat template's generation prompt for message {i} is not how it renders that "
-                f"assistant turn (generation prompt ends {prompt[-40:]!r}, the turn starts "
-                f"{alone[len(prompt) - 40 : len(prompt) + 20]!r}); this template cannot mark assistant "
-                f"tokens: give a `template` whose generation prompt matches its assistant turns"
-            )
-        if full.startswith(alone):
+        if full.startswith(alone):  # the turn shows as it does when it is the last one
+            if not alone.startswith(prompt):
+                raise DataError(
+                    f"the chat template's generation prompt for message {i} is not how it renders that "
+                    f"assistant turn (generation prompt ends {prompt[-40:]!r}, the turn starts "
+                    f"{alone[len(prompt) - 40 : len(prompt) + 20]!r}); this template cannot mark assistant "
+                    f"tokens: give a `template` whose generation prompt matches its assistant turns (or, for "
+                    f"an answer holding reasoning while enable_thinking is false, turn thinking on)"
+                )
             return start, len(alone)
         turn = alone[_common_prefix(alone, prompt) :]
         # every form of the turn ends with its answer's last word

@@ -100,7 +100,7 @@ def test_generation_prompt_that_does_not_match_the_turns_is_reported(bpe: Any) -
     thinking = CHATML.replace(
         "<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\nthink\n{% endif %}"
     )
-    with pytest.raises(DataError, match="generation prompt for message 4 is not how it renders"):
+    with pytest.raises(DataError, match="generation prompt for message 2 is not how it renders"):
         ChatRenderer(bpe, thinking).encode(CONVERSATION)
 
 
