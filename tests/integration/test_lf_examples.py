@@ -51,6 +51,7 @@ def run_example(name: str, model: Path, out: Path, monkeypatch: pytest.MonkeyPat
     return summary
 
 
+@pytest.mark.filterwarnings("error:You are trying to modify a model with PEFT")  # moetune does not cause it
 def test_lora_sft_with_a_template_name(tmp_path, qwen3_model, monkeypatch, capsys) -> None:
     summary = run_example(
         "lf_qwen3_lora_sft.yaml",
