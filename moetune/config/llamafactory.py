@@ -274,3 +274,19 @@ def rejection(key: str, value: Any) -> str | None:
 def is_rejected(key: str) -> bool:
     """True if ``key`` is a LLaMA-Factory key moetune knows and does not support (whatever its value)."""
     return key in REJECTED or any(key.startswith(prefix) for prefix, _ in REJECTED_PREFIXES)
+
+
+# media-processing knobs (LLaMA-Factory's ProcessorArguments): with text rows they change nothing, and rows with
+# images, videos or audio are refused when the data is read (moetune.config.datasets), so they are accepted
+# with a logged line
+MEDIA_KNOBS = (
+    "image_max_pixels",
+    "image_min_pixels",
+    "image_do_pan_and_scan",
+    "video_max_pixels",
+    "video_min_pixels",
+    "video_fps",
+    "video_maxlen",
+    "audio_sampling_rate",
+)
+MEDIA_NOTE = "no effect: moetune trains on text rows only (rows with images, videos or audio are refused)"

@@ -28,7 +28,7 @@ from moetune.config.hf_args import (
     scheduler_problem,
 )
 from moetune.config.ktransformers import translate_kt
-from moetune.config.llamafactory import is_rejected, rejection
+from moetune.config.llamafactory import MEDIA_KNOBS, MEDIA_NOTE, is_rejected, rejection
 from moetune.config.schema import (
     ENGINE_KEY,
     ENGINE_KEYS,
@@ -236,6 +236,9 @@ def _check_keys(flat: dict[str, Any], engine_raw: Any, problems: Problems) -> di
             problems.add(
                 key, f"is an engine option; put it under `{ENGINE_KEY}:` ({ENGINE_KEY}: {{{key}: ...}})"
             )
+            continue
+        if key in MEDIA_KNOBS:
+            log.warning("%s: %r has %s", key, value, MEDIA_NOTE)
             continue
         reason = rejection(key, value)
         if reason is not None:

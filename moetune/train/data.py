@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 COLUMNS = ("input_ids", "attention_mask", "labels")  # what an unpacked example holds
 PACKED_COLUMNS = ("input_ids", "labels", "position_ids")  # what a packed row holds
+MEDIA_COLUMNS = ("images", "videos", "audios")  # LLaMA-Factory's multimodal columns (and column roles)
 
 # the sharegpt roles moetune renders, per tag of LLaMA-Factory's `tags`
 _ROLE_OF_TAG = {
@@ -161,6 +162,12 @@ def detect_layout(spec: DatasetSpec, columns: Sequence[str], first_row: Mapping[
     """The row layout of ``spec``: the format dataset_info.json names, else the first format whose
     required columns are present; each role's column as mapped there, else the first default present."""
     present = set(columns)
+    media = sorted(present & set(MEDIA_COLUMNS)) + sorted(set(spec.columns) & set(MEDIA_COLUMNS))
+    if media:
+        raise DataError(
+            f"dataset {spec.name!r} ({spec.path}) has {media[0]!r} data: multimodal training is not supported; "
+            f"train on text rows only"
+        )
     formats = [spec.formatting] if spec.formatting is not None else list(DataFormat)
     problems = []
     for fmt in formats:

@@ -379,3 +379,19 @@ def test_pretraining_rows_under_sft_are_explained(
     with caplog.at_level(logging.WARNING):
         prepare(tok, write(workdir / "t.json", [{"text": "once upon a time"}]))
     assert "every token is trained, as in pre-training" in caplog.text
+
+
+def test_media_columns_are_refused_and_media_knobs_logged(
+    workdir: Path, tok: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    rows = [
+        {
+            "messages": [{"role": "user", "content": "<image> hi"}, {"role": "assistant", "content": "a"}],
+            "images": ["x.png"],
+        }
+    ]
+    with pytest.raises(DataError, match="has 'images' data: multimodal training is not supported"):
+        prepare(tok, write(workdir / "mm.json", rows))
+    with caplog.at_level(logging.WARNING):
+        prepare(tok, write(workdir / "t.json", [{"text": "hi"}]), image_max_pixels=262144)
+    assert "image_max_pixels: 262144 has no effect: moetune trains on text rows only" in caplog.text
