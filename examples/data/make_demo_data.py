@@ -8,7 +8,8 @@ strings the training rows never show, so a falling held-out loss means the rule 
 Writes, next to this script (deterministic; rerun to regenerate):
 
 * ``demo_train.json`` (TRAIN_ROWS rows) and ``demo_heldout.json`` (HELDOUT_ROWS rows), alpaca format;
-* ``dataset_info.json`` registering both as ``demo_train`` / ``demo_heldout``;
+* ``dataset_info.json`` registering both as ``demo_train`` / ``demo_heldout`` (other entries kept:
+  ``lf_chat``, the multi-turn rows of the LLaMA-Factory-form examples);
 * ``demo_tokenizer/``: a word-level tokenizer over exactly the words the data uses, with a chat template,
   for the demo's generated model (``AutoTokenizer.from_pretrained("examples/data/demo_tokenizer")``).
 
@@ -71,10 +72,15 @@ def main(out: Path = Path(__file__).parent) -> None:
     train, heldout = rows()
     for name, data in (("demo_train", train), ("demo_heldout", heldout)):
         (out / f"{name}.json").write_text("[\n" + ",\n".join(json.dumps(row) for row in data) + "\n]\n")
-    info = {
-        name: {"file_name": f"{name}.json", "formatting": "alpaca"} for name in ("demo_train", "demo_heldout")
-    }
-    (out / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    path = out / "dataset_info.json"
+    info = json.loads(path.read_text()) if path.is_file() else {}  # keeps other entries (lf_chat)
+    info.update(
+        {
+            name: {"file_name": f"{name}.json", "formatting": "alpaca"}
+            for name in ("demo_train", "demo_heldout")
+        }
+    )
+    path.write_text(json.dumps(info, indent=2) + "\n")
     demo_tokenizer().save_pretrained(out / "demo_tokenizer")
 
 
