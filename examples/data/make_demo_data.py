@@ -12,6 +12,7 @@ Writes, next to this script (deterministic; rerun to regenerate):
   in LLaMA-Factory's own forms (docs/stages.md): ``demo_pt`` (plain text, ``columns: {prompt: text}``),
   ``demo_dpo`` (sharegpt pairs, ``ranking: true``: the cipher's answer chosen, the letters shifted by another
   amount rejected) and ``demo_kto`` (OpenAI-style messages with a true/false ``label`` as kto_tag);
+  other entries are kept (``lf_chat``, the multi-turn rows of the LLaMA-Factory-form examples);
 * ``demo_tokenizer/``: a word-level tokenizer over exactly the words the data uses, with a chat template,
   for the demo's generated model (``AutoTokenizer.from_pretrained("examples/data/demo_tokenizer")``).
 
@@ -136,11 +137,16 @@ def main(out: Path = Path(__file__).parent) -> None:
             path.write_text("".join(json.dumps(row) + "\n" for row in data))
         else:
             path.write_text("[\n" + ",\n".join(json.dumps(row) for row in data) + "\n]\n")
-    info = {
-        name: {"file_name": f"{name}.json", "formatting": "alpaca"} for name in ("demo_train", "demo_heldout")
-    }
+    path = out / "dataset_info.json"
+    info = json.loads(path.read_text()) if path.is_file() else {}  # keeps other entries (lf_chat)
+    info.update(
+        {
+            name: {"file_name": f"{name}.json", "formatting": "alpaca"}
+            for name in ("demo_train", "demo_heldout")
+        }
+    )
     info.update(STAGE_INFO)
-    (out / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    path.write_text(json.dumps(info, indent=2) + "\n")
     demo_tokenizer().save_pretrained(out / "demo_tokenizer")
 
 

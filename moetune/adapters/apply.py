@@ -29,7 +29,6 @@ LoRA is initialised as PEFT initialises it (A kaiming-uniform, B zero) from the 
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -280,7 +279,7 @@ def peft_model_with(
     experts: Sequence[str],
     weight_entries: Sequence[str],
 ) -> Any:
-    """``get_peft_model(model, config)`` with LoRA also on the ``nn.Linear`` modules at ``by_weight`` and the
+    """What ``get_peft_model(model, config)`` builds, with LoRA also on the ``nn.Linear`` modules at ``by_weight`` and the
     ``CpuExperts`` at ``experts``; the live config is then in stock form (:func:`to_stock_config`).
 
     The linears get PEFT's own ``lora.Linear`` for adapter ``"default"``, the layer ``get_peft_model`` would
@@ -289,7 +288,7 @@ def peft_model_with(
     adapter-less (``expert_layer.wrap``) and named in ``target_modules``, so that ``get_peft_model`` adds the
     adapter to them with ``update_layer`` (it cannot create their layers itself: ``expert_layer`` says why).
     """
-    from peft import get_peft_model
+    from peft import MODEL_TYPE_TO_PEFT_MODEL_MAPPING, PeftModel
     from peft.tuners.lora import Linear as LoraLinear
 
     from moetune.adapters.expert_layer import wrap
@@ -309,13 +308,11 @@ def peft_model_with(
         assert isinstance(module, CpuExperts), path
         model.set_submodule(path, wrap(module))
     config.target_modules = [*(config.target_modules or []), *expert_entries]
-    with warnings.catch_warnings():
-        # PEFT warns when the model already holds PEFT layers ("modify a model with PEFT for a second time"):
-        # here those are the ones just made for this very call
-        warnings.filterwarnings(
-            "ignore", message="You are trying to modify a model with PEFT for a second time"
-        )
-        peft_model = get_peft_model(model, config)
+    # The class get_peft_model builds for a LoRA config (its task type's PeftModel subclass, else PeftModel) and
+    # its one other step for it, recording the base model's name. get_peft_model itself would warn that the model
+    # already holds PEFT layers ("modify a model with PEFT for a second time"): the ones just made for this call.
+    config.base_model_name_or_path = model.__dict__.get("name_or_path") or None
+    peft_model = MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, PeftModel)(model, config)
     to_stock_config(peft_model, "default", weight_entries)
     return peft_model
 

@@ -4,6 +4,10 @@
 problem (unknown keys, unsupported LLaMA-Factory options, wrong types, out-of-range values, conflicting
 keys, missing files, an output_dir holding another run). ``training_arguments_kwargs(config)`` gives the
 keyword arguments for transformers' ``TrainingArguments``.
+
+LLaMA-Factory's own vocabulary is read here too: template names (``chat_templates``), KTransformers keys
+(``ktransformers``), ``TrainingArguments`` fields passed through and ``deepspeed`` (``hf_args``), and the keys
+refused by name (``llamafactory``).
 """
 
 from moetune.config.datasets import DataFormat, DatasetSpec

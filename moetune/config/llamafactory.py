@@ -1,9 +1,11 @@
-"""LLaMA-Factory (and KTransformers) keys that moetune does not honour, each with the reason and the fix.
+"""LLaMA-Factory keys that moetune does not honour, each with the reason and the fix.
 
 A user's LLaMA-Factory YAML may carry any of these. Set to the value that asks for nothing (``off``, e.g.
 ``use_kt: false``), a key is accepted: it requests nothing moetune fails to do. Set to anything else, it is
 an error that says why moetune does not support it; nothing is ignored silently. Keys in no list at all
-are unknown and also errors (``moetune.config.load`` suggests the closest known key).
+are unknown and also errors (``moetune.config.load`` suggests the closest known key). KTransformers' keys
+are read by ``moetune.config.ktransformers``, ``deepspeed`` and the TrainingArguments passed through by
+``moetune.config.hf_args``.
 """
 
 from __future__ import annotations
@@ -32,10 +34,6 @@ def _group(reason: str, keys: dict[str, Any]) -> dict[str, Rejected]:
     return {key: Rejected(reason, off) for key, off in keys.items()}
 
 
-_KT = (
-    "moetune replaces KTransformers as the CPU expert backend; remove the KTransformers keys "
-    "(the CPU thread count is `moetune: {num_threads: N}`)"
-)
 _LATER_METHOD = (
     "this training method is not supported yet; moetune trains LoRA adapters (a later version adds more)"
 )
@@ -49,7 +47,7 @@ _KERNELS = (
 _INFER = "generation/inference settings do not apply to `moetune train`"
 _MULTIMODAL = "multimodal training is not supported"
 _HUB = "moetune reads local models and datasets only; download them first and give local paths"
-_DIST = "moetune trains in one process on one workstation; DeepSpeed/FSDP are not used"
+_DIST = "moetune trains in one process on one workstation; FSDP/DDP are not used"
 _PREF = (
     "this preference-training option has no equivalent in TRL's DPOTrainer/KTOTrainer, which moetune's dpo and "
     "kto stages run; supported: pref_beta, pref_ftx, pref_loss (sigmoid, hinge, ipo), kto_chosen_weight, "
@@ -57,25 +55,8 @@ _PREF = (
 )
 
 REJECTED: dict[str, Rejected] = {
-    # KTransformers backend
-    **_group(
-        _KT,
-        {
-            "use_kt": False,
-            "kt_optimize_rule": None,
-            "chunk_size": _NEVER,
-            "mode": _NEVER,
-            "kt_maxlen": _NEVER,
-            "kt_use_cuda_graph": _NEVER,
-            "kt_mode": _NEVER,
-            "kt_force_think": False,
-        },
-    ),
-    "cpu_infer": Rejected("KTransformers' CPU thread count; moetune's is `moetune: {num_threads: N}`"),
     # distribution
-    **_group(
-        _DIST, {"deepspeed": None, "fsdp": None, "fsdp_config": None, "ddp_find_unused_parameters": None}
-    ),
+    **_group(_DIST, {"fsdp": None, "fsdp_config": None, "ddp_find_unused_parameters": None}),
     # quantization of the base model
     **_group(
         _QUANT,
@@ -247,13 +228,17 @@ REJECTED: dict[str, Rejected] = {
             "skip_special_tokens": True,
             "infer_backend": "huggingface",
             "eval_num_beams": None,
+            # Seq2SeqTrainingArguments, which LLaMA-Factory's training arguments extend
+            "sortish_sampler": False,
+            "generation_max_length": None,
+            "generation_num_beams": None,
+            "generation_config": None,
         },
     ),
 }
 
 # families of keys rejected by prefix: (prefix, reason)
 REJECTED_PREFIXES: tuple[tuple[str, str], ...] = (
-    ("kt_", _KT),
     ("galore_", _LATER_METHOD),
     ("oft_", _LATER_METHOD),
     ("apollo_", _LATER_METHOD),
@@ -290,3 +275,19 @@ def rejection(key: str, value: Any) -> str | None:
 def is_rejected(key: str) -> bool:
     """True if ``key`` is a LLaMA-Factory key moetune knows and does not support (whatever its value)."""
     return key in REJECTED or any(key.startswith(prefix) for prefix, _ in REJECTED_PREFIXES)
+
+
+# media-processing knobs (LLaMA-Factory's ProcessorArguments): with text rows they change nothing, and rows with
+# images, videos or audio are refused when the data is read (moetune.config.datasets), so they are accepted
+# with a logged line
+MEDIA_KNOBS = (
+    "image_max_pixels",
+    "image_min_pixels",
+    "image_do_pan_and_scan",
+    "video_max_pixels",
+    "video_min_pixels",
+    "video_fps",
+    "video_maxlen",
+    "audio_sampling_rate",
+)
+MEDIA_NOTE = "no effect: moetune trains on text rows only (rows with images, videos or audio are refused)"

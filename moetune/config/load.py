@@ -10,15 +10,25 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from moetune.config.chat_templates import NAMED_TEMPLATES, TEMPLATE_SUFFIXES
 from moetune.config.datasets import resolve_datasets
 from moetune.config.experts import ExpertOptions, expert_option_problems
 from moetune.config.fields import Problems, coerce, parse_section, yaml_fields
-from moetune.config.llamafactory import is_rejected, rejection
+from moetune.config.hf_args import (
+    check_training_arguments,
+    deepspeed_problem,
+    is_training_argument,
+    passthrough,
+    scheduler_problem,
+)
+from moetune.config.ktransformers import translate_kt
+from moetune.config.llamafactory import MEDIA_KNOBS, MEDIA_NOTE, is_rejected, rejection
 from moetune.config.schema import (
     ENGINE_KEY,
     ENGINE_KEYS,
@@ -33,13 +43,17 @@ from moetune.config.schema import (
     TrainingConfig,
 )
 from moetune.config.stage_rules import check_stage
+from moetune.config.training_args import training_arguments_kwargs
 from moetune.errors import ConfigError, listing
+
+log = logging.getLogger(__name__)
+
+_PLAIN_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 
 # LLaMA-Factory spells "no gradient checkpointing" as a negative flag; read it as gradient_checkpointing
 _NEGATED_ALIASES = {"disable_gradient_checkpointing": "gradient_checkpointing"}
 # files whose presence in output_dir means a previous run lives there
 _RUN_MARKERS = ("trainer_state.json", "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
-_TEMPLATE_SUFFIXES = (".jinja", ".j2", ".jinja2", ".txt")
 
 
 def load_config(path: str | Path, *, check_model_path: bool = True) -> MoetuneConfig:
@@ -112,20 +126,48 @@ def parse_config(
     problems = Problems(where)
     flat = _translate_aliases(dict(raw), problems)
     engine_raw = flat.pop(ENGINE_KEY, None) or {}
-    _check_keys(flat, engine_raw, problems)
+    origins: dict[str, str] = {}
+    if isinstance(engine_raw, Mapping):
+        engine_raw = dict(engine_raw)
+        origins = translate_kt(flat, engine_raw, problems)
+    if "deepspeed" in flat and (message := deepspeed_problem(flat.pop("deepspeed"))) is not None:
+        problems.add("deepspeed", message)
+    extra = _check_keys(flat, engine_raw, problems)
 
     model, finetune, data, training = (parse_section(cls, flat, problems) for cls in FLAT_SECTIONS)
-    engine = _parse_engine(engine_raw if isinstance(engine_raw, Mapping) else {}, problems)
+    training = dataclasses.replace(training, extra_args=tuple(extra.items()))
+    engine = _parse_engine(engine_raw if isinstance(engine_raw, Mapping) else {}, problems, origins)
     _check_cross_fields(finetune, data, training, problems)
-    data = _resolve_data(data, problems)
+    data = _resolve_template(_resolve_data(data, problems), problems)
     check_stage(finetune, data, training, problems)
     _check_files(model, data, training, problems, check_model_path)
     problems.raise_if_any()
 
     finetune = dataclasses.replace(finetune, lora_alpha=finetune.lora_alpha or 2 * finetune.lora_rank)
-    return MoetuneConfig(
+    config = MoetuneConfig(
         model, finetune, data, training, engine, Path(source) if source is not None else None
     )
+    _check_training_arguments(config, problems)
+    problems.raise_if_any()
+    return config
+
+
+def _check_training_arguments(config: MoetuneConfig, problems: Problems) -> None:
+    """With keys passed through to transformers or scheduler arguments: build what the Trainer will build
+    (TrainingArguments, the scheduler on a dummy optimizer) now, before anything loads. Schedulers that take
+    no arguments are not built (that would import transformers for every config)."""
+    t = config.training
+    if t.lr_scheduler_kwargs or t.lr_scheduler_type not in _PLAIN_SCHEDULERS:
+        message = scheduler_problem(t.lr_scheduler_type, t.lr_scheduler_kwargs or {})
+        if message is not None:
+            problems.add("lr_scheduler_kwargs" if t.lr_scheduler_kwargs else "lr_scheduler_type", message)
+            return
+    if t.extra_args:
+        message = check_training_arguments(
+            training_arguments_kwargs(config), tuple(k for k, _ in t.extra_args)
+        )
+        if message is not None:
+            problems.add(", ".join(k for k, _ in t.extra_args), message)
 
 
 def known_keys() -> set[str]:
@@ -150,7 +192,7 @@ def _translate_aliases(flat: dict[str, Any], problems: Problems) -> dict[str, An
     return flat
 
 
-def _parse_engine(raw: Mapping[str, Any], problems: Problems) -> EngineConfig:
+def _parse_engine(raw: Mapping[str, Any], problems: Problems, origins: Mapping[str, str]) -> EngineConfig:
     """The `moetune:` mapping: ``device``, then the expert options through the check ``load_model`` runs,
     after coercing YAML strings as LLaMA-Factory does (``"4"`` for a number, ``"true"`` for a bool, any case
     for a mode). Unknown keys were reported by ``_check_keys``."""
@@ -160,7 +202,8 @@ def _parse_engine(raw: Mapping[str, Any], problems: Problems) -> EngineConfig:
     values = {k: _coerce_expert_option(k, v) for k, v in raw.items() if k in ExpertOptions.names()}
     found = expert_option_problems(values)
     for key, message in found:
-        problems.add(f"{ENGINE_KEY}.{key}", message)
+        label = f"{ENGINE_KEY}.{key}"
+        problems.add(f"{origins[key]} (read as {label})" if key in origins else label, message)
     bad = {key for key, _ in found}
     experts = ExpertOptions.from_valid({k: v for k, v in values.items() if k not in bad})
     return dataclasses.replace(device, experts=experts)
@@ -185,10 +228,13 @@ def _coerce_expert_option(key: str, value: Any) -> Any:
     return value
 
 
-def _check_keys(flat: Mapping[str, Any], engine_raw: Any, problems: Problems) -> None:
+def _check_keys(flat: dict[str, Any], engine_raw: Any, problems: Problems) -> dict[str, Any]:
+    """Report keys moetune does not read; returns (and removes from ``flat``) the TrainingArguments fields
+    passed through to transformers, coerced."""
     known = known_keys()
     engine_keys = set(ENGINE_KEYS)
-    for key, value in flat.items():
+    extra: dict[str, Any] = {}
+    for key, value in list(flat.items()):
         if key in known:
             continue
         if not isinstance(key, str):
@@ -199,29 +245,33 @@ def _check_keys(flat: Mapping[str, Any], engine_raw: Any, problems: Problems) ->
                 key, f"is an engine option; put it under `{ENGINE_KEY}:` ({ENGINE_KEY}: {{{key}: ...}})"
             )
             continue
+        if key in MEDIA_KNOBS:
+            log.warning("%s: %r has %s", key, value, MEDIA_NOTE)
+            continue
         reason = rejection(key, value)
         if reason is not None:
             problems.add(key, f"is a LLaMA-Factory option moetune does not support: {reason}. Remove it.")
-        elif not is_rejected(key):
+        elif is_rejected(key):
+            log.warning("%s: %r accepted: it asks for nothing (the feature is off)", key, value)
+        elif is_training_argument(key):
+            extra[key] = passthrough(key, flat.pop(key), problems)
+        else:
             problems.add(key, _unknown(key, known))
     if not isinstance(engine_raw, Mapping):
         problems.add(ENGINE_KEY, f"got {engine_raw!r}; expected a mapping of engine options")
-        return
+        return extra
     for key in engine_raw:
         if key not in engine_keys:
             problems.add(
                 f"{ENGINE_KEY}.{key}", f"is not an engine option; allowed: {', '.join(sorted(engine_keys))}"
             )
+    return extra
 
 
 def _unknown(key: str, known: set[str]) -> str:
     close = difflib.get_close_matches(key, sorted(known), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    from transformers import TrainingArguments  # only on this error path: importing transformers is slow
-
-    if key in {f.name for f in dataclasses.fields(TrainingArguments)}:
-        return f"is a transformers TrainingArguments option that moetune does not expose{hint}"
-    return f"is not a moetune or supported LLaMA-Factory key{hint}"
+    return f"is not a moetune, supported LLaMA-Factory or transformers TrainingArguments key{hint}"
 
 
 def _check_cross_fields(
@@ -319,10 +369,6 @@ def _check_files(
         message = _model_path_problem(model.model_name_or_path)
         if message:
             problems.add("model_name_or_path", message)
-    if data.template is not None:
-        message = _template_problem(data.template)
-        if message:
-            problems.add("template", message)
     if training.output_dir is not None:
         _check_output_dir(training, problems)
 
@@ -349,16 +395,41 @@ def _model_path_problem(name: str) -> str | None:
     return f"{path} does not exist; give a local model folder (with config.json and safetensors)"
 
 
-def _template_problem(path: Path) -> str | None:
+def _resolve_template(data: DataConfig, problems: Problems) -> DataConfig:
+    """``template`` as a LLaMA-Factory name (with its switches checked against the config's own keys) or a
+    Jinja file; the tokenizer's family is checked when it loads (``moetune.train.templates``)."""
+    value = data.template
+    if value is None:
+        return data
+    if value in NAMED_TEMPLATES:
+        spec = NAMED_TEMPLATES[value]
+        if (
+            None not in (spec.enable_thinking, data.enable_thinking)
+            and spec.enable_thinking != data.enable_thinking
+        ):
+            problems.add(
+                "enable_thinking",
+                f"is {data.enable_thinking} but template {value!r} means enable_thinking: {spec.enable_thinking}; "
+                f"remove enable_thinking, or choose the template name with thinking "
+                f"{'on' if data.enable_thinking else 'off'}",
+            )
+        return dataclasses.replace(data, template_name=value)
+    path = Path(value).expanduser()
     if path.is_file():
-        return None
+        return dataclasses.replace(data, template_file=path)
     if len(path.parts) == 1 and not path.suffix:
-        return (
-            f"{str(path)!r} looks like a LLaMA-Factory template name; moetune renders conversations with "
-            f"Jinja chat templates: remove `template` to use the tokenizer's own chat template, or give a "
-            f"path to a template file ({', '.join(_TEMPLATE_SUFFIXES)})"
+        problems.add(
+            "template",
+            f"{value!r} is not a LLaMA-Factory template name moetune maps; supported names: "
+            f"{', '.join(NAMED_TEMPLATES)}; or remove `template` to use the tokenizer's own chat template, or "
+            f"give a path to a Jinja template file ({', '.join(TEMPLATE_SUFFIXES)})",
         )
-    return f"{path} does not exist; give a path to a Jinja chat-template file or remove `template`"
+    else:
+        problems.add(
+            "template",
+            f"{path} does not exist; give a path to a Jinja chat-template file or remove `template`",
+        )
+    return data
 
 
 def _check_output_dir(training: TrainingConfig, problems: Problems) -> None:

@@ -190,8 +190,9 @@ class FinetuneConfig:
 class DataConfig:
     """Datasets, chat template and how examples become token sequences.
 
-    ``template`` is a path to a Jinja chat-template file, or unset to use the tokenizer's own chat template
-    (LLaMA-Factory's template names are not used: moetune renders with Jinja chat templates only).
+    ``template`` is unset (the tokenizer's own chat template), a LLaMA-Factory template name (``qwen3_nothink``,
+    ``llama3``, ...: the tokenizer's own template with the name's switches, checked against the tokenizer's
+    family; ``moetune.config.chat_templates``), or a path to a Jinja chat-template file.
     ``val_size`` < 1 is a fraction of the training rows held out for evaluation, >= 1 a row count.
     ``train_sources`` / ``eval_sources`` are ``dataset`` / ``eval_dataset`` resolved during validation.
     """
@@ -199,7 +200,9 @@ class DataConfig:
     dataset: tuple[str, ...] = required()
     eval_dataset: tuple[str, ...] | None = option(None)
     dataset_dir: Path = option(Path("data"))
-    template: Path | None = option(None)
+    # a LLaMA-Factory template name (config/chat_templates.py) or a Jinja chat-template file; resolved into
+    # template_name / template_file during validation
+    template: str | None = option(None)
     cutoff_len: int = option(2048, check=positive)
     packing: bool = option(False)
     train_on_prompt: bool = option(False)
@@ -212,6 +215,8 @@ class DataConfig:
     preprocessing_num_workers: int | None = option(None, check=_min_one)
     preprocessing_batch_size: int = option(1000, check=positive)
     train_sources: tuple[DatasetSpec, ...] = derived(())
+    template_name: str | None = derived(None)  # a key of chat_templates.NAMED_TEMPLATES
+    template_file: Path | None = derived(None)
     eval_sources: tuple[DatasetSpec, ...] = derived(())
 
 
@@ -260,6 +265,8 @@ class TrainingConfig:
     ddp_timeout: int = option(1800, check=positive)
     # moetune's numerical guard: `stop` (default) or `skip` a step whose loss or gradient norm is NaN/Inf
     on_divergence: DivergenceAction = option(DivergenceAction.STOP)
+    # other transformers TrainingArguments fields from the YAML, coerced (moetune.config.hf_args)
+    extra_args: tuple[tuple[str, Any], ...] = derived(())
 
 
 @dataclass(frozen=True)

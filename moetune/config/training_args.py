@@ -68,6 +68,7 @@ def training_arguments_kwargs(config: MoetuneConfig) -> dict[str, Any]:
         "use_cpu": config.engine.device == "cpu"
         or (config.engine.device == "auto" and not _cuda_available()),
     }
+    kwargs.update(t.extra_args)  # TrainingArguments fields passed through from the YAML
     if t.lr_scheduler_kwargs:
         kwargs["lr_scheduler_kwargs"] = dict(t.lr_scheduler_kwargs)
     if t.eval_strategy is IntervalStrategy.STEPS:

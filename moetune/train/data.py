@@ -40,6 +40,7 @@ from moetune.train.templates import ExampleEncoder, Sample
 log = logging.getLogger(__name__)
 
 COLUMNS = ("input_ids", "attention_mask", "labels")  # what an unpacked example holds
+MEDIA_COLUMNS = ("images", "videos", "audios")  # LLaMA-Factory's multimodal columns (and column roles)
 
 # the sharegpt roles moetune renders, per tag of LLaMA-Factory's `tags`
 _ROLE_OF_TAG = {
@@ -234,6 +235,12 @@ def detect_layout(
     present. Plain text (pt) is always the text format: LLaMA-Factory writes pt datasets as alpaca entries
     whose ``prompt`` column holds the text."""
     present = set(columns)
+    media = sorted(present & set(MEDIA_COLUMNS)) + sorted(set(spec.columns) & set(MEDIA_COLUMNS))
+    if media:
+        raise DataError(
+            f"dataset {spec.name!r} ({spec.path}) has {media[0]!r} data: multimodal training is not supported; "
+            f"train on text rows only"
+        )
     if kind is RowKind.TEXT:
         formats = [DataFormat.TEXT]
     else:
@@ -255,7 +262,17 @@ def detect_layout(
                 resolved[role] = column
             elif required or role in spec.columns:
                 missing.append(f"{'/'.join(candidates)} ({role})")
+        # pt reads its text by the defaults (LLaMA-Factory maps it as `prompt`); every other kind reads its mapping
+        unread = sorted(set(spec.columns) - set(roles)) if kind is not RowKind.TEXT else []
+        if unread and not missing:  # never drop a mapping the user wrote
+            problems.append(f"{fmt.value} reads no {', '.join(unread)} column, which dataset_info.json maps")
+            continue
         if not missing:
+            if fmt is DataFormat.TEXT:
+                log.warning(
+                    "dataset %r: plain-text rows (format text): every token is trained, as in pre-training",
+                    spec.name,
+                )
             if spec.formatting is None:
                 log.info(
                     "dataset %r: format %s, detected from columns %s", spec.name, fmt.value, sorted(present)
@@ -265,10 +282,17 @@ def detect_layout(
                 tags = _detect_tags(first_row.get(resolved["messages"]))
             return Layout(fmt, resolved, {**DEFAULT_TAGS, **tags})
         problems.append(f"{fmt.value} needs {', '.join(missing)}")
+    pretraining = set(spec.columns) == {"prompt"} and spec.formatting in (None, DataFormat.ALPACA)
+    hint = (
+        ". A lone prompt column is LLaMA-Factory's pre-training layout (stage pt): under stage sft give the "
+        "rows a response column, or set formatting: text with columns {text: ...} to train on every token"
+        if pretraining
+        else ""
+    )
     raise DataError(
         f"dataset {spec.name!r} ({spec.path}): columns {sorted(present)} do not fit "
         f"{'the ' + formats[0].value + ' format' if spec.formatting else 'any format'} ({'; '.join(problems)}); "
-        f"rename the columns, or map them with 'formatting' and 'columns' in dataset_info.json"
+        f"rename the columns, or map them with 'formatting' and 'columns' in dataset_info.json{hint}"
     )
 
 

@@ -95,6 +95,7 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any
     from transformers import PrinterCallback
 
     from moetune.train.guards import NumericalGuard, attach_guard
+    from moetune.train.outputs import TrainerLog
     from moetune.train.stages import stage_for
     from moetune.train.trainer import ProgressBar
 
@@ -106,7 +107,9 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any
         disable_tqdm=True,  # ProgressBar replaces the Trainer's bar
         logging_nan_inf_filter=False,  # a NaN loss is logged as NaN; NumericalGuard stops or skips that step
     )
-    trainer = stage_for(cfg).build_trainer(cfg, peft_model, tokenizer, data, args, [ProgressBar()])
+    trainer = stage_for(cfg).build_trainer(
+        cfg, peft_model, tokenizer, data, args, [ProgressBar(), TrainerLog()]
+    )
     attach_guard(trainer, NumericalGuard(cfg.training.on_divergence, _vocab_size(peft_model)))
     trainer.remove_callback(PrinterCallback)  # ProgressBar prints the logs
     resume = cfg.training.resume_from_checkpoint
@@ -131,6 +134,7 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
         SUMMARY,
         peak_ram_gb,
         peak_vram_gb,
+        train_losses,
         write_loss_curve,
         write_summary,
     )
@@ -155,7 +159,7 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
         "tokens_per_second": round(state.num_input_tokens_seen / final[-1]["train_runtime"], 1)
         if final and final[-1]["train_runtime"]
         else None,
-        "final_train_loss": next((h["loss"] for h in reversed(state.log_history) if "loss" in h), None),
+        "final_train_loss": next((loss for _, loss in reversed(train_losses(state.log_history))), None),
         "final_eval_loss": next(
             (h["eval_loss"] for h in reversed(state.log_history) if "eval_loss" in h), None
         ),

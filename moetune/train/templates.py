@@ -11,13 +11,19 @@ their reasoning) is reported instead of producing wrong labels.
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moetune.config.chat_templates import NAMED_TEMPLATES, family_problem
 from moetune.config.schema import DataConfig
 from moetune.errors import DataError
+
+log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # the label transformers' cross-entropy skips
 
@@ -94,6 +100,11 @@ def append_eos(tokenizer: Any, encoded: Encoded) -> Encoded:
     return Encoded(encoded.input_ids + [eos], encoded.labels + [eos])
 
 
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``."""
+    return len(os.path.commonprefix([a, b]))
+
+
 class ChatRenderer:
     """Renders conversations with a chat template and finds the characters of the trained turns.
 
@@ -142,8 +153,9 @@ class ChatRenderer:
         """The rendered conversation and the character spans to train on.
 
         Trained: the assistant turns at index >= ``first_trained`` (only the last with ``mask_history``),
-        each with its end-of-turn text. With ``train_on_prompt`` a span also covers the turn's prompt: all
-        text since the previous assistant turn (or the start).
+        each with its end-of-turn text, as they appear in the whole conversation's rendering (the text the
+        model sees). With ``train_on_prompt`` a span also covers the turn's prompt: all text since the
+        previous assistant turn (or the start).
         """
         full = self.render(messages)
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -152,35 +164,56 @@ class ChatRenderer:
             raise DataError("the conversation has no assistant turn to train on")
         spans: list[tuple[int, int]] = []
         for i in trained:
-            prompt = self.render(messages[:i], add_generation_prompt=True)
-            end = self._turn_end(messages, i, full)
-            if not full[:end].startswith(prompt):
-                raise DataError(
-                    f"the chat template's generation prompt for message {i} is not how it renders that "
-                    f"assistant turn (generation prompt ends {prompt[-40:]!r}, the turn starts "
-                    f"{full[len(prompt) - 40 : len(prompt) + 20]!r}); this template cannot mark assistant "
-                    f"tokens: give a `template` whose generation prompt matches its assistant turns"
-                )
+            start, end = self._turn_span(messages, i, full)
             if train_on_prompt:
                 earlier = [j for j in turns if j < i]
-                start = self._turn_end(messages, earlier[-1], full) if earlier else 0
-            else:
-                start = len(prompt)
+                start = self._turn_span(messages, earlier[-1], full)[1] if earlier else 0
             spans.append((start, end))
         return full, spans
 
-    def _turn_end(self, messages: Sequence[Message], i: int, full: str) -> int:
-        """Where message ``i`` ends in ``full``, the rendering of all ``messages``."""
-        if i == len(messages) - 1:
-            return len(full)
-        upto = self.render(messages[: i + 1])
-        if not full.startswith(upto):
+    def _turn_span(self, messages: Sequence[Message], i: int, full: str) -> tuple[int, int]:
+        """Where assistant message ``i`` starts (after its header) and ends (after its end-of-turn text) in
+        ``full``, the rendering of all ``messages``.
+
+        The turn starts where the rendering of ``messages[:i]`` with the generation prompt stops agreeing
+        with ``full``. It ends where its rendering as the last message ends, when ``full`` shows it that way.
+        Templates that show earlier turns differently (Qwen3's hybrid template drops their reasoning and gives
+        only the last turn an empty reasoning block) show such a turn as a tail of its last-message form: the
+        longest tail found where the turn starts is the turn.
+        """
+        before = self.render(messages[:i])
+        prompt = self.render(messages[:i], add_generation_prompt=True)
+        start = _common_prefix(full, prompt)
+        if not full.startswith(before) or start < len(before):
             raise DataError(
-                f"the chat template renders assistant message {i} differently once later turns follow "
-                f"(it rewrites conversation history, e.g. drops reasoning); set mask_history: true to "
-                f"train on the last assistant turn only"
+                f"the chat template renders the conversation before assistant message {i} differently once "
+                f"later turns follow (it rewrites earlier messages); set mask_history: true to train on the "
+                f"last assistant turn only, or give a `template` file that keeps history as written"
             )
-        return len(upto)
+        alone = full if i == len(messages) - 1 else self.render(messages[: i + 1])
+        if full.startswith(alone):  # the turn shows as it does when it is the last one
+            if not alone.startswith(prompt):
+                raise DataError(
+                    f"the chat template's generation prompt for message {i} is not how it renders that "
+                    f"assistant turn (generation prompt ends {prompt[-40:]!r}, the turn starts "
+                    f"{alone[len(prompt) - 40 : len(prompt) + 20]!r}); this template cannot mark assistant "
+                    f"tokens: give a `template` whose generation prompt matches its assistant turns (or, for "
+                    f"an answer holding reasoning while enable_thinking is false, turn thinking on)"
+                )
+            return start, len(alone)
+        turn = alone[_common_prefix(alone, prompt) :]
+        # every form of the turn ends with its answer's last word
+        last_word = re.split(r"[\s<>]", messages[i]["content"].rstrip())[-1]
+        for k in range(len(turn)):
+            if last_word not in turn[k:]:
+                break
+            if full.startswith(turn[k:], start):
+                return start, start + len(turn) - k
+        raise DataError(
+            f"the chat template renders assistant message {i} in a way moetune cannot find in the whole "
+            f"conversation (its generation prompt ends {prompt[-40:]!r}, the conversation continues "
+            f"{full[start : start + 40]!r}); set mask_history: true to train on the last assistant turn only"
+        )
 
     def encode(self, messages: Sequence[Message], **options: Any) -> Encoded:
         """Token ids and labels of a conversation (``options`` as for :meth:`trained_spans`)."""
@@ -188,17 +221,56 @@ class ChatRenderer:
         return encode_spans(self.tokenizer, text, spans, add_special_tokens=False)
 
 
+def _named_template(tokenizer: Any, name: str) -> str | None:
+    """The Jinja source for LLaMA-Factory template ``name`` on ``tokenizer``: None (its own chat template)
+    when it has one, else the name's fallback. Raises ``DataError`` when the name is another family's."""
+    own = getattr(tokenizer, "chat_template", None)
+    own = own if isinstance(own, str) else None  # a dict of named templates: check the vocabulary instead
+    problem = family_problem(name, own, set(tokenizer.get_vocab()))
+    if problem is not None:
+        raise DataError(f"{problem} (tokenizer {getattr(tokenizer, 'name_or_path', '?')!r})")
+    if own is not None:
+        return None
+    fallback = NAMED_TEMPLATES[name].fallback
+    if fallback is None:
+        raise DataError(
+            f"template {name!r}: the tokenizer of {getattr(tokenizer, 'name_or_path', '?')!r} has no chat "
+            f"template and moetune has no built-in one for {name!r} (built in: "
+            f"{', '.join(n for n, t in NAMED_TEMPLATES.items() if t.fallback)}); give a Jinja template file"
+        )
+    log.info(
+        "template %r: the tokenizer has no chat template; rendering with moetune's %s format", name, name
+    )
+    return fallback
+
+
 class ExampleEncoder:
-    """Turns validated :class:`Sample` s into token ids and labels with the config's label policy."""
+    """Turns validated :class:`Sample` s into token ids and labels with the config's label policy.
+
+    ``config.template_name`` (a LLaMA-Factory name) is checked against the tokenizer's family here, before
+    any model loads; it renders with the tokenizer's own chat template, or the name's fallback when the
+    tokenizer has none, and supplies ``enable_thinking`` / ``default_system`` unless the config sets them.
+    """
 
     def __init__(self, tokenizer: Any, config: DataConfig) -> None:
         self.tokenizer = tokenizer
         self.config = config
+        named = NAMED_TEMPLATES[config.template_name] if config.template_name is not None else None
         # read now, so that `datasets`' cache fingerprint of this encoder covers the template's text
-        self.template = read_chat_template(config.template) if config.template is not None else None
-        self.template_kwargs = (
-            {} if config.enable_thinking is None else {"enable_thinking": config.enable_thinking}
+        self.template = (
+            read_chat_template(config.template_file)
+            if config.template_file is not None
+            else _named_template(tokenizer, config.template_name)
+            if config.template_name is not None
+            else None
         )
+        thinking = config.enable_thinking
+        if thinking is None and named is not None:
+            thinking = named.enable_thinking
+        self.template_kwargs = {} if thinking is None else {"enable_thinking": thinking}
+        self.default_system = config.default_system
+        if self.default_system is None and named is not None:
+            self.default_system = named.default_system
         self._renderer: ChatRenderer | None = None
 
     @property
@@ -213,8 +285,8 @@ class ExampleEncoder:
         if sample.messages is not None:
             messages = sample.messages
             first_trained = sample.first_trained
-            if self.config.default_system is not None and messages[0]["role"] != "system":
-                messages = [{"role": "system", "content": self.config.default_system}, *messages]
+            if self.default_system is not None and messages[0]["role"] != "system":
+                messages = [{"role": "system", "content": self.default_system}, *messages]
                 first_trained += 1
             return self.renderer.encode(
                 messages,

@@ -133,10 +133,17 @@ class ProgressBar(TrainerCallback):
         if logs and "loss" in logs:
             self.loss = float(logs["loss"])
         if self.bar is not None and logs:
-            shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in logs.items()}
-            self.bar.write(f"step {state.global_step}: {shown}")
+            self.bar.write(
+                f"step {state.global_step}: " + ", ".join(f"{k} {_shown(v)}" for k, v in logs.items())
+            )
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def _shown(value: Any) -> str:
+    """A logged value for the log line: floats to 4 significant digits (a learning rate of 2e-05 stays
+    2e-05, not 0.0), everything else as it is."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

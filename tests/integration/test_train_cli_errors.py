@@ -59,7 +59,10 @@ def train(tmp_path: Path, demo_model: Path, capsys, **over) -> str:
 
 def test_unknown_key(tmp_path, demo_model, capsys) -> None:
     err = train(tmp_path, demo_model, capsys, lora_rnak=8)
-    assert "lora_rnak: is not a moetune or supported LLaMA-Factory key; did you mean 'lora_rank'?" in err
+    assert (
+        "lora_rnak: is not a moetune, supported LLaMA-Factory or transformers TrainingArguments key; did you mean 'lora_rank'?"
+        in err
+    )
 
 
 def test_wrong_type(tmp_path, demo_model, capsys) -> None:

@@ -122,7 +122,7 @@ def test_every_problem_is_reported_at_once(workdir: Path) -> None:
         learning_rate=-1e-4,
         lora_rnak=4,
         deepspeed="ds_z3.json",
-        use_kt=True,
+        use_kt="maybe",
         bf16="sometimes",
         moetune={"num_threads": 0, "activation_policy": "keep", "turbo": True},
     )
@@ -133,9 +133,9 @@ def test_every_problem_is_reported_at_once(workdir: Path) -> None:
         "lora_dropout: got 1.0; must be in [0, 1)",
         "cutoff_len: got -5; must be > 0",
         "learning_rate: got -0.0001; must be > 0",
-        "lora_rnak: is not a moetune or supported LLaMA-Factory key; did you mean 'lora_rank'?",
-        "deepspeed: is a LLaMA-Factory option moetune does not support",
-        "use_kt: is a LLaMA-Factory option moetune does not support: moetune replaces KTransformers",
+        "lora_rnak: is not a moetune, supported LLaMA-Factory or transformers TrainingArguments key; did you mean",
+        "deepspeed: cannot read ds_z3.json",
+        "use_kt: got 'maybe'; expected true or false",
         "bf16: got 'sometimes'; expected true or false",
         "moetune.num_threads: got 0; must be a positive integer",
         "moetune.activation_policy: got 'keep'; allowed: retain, recompute",
@@ -190,10 +190,21 @@ def test_required_keys_are_listed(workdir: Path) -> None:
         ("simpo_gamma", 1.0, "no equivalent"),
         ("finetuning_type", "oft", "a later moetune version adds it. Supported: lora, full, freeze"),
         ("do_train", False, "always trains"),
-        ("template", "qwen3_nothink", "looks like a LLaMA-Factory template name"),
+        (
+            "template",
+            "qwen3_nothnk",
+            "is not a LLaMA-Factory template name moetune maps; supported names: chatml",
+        ),
         ("template", "templates/chat.jinja", "does not exist"),
-        ("optim", "adamw_torch", "TrainingArguments option that moetune does not expose"),
-        ("cpu_infer", 32, "moetune: {num_threads: N}"),
+        ("optim", "adamw_torch_bogus", "transformers refuses the training arguments"),
+        ("adam_beta2", "high", "expected a number (transformers TrainingArguments.adam_beta2)"),
+        ("gradient_checkpointing_kwargs", {"use_reentrant": True}, "is set by moetune itself"),
+        ("lr_scheduler_kwargs", {"min_lr_rate": 0.1}, "the 'linear' scheduler refuses it"),
+        ("lr_scheduler_type", "cosine_with_min_lr", "the 'cosine_with_min_lr' scheduler refuses it"),
+        ("sortish_sampler", True, "generation/inference settings do not apply"),
+        ("kt_weight_path", "/kt", "moetune convert MODEL_DIR STORE_DIR --format int8"),
+        ("kt_num_gpu_experts", 8, "experts resident on the GPU are not supported yet"),
+        ("kt_backend", "AMXINT2", "allowed: auto, amxbf16"),
         ("quantization_bit", 4, "expert_format"),
         ("galore_rank", 16, "not supported yet"),
         ("moetune", [1], "expected a mapping of engine options"),
@@ -211,7 +222,7 @@ def test_keys_switched_off_are_accepted(workdir: Path) -> None:
     """A rejected LLaMA-Factory key set to the value that asks for nothing requests nothing moetune lacks."""
     offs = {key: rule.off[0] if isinstance(rule.off, tuple) else rule.off for key, rule in REJECTED.items()}
     off = {key: value for key, value in offs.items() if REJECTED[key].accepts(value)}
-    assert {"use_kt", "quantization_bit", "flash_attn", "neat_packing"} <= set(off)
+    assert {"quantization_bit", "flash_attn", "neat_packing"} <= set(off)
     parse_config(minimal(**off))
 
 
@@ -320,7 +331,7 @@ def test_dataset_paths_and_dataset_info_entries(workdir: Path) -> None:
 
 def test_template_file(workdir: Path) -> None:
     (workdir / "chat.jinja").write_text("{{ messages }}")
-    assert parse_config(minimal(template="chat.jinja")).data.template == Path("chat.jinja")
+    assert parse_config(minimal(template="chat.jinja")).data.template_file == Path("chat.jinja")
 
 
 def test_hub_id_must_be_in_the_local_cache(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -428,3 +439,74 @@ def test_bf16_without_a_gpu_runs_on_the_cpu(workdir: Path, monkeypatch: pytest.M
     assert TrainingArguments(**kwargs).bf16  # constructs: no "bf16 needs a GPU" ValueError
     monkeypatch.setattr(module, "_cuda_available", lambda: True)
     assert training_arguments_kwargs(parse_config(minimal(bf16=True)))["use_cpu"] is False
+
+
+def test_ktransformers_keys_map_to_engine_options(workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    raw = minimal(
+        use_kt=True,
+        cpu_infer=6,
+        kt_cpu_activation="recompute",
+        chunk_size=8192,
+        kt_optimize_rule="rules/DeepSeek-V3-Chat-sft-amx.yaml",
+        kt_config={
+            "kt_backend": "AMXINT8",
+            "kt_tp_enabled": True,
+            "kt_threadpool_count": 2,
+            "kt_num_gpu_experts": 0,
+        },
+    )
+    with caplog.at_level("WARNING"):
+        experts = parse_config(raw).engine.experts
+    assert (experts.expert_format, experts.num_threads, experts.activation_policy) == (
+        "int8",
+        6,
+        ActivationPolicy.RECOMPUTE,
+    )
+    for key in ("use_kt", "chunk_size", "kt_optimize_rule", "kt_tp_enabled", "kt_threadpool_count"):
+        assert sum(r.getMessage().startswith(f"{key}:") for r in caplog.records) == 1, key
+    text = problems_of(minimal(cpu_infer=0, kt_backend="AMXBF16", moetune={"expert_format": "int8"}))
+    assert "cpu_infer (read as moetune.num_threads): got 0" in text
+    assert (
+        "kt_backend: is read as `moetune: {expert_format: bf16}`, but expert_format is already 'int8'" in text
+    )
+    fmt = parse_config(minimal(kt_config={"kt_backend": "auto", "kt_expert_weight_format": "fp8"}))
+    assert fmt.engine.experts.expert_format == "fp8_block"
+
+
+def test_training_arguments_pass_through_to_transformers(workdir: Path) -> None:
+    from transformers import TrainingArguments
+
+    cfg = parse_config(
+        minimal(
+            optim="adamw_torch",
+            adam_beta2="0.95",
+            max_grad_norm=0.5,
+            lr_scheduler_type="cosine_with_min_lr",
+            lr_scheduler_kwargs={"min_lr_rate": 0.1},
+            dataloader_pin_memory=False,
+        )
+    )
+    args = TrainingArguments(**training_arguments_kwargs(cfg))
+    assert (args.optim, args.adam_beta2, args.max_grad_norm, args.dataloader_pin_memory) == (
+        "adamw_torch",
+        0.95,
+        0.5,
+        False,
+    )
+    assert args.lr_scheduler_kwargs == {"min_lr_rate": 0.1}
+
+
+def test_deepspeed_is_accepted_unless_it_asks_for_offload(
+    workdir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    zero3 = {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}}
+    (workdir / "ds_z3.json").write_text(json.dumps(zero3))
+    with caplog.at_level("WARNING"):
+        parse_config(minimal(deepspeed="ds_z3.json"))
+    assert "nothing to shard" in caplog.text and "ZeRO stage 3" in caplog.text
+    offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    (workdir / "ds_off.json").write_text(json.dumps(offload))
+    assert (
+        "zero_optimization.offload_optimizer (device 'cpu'): moetune has no DeepSpeed offload"
+        in problems_of(minimal(deepspeed="ds_off.json"))
+    )

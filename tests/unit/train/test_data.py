@@ -364,3 +364,34 @@ def test_demo_data(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         assert all(sum(t != IGNORE_INDEX for t in labels) == 5 for labels in split["labels"])
     train_inputs = {tuple(ids) for ids in data.train["input_ids"]}
     assert not train_inputs & {tuple(ids) for ids in data.eval["input_ids"]}
+
+
+def test_pretraining_rows_under_sft_are_explained(
+    workdir: Path, tok: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """LLaMA-Factory's pre-training layout (`columns: {prompt: text}`) is never read silently as something else."""
+    write(workdir / "data" / "pt.json", [{"text": "once upon a time"}])
+    (workdir / "data" / "dataset_info.json").write_text(
+        json.dumps({"pt": {"file_name": "pt.json", "columns": {"prompt": "text"}}})
+    )
+    with pytest.raises(DataError, match=r"text reads no prompt column.*pre-training layout \(stage pt\)"):
+        prepare(tok, "pt")
+    with caplog.at_level(logging.WARNING):
+        prepare(tok, write(workdir / "t.json", [{"text": "once upon a time"}]))
+    assert "every token is trained, as in pre-training" in caplog.text
+
+
+def test_media_columns_are_refused_and_media_knobs_logged(
+    workdir: Path, tok: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    rows = [
+        {
+            "messages": [{"role": "user", "content": "<image> hi"}, {"role": "assistant", "content": "a"}],
+            "images": ["x.png"],
+        }
+    ]
+    with pytest.raises(DataError, match="has 'images' data: multimodal training is not supported"):
+        prepare(tok, write(workdir / "mm.json", rows))
+    with caplog.at_level(logging.WARNING):
+        prepare(tok, write(workdir / "t.json", [{"text": "hi"}]), image_max_pixels=262144)
+    assert "image_max_pixels: 262144 has no effect: moetune trains on text rows only" in caplog.text

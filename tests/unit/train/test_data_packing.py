@@ -80,8 +80,9 @@ def test_label_policies(bpe: Any) -> None:
 
 
 def test_template_that_rewrites_history_is_reported(bpe: Any) -> None:
-    """Like reasoning templates that drop earlier turns' thinking: earlier turns render differently once
-    later turns follow, so their spans cannot be taken from the prefix renders."""
+    """Earlier turns render differently once later turns follow, and not as a tail of their last-turn form
+    (here: trimmed), so their spans cannot be found; reasoning templates that drop earlier turns' thinking
+    are handled (tests/unit/train/test_named_templates.py)."""
     rewriting = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
         "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'] | trim }}{% else %}{{ m['content'] }}{% endif %}"
@@ -89,7 +90,7 @@ def test_template_that_rewrites_history_is_reported(bpe: Any) -> None:
     )
     renderer = ChatRenderer(bpe, rewriting)
     with pytest.raises(
-        DataError, match="renders assistant message 2 differently once later turns follow.*mask_history: true"
+        DataError, match="renders assistant message 2 in a way moetune cannot find.*mask_history: true"
     ):
         renderer.encode(CONVERSATION)
     assert trained_text(bpe, renderer.encode(CONVERSATION, mask_history=True).labels) == ["5<|im_end|>\n"]

@@ -1,0 +1,191 @@
+"""transformers ``TrainingArguments`` keys a LLaMA-Factory YAML passes through, and its ``deepspeed`` key.
+
+LLaMA-Factory hands every ``TrainingArguments`` field it does not own to transformers (``optim``,
+``adam_beta2``, ``dataloader_pin_memory``, ...). moetune does the same for the fields it does not set itself:
+each value is coerced to the field's type here, and the whole set is checked by constructing the real
+``TrainingArguments`` (plus the learning-rate scheduler on a dummy optimizer when ``lr_scheduler_kwargs`` is
+set) before anything loads. Fields moetune sets itself are refused with the key to use instead; fields that
+only matter with several processes are accepted with one logged line saying they have no effect.
+
+``deepspeed: CONFIG.json`` is accepted: moetune trains in one process, so there is nothing to shard, and a
+line says so. Settings in the JSON that ask for something moetune does not do (ZeRO offload, fp16) are
+refused, naming the setting and what moetune does instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from moetune.config.fields import Problems, _BadValue, coerce
+
+log = logging.getLogger(__name__)
+
+# TrainingArguments fields moetune sets itself: what to use instead
+OWNED: dict[str, str] = {
+    "activation_checkpointing": "use gradient_checkpointing (or disable_gradient_checkpointing)",
+    "activation_checkpointing_kwargs": "moetune checkpoints non-reentrantly (its CPU experts' forward is reused)",
+    "gradient_checkpointing_kwargs": "moetune checkpoints non-reentrantly (its CPU experts' forward is reused)",
+    "include_num_input_tokens_seen": "moetune always counts the non-padding tokens it trains on",
+    "disable_tqdm": "moetune draws its own progress bar",
+    "use_cpu": "set `moetune: {device: cpu}`",
+    "remove_unused_columns": "moetune's datasets hold exactly the model inputs",
+    "label_names": "moetune's datasets hold exactly the model inputs",
+    "accelerator_config": "moetune trains in one process without Accelerate settings",
+    "parallelism_config": "moetune trains in one process",
+    "torch_compile_backend": "moetune runs the model eagerly (torch.compile is not applied)",
+    "torch_compile_mode": "moetune runs the model eagerly (torch.compile is not applied)",
+    "liger_kernel_config": "kernel patches are not applied",
+    "hub_token": "moetune does not push to the hub",
+    "hub_private_repo": "moetune does not push to the hub",
+    "hub_strategy": "moetune does not push to the hub",
+    "hub_always_push": "moetune does not push to the hub",
+    "hub_revision": "moetune does not push to the hub",
+    "local_rank": "moetune trains in one process",
+    "logging_nan_inf_filter": "moetune logs every loss as computed; `on_divergence: stop | skip` says what a NaN does",
+}
+# fields that only matter with several processes: accepted, logged
+MULTI_PROCESS = (
+    "ddp_bucket_cap_mb",
+    "ddp_broadcast_buffers",
+    "ddp_static_graph",
+    "ddp_backend",
+    "log_on_each_node",
+    "log_level_replica",
+    "save_on_each_node",
+    "eval_use_gather_object",
+    "average_tokens_across_devices",
+)
+
+
+@functools.cache
+def _fields() -> dict[str, Any]:
+    """TrainingArguments' init fields -> type hints (imports transformers: only when a YAML needs it)."""
+    from transformers import TrainingArguments
+
+    hints = typing.get_type_hints(TrainingArguments)
+    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(TrainingArguments) if f.init}
+
+
+def is_training_argument(key: str) -> bool:
+    """True when ``key`` is a field of transformers' ``TrainingArguments``."""
+    return key in _fields()
+
+
+def passthrough(key: str, value: Any, problems: Problems) -> Any:
+    """``value`` coerced for TrainingArguments field ``key``; problems are reported (and None returned)."""
+    if key in OWNED:
+        problems.add(key, f"is set by moetune itself: {OWNED[key]}. Remove it")
+        return None
+    if key in MULTI_PROCESS:
+        log.warning("%s: %r has no effect: moetune trains in one process", key, value)
+    tp = _fields()[key]
+    simple = _simple(tp)
+    if simple is None or value is None:
+        return value
+    try:
+        return coerce(value, simple)
+    except _BadValue as err:
+        problems.add(key, f"got {value!r}; {err} (transformers TrainingArguments.{key})")
+        return None
+
+
+def _simple(tp: Any) -> Any:
+    """``tp`` when coerce handles it (bool/int/float/str and their Optional forms), else None."""
+    if tp in (bool, int, float, str, dict):
+        return tp
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and all(
+        a in (bool, int, float, str, dict, type(None)) for a in args
+    ):
+        return tp if len([a for a in args if a is not type(None)]) == 1 else None
+    return None
+
+
+def check_training_arguments(kwargs: Mapping[str, Any], extra: tuple[str, ...]) -> str | None:
+    """What transformers says is wrong with ``TrainingArguments(**kwargs)``, or None. ``extra`` names the keys
+    that came through from the YAML (for the message)."""
+    from transformers import TrainingArguments
+
+    try:
+        TrainingArguments(**kwargs)
+    except (ValueError, TypeError, KeyError) as err:
+        keys = f" (keys passed through to transformers: {', '.join(extra)})" if extra else ""
+        return f"transformers refuses the training arguments{keys}: {err}"
+    return None
+
+
+def scheduler_problem(name: str, kwargs: Mapping[str, Any]) -> str | None:
+    """What is wrong with ``lr_scheduler_kwargs`` for scheduler ``name``: it is built on a dummy optimizer."""
+    import inspect
+
+    import torch
+    from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION, SchedulerType, get_scheduler
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    try:
+        get_scheduler(
+            name, optimizer, num_warmup_steps=1, num_training_steps=10, scheduler_specific_kwargs=dict(kwargs)
+        )
+    except (TypeError, ValueError) as err:
+        function: Any = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(name)]
+        taken = [
+            p
+            for p in inspect.signature(function).parameters
+            if p not in ("optimizer", "num_warmup_steps", "num_training_steps", "last_epoch")
+        ]
+        return (
+            f"{f'got {dict(kwargs)!r}' if kwargs else 'without lr_scheduler_kwargs'}; the {name!r} scheduler "
+            f"refuses it ({err}); it takes: "
+            f"{', '.join(taken) or 'no extra arguments'}"
+        )
+    return None
+
+
+def deepspeed_problem(value: Any) -> str | None:
+    """Read a ``deepspeed`` JSON config: None (accepted, one line logged) or why it is refused."""
+    if isinstance(value, Mapping):
+        config, where = dict(value), "the deepspeed mapping"
+    else:
+        path = Path(str(value)).expanduser()
+        try:
+            config, where = json.loads(path.read_text()), str(path)
+        except OSError as err:
+            return f"cannot read {path}: {err}; give the path of a DeepSpeed JSON config, or remove deepspeed"
+        except ValueError as err:
+            return f"{path} is not valid JSON: {err}"
+    if not isinstance(config, dict):
+        return f"{where} must hold a JSON object"
+    zero = config.get("zero_optimization") or {}
+    refused = [
+        f"zero_optimization.{key} (device {zero[key].get('device')!r})"
+        for key in ("offload_optimizer", "offload_param")
+        if isinstance(zero.get(key), dict) and str(zero[key].get("device", "none")).lower() != "none"
+    ]
+    if refused:
+        return (
+            f"{where} sets {', '.join(refused)}: moetune has no DeepSpeed offload; its routed experts and their "
+            f"LoRA already live in CPU RAM and the dense part stays on the GPU. Use a config without offload "
+            f"(e.g. ds_z3_config.json) or remove deepspeed"
+        )
+    fp16 = config.get("fp16") or {}
+    if isinstance(fp16, dict) and fp16.get("enabled") is True:
+        return (
+            f"{where} enables fp16: moetune trains in bf16 or fp32 (set bf16: true); set fp16.enabled to auto"
+        )
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    log.warning(
+        "deepspeed: %s (ZeRO stage %s) is not used: moetune trains in one process, so there is nothing to "
+        "shard; the routed experts sit in CPU RAM (its own engine), the rest on one device, and bf16 follows "
+        "the `bf16` key",
+        where,
+        stage,
+    )
+    return None
