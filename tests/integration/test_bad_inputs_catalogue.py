@@ -127,7 +127,7 @@ CONFIG_CASES = {
         {"model_name_or_path": "/nowhere/model"},
         "model_name_or_path: /nowhere/model does not exist",
     ),
-    "template_name": ({"template": "qwen"}, "looks like a LLaMA-Factory template name"),
+    "template_name": ({"template": "vicuna"}, "'vicuna' is not a LLaMA-Factory template name moetune maps"),
     "eval_without_data": ({"eval_strategy": "steps"}, "there is no evaluation data"),
     "engine_key_at_top": ({"expert_format": "int8"}, "is an engine option; put it under `moetune:`"),
 }
