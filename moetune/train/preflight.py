@@ -234,6 +234,7 @@ def check_resume_checkpoint(folder: Path, cfg: MoetuneConfig, targets: set[str] 
     beside it that passes the same checks."""
     problems = checkpoint_problems(folder, cfg, targets)
     if not problems:
+        check_steps_left(folder, cfg)
         return
     others = [path for _, path in sorted(checkpoints(folder.parent), reverse=True) if path != folder]
     good = next((p for p in others if not checkpoint_problems(p, cfg, targets)), None)
@@ -246,3 +247,25 @@ def check_resume_checkpoint(folder: Path, cfg: MoetuneConfig, targets: set[str] 
         f"resume_from_checkpoint {folder} cannot be resumed:{listing(problems)}\n{offer} (or restore the "
         "damaged files; a run whose LoRA settings changed cannot resume another's checkpoint)."
     )
+
+
+def check_steps_left(folder: Path, cfg: MoetuneConfig) -> None:
+    """``CheckpointError`` when checkpoint ``folder`` already reached the run's last step (``max_steps``, or for an
+    epoch-based run the saved state's own ``max_steps`` when ``num_train_epochs`` is unchanged).
+
+    transformers 5.24's loop tests for the last step only after an optimizer step, so resuming a finished run
+    would train one step past it and overwrite the final adapter.
+    """
+    state = json.loads((folder / TRAINER_STATE).read_text())
+    step, tr = state["global_step"], cfg.training
+    if tr.max_steps > 0:
+        last, key = tr.max_steps, f"max_steps {tr.max_steps}"
+    elif state.get("num_train_epochs") == tr.num_train_epochs and isinstance(state.get("max_steps"), int):
+        last, key = state["max_steps"], f"num_train_epochs {tr.num_train_epochs} ({state['max_steps']} steps)"
+    else:
+        return
+    if step >= last:
+        raise CheckpointError(
+            f"resume_from_checkpoint {folder} is at step {step}, which already reaches {key}: there is nothing left "
+            "to train. Raise max_steps (or num_train_epochs) to train further, or remove resume_from_checkpoint"
+        )

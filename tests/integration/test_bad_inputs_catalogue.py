@@ -409,6 +409,20 @@ def test_resume_true_picks_the_newest_and_offers_the_previous(tmp_path, demo_mod
     assert f"set resume_from_checkpoint: {out / 'checkpoint-2'}" in msg
 
 
+@pytest.mark.parametrize("over", [{"max_steps": 4}, {"max_steps": 3}])
+def test_resume_of_a_finished_run_is_refused(tmp_path, demo_model, trained, no_load, over) -> None:
+    """transformers would train one step past the end (it tests for the last step only after a step)."""
+    out = Path(shutil.copytree(trained, tmp_path / "out"))
+    cfg = config(tmp_path, demo_model, resume_from_checkpoint=str(out / "checkpoint-4"), **over)
+    expect(
+        tmp_path,
+        cfg,
+        CheckpointError,
+        f"is at step 4, which already reaches max_steps {over['max_steps']}",
+        demo_model,
+    )
+
+
 def test_the_guard_catches_a_model_load(tmp_path, demo_model, trained, no_load) -> None:
     """A valid config, and a resume from an intact checkpoint, do reach the load: the cases above stopped before."""
     out = Path(shutil.copytree(trained, tmp_path / "out"))
