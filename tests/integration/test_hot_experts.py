@@ -1,0 +1,147 @@
+"""Hot experts (``gpu_experts``): some experts computed on the model's device (``device="cpu"`` stands in here),
+the rest in the engine. Logits and every gradient equal the all-CPU model's; the engine never computes a hot
+expert (its copy is poisoned with NaN); the saved adapter loads in stock PEFT on the unmodified transformers
+model to the same logits; bad values are refused before anything loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetune.errors import ConfigError
+from moetune.layer import CpuExperts
+from moetune.testing.tiny import VOCAB, save_tiny_model
+
+FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
+TOL = 1e-5  # float32: the hot and cold shares are summed in another order than the engine's own combine
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {f: save_tiny_model(f, root / f, tokenizer=False) for f in FAMILIES}
+
+
+def _model(path: Path, **options):
+    from moetune.adapters import attach_lora
+    from moetune.loading import load_model
+
+    model = load_model(path, device="cpu", dtype="float32", progress=False, **options)
+    torch.manual_seed(3)
+    peft_model = attach_lora(model, rank=4, alpha=8, targets=("o_proj", "experts"))
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # every LoRA tensor random, so no LoRA path (nor a wrong row) can hide
+        for n, p in peft_model.named_parameters():
+            if ".lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return peft_model
+
+
+def _experts(model) -> list[CpuExperts]:
+    return [m for m in model.modules() if isinstance(m, CpuExperts)]
+
+
+def _ids(seed: int = 1) -> torch.Tensor:
+    return torch.randint(4, VOCAB, (2, 13), generator=torch.Generator().manual_seed(seed))
+
+
+def _step(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.train()
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return out.logits.detach(), grads
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hot_experts_match_all_cpu(checkpoints, family, one_thread) -> None:
+    """Logits and every LoRA gradient (experts and attention) equal the all-CPU model's, with the engine's copy
+    of the hot experts poisoned: the engine computes none of them."""
+    path = checkpoints[family]
+    ref = _model(path)
+    layers = len(_experts(ref))
+    hot_sets = [[1, 4, 6], [0, 7]][:layers] if layers > 1 else [[1, 4, 6]]
+    hot = _model(path, gpu_experts=hot_sets)
+    for experts, ids in zip(_experts(hot), hot_sets):
+        assert experts.hot is not None and experts.hot.ids.tolist() == sorted(ids)
+        with torch.no_grad():  # the engine must never read these experts again
+            experts.engine.weights.gate_up[ids] = float("nan")
+            experts.engine.weights.down[ids] = float("nan")
+    ids = _ids()
+    want_logits, want = _step(ref, ids)
+    got_logits, got = _step(hot, ids)
+    assert torch.isfinite(got_logits).all()
+    torch.testing.assert_close(got_logits, want_logits, atol=TOL, rtol=TOL)
+    assert set(got) == set(want) and any("experts" in n for n in want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=TOL, rtol=TOL, msg=name)
+    # the hot experts received tokens: their LoRA A rows (PEFT's [E * r, in], expert-major) have gradients
+    e = _experts(hot)[0].engine.num_experts
+    for name, g in got.items():
+        if "experts.lora_A" in name:
+            assert g.view(e, -1)[sorted(hot_sets[0])].abs().sum() > 0, name
+            break
+
+
+def test_hot_int_and_eval_without_lora(checkpoints, one_thread) -> None:
+    """``gpu_experts: N`` holds experts 0..N-1 of every layer; a plain forward (no LoRA, no grad) matches."""
+    from moetune.loading import load_model
+
+    path = checkpoints["qwen3_moe"]
+    ref = load_model(path, device="cpu", dtype="float32", progress=False).eval()
+    hot = load_model(path, device="cpu", dtype="float32", progress=False, gpu_experts=3).eval()
+    assert all(m.hot is not None and m.hot.ids.tolist() == [0, 1, 2] for m in _experts(hot))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            hot(input_ids=_ids(2)).logits, ref(input_ids=_ids(2)).logits, atol=TOL, rtol=TOL
+        )
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_saved_adapter_loads_in_stock_peft(checkpoints, family, tmp_path) -> None:
+    """The adapter trained with hot experts is the stock PEFT layout: loaded on the unmodified transformers
+    model it gives the hot model's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoints[family]
+    hot = _model(path, gpu_experts=2).eval()
+    ids = _ids(3)
+    with torch.no_grad():
+        want = hot(input_ids=ids).logits
+    hot.save_pretrained(tmp_path / "a")
+    stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(stock, tmp_path / "a").eval()
+    with torch.no_grad():
+        got = loaded(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        (9, "more than the 8 routed experts"),
+        ([[0], [1], [2]], "3 per-layer lists, but the model has 2 MoE layers"),
+        ([[0], [8]], "lists expert ids [8], but that layer has E = 8"),
+        ([[0, 0], [1]], "lists an expert twice"),
+        ("auto", "not implemented yet"),
+        (-1, "allowed: 0 (none)"),
+        ([0, 1], "allowed: 0 (none)"),
+    ],
+)
+def test_bad_gpu_experts_refused_before_loading(checkpoints, value, needle, no_heavy_work) -> None:
+    from moetune.loading import load_model
+
+    with pytest.raises(ConfigError, match="gpu_experts") as info:
+        load_model(checkpoints["qwen3_moe"], device="cpu", dtype="float32", progress=False, gpu_experts=value)
+    assert needle in str(info.value)
+
+
+def test_full_training_refuses_hot_experts(checkpoints) -> None:
+    from moetune.loading import load_model
+
+    model = load_model(checkpoints["qwen3_moe"], device="cpu", dtype="float32", progress=False, gpu_experts=1)
+    with pytest.raises(ConfigError, match="gpu_experts"):
+        _experts(model)[0].train_base()
