@@ -287,7 +287,8 @@ def _train_fully(model: nn.Module, settings: ModeSettings) -> None:
 def memory_report(model: nn.Module) -> dict[str, Any]:
     """Trainable parameters by where they live, and what training them holds: the weights, a gradient of
     each and AdamW's two moments (``exp_avg``, ``exp_avg_sq``, in the parameter's dtype: torch's AdamW makes
-    them with ``zeros_like``), in GiB. Host = the routed experts (and expert LoRA) in CPU RAM."""
+    them with ``zeros_like``), in GiB. Host = the routed experts (and expert LoRA) in CPU RAM. Also the device
+    memory of the hot experts' frozen weight copies (``gpu_experts``, ``moetune.layer.hot``)."""
     host_ids = {id(q) for m in _host_modules(model) for q in m.parameters()}
     host = device = host_bytes = device_bytes = 0
     for p in model.parameters():
@@ -304,6 +305,11 @@ def memory_report(model: nn.Module) -> dict[str, Any]:
         "trainable_device_params": device,
         "host_train_state_gb": round(host_bytes / gib, 6),
         "device_train_state_gb": round(device_bytes / gib, 6),
+        "hot_experts_device_gb": round(
+            sum(m.hot.nbytes for m in model.modules() if isinstance(m, CpuExperts) and m.hot is not None)
+            / gib,
+            6,
+        ),
     }
 
 

@@ -86,8 +86,10 @@ def test_hot_experts_match_all_cpu(checkpoints, family, one_thread) -> None:
 
 
 def test_hot_int_and_eval_without_lora(checkpoints, one_thread) -> None:
-    """``gpu_experts: N`` holds experts 0..N-1 of every layer; a plain forward (no LoRA, no grad) matches."""
+    """``gpu_experts: N`` holds experts 0..N-1 of every layer; a plain forward (no LoRA, no grad) matches, and
+    the memory report counts the device copies: N experts' gate_up [2I, H] and down [H, I] per layer."""
     from moetune.loading import load_model
+    from moetune.train.modes import memory_report
 
     path = checkpoints["qwen3_moe"]
     ref = load_model(path, device="cpu", dtype="float32", progress=False).eval()
@@ -97,6 +99,25 @@ def test_hot_int_and_eval_without_lora(checkpoints, one_thread) -> None:
         torch.testing.assert_close(
             hot(input_ids=_ids(2)).logits, ref(input_ids=_ids(2)).logits, atol=TOL, rtol=TOL
         )
+    e = _experts(hot)[0].engine
+    want = len(_experts(hot)) * 3 * 3 * e.hidden_size * e.intermediate_size * 4  # fp32
+    assert memory_report(hot)["hot_experts_device_gb"] == round(want / 2**30, 6) > 0
+    assert memory_report(ref)["hot_experts_device_gb"] == 0
+
+
+def test_hot_experts_with_gradient_checkpointing(checkpoints, one_thread) -> None:
+    """Activation checkpointing recomputes the layer: the hot share is recomputed on the device, the engine's
+    share reused (its memo); gradients equal the all-CPU model's without checkpointing."""
+    path = checkpoints["qwen3_moe"]
+    ref = _model(path)
+    hot = _model(path, gpu_experts=[[2, 3], [5]])
+    hot.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = _ids(4)
+    want_logits, want = _step(ref, ids)
+    got_logits, got = _step(hot, ids)
+    torch.testing.assert_close(got_logits, want_logits, atol=TOL, rtol=TOL)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=TOL, rtol=TOL, msg=name)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
