@@ -164,6 +164,24 @@ def check_mode_planned(planned: Any, experts: Any, settings: ModeSettings) -> No
     stored = experts.expert_path is not None  # a pre-quantized store: never dense float weights
     formats = ["store" if stored else f.name for f in planned.formats]
     check_mode(planned.model, settings, formats, [layer.site.path for layer in planned.plan.layers])
+    _check_hot(planned.model, settings, [path for path, ids in planned.hot.items() if ids])
+
+
+def _check_hot(meta_model: nn.Module, settings: ModeSettings, hot: list[str]) -> None:
+    """Experts modules with hot experts (``gpu_experts``: frozen device copies) must not train fully."""
+    if not hot or settings.method is FinetuningType.LORA:
+        return
+    trained = (
+        set(hot)
+        if settings.method is FinetuningType.FULL
+        else set(_experts_under(meta_model, freeze_selection(meta_model, settings))) & set(hot)
+    )
+    if trained:
+        raise ConfigError(
+            f"moetune.gpu_experts puts experts of {listing(sorted(trained), inline=True)} on the device as frozen "
+            f"copies, but finetuning_type: {settings.method.value} trains those experts' base weights in the CPU "
+            "engine; set gpu_experts to 0, or leave those experts untrained (lora, or freeze without them)"
+        )
 
 
 def check_mode(meta_model: nn.Module, settings: ModeSettings, formats: list[str], sites: list[str]) -> None:

@@ -166,3 +166,26 @@ def test_full_training_refuses_hot_experts(checkpoints) -> None:
     model = load_model(checkpoints["qwen3_moe"], device="cpu", dtype="float32", progress=False, gpu_experts=1)
     with pytest.raises(ConfigError, match="gpu_experts"):
         _experts(model)[0].train_base()
+
+
+def test_full_and_freeze_of_hot_experts_refused_before_loading(checkpoints, no_heavy_work) -> None:
+    """The preflight's mode check (on the meta-device model) refuses training the base weights of experts modules
+    that hold hot experts; freeze without those experts, and LoRA, are fine."""
+    from moetune.config.experts import ExpertOptions
+    from moetune.config.schema import FinetuningType
+    from moetune.loading.load import plan_load
+    from moetune.loading.options import LoadOptions
+    from moetune.train.modes import ModeSettings, check_mode_planned
+
+    experts = ExpertOptions.create(gpu_experts=[[1], []])  # layer 0 only
+    planned = plan_load(checkpoints["qwen3_moe"], LoadOptions.create(experts=experts, dtype="float32"))
+    full = ModeSettings(FinetuningType.FULL)
+    with pytest.raises(ConfigError, match=r"gpu_experts puts experts of model\.layers\.0\.mlp\.experts"):
+        check_mode_planned(planned, experts, full)
+    with pytest.raises(ConfigError, match="finetuning_type: freeze"):  # the first layer's experts train
+        check_mode_planned(planned, experts, ModeSettings(FinetuningType.FREEZE, trainable_layers=-1))
+    check_mode_planned(planned, experts, ModeSettings(FinetuningType.FREEZE, trainable_layers=1))
+    check_mode_planned(
+        planned, experts, ModeSettings(FinetuningType.FREEZE, trainable_modules=("self_attn",))
+    )
+    check_mode_planned(planned, experts, ModeSettings(FinetuningType.LORA))
