@@ -189,3 +189,31 @@ def test_full_and_freeze_of_hot_experts_refused_before_loading(checkpoints, no_h
         planned, experts, ModeSettings(FinetuningType.FREEZE, trainable_modules=("self_attn",))
     )
     check_mode_planned(planned, experts, ModeSettings(FinetuningType.LORA))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hot_experts_on_cuda_match_all_cpu(checkpoints, family) -> None:
+    """On CUDA: the hot experts computed on the GPU, concurrently with the engine; logits and every gradient equal
+    the all-CPU model's (fp32; CUDA's GEMMs sum in other orders, hence the looser tolerance)."""
+    from moetune.adapters import attach_lora
+    from moetune.loading import load_model
+
+    path = checkpoints[family]
+    ref = _model(path)
+    model = load_model(path, device="cuda", dtype="float32", progress=False, gpu_experts=3)
+    torch.manual_seed(3)
+    hot = attach_lora(model, rank=4, alpha=8, targets=("o_proj", "experts"))
+    with torch.no_grad():  # the same LoRA values as the reference, wherever each tensor lives
+        params = dict(ref.named_parameters())
+        for n, p in hot.named_parameters():
+            if ".lora_" in n:
+                p.copy_(params[n])
+    assert all(m.hot is not None and m.hot.gate_up.is_cuda for m in _experts(hot))
+    ids = _ids()
+    want_logits, want = _step(ref, ids)
+    got_logits, got = _step(hot, ids.cuda())
+    torch.testing.assert_close(got_logits.cpu(), want_logits, atol=1e-4, rtol=1e-4)
+    for name in want:
+        torch.testing.assert_close(got[name].cpu(), want[name], atol=1e-4, rtol=1e-4, msg=name)
