@@ -25,6 +25,7 @@ from torch import nn
 from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS
 from moetune.arch.spec import ExpertsCall
 from moetune.engine import LORA_NAMES, DenseExperts, ExpertEngine, ExpertLoRA, TrainMode
+from moetune.engine.routing import validate_routing
 from moetune.errors import ConfigError, SaveError
 from moetune.layer.function import routed_experts
 from moetune.layer.hot import HotExperts
@@ -159,8 +160,11 @@ class CpuExperts(nn.Module):
         y_hot, cold = None, None
         if (
             self.hot is not None
-        ):  # queue the hot experts on the device before the engine runs (moetune.layer.hot)
-            route = self.hot.route(host.wait()[1])
+        ):  # the hot experts are queued on the device before the engine runs (layer.hot)
+            x_host, ids_host, w_host = host.wait()
+            # all slots, before the split: the engine then sees one expert per row and could not tell duplicates
+            validate_routing(ids_host, w_host, x_host.shape[0], self.engine.num_experts)
+            route = self.hot.route(ids_host)
             y_hot = self.hot(hidden_states, top_k_weights, route, self.engine.call_lora(lora), self.training)
             cold = route.cold
         y = routed_experts(

@@ -217,3 +217,20 @@ def test_hot_experts_on_cuda_match_all_cpu(checkpoints, family) -> None:
     torch.testing.assert_close(got_logits.cpu(), want_logits, atol=1e-4, rtol=1e-4)
     for name in want:
         torch.testing.assert_close(got[name].cpu(), want[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_bad_routing_is_refused_with_hot_experts(checkpoints) -> None:
+    """The routing is checked whole before the split (the engine then sees one expert per row): a token listing
+    an expert twice, or an id out of range, is the engine's own error."""
+    from moetune.errors import EngineError
+    from moetune.loading import load_model
+
+    model = load_model(checkpoints["qwen3_moe"], device="cpu", dtype="float32", progress=False, gpu_experts=2)
+    experts = _experts(model)[0]
+    x, w = torch.randn(3, experts.engine.hidden_size), torch.full((3, 2), 0.5)
+    for ids, needle in (
+        ([[0, 0], [1, 2], [3, 4]], "lists an expert twice"),
+        ([[0, 1], [-1, 2], [3, 4]], "out of range"),
+    ):
+        with pytest.raises(EngineError, match=needle):
+            experts(x, torch.tensor(ids), w)
