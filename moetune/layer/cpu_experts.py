@@ -61,6 +61,10 @@ class CpuExperts(nn.Module):
                 self.register_parameter(f"lora_{name}", param)
         self.exports = False  # a state dict of the model carries the dense expert weights (export_weights)
         self.hot: HotExperts | None = None  # experts computed on the device (place_hot)
+        # gpu_experts auto (moetune.layer.hot_auto): routed slots per expert [E] while counting, and the device and
+        # dtype of the hidden states counted
+        self.routing_counts: torch.Tensor | None = None
+        self.counted_on: tuple[torch.device, torch.dtype] | None = None
         if engine.mode is TrainMode.FULL:
             self._register_base()
 
@@ -157,10 +161,12 @@ class CpuExperts(nn.Module):
         host = HostCopy(hidden_states, top_k_index, top_k_weights)
         if self.shared_ahead is not None:
             self.shared_ahead.launch(hidden_states)
+        if self.routing_counts is not None:  # gpu_experts auto: counting (moetune.layer.hot_auto)
+            e = self.engine.num_experts
+            self.routing_counts += torch.bincount(host.wait()[1].reshape(-1), minlength=e)[:e]
+            self.counted_on = (hidden_states.device, hidden_states.dtype)
         y_hot, cold = None, None
-        if (
-            self.hot is not None
-        ):  # the hot experts are queued on the device before the engine runs (layer.hot)
+        if self.hot is not None:  # queued on the device before the engine runs (moetune.layer.hot)
             x_host, ids_host, w_host = host.wait()
             # all slots, before the split: the engine then sees one expert per row and could not tell duplicates
             validate_routing(ids_host, w_host, x_host.shape[0], self.engine.num_experts)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from moetune.arch import ArchSpec, ExpertsSite, find_experts, resolve_arch
-from moetune.config.experts import hot_sets
+from moetune.config.experts import AUTO, hot_sets
 from moetune.engine.threads import set_engine_threads
 from moetune.errors import LoadError
 from moetune.layer import EXPERTS_MODULES
@@ -235,6 +235,14 @@ def load_model(
             ]
         )
 
+    if opts.experts.gpu_experts == AUTO:
+        from moetune.layer.hot_auto import start_counting
+
+        logger.info(
+            "moetune: gpu_experts auto: counting the routing of %d experts modules until the hot experts are chosen "
+            "(moetune.layer.hot_auto.place_auto; moetune train does it after gpu_experts_warmup steps)",
+            start_counting(model),
+        )
     hot_layers = [path for path, ids in planned.hot.items() if ids]
     if hot_layers:
         logger.info(

@@ -147,7 +147,7 @@ def test_saved_adapter_loads_in_stock_peft(checkpoints, family, tmp_path) -> Non
         ([[0], [1], [2]], "3 per-layer lists, but the model has 2 MoE layers"),
         ([[0], [8]], "lists expert ids [8], but that layer has E = 8"),
         ([[0, 0], [1]], "lists an expert twice"),
-        ("auto", "not implemented yet"),
+        ("auto", "gpu_experts_budget is not set"),
         (-1, "allowed: 0 (none)"),
         ([0, 1], "allowed: 0 (none)"),
     ],
@@ -234,3 +234,53 @@ def test_bad_routing_is_refused_with_hot_experts(checkpoints) -> None:
     ):
         with pytest.raises(EngineError, match=needle):
             experts(x, torch.tensor(ids), w)
+
+
+def test_auto_counts_the_routing_and_places_the_most_routed(checkpoints, one_thread) -> None:
+    """``gpu_experts: auto``: the counts equal the routing the all-CPU model's experts modules receive (seen by
+    forward pre-hooks there); ``place_auto`` with a budget of three experts places the three with the largest
+    share of their layer's slots, and the logits do not change."""
+    from moetune.layer.hot_auto import expert_device_bytes, place_auto
+    from moetune.loading import load_model
+
+    path = checkpoints["qwen3_moe"]
+    ref = load_model(path, device="cpu", dtype="float32", progress=False).eval()
+    seen: dict[int, torch.Tensor] = {}
+
+    def count(j):
+        def hook(module, args):
+            seen[j] = seen.get(j, 0) + torch.bincount(
+                args[1].reshape(-1), minlength=module.engine.num_experts
+            )
+
+        return hook
+
+    for j, m in enumerate(_experts(ref)):
+        m.register_forward_pre_hook(count(j))
+    model = load_model(
+        path, device="cpu", dtype="float32", progress=False, gpu_experts="auto", gpu_experts_budget=1
+    )
+    assert all(m.hot is None and m.routing_counts is not None for m in _experts(model))
+    with torch.no_grad():
+        for seed in (5, 6):
+            torch.testing.assert_close(model(input_ids=_ids(seed)).logits, ref(input_ids=_ids(seed)).logits)
+    for j, m in enumerate(_experts(model)):
+        assert torch.equal(m.routing_counts, seen[j])
+    share = sorted(
+        (-float(seen[j][e]) / float(seen[j].sum()), j, e)
+        for j in seen
+        for e in range(len(seen[j]))
+        if seen[j][e]
+    )
+    want: dict[int, list[int]] = {}
+    for _, j, e in share[:3]:
+        want.setdefault(j, []).append(e)
+    one = expert_device_bytes(_experts(model)[0], torch.float32)
+    place_auto(model, 3 * one + one - 1)
+    got = {j: m.hot.ids.tolist() for j, m in enumerate(_experts(model)) if m.hot is not None}
+    assert got == {j: sorted(ids) for j, ids in want.items()}
+    assert all(m.routing_counts is None for m in _experts(model))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(input_ids=_ids(7)).logits, ref(input_ids=_ids(7)).logits, atol=TOL, rtol=TOL
+        )

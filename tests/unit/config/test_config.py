@@ -523,7 +523,6 @@ def test_gpu_experts_from_yaml_and_ktransformers(workdir: Path) -> None:
     both = problems_of(minimal(kt_num_gpu_experts=4, moetune={"gpu_experts": 2}))
     assert "kt_num_gpu_experts: is read as `moetune: {gpu_experts: 4}`, but gpu_experts is already 2" in both
     for value, needle in (
-        ("auto", "not implemented yet"),
         ([[0, 0]], "lists an expert twice"),
         ([[0, -1]], "not expert ids"),
         (True, "allowed: 0 (none)"),
@@ -532,10 +531,24 @@ def test_gpu_experts_from_yaml_and_ktransformers(workdir: Path) -> None:
         assert f"moetune.gpu_experts: got {value!r}" in text and needle in text, text
 
 
+def test_gpu_experts_auto_options(workdir: Path) -> None:
+    """``auto`` needs a device budget; the auto options without ``auto`` are refused; YAML spellings coerce."""
+    experts = parse_config(
+        minimal(moetune={"gpu_experts": "AUTO", "gpu_experts_budget": "1MB", "gpu_experts_warmup": "3"})
+    ).engine.experts
+    assert (experts.gpu_experts, experts.gpu_experts_budget, experts.gpu_experts_warmup) == ("auto", 10**6, 3)
+    text = problems_of(minimal(moetune={"gpu_experts": "auto"}))
+    assert "moetune.gpu_experts: is 'auto' but gpu_experts_budget is not set" in text
+    text = problems_of(minimal(moetune={"gpu_experts": 2, "gpu_experts_warmup": 3}))
+    assert "moetune.gpu_experts_warmup: is set (3) but applies to gpu_experts: auto only" in text
+    text = problems_of(minimal(moetune={"gpu_experts": "auto", "gpu_experts_budget": "lots"}))
+    assert "moetune.gpu_experts_budget: got 'lots'" in text
+
+
 def test_hot_sets_check_the_model() -> None:
     from moetune.config.experts import hot_sets
 
-    assert hot_sets(None, [8, 8]) == [(), ()]
+    assert hot_sets(None, [8, 8]) == [(), ()] == hot_sets("auto", [8, 8])
     assert hot_sets(2, [8, 4]) == [(0, 1), (0, 1)]
     assert hot_sets(((5, 1), ()), [8, 8]) == [(1, 5), ()]
     with pytest.raises(ConfigError, match=r"gpu_experts: got 5, more than the 4 routed experts"):
