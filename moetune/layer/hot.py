@@ -137,7 +137,10 @@ class HotExperts(nn.Module):
         a1, b1, a2, b2 = (t.index_select(0, self.ids) for t in lora.tensors())
         if lora.gate_up_rows is not None:
             b1 = b1.index_select(1, lora.gate_up_rows)
-        return tuple(t.to(device, dtype) for t in (a1, b1, a2, b2))
+        if device.type == "cpu":
+            return tuple(t.to(dtype) for t in (a1, b1, a2, b2))
+        # through pinned memory: a copy from pageable memory would first wait for the device's queued work
+        return tuple(t.pin_memory().to(device, dtype, non_blocking=True) for t in (a1, b1, a2, b2))
 
     def forward(
         self,
