@@ -91,6 +91,14 @@ class ExpertOptions:
             ``load_model`` and ``moetune convert`` size torch's process-wide intra-op pool to it once
             (``moetune.engine.threads.set_engine_threads``).
         check_finite: the engine raises ``NonFiniteError`` on NaN/Inf, naming tensor and expert.
+        gpu_experts: routed experts held and computed on the model's device ("hot" experts,
+            ``moetune.layer.hot``): None or 0 (default: none), an int N (experts ``0..N-1`` of every MoE
+            layer), one list of expert ids per MoE layer (a tuple of tuples once validated), or ``auto``: the
+            experts most routed to over the first ``gpu_experts_warmup`` training steps, as many as
+            ``gpu_experts_budget`` bytes of device memory hold (``moetune.layer.hot_auto``). Checked against the
+            model's E and MoE layer count before anything loads (``hot_sets``).
+        gpu_experts_budget: ``auto`` only: device bytes for the hot experts' copies (an int or ``"2GB"``).
+        gpu_experts_warmup: ``auto`` only: training steps whose routing is counted before choosing (None: 4).
     """
 
     expert_format: str = AUTO
@@ -102,6 +110,9 @@ class ExpertOptions:
     activation_policy: ActivationPolicy = ActivationPolicy.RETAIN
     num_threads: int | None = None
     check_finite: bool = False
+    gpu_experts: int | str | tuple[tuple[int, ...], ...] | None = None
+    gpu_experts_budget: int | None = None
+    gpu_experts_warmup: int | None = None
 
     @classmethod
     def names(cls) -> list[str]:
@@ -131,6 +142,10 @@ class ExpertOptions:
             out["expert_residency_budget"] = parse_bytes(out["expert_residency_budget"])
         if "activation_policy" in out:
             out["activation_policy"] = ActivationPolicy(out["activation_policy"])
+        if out.get("gpu_experts_budget") is not None:
+            out["gpu_experts_budget"] = parse_bytes(out["gpu_experts_budget"])
+        if isinstance(out.get("gpu_experts"), (list, tuple)):
+            out["gpu_experts"] = tuple(tuple(layer) for layer in out["gpu_experts"])
         return cls(**out)
 
 
@@ -165,7 +180,70 @@ def _field_checks() -> dict[str, Callable[[object], str | None]]:
         "activation_policy": _one_of([p.value for p in ActivationPolicy]),
         "num_threads": lambda v: None if _is_int(v) and v >= 1 else "must be a positive integer",
         "check_finite": lambda v: None if isinstance(v, bool) else "allowed: true or false",
+        "gpu_experts": _gpu_experts_problem,
+        "gpu_experts_budget": lambda v: (
+            None
+            if parse_bytes(v) is not None
+            else "allowed: a positive number of bytes, or a size such as '2GB'"
+        ),
+        "gpu_experts_warmup": lambda v: None if _is_int(v) and v >= 1 else "must be a positive integer",
     }
+
+
+GPU_EXPERTS_ALLOWED = (
+    "allowed: 0 (none), a number N of experts per MoE layer (ids 0..N-1), one list of distinct expert ids "
+    "per MoE layer, e.g. [[0, 5], [3]], or auto (with gpu_experts_budget)"
+)
+GPU_AUTO_OPTIONS = ("gpu_experts_budget", "gpu_experts_warmup")
+
+
+def _gpu_experts_problem(value: object) -> str | None:
+    """What is wrong with a ``gpu_experts`` value on its own (the model's E and layer count are checked by
+    :func:`hot_sets`)."""
+    if value == AUTO:
+        return None
+    if _is_int(value):
+        return None if value >= 0 else GPU_EXPERTS_ALLOWED  # type: ignore[operator]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(layer, (list, tuple)) for layer in value):
+        return GPU_EXPERTS_ALLOWED
+    for j, layer in enumerate(value):
+        if not all(_is_int(e) and e >= 0 for e in layer):
+            return f"layer {j} lists {list(layer)!r}, not expert ids (integers >= 0); {GPU_EXPERTS_ALLOWED}"
+        if len(set(layer)) != len(layer):
+            return f"layer {j} lists an expert twice: {list(layer)!r}; {GPU_EXPERTS_ALLOWED}"
+    return None
+
+
+def hot_sets(
+    gpu_experts: int | str | tuple[tuple[int, ...], ...] | None, num_experts: list[int]
+) -> list[tuple[int, ...]]:
+    """The hot expert ids of each MoE layer (``num_experts[j]``: E of layer j, in the model's module order),
+    sorted; ``ConfigError`` naming ``gpu_experts``, its value and what the model allows when they do not fit.
+    ``auto``: none yet (they are chosen during training, ``moetune.layer.hot_auto``)."""
+    if not gpu_experts or isinstance(gpu_experts, str):  # str: auto (validated)
+        return [() for _ in num_experts]
+    if isinstance(gpu_experts, int):
+        too_many = [e for e in num_experts if gpu_experts > e]
+        if too_many:
+            raise ConfigError(
+                f"gpu_experts: got {gpu_experts}, more than the {min(too_many)} routed experts of a MoE layer of "
+                f"this model; allowed: 0..{min(num_experts)} (every layer's experts on the device is not what "
+                "moetune is for: load the model with transformers instead)"
+            )
+        return [tuple(range(gpu_experts)) for _ in num_experts]
+    if len(gpu_experts) != len(num_experts):
+        raise ConfigError(
+            f"gpu_experts: got {len(gpu_experts)} per-layer lists, but the model has {len(num_experts)} MoE layers; "
+            f"allowed: one list of expert ids per MoE layer (an empty list for none), or a number N"
+        )
+    for j, (layer, e) in enumerate(zip(gpu_experts, num_experts)):
+        bad = [i for i in layer if i >= e]
+        if bad:
+            raise ConfigError(
+                f"gpu_experts: MoE layer {j} lists expert ids {bad}, but that layer has E = {e} experts; "
+                f"allowed: ids 0..{e - 1}"
+            )
+    return [tuple(sorted(layer)) for layer in gpu_experts]
 
 
 def expert_option_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -197,6 +275,25 @@ def expert_option_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
             )
             for name in INT4_OPTIONS
             if values.get(name) is not None and name not in bad
+        ]
+    if "gpu_experts" not in bad:
+        auto = values.get("gpu_experts") == AUTO
+        if auto and values.get("gpu_experts_budget") is None:
+            problems.append(
+                (
+                    "gpu_experts",
+                    "is 'auto' but gpu_experts_budget is not set; set gpu_experts_budget to the device memory the "
+                    "hot experts may take, e.g. '2GB'",
+                )
+            )
+        problems += [
+            (
+                name,
+                f"is set ({values[name]!r}) but applies to gpu_experts: auto only; gpu_experts is "
+                f"{values.get('gpu_experts')!r}. Set gpu_experts: auto, or remove {name}",
+            )
+            for name in GPU_AUTO_OPTIONS
+            if not auto and values.get(name) is not None and name not in bad
         ]
     residency = values.get("expert_residency", ExpertResidency.RAM)
     if "expert_residency" not in bad:

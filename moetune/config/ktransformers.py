@@ -6,11 +6,11 @@ another CPU expert backend. moetune's engine takes that backend's place, so each
 
 - **mapped** onto a ``moetune:`` engine option (``kt_backend`` / ``kt_expert_weight_format`` ->
   ``expert_format``, ``cpu_infer`` / ``kt_num_threads`` -> ``num_threads``, ``kt_cpu_activation`` ->
-  ``activation_policy``); setting the same option both ways is an error;
+  ``activation_policy``, ``kt_num_gpu_experts`` -> ``gpu_experts``); setting the same option both ways is an error;
 - **inert**: the other backend's tuning knobs, accepted with one logged line each saying why they have no
   effect here;
 - **refused** where it asks for something moetune does differently (``kt_weight_path``: a KTransformers
-  ``.kt`` tree; convert with ``moetune convert`` instead) or not yet (GPU-resident experts).
+  ``.kt`` tree; convert with ``moetune convert`` instead) or not (GPU-side extra LoRA experts).
 """
 
 from __future__ import annotations
@@ -71,12 +71,6 @@ _CHECKED: dict[str, Callable[[Any], str | None]] = {
         else "moetune reads the routed experts from model_name_or_path (or a store, `moetune: {expert_path: ...}`); "
         "remove it"
     ),
-    "kt_num_gpu_experts": lambda v: (
-        None
-        if v in (0, None)
-        else "moetune keeps every routed expert in CPU RAM; experts resident on the GPU are not supported yet. "
-        "Set it to 0 or remove it"
-    ),
     "kt_use_lora_experts": lambda v: (
         None
         if v in (False, None)
@@ -99,6 +93,10 @@ _MAPPED: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "kt_expert_weight_format": ("expert_format", lambda v: _WEIGHT_FORMATS.get(str(v).lower())),
     "cpu_infer": ("num_threads", lambda v: v),
     "kt_num_threads": ("num_threads", lambda v: v),
+    "kt_num_gpu_experts": (
+        "gpu_experts",
+        lambda v: v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None,
+    ),
     "kt_cpu_activation": (
         "activation_policy",
         lambda v: str(v).lower() if str(v).lower() in ("retain", "recompute") else None,
@@ -108,6 +106,7 @@ _ALLOWED = {
     "kt_backend": ", ".join(_BACKEND_FORMATS),
     "kt_expert_weight_format": ", ".join(_WEIGHT_FORMATS),
     "kt_cpu_activation": "retain, recompute",
+    "kt_num_gpu_experts": "a number of experts per MoE layer, 0 or more",
 }
 
 

@@ -212,13 +212,16 @@ def _parse_engine(raw: Mapping[str, Any], problems: Problems, origins: Mapping[s
 _EXPERT_OPTION_TYPES: dict[str, Any] = {
     "int4_group_size": int,
     "num_threads": int,
+    "gpu_experts_warmup": int,
     "int4_symmetric": bool,
     "check_finite": bool,
 }
 
 
 def _coerce_expert_option(key: str, value: Any) -> Any:
-    if key in ("activation_policy", "expert_residency", "expert_format") and isinstance(value, str):
+    if key in ("activation_policy", "expert_residency", "expert_format", "gpu_experts") and isinstance(
+        value, str
+    ):
         return value.lower()
     if key in _EXPERT_OPTION_TYPES:
         try:

@@ -25,8 +25,10 @@ from torch import nn
 from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS
 from moetune.arch.spec import ExpertsCall
 from moetune.engine import LORA_NAMES, DenseExperts, ExpertEngine, ExpertLoRA, TrainMode
+from moetune.engine.routing import validate_routing
 from moetune.errors import ConfigError, SaveError
 from moetune.layer.function import routed_experts
+from moetune.layer.hot import HotExperts
 from moetune.layer.memo import ForwardMemo
 from moetune.layer.overlap import SharedAhead
 from moetune.layer.runtime_layout import from_runtime, to_runtime
@@ -58,6 +60,11 @@ class CpuExperts(nn.Module):
                 setattr(engine.lora, name, param)  # the engine reads the very Parameter objects
                 self.register_parameter(f"lora_{name}", param)
         self.exports = False  # a state dict of the model carries the dense expert weights (export_weights)
+        self.hot: HotExperts | None = None  # experts computed on the device (place_hot)
+        # gpu_experts auto (moetune.layer.hot_auto): routed slots per expert [E] while counting, and the device and
+        # dtype of the hidden states counted
+        self.routing_counts: torch.Tensor | None = None
+        self.counted_on: tuple[torch.device, torch.dtype] | None = None
         if engine.mode is TrainMode.FULL:
             self._register_base()
 
@@ -73,6 +80,17 @@ class CpuExperts(nn.Module):
             engine.gate_up_bias = self.gate_up_proj_bias = nn.Parameter(engine.gate_up_bias.detach())
         if engine.down_bias is not None:
             engine.down_bias = self.down_proj_bias = nn.Parameter(engine.down_bias.detach())
+
+    def place_hot(self, ids: tuple[int, ...], device: torch.device | str, dtype: torch.dtype) -> None:
+        """Hold experts ``ids`` (sorted, distinct, < E) also on ``device`` in ``dtype`` and compute them there
+        (``moetune.layer.hot``); the engine then computes the other experts only. Empty ``ids``: none."""
+        if self.engine.mode is TrainMode.FULL:
+            raise ConfigError(
+                f"gpu_experts: {self.engine.name} trains its base expert weights (finetuning_type full or freeze), "
+                "which the engine updates on the host; hot experts on the device hold frozen copies. Set "
+                "gpu_experts to 0 for full/freeze training"
+            )
+        self.hot = HotExperts(self.engine, ids, torch.device(device), dtype) if ids else None
 
     def export_weights(self) -> None:
         """Let a state dict of the model carry this module's expert weights, in the layout of the transformers
@@ -96,6 +114,12 @@ class CpuExperts(nn.Module):
         """Switch to full mode: the base expert weights (and biases) become trainable CPU ``nn.Parameter``s whose
         gradient the engine computes (``TrainMode.FULL``). ``dtype``: hold them in it (a copy, e.g. fp32 master
         weights of a bf16 model), else in place, without a copy. Also :meth:`export_weights`."""
+        if self.hot is not None:
+            raise ConfigError(
+                f"gpu_experts: {self.engine.name} holds {len(self.hot.ids)} experts on the device (frozen copies); "
+                "full and freeze training update the base expert weights in the engine. Set gpu_experts to 0 for "
+                "finetuning_type full or freeze"
+            )
         self.export_weights()
         old = self.engine
         weights = old.weights
@@ -137,7 +161,19 @@ class CpuExperts(nn.Module):
         host = HostCopy(hidden_states, top_k_index, top_k_weights)
         if self.shared_ahead is not None:
             self.shared_ahead.launch(hidden_states)
-        return routed_experts(
+        if self.routing_counts is not None:  # gpu_experts auto: counting (moetune.layer.hot_auto)
+            e = self.engine.num_experts
+            self.routing_counts += torch.bincount(host.wait()[1].reshape(-1), minlength=e)[:e]
+            self.counted_on = (hidden_states.device, hidden_states.dtype)
+        y_hot, cold = None, None
+        if self.hot is not None:  # queued on the device before the engine runs (moetune.layer.hot)
+            x_host, ids_host, w_host = host.wait()
+            # all slots, before the split: the engine then sees one expert per row and could not tell duplicates
+            validate_routing(ids_host, w_host, x_host.shape[0], self.engine.num_experts)
+            route = self.hot.route(ids_host)
+            y_hot = self.hot(hidden_states, top_k_weights, route, self.engine.call_lora(lora), self.training)
+            cold = route.cold
+        y = routed_experts(
             self.engine,
             hidden_states,
             top_k_index,
@@ -146,7 +182,9 @@ class CpuExperts(nn.Module):
             memo=self.memo,
             host=host,
             lora=lora,
+            subset=cold,
         )
+        return y if y_hot is None else y + y_hot
 
     def _expert_tensors(self) -> dict[str, torch.Tensor]:
         """The engine's dense tensors by module name (``gate_up_proj``, ``down_proj``, biases), engine layout."""
@@ -214,15 +252,19 @@ class CpuExperts(nn.Module):
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> CpuExperts:
         # model.to("cuda") / model.bfloat16() must not move or down-cast host-resident expert state:
-        # the engine computes on the CPU and keeps fp32 master LoRA weights.
+        # the engine computes on the CPU and keeps fp32 master LoRA weights. Hot experts' device copies move
+        # and cast with the model, as its other device weights.
+        if self.hot is not None:
+            self.hot._apply(fn)
         return self
 
     def extra_repr(self) -> str:
         e = self.engine
+        hot = f", hot={self.hot.ids.tolist()}" if self.hot is not None else ""
         return (
             f"E={e.num_experts}, H={e.hidden_size}, I={e.intermediate_size}, format={e.weights.name}, "
             f"storage={e.weights.storage_dtype}, compute={e.compute_dtype}, mode={e.mode.value}, "
-            f"policy={e.options.policy.value}"
+            f"policy={e.options.policy.value}{hot}"
         )
 
 
@@ -326,6 +368,7 @@ class PostNormExperts(CpuExperts):
         # the norm is a device module of the model: it moves and casts with it (the engine's state does not)
         if recurse:
             self.post_expert_norm._apply(fn)
+        super()._apply(fn, recurse)  # the hot experts' device copies, if any
         return self
 
 

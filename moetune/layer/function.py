@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from moetune.engine import ExpertEngine, ExpertLoRA, SavedForward
+from moetune.layer.hot import SlotSubset
 from moetune.layer.memo import ForwardMemo
 from moetune.layer.transfer import HostCopy, to_device, to_host
 
@@ -30,13 +31,17 @@ class ExpertsFunction(torch.autograd.Function):
         training: bool,
         memo: ForwardMemo | None,
         host: HostCopy | None,
+        subset: SlotSubset | None,
         x: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         *trained: torch.Tensor,
     ) -> torch.Tensor:
-        needs_backward = any(ctx.needs_input_grad[5:])
+        needs_backward = any(ctx.needs_input_grad[6:])
         inputs = (host if host is not None else HostCopy(x, topk_ids, topk_weights)).wait()
+        ctx.subset, ctx.num_tokens = subset, x.shape[0]
+        if subset is not None:  # one row per slot of the subset (k = 1)
+            inputs = subset.take(*inputs)
         saved: SavedForward | None
         if needs_backward and memo is not None:
             y, saved = memo.forward(engine, *inputs, training=training, lora=lora)
@@ -49,6 +54,8 @@ class ExpertsFunction(torch.autograd.Function):
             ctx.save_for_backward(*saved.tensors())
             ctx.saved = saved.with_tensors((None,) * len(saved.TENSOR_FIELDS))
         ctx.x_device, ctx.w_device = x.device, topk_weights.device
+        if subset is not None:
+            y = subset.add_rows(y, x.shape[0])
         return to_device(y, x.device)
 
     @staticmethod
@@ -58,15 +65,22 @@ class ExpertsFunction(torch.autograd.Function):
         if ctx.memo is not None and saved is not None:
             ctx.memo.forget(saved)
         (grad_y_host,) = to_host(grad_y)
+        subset: SlotSubset | None = ctx.subset
+        if subset is not None:
+            grad_y_host = grad_y_host.index_select(0, subset.token)
         grads = engine.backward(saved, grad_y_host)
+        grad_x_host, grad_w_host = grads.x, grads.topk_weights
+        if subset is not None:
+            grad_x_host = subset.add_rows(grad_x_host, ctx.num_tokens)
+            grad_w_host = subset.put_slots(grad_w_host, ctx.num_tokens)
         trained = engine.trained_tensors(saved.lora if saved is not None else None)
         trained_grads = tuple(
             g.to(t.dtype) if need else None
-            for g, t, need in zip(grads.flat(), trained, ctx.needs_input_grad[8:])
+            for g, t, need in zip(grads.flat(), trained, ctx.needs_input_grad[9:])
         )
-        grad_x = to_device(grads.x, ctx.x_device) if ctx.needs_input_grad[5] else None
-        grad_w = to_device(grads.topk_weights, ctx.w_device) if ctx.needs_input_grad[7] else None
-        return (None, None, None, None, None, grad_x, None, grad_w, *trained_grads)
+        grad_x = to_device(grad_x_host, ctx.x_device) if ctx.needs_input_grad[6] else None
+        grad_w = to_device(grad_w_host, ctx.w_device) if ctx.needs_input_grad[8] else None
+        return (None, None, None, None, None, None, grad_x, None, grad_w, *trained_grads)
 
 
 def routed_experts(
@@ -79,6 +93,7 @@ def routed_experts(
     memo: ForwardMemo | None = None,
     host: HostCopy | None = None,
     lora: ExpertLoRA | None = None,
+    subset: SlotSubset | None = None,
 ) -> torch.Tensor:
     """x ``[T, H]``, topk_ids ``[T, k]`` int64, topk_weights ``[T, k]`` -> y ``[T, H]``, differentiable.
 
@@ -87,7 +102,9 @@ def routed_experts(
     With ``memo``, a recompute of the same forward (activation checkpointing) reuses it instead of running
     the engine again (see ``moetune.layer.memo``). ``host``: host copies of the three inputs already queued
     by the caller (so device work queued after them overlaps the engine); by default they are made here.
+    ``subset``: compute only these slots (``moetune.layer.hot``: the others are the device's), each as a row of
+    its own; y and the gradients keep the full ``[T, H]`` / ``[T, k]`` shapes (zeros for slots left out).
     """
     return ExpertsFunction.apply(
-        engine, lora, training, memo, host, x, topk_ids, topk_weights, *engine.trained_tensors(lora)
+        engine, lora, training, memo, host, subset, x, topk_ids, topk_weights, *engine.trained_tensors(lora)
     )

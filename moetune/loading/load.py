@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from moetune.arch import ArchSpec, ExpertsSite, find_experts, resolve_arch
+from moetune.config.experts import AUTO, hot_sets
 from moetune.engine.threads import set_engine_threads
 from moetune.errors import LoadError
 from moetune.layer import EXPERTS_MODULES
@@ -91,7 +92,8 @@ class PlannedLoad:
 
     ``checkpoint`` shows quantized weights under their logical keys (``quant.logical_tensors``); ``quantized``
     maps those keys to their stored tensors, read by ``method`` (None: a float checkpoint); ``model`` is on the
-    meta device with its experts modules still in place; ``formats[j]`` is the format of ``plan.layers[j]``.
+    meta device with its experts modules still in place; ``formats[j]`` is the format of ``plan.layers[j]``;
+    ``hot`` maps each experts module's path to the expert ids it computes on the device (``gpu_experts``).
     """
 
     checkpoint: Checkpoint
@@ -103,6 +105,7 @@ class PlannedLoad:
     quantized: dict[str, QuantizedWeight]
     plan: ExpertPlan
     formats: list[ExpertFormatChoice]
+    hot: dict[str, tuple[int, ...]]
 
 
 def plan_load(path: str | Path, opts: LoadOptions) -> PlannedLoad:
@@ -127,7 +130,13 @@ def plan_load(path: str | Path, opts: LoadOptions) -> PlannedLoad:
         )
         for layer in plan.layers
     ]
-    return PlannedLoad(checkpoint, spec, model, sites, targets, method, quantized, plan, formats)
+    hot = dict(
+        zip(
+            [s.path for s in sites],
+            hot_sets(opts.experts.gpu_experts, [s.layout.num_experts for s in sites]),
+        )
+    )
+    return PlannedLoad(checkpoint, spec, model, sites, targets, method, quantized, plan, formats, hot)
 
 
 def load_model(
@@ -150,7 +159,7 @@ def load_model(
             experts' options, either as ``experts=`` (a validated
             :class:`~moetune.config.experts.ExpertOptions`, e.g. a training config's) or one by one
             (``expert_format``, ``int4_group_size``, ``int4_symmetric``, ``expert_path``, ``expert_residency``,
-            ``expert_residency_budget``, ``activation_policy``, ``num_threads``, ``check_finite``), and
+            ``expert_residency_budget``, ``activation_policy``, ``num_threads``, ``check_finite``, ``gpu_experts``), and
             ``trust_remote_code`` (see :class:`LoadOptions`).
 
     Returns:
@@ -187,7 +196,7 @@ def load_model(
     hf.load_weights(  # quantized non-expert weights are dequantized
         model, checkpoint, plan.other_keys, opts.device, opts.dtype, planned.quantized, planned.method
     )
-    held = 0
+    held = hot_bytes = 0
     experts = (
         stream_experts(
             checkpoint, plan.layers, planned.formats, opts.dtype, opts.engine, progress=opts.progress
@@ -213,6 +222,8 @@ def load_model(
             module.add_module(name, getattr(pending, name))
         model.set_submodule(layer.site.path, module)
         held += engine.weights.nbytes
+        module.place_hot(planned.hot[layer.site.path], opts.device, opts.dtype)
+        hot_bytes += module.hot.nbytes if module.hot is not None else 0
     hf.finish(model, checkpoint)
     if spec.shared_attr is not None:
         blocks = [model.get_submodule(s.path.rpartition(".")[0]) for s in sites]
@@ -224,6 +235,25 @@ def load_model(
             ]
         )
 
+    if opts.experts.gpu_experts == AUTO:
+        from moetune.layer.hot_auto import start_counting
+
+        logger.info(
+            "moetune: gpu_experts auto: counting the routing of %d experts modules until the hot experts are chosen "
+            "(moetune.layer.hot_auto.place_auto; moetune train does it after gpu_experts_warmup steps)",
+            start_counting(model),
+        )
+    hot_layers = [path for path, ids in planned.hot.items() if ids]
+    if hot_layers:
+        logger.info(
+            "moetune: gpu_experts: %d experts in %d layers computed on %s (%s there; the engine computes the "
+            "others and keeps its copy of all): %s",
+            sum(len(ids) for ids in planned.hot.values()),
+            len(hot_layers),
+            opts.device,
+            format_bytes(hot_bytes),
+            layer_summary(hot_layers),
+        )
     routers = [s.router for s in sites if s.router is not None]
     logger.info(
         "moetune: %s (%s routing): %d experts modules run in the CPU engine (%s read; held as %s, %s; %s): "

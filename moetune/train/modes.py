@@ -164,6 +164,24 @@ def check_mode_planned(planned: Any, experts: Any, settings: ModeSettings) -> No
     stored = experts.expert_path is not None  # a pre-quantized store: never dense float weights
     formats = ["store" if stored else f.name for f in planned.formats]
     check_mode(planned.model, settings, formats, [layer.site.path for layer in planned.plan.layers])
+    _check_hot(planned.model, settings, [path for path, ids in planned.hot.items() if ids])
+
+
+def _check_hot(meta_model: nn.Module, settings: ModeSettings, hot: list[str]) -> None:
+    """Experts modules with hot experts (``gpu_experts``: frozen device copies) must not train fully."""
+    if not hot or settings.method is FinetuningType.LORA:
+        return
+    trained = (
+        set(hot)
+        if settings.method is FinetuningType.FULL
+        else set(_experts_under(meta_model, freeze_selection(meta_model, settings))) & set(hot)
+    )
+    if trained:
+        raise ConfigError(
+            f"moetune.gpu_experts puts experts of {listing(sorted(trained), inline=True)} on the device as frozen "
+            f"copies, but finetuning_type: {settings.method.value} trains those experts' base weights in the CPU "
+            "engine; set gpu_experts to 0, or leave those experts untrained (lora, or freeze without them)"
+        )
 
 
 def check_mode(meta_model: nn.Module, settings: ModeSettings, formats: list[str], sites: list[str]) -> None:
@@ -287,7 +305,8 @@ def _train_fully(model: nn.Module, settings: ModeSettings) -> None:
 def memory_report(model: nn.Module) -> dict[str, Any]:
     """Trainable parameters by where they live, and what training them holds: the weights, a gradient of
     each and AdamW's two moments (``exp_avg``, ``exp_avg_sq``, in the parameter's dtype: torch's AdamW makes
-    them with ``zeros_like``), in GiB. Host = the routed experts (and expert LoRA) in CPU RAM."""
+    them with ``zeros_like``), in GiB. Host = the routed experts (and expert LoRA) in CPU RAM. Also the device
+    memory of the hot experts' frozen weight copies (``gpu_experts``, ``moetune.layer.hot``)."""
     host_ids = {id(q) for m in _host_modules(model) for q in m.parameters()}
     host = device = host_bytes = device_bytes = 0
     for p in model.parameters():
@@ -304,6 +323,11 @@ def memory_report(model: nn.Module) -> dict[str, Any]:
         "trainable_device_params": device,
         "host_train_state_gb": round(host_bytes / gib, 6),
         "device_train_state_gb": round(device_bytes / gib, 6),
+        "hot_experts_device_gb": round(
+            sum(m.hot.nbytes for m in model.modules() if isinstance(m, CpuExperts) and m.hot is not None)
+            / gib,
+            6,
+        ),
     }
 
 

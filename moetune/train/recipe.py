@@ -107,9 +107,14 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any
         disable_tqdm=True,  # ProgressBar replaces the Trainer's bar
         logging_nan_inf_filter=False,  # a NaN loss is logged as NaN; NumericalGuard stops or skips that step
     )
-    trainer = stage_for(cfg).build_trainer(
-        cfg, peft_model, tokenizer, data, args, [ProgressBar(), TrainerLog()]
-    )
+    callbacks = [ProgressBar(), TrainerLog()]
+    experts = cfg.engine.experts
+    if experts.gpu_experts == "auto":  # the hot experts are chosen from the routing of the first steps
+        from moetune.train.hot_auto import HotExpertsAuto
+
+        assert experts.gpu_experts_budget is not None  # the config check requires it with auto
+        callbacks.append(HotExpertsAuto(experts.gpu_experts_budget, experts.gpu_experts_warmup))
+    trainer = stage_for(cfg).build_trainer(cfg, peft_model, tokenizer, data, args, callbacks)
     attach_guard(trainer, NumericalGuard(cfg.training.on_divergence, _vocab_size(peft_model)))
     trainer.remove_callback(PrinterCallback)  # ProgressBar prints the logs
     resume = cfg.training.resume_from_checkpoint

@@ -466,8 +466,18 @@ def _check_lora_full_router(run, out: Path) -> None:
     assert any(k.endswith("mlp.gate.weight") for k in load_file(out / "adapter_model.safetensors"))
 
 
+def _check_gpu_experts(run, out: Path) -> None:
+    from moetune.layer import CpuExperts
+
+    experts = [m for m in run.model.modules() if isinstance(m, CpuExperts)]
+    assert experts and all(m.hot is not None and m.hot.ids.tolist() == [0, 1] for m in experts)
+    assert any(".experts." in n for n in _trainable(run.model))  # expert LoRA, hot rows included
+    assert run.summary["memory"]["hot_experts_device_gb"] > 0
+
+
 EXAMPLES = {
     "demo_full.yaml": _check_full,
+    "demo_gpu_experts.yaml": _check_gpu_experts,
     "demo_freeze.yaml": _check_freeze,
     "demo_frozen_experts.yaml": _check_frozen_experts,
     "demo_router_lora.yaml": _check_router_lora,

@@ -200,3 +200,47 @@ def test_plot_loss_false_writes_no_loss_curve(tmp_path, demo_model) -> None:
     out = tmp_path / "out"
     assert (out / "adapter_model.safetensors").is_file() and not (out / "loss_curve.png").exists()
     assert json.loads((out / "run_summary.json").read_text())["loss_curve"] is None
+
+
+def test_gpu_experts_train_like_all_cpu(tmp_path, demo_model) -> None:
+    """``moetune: {gpu_experts: 2}`` (device cpu standing in): the same losses and adapter as the all-CPU run, and
+    the summary's memory report counts the device copies."""
+    from safetensors.torch import load_file
+
+    from moetune.train.recipe import run
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = run(load_config(_config(tmp_path / "a", demo_model, save_steps=10)), progress=False)
+    engine = {"device": "cpu", "num_threads": 1, "gpu_experts": 2}
+    hot = run(load_config(_config(tmp_path / "b", demo_model, save_steps=10, moetune=engine)), progress=False)
+    want, got = _losses(tmp_path / "a" / "out"), _losses(tmp_path / "b" / "out")
+    assert len(got) == len(want) == 4
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+    a = load_file(tmp_path / "a" / "out" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "b" / "out" / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-4, rtol=1e-3, msg=key)
+    assert (
+        hot.summary["memory"]["hot_experts_device_gb"] > 0 == plain.summary["memory"]["hot_experts_device_gb"]
+    )
+
+
+def test_gpu_experts_auto_places_after_warmup(tmp_path, demo_model) -> None:
+    """``gpu_experts: auto``: after ``gpu_experts_warmup`` steps the most-routed experts move to the device within
+    the budget; the losses stay those of the all-CPU run."""
+    from moetune.layer import CpuExperts
+    from moetune.train.recipe import run
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    run(load_config(_config(tmp_path / "a", demo_model, save_steps=10)), progress=False)
+    engine = {"device": "cpu", "num_threads": 1, "gpu_experts": "auto", "gpu_experts_budget": "1MB"}
+    engine["gpu_experts_warmup"] = 2
+    hot = run(load_config(_config(tmp_path / "b", demo_model, save_steps=10, moetune=engine)), progress=False)
+    assert _losses(tmp_path / "b" / "out") == pytest.approx(
+        _losses(tmp_path / "a" / "out"), rel=1e-4, abs=1e-5
+    )
+    placed = [m for m in hot.model.modules() if isinstance(m, CpuExperts) and m.hot is not None]
+    assert placed and 0 < hot.summary["memory"]["hot_experts_device_gb"] * 2**30 <= 10**6

@@ -203,7 +203,7 @@ def test_required_keys_are_listed(workdir: Path) -> None:
         ("lr_scheduler_type", "cosine_with_min_lr", "the 'cosine_with_min_lr' scheduler refuses it"),
         ("sortish_sampler", True, "generation/inference settings do not apply"),
         ("kt_weight_path", "/kt", "moetune convert MODEL_DIR STORE_DIR --format int8"),
-        ("kt_num_gpu_experts", 8, "experts resident on the GPU are not supported yet"),
+        ("kt_num_gpu_experts", -2, "allowed: a number of experts per MoE layer, 0 or more"),
         ("kt_backend", "AMXINT2", "allowed: auto, amxbf16"),
         ("quantization_bit", 4, "expert_format"),
         ("galore_rank", 16, "not supported yet"),
@@ -510,3 +510,57 @@ def test_deepspeed_is_accepted_unless_it_asks_for_offload(
         "zero_optimization.offload_optimizer (device 'cpu'): moetune has no DeepSpeed offload"
         in problems_of(minimal(deepspeed="ds_off.json"))
     )
+
+
+def test_gpu_experts_from_yaml_and_ktransformers(workdir: Path) -> None:
+    """``moetune: {gpu_experts: ...}`` takes a number or one list of ids per MoE layer; KTransformers'
+    ``kt_num_gpu_experts`` is read as it; setting both differently, or a bad value, is refused naming the key."""
+    assert parse_config(minimal(moetune={"gpu_experts": 3})).engine.experts.gpu_experts == 3
+    lists = parse_config(minimal(moetune={"gpu_experts": [[0, 5], []]})).engine.experts.gpu_experts
+    assert lists == ((0, 5), ())
+    assert parse_config(minimal(kt_num_gpu_experts=4)).engine.experts.gpu_experts == 4
+    assert parse_config(minimal()).engine.experts.gpu_experts is None
+    both = problems_of(minimal(kt_num_gpu_experts=4, moetune={"gpu_experts": 2}))
+    assert "kt_num_gpu_experts: is read as `moetune: {gpu_experts: 4}`, but gpu_experts is already 2" in both
+    for value, needle in (
+        ([[0, 0]], "lists an expert twice"),
+        ([[0, -1]], "not expert ids"),
+        (True, "allowed: 0 (none)"),
+    ):
+        text = problems_of(minimal(moetune={"gpu_experts": value}))
+        assert f"moetune.gpu_experts: got {value!r}" in text and needle in text, text
+
+
+def test_gpu_experts_auto_options(workdir: Path) -> None:
+    """``auto`` needs a device budget; the auto options without ``auto`` are refused; YAML spellings coerce."""
+    experts = parse_config(
+        minimal(moetune={"gpu_experts": "AUTO", "gpu_experts_budget": "1MB", "gpu_experts_warmup": "3"})
+    ).engine.experts
+    assert (experts.gpu_experts, experts.gpu_experts_budget, experts.gpu_experts_warmup) == ("auto", 10**6, 3)
+    text = problems_of(minimal(moetune={"gpu_experts": "auto"}))
+    assert "moetune.gpu_experts: is 'auto' but gpu_experts_budget is not set" in text
+    text = problems_of(minimal(moetune={"gpu_experts": 2, "gpu_experts_warmup": 3}))
+    assert "moetune.gpu_experts_warmup: is set (3) but applies to gpu_experts: auto only" in text
+    text = problems_of(minimal(moetune={"gpu_experts": "auto", "gpu_experts_budget": "lots"}))
+    assert "moetune.gpu_experts_budget: got 'lots'" in text
+
+
+def test_hot_sets_check_the_model() -> None:
+    from moetune.config.experts import hot_sets
+
+    assert hot_sets(None, [8, 8]) == [(), ()] == hot_sets("auto", [8, 8])
+    assert hot_sets(2, [8, 4]) == [(0, 1), (0, 1)]
+    assert hot_sets(((5, 1), ()), [8, 8]) == [(1, 5), ()]
+    with pytest.raises(ConfigError, match=r"gpu_experts: got 5, more than the 4 routed experts"):
+        hot_sets(5, [8, 4])
+    with pytest.raises(ConfigError, match=r"got 1 per-layer lists, but the model has 2 MoE layers"):
+        hot_sets(((1,),), [8, 8])
+    with pytest.raises(ConfigError, match=r"MoE layer 1 lists expert ids \[9\], but that layer has E = 8"):
+        hot_sets(((1,), (9,)), [8, 8])
+
+
+def test_gpu_experts_example_parses(monkeypatch: pytest.MonkeyPatch) -> None:
+    root = Path(__file__).resolve().parents[3]
+    monkeypatch.chdir(root)
+    cfg = load_config(Path("examples/demo_gpu_experts.yaml"), check_model_path=False)
+    assert cfg.engine.experts.gpu_experts == 2
