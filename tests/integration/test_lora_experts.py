@@ -46,7 +46,7 @@ def _randomize(model, seed: int = 3) -> None:
     """Every trained tensor (LoRA and LoRA experts) random, so no path can hide behind a zero."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.requires_grad:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
 
@@ -133,7 +133,7 @@ def test_saved_adapter_reloads_exactly_and_its_stock_part_loads_in_stock_peft(ch
     both (identical logits, LoRA experts frozen like the LoRA); stock PEFT loads the stock pair alone and computes
     the moetune model with its LoRA experts' down projections zeroed."""
     from peft import PeftModel
-    from safetensors import safe_open
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     import moetune
@@ -148,8 +148,8 @@ def test_saved_adapter_reloads_exactly_and_its_stock_part_loads_in_stock_peft(ch
     save_adapter(model, tmp_path / "a")
     files = sorted(p.name for p in (tmp_path / "a").iterdir())
     assert files == ["adapter_config.json", "adapter_model.safetensors", "moetune_lora_experts.safetensors"]
-    with safe_open(str(tmp_path / "a" / "adapter_model.safetensors"), "pt") as f:
-        assert all(".lora_A." in k or ".lora_B." in k for k in f.keys())
+    stock_keys = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    assert all(".lora_A." in k or ".lora_B." in k for k in stock_keys)
     config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
     assert not config.get("modules_to_save")
 
