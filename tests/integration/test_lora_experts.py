@@ -230,3 +230,66 @@ def test_a_new_save_without_lora_experts_removes_the_old_file(checkpoints, tmp_p
         "adapter_config.json",
         "adapter_model.safetensors",
     ]
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory) -> Path:
+    from moetune.train.demo import make_demo_model
+
+    root = Path(__file__).resolve().parents[2]
+    return make_demo_model(tmp_path_factory.mktemp("demo") / "tiny", root / "examples/data/demo_tokenizer")
+
+
+def test_moetune_train_checkpoints_resumes_and_saves_lora_experts(tmp_path, demo_model) -> None:
+    """`moetune train` with lora_experts: every checkpoint holds them beside the adapter, a run resumed from the
+    step-2 checkpoint reaches the uninterrupted run's losses and LoRA experts (their trained values are restored,
+    not re-initialised), the final adapter reloads through load_model(adapter=) to the trained model's logits, and
+    a checkpoint without them is refused before the model loads."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from moetune.adapters.load import load_model
+    from moetune.config import load_config
+    from moetune.errors import CheckpointError
+    from moetune.train.recipe import run
+    from tests.integration.test_train import _config, _losses
+
+    sizes = {"lora_experts": 2, "lora_expert_intermediate_size": 4, "max_steps": 4, "save_steps": 2}
+    (tmp_path / "a").mkdir()
+    result = run(load_config(_config(tmp_path / "a", demo_model, **sizes)), progress=False)
+    out = tmp_path / "a" / "out"
+    for folder in (out, out / "checkpoint-2", out / "checkpoint-4"):
+        assert (folder / "moetune_lora_experts.safetensors").is_file(), folder
+    final = load_file(str(out / "moetune_lora_experts.safetensors"))
+    assert all(v.abs().max() > 0 for k, v in final.items() if k.endswith("down_proj"))  # trained away from 0
+
+    ids = torch.randint(4, 17, (2, 10))
+    want = result.model.eval()(input_ids=ids).logits
+    again = load_model(demo_model, device="cpu", dtype="float32", progress=False, adapter=out)
+    torch.testing.assert_close(again(input_ids=ids).logits, want, atol=1e-6, rtol=0)
+
+    resumed = _config(
+        tmp_path / "a",
+        demo_model,
+        **sizes,
+        resume_from_checkpoint=str(out / "checkpoint-2"),
+        output_dir=str(tmp_path / "b"),
+    )
+    run(load_config(resumed), progress=False)
+    assert _losses(tmp_path / "b")[2:] == pytest.approx(_losses(out)[2:], abs=1e-6)
+    got = load_file(str(tmp_path / "b" / "moetune_lora_experts.safetensors"))
+    for key, value in final.items():
+        torch.testing.assert_close(got[key], value, atol=1e-6, rtol=0)
+
+    shutil.copytree(out / "checkpoint-2", tmp_path / "c" / "checkpoint-2")
+    (tmp_path / "c" / "checkpoint-2" / "moetune_lora_experts.safetensors").unlink()
+    bad = _config(
+        tmp_path / "a",
+        demo_model,
+        **sizes,
+        resume_from_checkpoint=str(tmp_path / "c" / "checkpoint-2"),
+        output_dir=str(tmp_path / "c"),
+    )
+    with pytest.raises(CheckpointError, match="moetune_lora_experts.safetensors is missing"):
+        run(load_config(bad), progress=False)
