@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from moetune.config import load_config, parse_config
-from tests.unit.config.test_config import minimal, problems_of, workdir  # noqa: F401  (workdir: a fixture)
+from tests.unit.config.test_config import minimal, problems_of
 
 ROOT = Path(__file__).resolve().parents[3]
 
