@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from moetune.config import load_config, parse_config
-from tests.unit.config.test_config import minimal, problems_of
+from tests.unit.config.test_config import minimal, problems_of, workdir  # noqa: F401  (workdir: a fixture)
 
 ROOT = Path(__file__).resolve().parents[3]
+pytestmark = pytest.mark.usefixtures("workdir")
 
 
 def _sizes(raw: dict[str, Any]) -> tuple[Any, Any]:
@@ -19,7 +20,7 @@ def _sizes(raw: dict[str, Any]) -> tuple[Any, Any]:
     return ft.lora_experts, ft.lora_expert_intermediate_size
 
 
-def test_moetune_keys_and_the_other_spellings_mean_the_same(workdir: Path) -> None:
+def test_moetune_keys_and_the_other_spellings_mean_the_same() -> None:
     assert _sizes(minimal()) == (None, None)
     assert _sizes(minimal(lora_experts=2, lora_expert_intermediate_size=16)) == (2, 16)
     kt = {"kt_use_lora_experts": True, "kt_lora_expert_num": 2, "kt_lora_expert_intermediate_size": 16}
@@ -71,11 +72,12 @@ def test_moetune_keys_and_the_other_spellings_mean_the_same(workdir: Path) -> No
         ),
     ],
 )
-def test_inconsistent_keys_are_refused_by_name(workdir: Path, keys: dict, key: str, message: str) -> None:
+def test_inconsistent_keys_are_refused_by_name(keys: dict, key: str, message: str) -> None:
     text = problems_of(minimal(**keys))
     assert f"- {key}: " in text and message in text, text
 
 
-def test_shipped_example_asks_for_lora_experts() -> None:
+def test_shipped_example_asks_for_lora_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)  # its paths are relative to the repository root
     cfg = load_config(ROOT / "examples" / "demo_lora_experts.yaml", check_model_path=False)
     assert (cfg.finetune.lora_experts, cfg.finetune.lora_expert_intermediate_size) == (2, 16)
