@@ -28,8 +28,7 @@ def _ids(seed: int = 1) -> torch.Tensor:
 
 def _moetune(path: Path, n: int = 3, width: int = 5):
     """A moetune model with LoRA on o_proj and the experts, and LoRA experts (N=n, I'=width)."""
-    from moetune.adapters import attach_lora
-    from moetune.adapters.lora_experts import attach_lora_experts
+    from moetune.adapters import attach_lora, attach_lora_experts
     from moetune.loading import load_model
 
     model = attach_lora(
@@ -293,3 +292,27 @@ def test_moetune_train_checkpoints_resumes_and_saves_lora_experts(tmp_path, demo
     )
     with pytest.raises(CheckpointError, match="moetune_lora_experts.safetensors is missing"):
         run(load_config(bad), progress=False)
+
+
+def test_gradient_checkpointing_gives_the_same_steps(tmp_path, demo_model) -> None:
+    """The block's forward hook runs again in the checkpointed recompute: the same losses with and without."""
+    from moetune.config import load_config
+    from moetune.train.recipe import run
+    from tests.integration.test_train import _config, _losses
+
+    losses = []
+    for checkpointing in (False, True):
+        folder = tmp_path / str(checkpointing)
+        folder.mkdir()
+        cfg = _config(
+            folder,
+            demo_model,
+            lora_experts=2,
+            lora_expert_intermediate_size=4,
+            max_steps=3,
+            save_steps=10,
+            gradient_checkpointing=checkpointing,
+        )
+        run(load_config(cfg), progress=False)
+        losses.append(_losses(folder / "out"))
+    assert losses[1] == pytest.approx(losses[0], abs=1e-6)
