@@ -466,8 +466,14 @@ def _check_lora_full_router(run, out: Path) -> None:
     assert any(k.endswith("mlp.gate.weight") for k in load_file(out / "adapter_model.safetensors"))
 
 
+def _check_lora_experts(run, out: Path) -> None:
+    assert (out / "moetune_lora_experts.safetensors").is_file()
+    assert any(".extra_experts.down_proj" in n for n in _trainable(run.model))
+
+
 EXAMPLES = {
     "demo_full.yaml": _check_full,
+    "demo_lora_experts.yaml": _check_lora_experts,
     "demo_freeze.yaml": _check_freeze,
     "demo_frozen_experts.yaml": _check_frozen_experts,
     "demo_router_lora.yaml": _check_router_lora,
