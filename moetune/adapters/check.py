@@ -15,6 +15,10 @@ it, nothing is read) each tensor must also belong to a module of that model, an 
 experts module, with that module's shapes (``peft_layout`` documents the experts layout), and every module
 the config targets must have its pair: when routed experts are targeted, every layer's expert LoRA.
 
+A folder may also hold LoRA experts (``moetune_lora_experts.safetensors``, ``moetune.adapters.lora_experts``);
+its header is checked too (moetune's metadata, fp32 tensors of the recorded sizes, whole blocks) and, with
+``model_config``, its blocks must be the model's MoE blocks and its hidden size the model's.
+
 The values are checked when the tensors are read (:func:`check_finite`, used by ``read_adapter``): a NaN or
 Inf is an ``AdapterError`` naming the file and tensor.
 
@@ -32,12 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moetune.adapters.swap import CONFIG_NAME, WEIGHTS_NAME, recover_adapter
+from moetune.adapters.swap import CONFIG_NAME, LORA_EXPERTS_NAME, WEIGHTS_NAME, recover_adapter
 from moetune.errors import AdapterError, LoadError, listing
 from moetune.tensorfile import TensorInfo, read_header
 
 if TYPE_CHECKING:
     import torch
+
+    from moetune.adapters.lora_experts import LoraExpertsSpec
 
 PREFIX = "base_model.model."  # PEFT's saved keys: before a module path of the original model
 LORA_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<ab>[AB])\.weight")
@@ -60,6 +66,7 @@ class AdapterFolder:
     r: int
     lora_alpha: float
     tensors: dict[str, TensorInfo] = field(repr=False)
+    lora_experts: LoraExpertsSpec | None = None  # the LoRA experts saved beside the adapter, if any
 
     @property
     def config_file(self) -> Path:
@@ -68,6 +75,10 @@ class AdapterFolder:
     @property
     def weights_file(self) -> Path:
         return self.folder / WEIGHTS_NAME
+
+    @property
+    def lora_experts_file(self) -> Path:
+        return self.folder / LORA_EXPERTS_NAME
 
 
 def check_adapter_folder(path: str | Path, model_config: Any = None) -> AdapterFolder:
@@ -93,8 +104,19 @@ def check_adapter_folder(path: str | Path, model_config: Any = None) -> AdapterF
     tensors = _read_header(folder / WEIGHTS_NAME)
     adapter = AdapterFolder(folder, config, r, alpha, tensors)
     pairs = _pairs(adapter)
-    if model_config is not None:
-        _check_against_model(adapter, pairs, model_config)
+    targets = _model_targets(model_config) if model_config is not None else None
+    if targets is not None:
+        _check_against_model(adapter, pairs, model_config, targets)
+    if adapter.lora_experts_file.is_file():
+        from dataclasses import replace
+
+        from moetune.adapters.lora_experts import check_lora_experts_file
+
+        blocks = sorted({p.rpartition(".")[0] for p in targets[1]}) if targets is not None else None
+        hidden = model_config.get_text_config().hidden_size if model_config is not None else None
+        adapter = replace(
+            adapter, lora_experts=check_lora_experts_file(adapter.lora_experts_file, blocks, hidden)
+        )
     return adapter
 
 
@@ -117,12 +139,14 @@ def scan_adapter_values(adapter: AdapterFolder) -> None:
     refuse NaN/Inf by :func:`check_finite`, before a model is loaded for it."""
     from safetensors import SafetensorError, safe_open
 
-    try:
-        with safe_open(str(adapter.weights_file), "pt") as f:
-            for key in list(f.keys()):  # safe_open is not iterable
-                check_finite({key: f.get_tensor(key)}, adapter.weights_file)
-    except SafetensorError as e:
-        raise AdapterError(f"{adapter.weights_file} cannot be read ({e}); re-save the adapter") from None
+    files = [adapter.weights_file] + ([adapter.lora_experts_file] if adapter.lora_experts else [])
+    for path in files:
+        try:
+            with safe_open(str(path), "pt") as f:
+                for key in list(f.keys()):  # safe_open is not iterable
+                    check_finite({key: f.get_tensor(key)}, path)
+        except SafetensorError as e:
+            raise AdapterError(f"{path} cannot be read ({e}); re-save the adapter") from None
 
 
 def _read_config(path: Path) -> tuple[dict[str, Any], int, float]:
@@ -255,10 +279,13 @@ def _matches(path: str, entry: str) -> bool:
 
 
 def _check_against_model(
-    adapter: AdapterFolder, pairs: dict[str, tuple[TensorInfo, TensorInfo]], model_config: Any
+    adapter: AdapterFolder,
+    pairs: dict[str, tuple[TensorInfo, TensorInfo]],
+    model_config: Any,
+    targets: tuple[dict[str, _Target], dict[str, dict[str, _Target]]],
 ) -> None:
     where, r = adapter.weights_file, adapter.r
-    linears, experts = _model_targets(model_config)
+    linears, experts = targets
     modules = adapter.config.get("target_modules") or []
     params = adapter.config.get("target_parameters") or []
 

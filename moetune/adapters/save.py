@@ -14,6 +14,10 @@ by ``"gate_proj.weight"``-style entries for dense and shared-expert MLPs whose n
 committed by one rename, moved in so that no crash pairs an old file with a new one; the next save or load
 finishes or removes what a kill left).
 
+LoRA experts (``moetune.adapters.lora_experts``), which stock PEFT cannot know, are saved in the same commit as
+``moetune_lora_experts.safetensors`` beside the two files; ``load_adapter`` attaches and fills them when the
+folder has that file. Stock PEFT loads the two stock files alone, i.e. the model without its LoRA experts.
+
 ``load_adapter(model, dir)`` attaches a saved adapter to a ``moetune.load_model`` model: the config's
 ``target_parameters`` name the routed experts and the linear weights to wrap, and PEFT's
 ``set_peft_model_state_dict`` fills every tensor. ``load_adapter_weights(peft_model, dir)`` copies a saved
@@ -32,6 +36,14 @@ from torch import nn
 
 from moetune.adapters.apply import linear_weight_paths, peft_model_with
 from moetune.adapters.check import check_adapter_folder, check_finite
+from moetune.adapters.lora_experts import CHILD as LORA_EXPERTS_CHILD
+from moetune.adapters.lora_experts import FILE_NAME as LORA_EXPERTS_FILE
+from moetune.adapters.lora_experts import (
+    attach_lora_experts,
+    load_lora_experts_state,
+    spec_of,
+    write_lora_experts,
+)
 from moetune.adapters.peft_layout import ExpertParamNames
 from moetune.adapters.swap import CONFIG_NAME, save_pair
 from moetune.errors import AdapterError
@@ -58,31 +70,66 @@ def adapter_state(peft_model: Any) -> dict[str, torch.Tensor]:
 def save_adapter(peft_model: Any, output_dir: str | Path) -> Path:
     """Write ``peft_model``'s LoRA to ``output_dir`` as a stock PEFT adapter, atomically; returns the folder.
 
-    Files already in ``output_dir`` other than the adapter's two are kept (a Trainer checkpoint folder holds
-    optimizer and scheduler state next to it); the two are replaced together (``moetune.adapters.swap``).
+    Files already in ``output_dir`` other than the adapter's are kept (a Trainer checkpoint folder holds
+    optimizer and scheduler state next to it); the adapter's files, its LoRA experts' included, are replaced
+    together (``moetune.adapters.swap``).
     """
     from safetensors.torch import save_file
 
     out = Path(output_dir)
     state = adapter_state(peft_model)
     config = json.dumps(adapter_config(peft_model), indent=2, sort_keys=True) + "\n"
-    save_pair(out, config, lambda path: save_file(state, str(path), metadata={"format": "pt"}))
+    extras = (
+        {LORA_EXPERTS_FILE: lambda path: write_lora_experts(peft_model, path)} if spec_of(peft_model) else {}
+    )
+    save_pair(out, config, lambda path: save_file(state, str(path), metadata={"format": "pt"}), extras)
     return out
 
 
 def read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config dict, state dict) of a saved adapter, checked (``check.check_adapter_folder``) and its values
     finite; ``AdapterError`` naming the file and field or tensor otherwise."""
+    adapter = check_adapter_folder(adapter_dir)
+    return adapter.config, _read_tensors(adapter.weights_file)
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A checked safetensors file of the adapter, read whole, its values finite."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    adapter = check_adapter_folder(adapter_dir)
     try:
-        state = load_file(str(adapter.weights_file))
+        state = load_file(str(path))
     except (SafetensorError, OSError) as e:
-        raise AdapterError(f"{adapter.weights_file} cannot be read ({e}); re-save the adapter") from None
-    check_finite(state, adapter.weights_file)
-    return adapter.config, state
+        raise AdapterError(f"{path} cannot be read ({e}); re-save the adapter") from None
+    check_finite(state, path)
+    return state
+
+
+def restore_lora_experts(peft_model: Any, adapter_dir: str | Path, *, attach: bool) -> None:
+    """Fill ``peft_model``'s LoRA experts from the adapter folder (``attach``: add them first, with the saved
+    sizes). The folder's LoRA experts and the model's must agree: both absent, or the same sizes and blocks
+    (``AdapterError`` naming the file otherwise)."""
+    adapter = check_adapter_folder(adapter_dir)
+    spec = adapter.lora_experts
+    have = None if attach else spec_of(peft_model)
+    if spec is None:
+        if have is not None:
+            raise AdapterError(
+                f"adapter {adapter.folder} has no {LORA_EXPERTS_FILE}, but the model has LoRA experts "
+                f"(N={have.num_experts}, I'={have.intermediate_size}); resume from a checkpoint of a run with the "
+                "same lora_experts, or remove lora_experts"
+            )
+        return
+    if attach:
+        attach_lora_experts(peft_model, spec.num_experts, spec.intermediate_size)
+    elif have is None or have != spec:
+        had = "none" if have is None else f"N={have.num_experts}, I'={have.intermediate_size}"
+        raise AdapterError(
+            f"{adapter.lora_experts_file} holds LoRA experts N={spec.num_experts}, I'={spec.intermediate_size}; the "
+            f"model has {had}. Set lora_experts / lora_expert_intermediate_size as the adapter was trained"
+        )
+    load_lora_experts_state(peft_model, _read_tensors(adapter.lora_experts_file), adapter.lora_experts_file)
 
 
 def expert_targets(
@@ -168,9 +215,10 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: boo
             f"adapter {adapter_dir} does not fit {type(model).__name__}: unexpected keys "
             f"{result.unexpected_keys[:10]}, missing LoRA keys {lora_missing[:10]}"
         )
+    restore_lora_experts(peft_model, adapter_dir, attach=True)
     if not is_trainable:
         for n, p in peft_model.named_parameters():
-            if "lora_" in n:
+            if "lora_" in n or f".{LORA_EXPERTS_CHILD}." in n:
                 p.requires_grad_(False)
         peft_model.eval()
     return peft_model
@@ -188,3 +236,4 @@ def load_adapter_weights(peft_model: Any, adapter_dir: str | Path) -> None:
             f"{sorted(set(expected) - set(state))[:10]}, unexpected {sorted(set(state) - set(expected))[:10]}"
         )
     set_peft_model_state_dict(peft_model, state)
+    restore_lora_experts(peft_model, adapter_dir, attach=False)

@@ -1,13 +1,16 @@
 """Replace an adapter's two files inside a folder together, so that no crash mixes an old and a new one.
 
-An adapter is ``adapter_config.json`` + ``adapter_model.safetensors`` in a folder that also holds other files
+An adapter is ``adapter_config.json`` + ``adapter_model.safetensors`` (+ moetune's own files beside them, e.g.
+``moetune_lora_experts.safetensors``: :data:`OPTIONAL_NAMES`) in a folder that also holds other files
 (a ``moetune train`` output_dir: tokenizer, run summary, loss curve, checkpoints), so the folder itself cannot
 be swapped. :func:`save_pair` instead
 
-1. writes both files into ``<folder>/.moetune-adapter.partial/`` and fsyncs them;
+1. writes all its files into ``<folder>/.moetune-adapter.partial/``, with a list of their names (``.files``), and
+   fsyncs them;
 2. renames that folder to ``.moetune-adapter.new`` (the commit point: from here on the new pair is whole);
-3. removes the folder's old config, moves the new weights in, then the new config (each a rename), and removes
-   the empty ``.moetune-adapter.new``.
+3. removes the folder's old config and any optional file the new adapter does not have (an old adapter's LoRA
+   experts never pair with a new adapter), moves the new weights and optional files in, then the new config
+   (each a rename), and removes ``.moetune-adapter.new``.
 
 A kill before 2 leaves the old pair untouched (and a partial folder that the next save or load removes); a
 kill after 2 is finished by the next save or load (:func:`recover_adapter` rolls forward). In between the
@@ -19,10 +22,11 @@ folder, restoring a previous adapter that one moved aside, and ``<file>.tmp`` fi
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from moetune.atomic import TMP_SUFFIX, fsync
@@ -33,19 +37,35 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PARTIAL = ".moetune-adapter.partial"
 COMMITTED = ".moetune-adapter.new"
+LORA_EXPERTS_NAME = "moetune_lora_experts.safetensors"  # moetune.adapters.lora_experts
+OPTIONAL_NAMES = (LORA_EXPERTS_NAME,)  # files an adapter may have beside the two stock ones
+FILES = ".files"  # in a staged/committed adapter: the JSON list of its file names
 
 
-def save_pair(folder: Path, config_text: str, write_weights: Callable[[Path], object]) -> None:
+def save_pair(
+    folder: Path,
+    config_text: str,
+    write_weights: Callable[[Path], object],
+    optional: Mapping[str, Callable[[Path], object]] | None = None,
+) -> None:
     """Put a new ``adapter_config.json`` (``config_text``) and ``adapter_model.safetensors`` (written by
-    ``write_weights(path)``) into ``folder`` together (module docstring); other files in it are kept."""
+    ``write_weights(path)``), and the ``optional`` files (name in :data:`OPTIONAL_NAMES` -> writer), into
+    ``folder`` together (module docstring); an optional file of the old adapter that the new one lacks is
+    removed, other files in the folder are kept."""
+    optional = dict(optional or {})
+    assert set(optional) <= set(OPTIONAL_NAMES), f"unknown optional adapter files {sorted(optional)}"
     folder.mkdir(parents=True, exist_ok=True)
     recover_adapter(folder)
     partial = folder / PARTIAL
     partial.mkdir()
+    names = [WEIGHTS_NAME, *optional, CONFIG_NAME]  # the config last: it is moved in last
     try:
         write_weights(partial / WEIGHTS_NAME)
+        for name, write in optional.items():
+            write(partial / name)
         (partial / CONFIG_NAME).write_text(config_text, encoding="utf-8")
-        for name in (WEIGHTS_NAME, CONFIG_NAME):
+        (partial / FILES).write_text(json.dumps(names), encoding="utf-8")
+        for name in (*names, FILES):
             fsync(partial / name)
         fsync(partial)
         os.rename(partial, folder / COMMITTED)
@@ -59,10 +79,15 @@ def save_pair(folder: Path, config_text: str, write_weights: Callable[[Path], ob
 def _roll_forward(folder: Path) -> None:
     """Move a committed pair into place; safe to repeat after a kill at any point of it."""
     new = folder / COMMITTED
+    # saved by an older moetune without the list: the two stock files
+    names = json.loads((new / FILES).read_text()) if (new / FILES).exists() else [WEIGHTS_NAME, CONFIG_NAME]
     if (new / CONFIG_NAME).exists():  # the old config goes first: the folder never pairs old and new
         (folder / CONFIG_NAME).unlink(missing_ok=True)
         fsync(folder)
-    for name in (WEIGHTS_NAME, CONFIG_NAME):
+    for name in OPTIONAL_NAMES:  # the old adapter's, when the new one has none
+        if name not in names:
+            (folder / name).unlink(missing_ok=True)
+    for name in names:
         if (new / name).exists():
             os.replace(new / name, folder / name)
     fsync(folder)
@@ -91,7 +116,7 @@ def recover_adapter(folder: Path) -> list[str]:
         done.append(
             f"removed {folder / PARTIAL} (an adapter save that did not finish; the previous one is kept)"
         )
-    for name in (WEIGHTS_NAME, CONFIG_NAME):
+    for name in (WEIGHTS_NAME, CONFIG_NAME, *OPTIONAL_NAMES):
         leftover = folder / (name + TMP_SUFFIX)
         if leftover.is_file():
             leftover.unlink()

@@ -9,8 +9,11 @@ another CPU expert backend. moetune's engine takes that backend's place, so each
   ``activation_policy``, ``kt_num_gpu_experts`` -> ``gpu_experts``); setting the same option both ways is an error;
 - **inert**: the other backend's tuning knobs, accepted with one logged line each saying why they have no
   effect here;
+- **LoRA experts** (``kt_use_lora_experts``, ``kt_lora_expert_num``, ``kt_lora_expert_intermediate_size``): handed
+  back to the top level, where ``moetune.config.lora_experts`` reads them as ``lora_experts`` /
+  ``lora_expert_intermediate_size``;
 - **refused** where it asks for something moetune does differently (``kt_weight_path``: a KTransformers
-  ``.kt`` tree; convert with ``moetune convert`` instead) or not (GPU-side extra LoRA experts).
+  ``.kt`` tree; convert with ``moetune convert`` instead).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from moetune.config.fields import Problems
+from moetune.config.lora_experts import KT_KEYS as LORA_EXPERT_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +75,6 @@ _CHECKED: dict[str, Callable[[Any], str | None]] = {
         else "moetune reads the routed experts from model_name_or_path (or a store, `moetune: {expert_path: ...}`); "
         "remove it"
     ),
-    "kt_use_lora_experts": lambda v: (
-        None
-        if v in (False, None)
-        else "GPU-side extra LoRA experts are not supported; moetune trains LoRA on the routed experts themselves"
-    ),
-    "kt_lora_expert_num": lambda v: None if v is None else "GPU-side extra LoRA experts are not supported",
-    "kt_lora_expert_intermediate_size": lambda v: (
-        None if v is None else "GPU-side extra LoRA experts are not supported"
-    ),
     "kt_weight_lifecycle": lambda v: (
         None
         if str(v).lower() == "persistent"
@@ -112,7 +107,13 @@ _ALLOWED = {
 
 def is_kt_key(key: str) -> bool:
     """True for a KTransformers key this module reads (``use_kt``, ``kt_config`` and the keys above)."""
-    return key in ("use_kt", KT_CONFIG) or key in _INERT or key in _CHECKED or key in _MAPPED
+    return (
+        key in ("use_kt", KT_CONFIG)
+        or key in _INERT
+        or key in _CHECKED
+        or key in _MAPPED
+        or key in LORA_EXPERT_KEYS
+    )
 
 
 def translate_kt(flat: dict[str, Any], engine: dict[str, Any], problems: Problems) -> dict[str, str]:
@@ -131,6 +132,9 @@ def translate_kt(flat: dict[str, Any], engine: dict[str, Any], problems: Problem
                 keys[key] = value
             else:
                 problems.add(f"{KT_CONFIG}.{key}", "is not a KTransformers setting moetune knows; remove it")
+    for key in LORA_EXPERT_KEYS:  # flat training options (moetune.config.lora_experts reads them)
+        if key in keys:
+            flat[key] = keys.pop(key)
     use_kt = keys.pop("use_kt", None)
     if use_kt not in (None, True, False):
         problems.add("use_kt", f"got {use_kt!r}; expected true or false")

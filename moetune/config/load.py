@@ -29,6 +29,7 @@ from moetune.config.hf_args import (
 )
 from moetune.config.ktransformers import translate_kt
 from moetune.config.llamafactory import MEDIA_KNOBS, MEDIA_NOTE, is_rejected, rejection
+from moetune.config.lora_experts import check_lora_expert_keys, translate_lora_expert_keys
 from moetune.config.schema import (
     ENGINE_KEY,
     ENGINE_KEYS,
@@ -130,6 +131,7 @@ def parse_config(
     if isinstance(engine_raw, Mapping):
         engine_raw = dict(engine_raw)
         origins = translate_kt(flat, engine_raw, problems)
+    translate_lora_expert_keys(flat, problems)
     if "deepspeed" in flat and (message := deepspeed_problem(flat.pop("deepspeed"))) is not None:
         problems.add("deepspeed", message)
     extra = _check_keys(flat, engine_raw, problems)
@@ -286,6 +288,7 @@ def _check_cross_fields(
     if not finetune.do_train and not problems.has("do_train"):
         problems.add("do_train", "is false, but `moetune train` always trains; set it to true or remove it")
     _check_mode_keys(finetune, problems)
+    check_lora_expert_keys(finetune, finetune.stage.value, finetune.finetuning_type.value, problems)
     if training.warmup_ratio and training.warmup_steps:
         problems.add("warmup_steps", "is set together with warmup_ratio; set only one of them")
     has_eval = data.eval_dataset is not None or data.val_size > 0

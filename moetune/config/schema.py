@@ -173,6 +173,10 @@ class FinetuneConfig:
     pure_bf16: bool = option(False)
     # the router's load-balancing loss weight (the model's router_aux_loss_coef; its aux loss joins the loss)
     moe_aux_loss_coef: float | None = option(None, check=non_negative)
+    # lora: N LoRA experts of this intermediate size per MoE block (dense SwiGLU on the device, added to the
+    # block's output; moetune.adapters.lora_experts); KTransformers' / LLaMA-Factory's keys map here
+    lora_experts: int | None = option(None, check=positive)
+    lora_expert_intermediate_size: int | None = option(None, check=positive)
 
     @property
     def targets_all(self) -> bool:

@@ -209,6 +209,7 @@ def checkpoint_problems(folder: Path, cfg: MoetuneConfig, targets: set[str] | No
     ):
         if saved != want:
             problems.append(f"{ADAPTER_CONFIG} was trained with {key} {saved}; this config has {key} {want}")
+    problems += _lora_experts_problems(folder, cfg)
     saved_modules = {
         key.removeprefix(_PEFT_PREFIX).split(".lora_")[0].removesuffix(".base_layer")
         for key in read_header(folder / ADAPTER_WEIGHTS)
@@ -222,6 +223,28 @@ def checkpoint_problems(folder: Path, cfg: MoetuneConfig, targets: set[str] | No
             f"only in this run: {listing(missing, inline=True) or 'none'})"
         )
     return problems
+
+
+def _lora_experts_problems(folder: Path, cfg: MoetuneConfig) -> list[str]:
+    """The checkpoint's LoRA experts (``moetune.adapters.lora_experts``) against the config's: both absent, or the
+    same N and I'."""
+    from moetune.adapters.lora_experts import FILE_NAME, read_spec
+
+    ft = cfg.finetune
+    if not (folder / FILE_NAME).is_file():
+        return (
+            [f"{FILE_NAME} is missing; this config has lora_experts {ft.lora_experts}"]
+            if ft.lora_experts
+            else []
+        )
+    spec = read_spec(folder / FILE_NAME)
+    saved = (spec.num_experts, spec.intermediate_size)
+    if saved != (ft.lora_experts, ft.lora_expert_intermediate_size):
+        return [
+            f"{FILE_NAME} holds LoRA experts N={saved[0]}, I'={saved[1]}; this config has lora_experts "
+            f"{ft.lora_experts}, lora_expert_intermediate_size {ft.lora_expert_intermediate_size}"
+        ]
+    return []
 
 
 def _leaves(paths: set[str]) -> list[str]:

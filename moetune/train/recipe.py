@@ -74,6 +74,11 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
         cfg.training.seed
     )  # expert LoRA's A is drawn from the global RNG, as PEFT draws its own
     peft_model = apply_mode(model, modes, LoraSettings.from_config(cfg.finetune))
+    if cfg.finetune.lora_experts is not None:  # after PEFT, which freezes every parameter it does not own
+        from moetune.adapters.lora_experts import attach_lora_experts
+
+        assert cfg.finetune.lora_expert_intermediate_size is not None, "validated with lora_experts"
+        attach_lora_experts(peft_model, cfg.finetune.lora_experts, cfg.finetune.lora_expert_intermediate_size)
     return peft_model, tokenizer, data
 
 

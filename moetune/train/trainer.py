@@ -12,6 +12,9 @@ expert LoRA (fp32 CPU parameters) gets fp32 CPU state next to it while GPU LoRA 
 Checkpoints are written atomically (``moetune.train.checkpoints``, shared with the TRL trainers of the dpo and
 kto stages). Given a guard (``moetune.train.guards.attach_guard``), every micro-batch's loss and every step's
 gradient norm reach it before ``optimizer.step()``, so a diverged step is stopped or skipped before it is applied.
+LoRA experts (``moetune.adapters.lora_experts``), which PEFT does not save, are written into every checkpoint beside
+the adapter (``moetune_lora_experts.safetensors``, inside the staged folder, so atomic with it) and restored on
+resume and by ``load_best_model_at_end``.
 A full/freeze model (``moetune.train.modes``; no PEFT wrapper) checkpoints its weights and optimizer state layer by
 layer as safetensors instead of ``model.safetensors`` / ``optimizer.pt`` (``moetune.train.layered``), and a resume
 that would leave routed-expert weights unloaded raises ``LoadError`` (the Trainer only warns about missing keys).
@@ -21,12 +24,17 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import SCHEDULER_NAME
 
+from moetune.adapters.lora_experts import FILE_NAME as LORA_EXPERTS_FILE
+from moetune.adapters.lora_experts import spec_of, write_lora_experts
+from moetune.adapters.save import restore_lora_experts
+from moetune.atomic import write_atomically
 from moetune.errors import LoadError
 from moetune.train.checkpoints import STAGING_PREFIX, AtomicCheckpoints
 from moetune.train.guards import GuardedSteps
@@ -58,6 +66,10 @@ class MoetuneTrainer(GuardedSteps, AtomicCheckpoints, Trainer):
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if self._staging is None or not self._layered():
             super()._save(output_dir, state_dict)
+            model: Any = self.model
+            if self.args.should_save and spec_of(model) is not None:
+                folder = Path(output_dir if output_dir is not None else self.args.output_dir)
+                write_atomically(folder / LORA_EXPERTS_FILE, lambda path: write_lora_experts(model, path))
             return
         # a checkpoint: weights in the live modules' layout, which resume's load_sharded_checkpoint matches; the
         # final save_model writes the base checkpoint's own layout instead
@@ -83,6 +95,22 @@ class MoetuneTrainer(GuardedSteps, AtomicCheckpoints, Trainer):
         self.lr_scheduler.load_state_dict(
             torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
         )
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._restore_lora_experts(model if model is not None else self.model, resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        super()._load_best_model()
+        self._restore_lora_experts(self.model, self.state.best_model_checkpoint)
+
+    @staticmethod
+    def _restore_lora_experts(model: Any, checkpoint: str) -> None:
+        """A PEFT model's LoRA experts from the checkpoint (``AdapterError`` when the two disagree on having them)."""
+        from peft import PeftModel
+
+        if isinstance(model, PeftModel):
+            restore_lora_experts(model, checkpoint, attach=False)
 
     def _issue_warnings_after_load(self, load_result: Any) -> None:
         from moetune.layer import CpuExperts

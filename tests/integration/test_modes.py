@@ -475,9 +475,15 @@ def _check_gpu_experts(run, out: Path) -> None:
     assert run.summary["memory"]["hot_experts_device_gb"] > 0
 
 
+def _check_lora_experts(run, out: Path) -> None:
+    assert (out / "moetune_lora_experts.safetensors").is_file()
+    assert any(".extra_experts.down_proj" in n for n in _trainable(run.model))
+
+
 EXAMPLES = {
     "demo_full.yaml": _check_full,
     "demo_gpu_experts.yaml": _check_gpu_experts,
+    "demo_lora_experts.yaml": _check_lora_experts,
     "demo_freeze.yaml": _check_freeze,
     "demo_frozen_experts.yaml": _check_frozen_experts,
     "demo_router_lora.yaml": _check_router_lora,

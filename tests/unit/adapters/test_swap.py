@@ -7,13 +7,23 @@ files; a save after it must succeed.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
 import pytest
 
-from moetune.adapters.swap import COMMITTED, CONFIG_NAME, PARTIAL, WEIGHTS_NAME, recover_adapter, save_pair
+from moetune.adapters.swap import (
+    COMMITTED,
+    CONFIG_NAME,
+    FILES,
+    LORA_EXPERTS_NAME,
+    PARTIAL,
+    WEIGHTS_NAME,
+    recover_adapter,
+    save_pair,
+)
 
 
 def _save(folder: Path, version: str) -> None:
@@ -124,3 +134,41 @@ def test_nothing_interrupted_changes_nothing(out):
     assert recover_adapter(out) == [] and recover_adapter(out.parent / "absent") == []
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     shutil.rmtree(out)
+
+
+def _save_with_extra(folder: Path, version: str, extra: bool) -> None:
+    optional = {LORA_EXPERTS_NAME: lambda p: p.write_text(f"experts {version}")} if extra else {}
+    save_pair(
+        folder,
+        f'{{"version": "{version}"}}\n',
+        lambda p: p.write_bytes(f"weights {version}".encode()),
+        optional,
+    )
+
+
+@pytest.mark.parametrize(("old_extra", "new_extra"), [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("moved", range(4))
+def test_an_optional_file_is_part_of_the_commit(tmp_path, old_extra, new_extra, moved) -> None:
+    """The LoRA-experts file goes with its adapter: a kill after the commit, with any number of the committed
+    files already moved (the config last), is rolled forward to the new set, and an old adapter's file the new
+    one lacks is gone (never paired with the new adapter)."""
+    folder = tmp_path / "out"
+    _save_with_extra(folder, "old", old_extra)
+    _save_with_extra(tmp_path / "staging", "new", new_extra)  # the files the new commit holds
+    (tmp_path / "staging" / FILES).write_text(
+        json.dumps([WEIGHTS_NAME, *([LORA_EXPERTS_NAME] if new_extra else []), CONFIG_NAME])
+    )
+    (tmp_path / "staging").rename(folder / COMMITTED)
+    names = json.loads((folder / COMMITTED / FILES).read_text())
+    if moved:  # the roll-forward had begun: old config and stale optional removed, `moved` files moved
+        (folder / CONFIG_NAME).unlink()
+        if not new_extra:
+            (folder / LORA_EXPERTS_NAME).unlink(missing_ok=True)
+        for name in names[: moved - 1]:
+            os.replace(folder / COMMITTED / name, folder / name)
+    recover_adapter(folder)
+    assert _pair(folder) == ("new", "new")
+    assert (folder / LORA_EXPERTS_NAME).is_file() == new_extra
+    if new_extra:
+        assert (folder / LORA_EXPERTS_NAME).read_text() == "experts new"
+    assert not (folder / COMMITTED).exists()
