@@ -18,6 +18,7 @@ Using it twice, on another engine, or after the trained weights changed in place
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,6 +40,7 @@ from moetune.engine.routing import (
     to_slots,
     validate_routing,
 )
+from moetune.engine.threads import expert_pool, split_threads
 from moetune.engine.workspace import Workspace
 from moetune.errors import EngineError, EngineStateError, NonFiniteError
 
@@ -119,7 +121,8 @@ class ExpertEngine:
         train_base: full mode, differentiate the base weights (dense formats only).
         options: policy, compute dtype, finiteness checks.
 
-    The GEMMs run on torch's intra-op thread pool as the caller sized it (``set_engine_threads``).
+    The GEMMs run on the CPU threads the caller sized torch's intra-op pool to (``set_engine_threads``):
+    several experts at once, each on a share of them (``threads.ExpertPool``, ``options.expert_workers``).
     """
 
     def __init__(
@@ -159,7 +162,9 @@ class ExpertEngine:
         self._id = next(_engine_ids)
         self._forwards = 0
         self.ws = Workspace()
-        self.gemm = BlockedGemm(weights, self.compute_dtype, self.ws)
+        self.gemm = BlockedGemm(weights, self.compute_dtype)
+        if self.options.expert_workers is not None and self.options.expert_workers < 1:
+            raise EngineError(f"expert_workers must be >= 1 or None; got {self.options.expert_workers}")
 
     @property
     def weights(self) -> ExpertFormat:
@@ -225,6 +230,18 @@ class ExpertEngine:
         if lora is not None:
             assert lora_a is not None
             lora.forward(proj, e, inp, out, lora_a)
+
+    def _each_expert(self, disp: Dispatch, fn: Callable[[tuple[int, int, int]], None]) -> None:
+        """``fn((e, s0, s1))`` for every active expert's segment: one after another in this thread, or in
+        parallel on an ``ExpertPool`` (largest first, so the last to finish are small). Every expert writes only
+        its own rows (and its own LoRA or base gradient slices), so the order changes no result."""
+        segments = disp.segments()
+        workers, intra = split_threads(torch.get_num_threads(), len(segments), self.options.expert_workers)
+        if workers == 1:
+            for seg in segments:
+                fn(seg)
+            return
+        expert_pool(workers, intra).run(fn, sorted(segments, key=lambda seg: seg[1] - seg[2]))
 
     def _check_finite(self, what: str, t: torch.Tensor, disp: Dispatch | None = None) -> None:
         """With ``check_finite``: raise NonFiniteError for NaN/Inf in t (rows first: ``[T, ...]``, or ``[N, ...]``
@@ -292,10 +309,14 @@ class ExpertEngine:
         ys = self.ws.get("ys", (n, h), cd)  # [N, H], unweighted expert outputs
         xa = buffer("xa", lora_pass.rank) if lora_pass is not None else None  # [N, r]
         ha = buffer("ha", lora_pass.rank) if lora_pass is not None else None  # [N, r]
-        for e, s0, s1 in disp.segments():
+
+        def expert_forward(seg: tuple[int, int, int]) -> None:
+            e, s0, s1 = seg
             self._project("gate_up", e, xs[s0:s1], gu[s0:s1], _rows(xa, s0, s1), lora_pass)
             self.act(gu[s0:s1], out=hid[s0:s1])
             self._project("down", e, hid[s0:s1], ys[s0:s1], _rows(ha, s0, s1), lora_pass)
+
+        self._each_expert(disp, expert_forward)
         self._check_finite("expert outputs", ys, disp)
         y = combine(ys, disp, topk_weights, self.ws.get("slots", (n, h), cd)).to(x.dtype)
 
@@ -372,7 +393,8 @@ class ExpertEngine:
         lora_g = lora_pass.zero_grads() if lora_pass is not None else {}
         base_g = self._zero_base_grads() if plan.base_grads else None
 
-        for e, s0, s1 in disp.segments():
+        def expert_backward(seg: tuple[int, int, int]) -> None:
+            e, s0, s1 = seg
             xs_e, xa_e = _rows(xs, s0, s1), _rows(xa_all, s0, s1)
             gu_e = gu_all[s0:s1]
             if plan.recompute_gate_up:
@@ -408,6 +430,7 @@ class ExpertEngine:
                 if "gate_up_bias" in base_g:
                     base_g["gate_up_bias"][e].copy_(ggu.sum(0))
 
+        self._each_expert(disp, expert_backward)
         if lora_pass is not None:
             lora_g = lora_pass.in_call_order(lora_g)
         grad_x = sum_slots(gxs, disp, self.ws.get("slots", (n, h), cd))  # [T, H]

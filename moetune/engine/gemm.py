@@ -13,7 +13,7 @@ import torch
 
 from moetune.engine.formats import ExpertFormat
 from moetune.engine.formats.base import Projection
-from moetune.engine.workspace import Workspace
+from moetune.engine.workspace import thread_workspace
 
 # Up to this many rows per expert, forward GEMMs take the weight block as their left operand (matmul_wt);
 # backward keeps grad @ W, which measured faster at every n.
@@ -21,18 +21,19 @@ SMALL_ROWS = 128
 
 
 class BlockedGemm:
-    """``x @ W_e^T`` and ``g @ W_e`` for one layer's experts, in ``compute_dtype``, with scratch from ``ws``.
+    """``x @ W_e^T`` and ``g @ W_e`` for one layer's experts, in ``compute_dtype``.
 
     Args:
         weights: the layer's expert weights in any registered format.
         compute_dtype: the dtype the GEMMs run in (``resolve_compute_dtype``).
-        ws: the engine's workspace (tile buffers and the transposed small-n result live there).
+
+    Tile buffers and the transposed small-n result are the calling thread's scratch (``thread_workspace``), so
+    experts may be multiplied in parallel threads.
     """
 
-    def __init__(self, weights: ExpertFormat, compute_dtype: torch.dtype, ws: Workspace) -> None:
+    def __init__(self, weights: ExpertFormat, compute_dtype: torch.dtype) -> None:
         self.weights = weights
         self.compute_dtype = compute_dtype
-        self.ws = ws
         # fp32/fp64 partial sums lose nothing, so backward may sum block by block (see matmul_w)
         self.exact_sums = compute_dtype in (torch.float32, torch.float64)
 
@@ -54,7 +55,7 @@ class BlockedGemm:
             return
         align = self.weights.row_align(proj)
         step = d_out if whole else min(d_out, -(-(128 if n < 256 else 256) // align) * align)  # whole blocks
-        buf = self.ws.get(f"tile_{proj}", (step, d_in), cd)
+        buf = thread_workspace().get(f"tile_{proj}", (step, d_in), cd)
         for r0 in range(0, d_out, step):
             r1 = min(r0 + step, d_out)
             yield r0, r1, self.weights.tile(proj, e, cd, buf[: r1 - r0], rows=slice(r0, r1))
@@ -69,7 +70,7 @@ class BlockedGemm:
         n = inp.shape[0]
         for r0, r1, w in self.row_blocks(proj, e, n):
             if n <= SMALL_ROWS:
-                tmp = self.ws.get("wt_tmp", (r1 - r0, n), inp.dtype)
+                tmp = thread_workspace().get("wt_tmp", (r1 - r0, n), inp.dtype)
                 torch.mm(w, inp.t(), out=tmp)
                 out[:, r0:r1].copy_(tmp.t())
             else:
