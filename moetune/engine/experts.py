@@ -40,7 +40,7 @@ from moetune.engine.routing import (
     to_slots,
     validate_routing,
 )
-from moetune.engine.threads import expert_pool, split_threads
+from moetune.engine.threads import MIN_POOL_EXPERT_PARAMS, expert_pool, split_threads
 from moetune.engine.workspace import Workspace
 from moetune.errors import EngineError, EngineStateError, NonFiniteError
 
@@ -236,7 +236,10 @@ class ExpertEngine:
         parallel on an ``ExpertPool`` (largest first, so the last to finish are small). Every expert writes only
         its own rows (and its own LoRA or base gradient slices), so the order changes no result."""
         segments = disp.segments()
-        workers, intra = split_threads(torch.get_num_threads(), len(segments), self.options.expert_workers)
+        requested = self.options.expert_workers
+        if requested is None and 3 * self.hidden_size * self.intermediate_size < MIN_POOL_EXPERT_PARAMS:
+            requested = 1  # tiny experts: the pool's hand-offs would cost more than their GEMMs
+        workers, intra = split_threads(torch.get_num_threads(), len(segments), requested)
         if workers == 1:
             for seg in segments:
                 fn(seg)

@@ -40,6 +40,13 @@ def set_engine_threads(requested: int | None = None) -> int:
     return threads
 
 
+# Unless asked for, experts smaller than this (3 H I parameters) run one after another: a pool task costs about
+# 0.2-0.5 ms of CPU in thread hand-offs and GIL contention (measured on 2 cores with H = 64, I = 32: 2.6x the
+# CPU time of the sequential path), more than such an expert's GEMMs; an expert of 1 Mi parameters streams
+# 2 MiB of bf16 weights per projection pass, several times that cost even for one row.
+MIN_POOL_EXPERT_PARAMS = 1 << 20
+
+
 def split_threads(threads: int, tasks: int, workers: int | None = None) -> tuple[int, int]:
     """``(workers, intra)``: how ``threads`` CPU threads run ``tasks`` independent expert tasks.
 
