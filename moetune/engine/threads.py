@@ -12,6 +12,7 @@ per-expert Python of one worker overlaps the GEMMs of the others (torch releases
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -107,6 +108,17 @@ class ExpertPool:
 
 _pools: dict[tuple[int, int], ExpertPool] = {}
 _pools_lock = threading.Lock()
+
+
+def _forget_pools_in_child() -> None:
+    """A forked child has none of the parent's threads: its engines start pools of their own."""
+    global _pools_lock
+    _pools.clear()
+    _pools_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools_in_child)
 
 
 def expert_pool(workers: int, intra: int) -> ExpertPool:

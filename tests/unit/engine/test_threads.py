@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from pathlib import Path
 
@@ -150,3 +152,20 @@ def test_convert_sets_its_threads_once(tiny, tmp_path, set_calls):
     args = ["convert", str(tiny), str(tmp_path / "store"), "--format", "int8", "--quiet", "--threads", "1"]
     assert main(args) == 0
     assert set_calls == [1] and torch.get_num_threads() == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
+def test_forked_child_starts_its_own_pool():
+    expert_pool(2, 1).run(lambda _: None, range(2))  # the parent's pool exists
+    pid = os.fork()
+    if pid == 0:  # child: the parent's workers do not exist here; a new pool must run the tasks
+        ok = False
+        signal.alarm(20)  # the parent's pool would take the tasks and never run them: die instead of hanging
+        try:
+            out: list[int] = []
+            expert_pool(2, 1).run(out.append, range(4))
+            ok = sorted(out) == [0, 1, 2, 3]
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
