@@ -222,14 +222,15 @@ class ExpertEngine:
         lora: LoraPass | None,
     ) -> None:
         """out ``[n, D_out]`` = inp ``[n, D_in]`` @ W_e^T (+ bias) (+ LoRA term, its A-projection ``[n, r]``
-        into ``lora_a``), all in the compute dtype, for expert e's n rows."""
-        self.gemm.matmul_wt(proj, e, inp, out)
-        bias = self._bias(proj, e)
-        if bias is not None:
-            out.add_(bias)
+        into ``lora_a``), all in the compute dtype, for expert e's n rows. The LoRA term is written first and
+        the base GEMM accumulates into it: one pass over out fewer than adding it afterwards."""
         if lora is not None:
             assert lora_a is not None
             lora.forward(proj, e, inp, out, lora_a)
+        self.gemm.matmul_wt(proj, e, inp, out, accumulate=lora is not None)
+        bias = self._bias(proj, e)
+        if bias is not None:
+            out.add_(bias)
 
     def _each_expert(self, disp: Dispatch, fn: Callable[[tuple[int, int, int]], None]) -> None:
         """``fn((e, s0, s1))`` for every active expert's segment: one after another in this thread, or in
@@ -407,9 +408,9 @@ class ExpertEngine:
             g_e, w_e, gh_e = gs[s0:s1], w_sorted[s0:s1], gh_all[s0:s1]
 
             # down projection: gh = g @ (W2 + s B2 A2 (dropout)) ; all unweighted by w until the router grad is taken
-            self.gemm.matmul_w("down", e, g_e, gh_e)
-            if lora_pass is not None:
+            if lora_pass is not None:  # writes its term into gh_e; the base GEMM accumulates into it
                 lora_pass.backward("down", e, g_e, gh_e, h_e, _rows(ha_all, s0, s1), w_e, lora_g)
+            self.gemm.matmul_w("down", e, g_e, gh_e, accumulate=lora_pass is not None)
             # d y / d w[t, j] = <grad_y[t], FFN_e(x_t)> = <gh_unweighted, h> (+ <g, b2_e>): no [N, H] output kept
             torch.sum(gh_e * h_e, dim=1, out=gw_sorted[s0:s1])
             b2 = self._bias("down", e)
@@ -423,10 +424,10 @@ class ExpertEngine:
 
             ggu = self.act.vjp(gu_e, gh_e)  # [n, 2I]
             gxs_e = gxs[s0:s1]
-            self.gemm.matmul_w("gate_up", e, ggu, gxs_e)
             if lora_pass is not None:
                 assert xs_e is not None
                 lora_pass.backward("gate_up", e, ggu, gxs_e, xs_e, xa_e, None, lora_g)
+            self.gemm.matmul_w("gate_up", e, ggu, gxs_e, accumulate=lora_pass is not None)
             if base_g is not None:
                 assert xs_e is not None
                 base_g["gate_up"][e].copy_(ggu.t() @ xs_e)
