@@ -20,15 +20,6 @@ def _case(mode: str, bias: bool = False):
     return layer, mode.startswith("full")
 
 
-@pytest.fixture
-def four_threads():
-    """Four intra-op threads, so the engine's expert pool has workers to run (restored afterwards)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(4)
-    yield
-    torch.set_num_threads(before)
-
-
 # 1: one expert at a time (the sequential path); 4: four experts at once on the expert pool
 @pytest.mark.parametrize("workers", [1, 4])
 @pytest.mark.parametrize("policy", POLICIES)
