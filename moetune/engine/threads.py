@@ -53,13 +53,15 @@ def split_threads(threads: int, tasks: int, workers: int | None = None) -> tuple
 
     ``workers`` experts run at once, each on ``intra`` intra-op threads (``workers * intra <= threads``).
     Unset, one worker per thread: one GEMM per core needs no synchronisation between cores, which a GEMM
-    of an expert with 8-64 rows split over many cores does at every block. Fewer tasks than threads: the
-    largest power of two of them, so a process keeps at most log2(threads) pools. 1: the experts one after
-    another in the calling thread on all its threads (the sequential path).
+    of an expert with 8-64 rows split over many cores does at every block. Fewer tasks than workers: the
+    largest power of two of the tasks, each worker on a share of the threads, so a process keeps at most
+    log2(threads) such pools however the number of active experts varies. 1: the experts one after another in
+    the calling thread on all its threads (the sequential path).
     """
-    want = threads if workers is None else min(workers, threads)
-    n = max(1, min(want, tasks))
-    n = 1 << (n.bit_length() - 1)  # a power of two: few distinct pools
+    want = threads if workers is None else max(1, min(workers, threads))
+    if tasks >= want:
+        return want, max(1, threads // want)
+    n = 1 << (max(1, tasks).bit_length() - 1)  # a power of two: few distinct pools
     return n, max(1, threads // n)
 
 

@@ -87,7 +87,8 @@ def test_engines_leave_the_thread_pool_alone(set_calls):
         (16, 6, None, (4, 4)),  # fewer experts than threads: a power of two of them, the threads shared
         (16, 128, 1, (1, 16)),  # the sequential path
         (16, 128, 4, (4, 4)),
-        (3, 128, None, (2, 1)),
+        (3, 128, None, (3, 1)),  # not a power of two: every thread still gets a worker
+        (12, 6, None, (4, 3)),
         (2, 1, None, (1, 2)),
         (1, 0, None, (1, 1)),
     ],
