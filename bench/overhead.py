@@ -55,7 +55,7 @@ def main() -> None:
     )
     print(f"{'mode':8}{'variant':>14}{'ms/step':>10}{'us/expert':>11}{'CPU ms/step':>13}{'min-max ms':>16}")
     for mode in (TrainMode.LORA, TrainMode.FROZEN):
-        variants = {"sequential-1": (1, 1)} | {f"pool-{n}": (n, None) for n in range(2, args.threads + 1)}
+        variants = {"sequential-1": (1, 1)} | {f"pool-{n}": (n, n) for n in range(2, args.threads + 1)}
         steps = {
             name: (RUNNERS.get("engine")(weights, batch, mode, EngineOptions(expert_workers=w)), n)
             for name, (n, w) in variants.items()

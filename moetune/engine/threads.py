@@ -12,6 +12,7 @@ per-expert Python of one worker overlaps the GEMMs of the others (torch releases
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -94,18 +95,28 @@ class ExpertPool:
 
     def run(self, fn: Callable[[T], None], items: Sequence[T]) -> None:
         """``fn(item)`` for every item, at most ``workers`` at once, in the caller's grad and inference modes;
-        items start in the order given (put the longest first). Waits for all, then raises the first error."""
-        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        items start in the order given (put the longest first). Waits for all, then raises the first error
+        (an error in one item does not stop the others: none may still be writing when the caller goes on).
 
-        def call(item: T) -> None:
+        Each worker takes the next item from a shared counter until none is left: one hand-off per worker
+        and call, not one future per item."""
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        todo = list(items)
+        counter = itertools.count()  # next() on it is atomic under the GIL
+        errors: list[BaseException] = []
+
+        def drain() -> None:
             # both modes are per thread: a generation under inference_mode writes into inference tensors
             with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                fn(item)
+                while (i := next(counter)) < len(todo):
+                    try:
+                        fn(todo[i])
+                    except BaseException as err:  # re-raised in the caller below
+                        errors.append(err)
 
-        futures = [self._executor.submit(call, item) for item in items]
-        wait(futures)  # no task may still write into the caller's buffers when an error is raised
-        for f in futures:
-            f.result()
+        wait([self._executor.submit(drain) for _ in range(min(self.workers, len(todo)))])
+        if errors:
+            raise errors[0]
 
 
 _pools: dict[tuple[int, int], ExpertPool] = {}
