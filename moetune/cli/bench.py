@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -62,7 +63,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     machine.add_argument(
         "--bandwidth-mib", type=int, help="size of the tensor summed to measure read bandwidth"
     )
-    p.add_argument("--threads", type=int, help="torch threads (default: physical cores)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="torch threads (default: physical cores); two or more counts (e.g. 1 2 4 8) measure thread scaling "
+        "instead: each case's step on every count, the engine's expert pool against one expert at a time",
+    )
     p.add_argument(
         "--baseline-dtype",
         choices=["bfloat16", "float32"],
@@ -98,7 +106,7 @@ def config_from_args(args: argparse.Namespace) -> EngineBenchConfig:
         "cases": tuple(args.cases) if args.cases else None,
         "gemm_rows": tuple(args.gemm_rows) if args.gemm_rows else None,
         "bandwidth_bytes": args.bandwidth_mib * 2**20 if args.bandwidth_mib is not None else None,
-        "threads": args.threads,
+        "threads": args.threads[0] if args.threads and len(args.threads) == 1 else None,
         "baseline_dtype": getattr(torch, args.baseline_dtype) if args.baseline_dtype else None,
         "timing": dataclasses.replace(config.timing, **timing) if timing else None,
     }
@@ -111,7 +119,14 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if args.json is not None and not args.json.parent.is_dir():
         raise ConfigError(f"--json {args.json}: directory {args.json.parent} does not exist")
-    records = run_engine_bench(config)
+    if args.threads and len(args.threads) > 1:
+        from moetune.bench.scaling import run_thread_scaling
+
+        if any(n < 1 for n in args.threads):
+            raise ConfigError(f"--threads must be positive integers; got {args.threads}")
+        records = run_thread_scaling(config, tuple(args.threads), sys.stdout)
+    else:
+        records = run_engine_bench(config)
     if args.json is not None:
         write_text_atomically(args.json, json.dumps(records, indent=2) + "\n", durable=False)
         print(f"wrote {len(records)} records to {args.json}")

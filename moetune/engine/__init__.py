@@ -3,7 +3,8 @@
 ``ExpertEngine`` (``experts``) runs one layer's routed experts forward and backward over any weight format
 (``formats``, multiplied block by block in ``gemm``), with expert LoRA (``lora``) and a pluggable gated
 activation (``activations``); tokens are sorted by expert in ``routing``. ``plan`` holds the settings and the
-per-mode plan resolved from them; ``threads`` sizes the (process-wide) CPU thread pool the GEMMs run on.
+per-mode plan resolved from them; ``threads`` sizes the (process-wide) CPU thread count the GEMMs run on
+and holds the pool that computes experts in parallel.
 """
 
 from moetune.engine.activations import ACTIVATIONS, GluActivation, get_activation

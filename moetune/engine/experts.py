@@ -18,6 +18,7 @@ Using it twice, on another engine, or after the trained weights changed in place
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,6 +40,7 @@ from moetune.engine.routing import (
     to_slots,
     validate_routing,
 )
+from moetune.engine.threads import MIN_POOL_EXPERT_PARAMS, expert_pool, split_threads
 from moetune.engine.workspace import Workspace
 from moetune.errors import EngineError, EngineStateError, NonFiniteError
 
@@ -119,7 +121,8 @@ class ExpertEngine:
         train_base: full mode, differentiate the base weights (dense formats only).
         options: policy, compute dtype, finiteness checks.
 
-    The GEMMs run on torch's intra-op thread pool as the caller sized it (``set_engine_threads``).
+    The GEMMs run on the CPU threads the caller sized torch's intra-op pool to (``set_engine_threads``):
+    several experts at once, each on a share of them (``threads.ExpertPool``, ``options.expert_workers``).
     """
 
     def __init__(
@@ -159,7 +162,9 @@ class ExpertEngine:
         self._id = next(_engine_ids)
         self._forwards = 0
         self.ws = Workspace()
-        self.gemm = BlockedGemm(weights, self.compute_dtype, self.ws)
+        self.gemm = BlockedGemm(weights, self.compute_dtype)
+        if self.options.expert_workers is not None and self.options.expert_workers < 1:
+            raise EngineError(f"expert_workers must be >= 1 or None; got {self.options.expert_workers}")
 
     @property
     def weights(self) -> ExpertFormat:
@@ -217,14 +222,30 @@ class ExpertEngine:
         lora: LoraPass | None,
     ) -> None:
         """out ``[n, D_out]`` = inp ``[n, D_in]`` @ W_e^T (+ bias) (+ LoRA term, its A-projection ``[n, r]``
-        into ``lora_a``), all in the compute dtype, for expert e's n rows."""
-        self.gemm.matmul_wt(proj, e, inp, out)
-        bias = self._bias(proj, e)
-        if bias is not None:
-            out.add_(bias)
+        into ``lora_a``), all in the compute dtype, for expert e's n rows. The LoRA term is written first and
+        the base GEMM accumulates into it: one pass over out fewer than adding it afterwards."""
         if lora is not None:
             assert lora_a is not None
             lora.forward(proj, e, inp, out, lora_a)
+        self.gemm.matmul_wt(proj, e, inp, out, accumulate=lora is not None)
+        bias = self._bias(proj, e)
+        if bias is not None:
+            out.add_(bias)
+
+    def _each_expert(self, disp: Dispatch, fn: Callable[[tuple[int, int, int]], None]) -> None:
+        """``fn((e, s0, s1))`` for every active expert's segment: one after another in this thread, or in
+        parallel on an ``ExpertPool`` (largest first, so the last to finish are small). Every expert writes only
+        its own rows (and its own LoRA or base gradient slices), so the order changes no result."""
+        segments = disp.segments()
+        requested = self.options.expert_workers
+        if requested is None and 3 * self.hidden_size * self.intermediate_size < MIN_POOL_EXPERT_PARAMS:
+            requested = 1  # tiny experts: the pool's hand-offs would cost more than their GEMMs
+        workers, intra = split_threads(torch.get_num_threads(), len(segments), requested)
+        if workers == 1:
+            for seg in segments:
+                fn(seg)
+            return
+        expert_pool(workers, intra).run(fn, sorted(segments, key=lambda seg: seg[1] - seg[2]))
 
     def _check_finite(self, what: str, t: torch.Tensor, disp: Dispatch | None = None) -> None:
         """With ``check_finite``: raise NonFiniteError for NaN/Inf in t (rows first: ``[T, ...]``, or ``[N, ...]``
@@ -292,10 +313,14 @@ class ExpertEngine:
         ys = self.ws.get("ys", (n, h), cd)  # [N, H], unweighted expert outputs
         xa = buffer("xa", lora_pass.rank) if lora_pass is not None else None  # [N, r]
         ha = buffer("ha", lora_pass.rank) if lora_pass is not None else None  # [N, r]
-        for e, s0, s1 in disp.segments():
+
+        def expert_forward(seg: tuple[int, int, int]) -> None:
+            e, s0, s1 = seg
             self._project("gate_up", e, xs[s0:s1], gu[s0:s1], _rows(xa, s0, s1), lora_pass)
             self.act(gu[s0:s1], out=hid[s0:s1])
             self._project("down", e, hid[s0:s1], ys[s0:s1], _rows(ha, s0, s1), lora_pass)
+
+        self._each_expert(disp, expert_forward)
         self._check_finite("expert outputs", ys, disp)
         y = combine(ys, disp, topk_weights, self.ws.get("slots", (n, h), cd)).to(x.dtype)
 
@@ -372,7 +397,8 @@ class ExpertEngine:
         lora_g = lora_pass.zero_grads() if lora_pass is not None else {}
         base_g = self._zero_base_grads() if plan.base_grads else None
 
-        for e, s0, s1 in disp.segments():
+        def expert_backward(seg: tuple[int, int, int]) -> None:
+            e, s0, s1 = seg
             xs_e, xa_e = _rows(xs, s0, s1), _rows(xa_all, s0, s1)
             gu_e = gu_all[s0:s1]
             if plan.recompute_gate_up:
@@ -382,9 +408,9 @@ class ExpertEngine:
             g_e, w_e, gh_e = gs[s0:s1], w_sorted[s0:s1], gh_all[s0:s1]
 
             # down projection: gh = g @ (W2 + s B2 A2 (dropout)) ; all unweighted by w until the router grad is taken
-            self.gemm.matmul_w("down", e, g_e, gh_e)
-            if lora_pass is not None:
+            if lora_pass is not None:  # writes its term into gh_e; the base GEMM accumulates into it
                 lora_pass.backward("down", e, g_e, gh_e, h_e, _rows(ha_all, s0, s1), w_e, lora_g)
+            self.gemm.matmul_w("down", e, g_e, gh_e, accumulate=lora_pass is not None)
             # d y / d w[t, j] = <grad_y[t], FFN_e(x_t)> = <gh_unweighted, h> (+ <g, b2_e>): no [N, H] output kept
             torch.sum(gh_e * h_e, dim=1, out=gw_sorted[s0:s1])
             b2 = self._bias("down", e)
@@ -398,16 +424,17 @@ class ExpertEngine:
 
             ggu = self.act.vjp(gu_e, gh_e)  # [n, 2I]
             gxs_e = gxs[s0:s1]
-            self.gemm.matmul_w("gate_up", e, ggu, gxs_e)
             if lora_pass is not None:
                 assert xs_e is not None
                 lora_pass.backward("gate_up", e, ggu, gxs_e, xs_e, xa_e, None, lora_g)
+            self.gemm.matmul_w("gate_up", e, ggu, gxs_e, accumulate=lora_pass is not None)
             if base_g is not None:
                 assert xs_e is not None
                 base_g["gate_up"][e].copy_(ggu.t() @ xs_e)
                 if "gate_up_bias" in base_g:
                     base_g["gate_up_bias"][e].copy_(ggu.sum(0))
 
+        self._each_expert(disp, expert_backward)
         if lora_pass is not None:
             lora_g = lora_pass.in_call_order(lora_g)
         grad_x = sum_slots(gxs, disp, self.ws.get("slots", (n, h), cd))  # [T, H]

@@ -193,13 +193,14 @@ class LoraPass:
     def forward(
         self, proj: Projection, e: int, inp: torch.Tensor, out: torch.Tensor, a_out: torch.Tensor
     ) -> None:
-        """out ``[n, D_out]`` += s * drop(inp) A_e^T B_e^T for inp ``[n, D_in]``; the A-projection
-        drop(inp) A_e^T ``[n, r]`` is written to ``a_out`` (backward reuses it under the retain policy)."""
+        """out ``[n, D_out]`` = s * drop(inp) A_e^T B_e^T for inp ``[n, D_in]`` (written, not added: the caller's
+        base GEMM then accumulates into it, saving a pass over out); the A-projection drop(inp) A_e^T ``[n, r]``
+        is written to ``a_out`` (backward reuses it under the retain policy)."""
         a, b = self._ab[proj]
         mask = self._mask(proj, e, inp)
         dropped = inp if mask is None else inp * mask
         torch.mm(dropped, a[e].t(), out=a_out)
-        out.addmm_(a_out, b[e].t(), alpha=self.lora.scaling)
+        out.addmm_(a_out, b[e].t(), beta=0, alpha=self.lora.scaling)  # beta 0: out's old values are ignored
 
     def backward(
         self,
@@ -216,7 +217,8 @@ class LoraPass:
 
         g_out ``[n, D_out]`` is the gradient at the projection's output: unweighted for down, with the routing
         weights w_e ``[n, 1]`` applied to the LoRA grads here; already weighted for gate_up (w_e None).
-        Adds the LoRA term into g_in ``[n, D_in]``, the gradient at inp ``[n, D_in]``, and writes expert e's
+        Writes the LoRA term into g_in ``[n, D_in]``, the gradient at inp ``[n, D_in]`` (the caller's base GEMM
+        then accumulates into it), and writes expert e's
         grads of A ``[r, D_in]`` and B ``[D_out, r]`` into ``grads`` (fp32, from ``zero_grads``).
         ``a_proj`` ``[n, r]`` is drop(inp) A_e^T as forward computed it, or None to recompute it here.
         """
@@ -226,9 +228,9 @@ class LoraPass:
         mask = self._mask(proj, e, inp)
         dropped = inp if mask is None else inp * mask
         if mask is None:
-            g_in.addmm_(gb, a[e], alpha=s)
+            g_in.addmm_(gb, a[e], beta=0, alpha=s)  # beta 0: g_in's old values are ignored
         else:  # the mask applies to the gradient flowing back into the input too
-            g_in.add_((gb @ a[e]) * mask, alpha=s)
+            torch.mul(gb @ a[e], mask, out=g_in).mul_(s)
         if a_proj is None:
             a_proj = dropped @ a[e].t()
         if w_e is not None:

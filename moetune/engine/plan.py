@@ -37,6 +37,9 @@ class EngineOptions:
     policy: ActivationPolicy = ActivationPolicy.RETAIN
     compute_dtype: torch.dtype | None = None
     check_finite: bool = False  # debug: raise NonFiniteError naming the tensor and expert
+    # experts computed at once (``threads.split_threads``); None: one per thread of the caller's intra-op pool
+    # (experts under ``threads.MIN_POOL_EXPERT_PARAMS`` one at a time), 1: one expert at a time on all of them
+    expert_workers: int | None = None
 
 
 def resolve_compute_dtype(storage: torch.dtype, requested: torch.dtype | None = None) -> torch.dtype:

@@ -73,6 +73,8 @@ class ResidencyWindow:
         self._after: dict[tuple[int | None, int], int] = {}  # (previous, current) -> layer read next
         self._previous: int | None = None
         self._lock = threading.Lock()
+        self._entering = threading.Lock()  # the engine's pool workers of one pass enter their layer once
+        self._ready: int | None = None  # the layer ``ensure`` entered last, once its pages were in
         self._pool: ThreadPoolExecutor | None = None
 
     def add(self, pages: Pageable) -> int:
@@ -89,6 +91,16 @@ class ResidencyWindow:
     def resident_bytes(self) -> int:
         """Bytes of the layers held or being prefetched."""
         return sum(self._pages[i].nbytes for i in (*self._resident, *self._jobs))
+
+    def ensure(self, index: int) -> None:
+        """``enter(index)`` unless layer ``index`` is the one being read. Threads reading the same layer at once
+        (the engine's expert pool) enter it once: the others wait for that, then read."""
+        if self._ready == index == self.current:
+            return
+        with self._entering:
+            if not self._ready == index == self.current:
+                self.enter(index)  # sets current first, so another thread must not take current as ready
+                self._ready = index
 
     def enter(self, index: int) -> None:
         """Layer ``index`` is about to be read: make it resident, prefetch the next, release the oldest."""
@@ -187,8 +199,7 @@ class PagedExperts(ExpertFormat):
         )
 
     def _enter(self) -> None:
-        if self.window.current != self.index:
-            self.window.enter(self.index)
+        self.window.ensure(self.index)
 
     def tile(
         self,

@@ -8,6 +8,7 @@ asked for and are then handed out as views.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -30,3 +31,15 @@ class Workspace:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self._bufs.values())
+
+
+_local = threading.local()
+
+
+def thread_workspace() -> Workspace:
+    """The calling thread's own workspace, for per-expert scratch (weight tiles, dequantization chunks) that
+    experts computed in parallel (``moetune.engine.threads.ExpertPool``) must not share."""
+    ws = getattr(_local, "workspace", None)
+    if ws is None:
+        ws = _local.workspace = Workspace()
+    return ws

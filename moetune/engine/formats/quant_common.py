@@ -10,7 +10,6 @@ AMX machines, fp64 in tests) are the fp32 values rounded or widened, chunk by ch
 
 from __future__ import annotations
 
-import threading
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 
@@ -18,22 +17,17 @@ import torch
 
 from moetune.engine.formats.base import ExpertFormat, Projection
 from moetune.engine.formats.dense import DenseExperts
-from moetune.engine.workspace import Workspace
+from moetune.engine.workspace import thread_workspace
 from moetune.errors import EngineError
 
 # 256 Ki elements (1 MiB of fp32) per chunk: 128- to 768-row chunks of a 2048-wide tile measured equally
 # fast here, whole-tile passes no faster, and larger chunks would need larger scratch.
 CHUNK_ELEMS = 1 << 18
 
-_local = threading.local()
-
 
 def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A per-thread reused buffer (see ``Workspace``): dequantization allocates nothing per step."""
-    ws = getattr(_local, "workspace", None)
-    if ws is None:
-        ws = _local.workspace = Workspace()
-    return ws.get(name, shape, dtype)
+    return thread_workspace().get(name, shape, dtype)
 
 
 def row_chunks(start: int, stop: int, cols: int, align: int = 1) -> list[tuple[int, int]]:

@@ -216,3 +216,30 @@ def test_bench_engine_command_end_to_end(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert printed.startswith("moetune bench engine |") and "E4-T8-frozen-recompute" in printed
     assert "GB/s" in printed.splitlines()[0] and "TFLOP/s" in printed.splitlines()[0]
+
+
+def test_bench_engine_thread_scaling(tmp_path, capsys):
+    """Two or more --threads counts: every case on every count, the expert pool and one expert at a time."""
+    out = tmp_path / "scaling.json"
+    tiny = "--experts 4 --tokens 8 --hidden 32 --intermediate 16 --top-k 2 --rank 2 --policies retain"
+    argv = ["bench", "engine", *tiny.split(), "--reps", "2", "--warmup", "0", "--threads", "2", "1"]
+    assert main([*argv, "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    keys = [(r["case"], r["variant"], r["threads"]) for r in records]
+    assert sorted(keys) == sorted(
+        (c, v, n)
+        for c in ("E4-T8-lora-retain", "E4-T8-frozen-retain")
+        for v in ("experts", "intra")
+        for n in (1, 2)
+    )
+    for rec in records:
+        assert rec["samples"] == 2 and 0 < rec["min_ms"] <= rec["step_ms"] <= rec["max_ms"]
+        assert rec["efficiency"] == pytest.approx(rec["speedup"] / rec["threads"], rel=1e-3)
+        if rec["threads"] == 1:
+            assert rec["speedup"] == 1.0
+        if rec["variant"] == "intra":
+            assert rec["vs_intra"] == 1.0
+    printed = capsys.readouterr().out
+    first = printed.splitlines()[0]
+    assert first.startswith("moetune bench engine, thread scaling |") and "threads [1, 2]" in first
+    assert "AVX" in first or "no SIMD flags found" in first  # the ISA it ran on

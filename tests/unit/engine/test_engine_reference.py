@@ -20,14 +20,16 @@ def _case(mode: str, bias: bool = False):
     return layer, mode.startswith("full")
 
 
+# 1: one expert at a time (the sequential path); 4: four experts at once on the expert pool
+@pytest.mark.parametrize("workers", [1, 4])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
-def test_matches_float64_loop(policy, mode, dtype, tol):
+def test_matches_float64_loop(policy, mode, dtype, tol, workers, four_threads):
     layer, full = _case(mode)
     x, ids, w = make_routing(T=29, E=8, k=3, H=24)
     gy = torch.randn(29, 24, dtype=torch.float64)
-    mod = build_module(layer, dtype=dtype, full=full, policy=policy)
+    mod = build_module(layer, dtype=dtype, full=full, policy=policy, expert_workers=workers)
     y, grads = run_module(mod, x.to(dtype), ids, w.to(dtype), gy)
     y_ref, ref = run_reference(layer, x, ids, w, gy, full=full)
     assert rel_err(y, y_ref) < tol

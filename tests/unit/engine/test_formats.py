@@ -189,17 +189,22 @@ def test_layer_output_error_within_bound(case, built):
         (ActivationPolicy.RETAIN, torch.bfloat16),
     ],
 )
-def test_engine_equals_dense_engine_on_dequantized_weights(case, built, policy, compute):
+@pytest.mark.parametrize("workers", [1, 4])
+def test_engine_equals_dense_engine_on_dequantized_weights(
+    case, built, policy, compute, workers, four_threads
+):
     """Forward and backward read the very same effective weights (``tile``), so the engine on a format equals
     a dense engine holding ``dequantize(compute)``: same GEMMs on the same numbers. Bound 1e-6 relative
-    (max-abs) in fp32 and 1e-3 in bf16."""
+    (max-abs) in fp32 and 1e-3 in bf16. The format's engine computes its experts one at a time or four at once
+    on the expert pool (per-thread dequantization scratch); the dense one one at a time."""
     fmt, _, _ = built[case.id]
     dense = DenseExperts(*fmt.dequantize(compute))
     x, ids, w = make_routing(T=24, E=E, k=2, H=H, dtype=torch.float32)
     gy = torch.randn(24, H)
     lora = _lora()
-    y_q, g_q = run_module(_module(fmt, lora, policy=policy, compute_dtype=compute), x, ids, w, gy)
-    y_d, g_d = run_module(_module(dense, lora, policy=policy, compute_dtype=compute), x, ids, w, gy)
+    opts = {"policy": policy, "compute_dtype": compute}
+    y_q, g_q = run_module(_module(fmt, lora, **opts, expert_workers=workers), x, ids, w, gy)
+    y_d, g_d = run_module(_module(dense, lora, **opts, expert_workers=1), x, ids, w, gy)
     # fp32: 1e-5 relative (summation order differs: quantized tiles arrive in row blocks, dense ones whole;
     # a different effective weight would show as ~1e-2, the quantization error)
     bound = 1e-5 if compute == torch.float32 else 1e-3

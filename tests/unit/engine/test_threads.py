@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,8 +17,8 @@ import torch
 import moetune
 from moetune.cli.main import main
 from moetune.engine import ExpertEngine
-from moetune.engine.threads import set_engine_threads
-from moetune.errors import ConfigError
+from moetune.engine.threads import expert_pool, set_engine_threads, split_threads
+from moetune.errors import ConfigError, EngineError
 from moetune.sysinfo import default_num_threads
 from moetune.testing.tiny import save_tiny_model
 from tests.unit.engine_cases import build_module, make_layer, make_routing, run_module
@@ -30,12 +33,15 @@ def _restore_threads():
 
 @pytest.fixture
 def set_calls(monkeypatch) -> list[int]:
-    """Every ``torch.set_num_threads`` call from here on, by its argument (the calls still happen)."""
+    """Every ``torch.set_num_threads`` call from here on made by this (the main) thread, by its argument (the
+    calls still happen). The engine's pool workers size their own intra-op pools; those calls are per thread."""
     calls: list[int] = []
     original = torch.set_num_threads
+    main = threading.main_thread()
 
     def counting(n: int) -> None:
-        calls.append(n)
+        if threading.current_thread() is main:
+            calls.append(n)
         original(n)
 
     monkeypatch.setattr(torch, "set_num_threads", counting)
@@ -70,7 +76,64 @@ def test_engines_leave_the_thread_pool_alone(set_calls):
     mod = build_module(layer)
     run_module(mod, x, ids, w, torch.ones_like(x))
     ExpertEngine(mod.engine.weights).forward(x, ids, w, lora=mod.engine.lora)  # a call's own LoRA
-    assert set_calls == [] and torch.get_num_threads() == other
+    # a pool started here puts back the count its workers' first call set for threads started later
+    assert set(set_calls) <= {other} and torch.get_num_threads() == other
+
+
+@pytest.mark.parametrize(
+    "threads,tasks,workers,expected",
+    [
+        (16, 128, None, (16, 1)),  # one worker per thread
+        (16, 6, None, (4, 4)),  # fewer experts than threads: a power of two of them, the threads shared
+        (16, 128, 1, (1, 16)),  # the sequential path
+        (16, 128, 4, (4, 4)),
+        (3, 128, None, (3, 1)),  # not a power of two: every thread still gets a worker
+        (12, 6, None, (4, 3)),
+        (2, 1, None, (1, 2)),
+        (1, 0, None, (1, 1)),
+    ],
+)
+def test_split_threads(threads, tasks, workers, expected):
+    assert split_threads(threads, tasks, workers) == expected
+
+
+def test_pool_workers_run_on_their_own_thread_counts_and_modes():
+    torch.set_num_threads(4)
+    pool = expert_pool(2, 2)
+    seen: list[tuple[str, int, bool, bool]] = []
+    lock = threading.Lock()
+
+    def task(_: int) -> None:
+        with lock:
+            t = threading.current_thread().name
+            seen.append(
+                (t, torch.get_num_threads(), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+            )
+
+    with torch.inference_mode():
+        pool.run(task, range(6))
+    assert len(seen) == 6 and all(n == 2 and not g and inf for _, n, g, inf in seen)
+    assert all(name.startswith("moetune-experts-2x2") for name, *_ in seen)
+    assert torch.get_num_threads() == 4
+
+
+def test_pool_raises_a_task_error_after_every_task_finished():
+    pool = expert_pool(2, 1)
+    done: list[int] = []
+
+    def task(i: int) -> None:
+        if i == 0:
+            raise ValueError("expert 0 failed")
+        done.append(i)
+
+    with pytest.raises(ValueError, match="expert 0 failed"):
+        pool.run(task, range(5))
+    assert sorted(done) == [1, 2, 3, 4]
+
+
+def test_engine_rejects_bad_expert_workers():
+    with pytest.raises(EngineError, match="expert_workers must be >= 1 or None; got 0"):
+        build_module(make_layer(), expert_workers=0)
 
 
 def test_load_model_sets_its_threads_once(tiny, set_calls):
@@ -90,3 +153,20 @@ def test_convert_sets_its_threads_once(tiny, tmp_path, set_calls):
     args = ["convert", str(tiny), str(tmp_path / "store"), "--format", "int8", "--quiet", "--threads", "1"]
     assert main(args) == 0
     assert set_calls == [1] and torch.get_num_threads() == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
+def test_forked_child_starts_its_own_pool():
+    expert_pool(2, 1).run(lambda _: None, range(2))  # the parent's pool exists
+    pid = os.fork()
+    if pid == 0:  # child: the parent's workers do not exist here; a new pool must run the tasks
+        ok = False
+        signal.alarm(20)  # the parent's pool would take the tasks and never run them: die instead of hanging
+        try:
+            out: list[int] = []
+            expert_pool(2, 1).run(out.append, range(4))
+            ok = sorted(out) == [0, 1, 2, 3]
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -165,3 +165,37 @@ def test_paged_engines_equal_engines_in_ram_and_stay_in_budget(case, tmp_path, o
     ram = run("ram")
     assert len(ram) == len(disk) and all(torch.equal(a, b) for a, b in zip(ram, disk))
     window.close()
+
+
+def test_threads_reading_one_layer_at_once_enter_it_once():
+    """The engine's expert pool reads a layer's tiles from several threads at once: one warms it, none twice."""
+    import threading
+    import time
+
+    window, pages, log = _window(3, budget=300)
+
+    class SlowPages(FakePages):
+        def warm(self) -> None:
+            time.sleep(0.05)  # long enough for every thread to arrive while the first is still warming
+            super().warm()
+
+    slow = SlowPages(0, log)
+    window._pages[0] = slow
+    start = threading.Barrier(4)
+    early: list[str] = []  # threads that went on to read before the layer was warm
+
+    def read() -> None:
+        start.wait()
+        window.ensure(0)
+        if not slow.resident:
+            early.append(threading.current_thread().name)
+
+    threads = [threading.Thread(target=read) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    window.close()
+    assert early == []
+    assert log.count(("warm", 0)) == 1 and window.stats.misses == 1
+    assert pages[1].resident or ("warm", 1) in log  # the next layer was prefetched as usual

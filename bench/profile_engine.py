@@ -1,0 +1,98 @@
+"""Where one engine step's time goes: torch.profiler over forward + backward, grouped into categories.
+
+    python bench/profile_engine.py [--experts 32 --tokens 128 512 2048 --threads 1 --modes lora frozen]
+
+The layer is the engine benchmark's (Qwen3-30B-A3B: H = 2048, I = 768, k = 8, r = 8, bf16 weights, retain
+policy), with ``--experts`` experts to fit the time. Per (T, mode): the unprofiled median of 3 steps, the
+profiled step's wall time, and its split: base GEMMs, LoRA GEMMs (an operand of width r), the combine's bmm,
+elementwise ops (activation, its backward, weighting, the router's row dots), copies / gathers / fills, other
+aten ops, and the gap (wall time no op accounts for: Python and dispatch). ``docs/performance.md`` holds a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moetune.bench.runners import RUNNERS, make_batch, make_weights
+from moetune.engine import EngineOptions, TrainMode
+from moetune.sysinfo import cpu_info
+
+GEMMS = {"aten::mm", "aten::addmm_", "aten::addmm", "aten::bmm"}
+ELEMENTWISE = {
+    "aten::mul",
+    "aten::mul_",
+    "aten::silu",
+    "aten::silu_backward",
+    "aten::sum",
+    "aten::add_",
+    "aten::div_",
+}
+COPIES = {
+    "aten::copy_",
+    "aten::_to_copy",
+    "aten::index_select",
+    "aten::fill_",
+    "aten::zero_",
+    "aten::index_add_",
+}
+
+
+def category(name: str, shapes: str, rank: int) -> str:
+    if name in GEMMS:
+        if name == "aten::bmm":
+            return "combine bmm"
+        return "lora gemm" if f", {rank}]" in shapes or f"[{rank}," in shapes else "base gemm"
+    if name in ELEMENTWISE:
+        return "elementwise"
+    return "copies/gathers/fills" if name in COPIES else "other aten"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--modes", nargs="+", choices=["lora", "frozen"], default=["lora", "frozen"])
+    p.add_argument("--expert-workers", type=int, help="EngineOptions.expert_workers (default: the engine's)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    h, i, k, r = 2048, 768, 8, 8
+    cpu = cpu_info()
+    print(
+        f"{cpu.model} ({', '.join(cpu.isa)}), {args.threads} threads, E={args.experts} H={h} I={i} k={k} r={r}"
+    )
+    weights = make_weights(args.experts, h, i, r, 16, torch.bfloat16, 0)
+    options = EngineOptions(expert_workers=args.expert_workers)
+    for t in args.tokens:
+        batch = make_batch(t, args.experts, k, h, torch.bfloat16, t)
+        for mode in (TrainMode(m) for m in args.modes):
+            step = RUNNERS.get("engine")(weights, batch, mode, options)
+            step.backward(step.forward())
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                step.backward(step.forward())
+                times.append(time.perf_counter() - t0)
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                t0 = time.perf_counter()
+                step.backward(step.forward())
+                wall = (time.perf_counter() - t0) * 1e3
+            split: dict[str, float] = {}
+            for ev in prof.key_averages(group_by_input_shape=True):
+                c = category(ev.key, str(ev.input_shapes), r)
+                split[c] = split.get(c, 0.0) + ev.self_cpu_time_total / 1e3
+            split["gap (Python, dispatch)"] = wall - sum(split.values())
+            print(
+                f"T={t} {mode.value}: median {statistics.median(times) * 1e3:.1f} ms, profiled {wall:.1f} ms"
+            )
+            for c, ms in sorted(split.items(), key=lambda kv: -kv[1]):
+                print(f"    {c:26} {ms:8.1f} ms {ms / wall:6.1%}")
+
+
+if __name__ == "__main__":
+    main()
