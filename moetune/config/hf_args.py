@@ -38,8 +38,8 @@ OWNED: dict[str, str] = {
     "use_cpu": "set `moetune: {device: cpu}`",
     "remove_unused_columns": "moetune's datasets hold exactly the model inputs",
     "label_names": "moetune's datasets hold exactly the model inputs",
-    "accelerator_config": "moetune trains in one process without Accelerate settings",
-    "parallelism_config": "moetune trains in one process",
+    "accelerator_config": "moetune sets up its processes itself (moetune.dist)",
+    "parallelism_config": "moetune's multi-process runs are data-parallel with replicated experts (docs/distributed.md)",
     "torch_compile_backend": "moetune runs the model eagerly (torch.compile is not applied)",
     "torch_compile_mode": "moetune runs the model eagerly (torch.compile is not applied)",
     "liger_kernel_config": "kernel patches are not applied",
@@ -48,11 +48,12 @@ OWNED: dict[str, str] = {
     "hub_strategy": "moetune does not push to the hub",
     "hub_always_push": "moetune does not push to the hub",
     "hub_revision": "moetune does not push to the hub",
-    "local_rank": "moetune trains in one process",
+    "local_rank": "the launcher sets it (torchrun / accelerate launch set LOCAL_RANK)",
     "logging_nan_inf_filter": "moetune logs every loss as computed; `on_divergence: stop | skip` says what a NaN does",
 }
-# fields that only matter with several processes: accepted, logged
+# fields that only matter with several processes (torchrun / accelerate launch): accepted, logged
 MULTI_PROCESS = (
+    "ddp_find_unused_parameters",
     "ddp_bucket_cap_mb",
     "ddp_broadcast_buffers",
     "ddp_static_graph",
@@ -85,7 +86,7 @@ def passthrough(key: str, value: Any, problems: Problems) -> Any:
         problems.add(key, f"is set by moetune itself: {OWNED[key]}. Remove it")
         return None
     if key in MULTI_PROCESS:
-        log.warning("%s: %r has no effect: moetune trains in one process", key, value)
+        log.info("%s: %r takes effect when moetune is launched as several processes", key, value)
     tp = _fields()[key]
     simple = _simple(tp)
     if simple is None or value is None:
