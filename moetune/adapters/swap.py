@@ -83,7 +83,7 @@ def recover_adapter(folder: Path) -> list[str]:
     """Finish or clean up what an interrupted adapter save left in or beside ``folder``; returns what was
     done, in words (each also logged). Changes nothing when nothing was interrupted. On a process other than
     the main one of a multi-process run, ``AdapterError`` instead of any change."""
-    done = []
+    done: list[str] = []
     parent, prefix = folder.parent, f".{folder.name}.tmp-"
     legacy = sorted(p for p in parent.iterdir() if p.name.startswith(prefix)) if parent.is_dir() else []
     rank = _other_rank()
