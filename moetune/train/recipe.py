@@ -78,7 +78,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
         model_path,
         device=_device(cfg),
         dtype=dtype,
-        experts=cfg.engine.experts,
+        experts=_experts_for(cfg, ranks),
         trust_remote_code=cfg.model.trust_remote_code,
         progress=progress,
     )
@@ -88,6 +88,26 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     )  # expert LoRA's A is drawn from the global RNG, as PEFT draws its own
     peft_model = apply_mode(model, modes, LoraSettings.from_config(cfg.finetune))
     return peft_model, tokenizer, data
+
+
+def _experts_for(cfg: MoetuneConfig, ranks: Any) -> Any:
+    """The expert options this process loads with: unless ``num_threads`` is set, the ranks on one machine
+    share its cores (each would otherwise size its engine's pool to all of them)."""
+    import dataclasses
+
+    from moetune.sysinfo import default_num_threads
+
+    experts = cfg.engine.experts
+    if experts.num_threads is not None or ranks.local_world == 1:
+        return experts
+    share = max(1, default_num_threads() // ranks.local_world)
+    logger.info(
+        "moetune rank %d: %d engine threads (the cores shared by %d ranks)",
+        ranks.rank,
+        share,
+        ranks.local_world,
+    )
+    return dataclasses.replace(experts, num_threads=share)
 
 
 def _check_requires(cfg: MoetuneConfig, packages: tuple[str, ...]) -> None:

@@ -119,5 +119,39 @@ def _fail_on_rank_1(config_path: str) -> None:
         recipe.train(cfg, model, tokenizer, data)
 
 
+def _adapter_saves_on_every_rank(folder: str) -> None:
+    """Both ranks save an adapter pair into ``folder`` 20 times (the main process alone writes; the other logs
+    and returns), then rank 1 meets an interrupted save and must refuse to recover it itself."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from moetune.adapters.swap import PARTIAL, recover_adapter, save_pair
+    from moetune.dist import barrier, failures_end_every_rank, start
+    from moetune.errors import AdapterError
+
+    ranks = start(cpu=True, timeout_s=60)
+    out = Path(folder)
+    with failures_end_every_rank(ranks):
+        for i in range(20):
+            save_pair(
+                out, f'{{"i": {i}}}', lambda path, i=i: path.write_text(f"weights {i} of rank {ranks.rank}")
+            )
+        barrier(ranks)
+        assert (out / "adapter_model.safetensors").read_text() == "weights 19 of rank 0"
+        if ranks.is_main:
+            (out / PARTIAL).mkdir()
+        barrier(ranks)
+        if ranks.rank == 1:
+            try:
+                recover_adapter(out)
+            except AdapterError as err:
+                print(f"rank 1 refused: {err}", flush=True)
+        barrier(ranks)
+        assert (out / PARTIAL).is_dir()  # nobody touched it
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    {"fail_on_rank_1": _fail_on_rank_1}[sys.argv[1]](*sys.argv[2:])
+    checks = {"fail_on_rank_1": _fail_on_rank_1, "adapter_saves_on_every_rank": _adapter_saves_on_every_rank}
+    checks[sys.argv[1]](*sys.argv[2:])

@@ -1,4 +1,5 @@
-"""Two processes under torchrun (gloo on the CPU): an exception on one rank ends both, each printing the cause."""
+"""Two processes under torchrun (gloo on the CPU): an exception on one rank ends both, each printing the cause;
+adapter saves called on every rank are written by the main process alone."""
 
 from __future__ import annotations
 
@@ -27,3 +28,12 @@ def test_failure_on_rank_1_ends_rank_0_with_the_cause(tmp_path, demo_model) -> N
     assert any("moetune rank 1: RuntimeError: injected failure on rank 1" in line for line in lines)
     stop = "moetune rank 0: stopping: rank 1 failed: RuntimeError: injected failure on rank 1"
     assert any(stop in line for line in lines), result.stderr[-6000:]
+
+
+def test_adapter_saves_from_every_rank_have_one_writer(tmp_path) -> None:
+    # before moetune.dist, both ranks staged and renamed the same files and one failed in the other's staging
+    result = dist_checks.torchrun(
+        "tests/integration/dist_checks.py", "adapter_saves_on_every_rank", str(tmp_path / "a"), timeout=90
+    )
+    dist_checks.check(result)
+    assert "rank 1 refused: rank 1 found an interrupted adapter save" in result.stdout
