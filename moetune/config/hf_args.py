@@ -5,10 +5,11 @@ LLaMA-Factory hands every ``TrainingArguments`` field it does not own to transfo
 each value is coerced to the field's type here, and the whole set is checked by constructing the real
 ``TrainingArguments`` (plus the learning-rate scheduler on a dummy optimizer when ``lr_scheduler_kwargs`` is
 set) before anything loads. Fields moetune sets itself are refused with the key to use instead; fields that
-only matter with several processes are accepted with one logged line saying they have no effect.
+only matter with several processes (``ddp_*``) are accepted with one logged line: they take effect when moetune
+is launched as several processes (torchrun / accelerate launch: docs/distributed.md).
 
-``deepspeed: CONFIG.json`` is accepted: moetune trains in one process, so there is nothing to shard, and a
-line says so. Settings in the JSON that ask for something moetune does not do (ZeRO offload, fp16) are
+``deepspeed: CONFIG.json`` is accepted and not used: the routed experts live in moetune's CPU engines and several
+processes train data-parallel under DDP (docs/distributed.md), so ZeRO has nothing to shard; a line says so. Settings in the JSON that ask for something moetune does not do (ZeRO offload, fp16) are
 refused, naming the setting and what moetune does instead.
 """
 
@@ -183,9 +184,9 @@ def deepspeed_problem(value: Any) -> str | None:
         )
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
     log.warning(
-        "deepspeed: %s (ZeRO stage %s) is not used: moetune trains in one process, so there is nothing to "
-        "shard; the routed experts sit in CPU RAM (its own engine), the rest on one device, and bf16 follows "
-        "the `bf16` key",
+        "deepspeed: %s (ZeRO stage %s) is not used: the routed experts sit in CPU RAM (moetune's engine), the "
+        "rest on one device per process, several processes train under DDP (docs/distributed.md), and bf16 "
+        "follows the `bf16` key",
         where,
         stage,
     )
