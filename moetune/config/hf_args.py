@@ -185,7 +185,8 @@ def deepspeed_problem(value: Any) -> str | None:
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
     log.warning(
         "deepspeed: %s (ZeRO stage %s) is not used: the routed experts sit in CPU RAM (moetune's engine), the "
-        "rest on one device per process, several processes train under DDP (docs/distributed.md), and bf16 "
+        "rest on one device per process and several processes train under DDP (docs/distributed.md), so ZeRO has "
+        "nothing to shard; bf16 "
         "follows the `bf16` key",
         where,
         stage,
