@@ -93,3 +93,31 @@ def test_resume_with_another_number_of_processes(runs) -> None:
         state = json.loads((runs[resumed] / "trainer_state.json").read_text())
         assert state["global_step"] == 4
         _assert_same_run(runs[resumed], runs["one"])
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_deepseek_v3(tmp_path) -> None:
+    # shared experts (overlapped with the engine), grouped routing, MLA attention: one family apart from qwen3_moe
+    from transformers import AutoTokenizer
+
+    from moetune.testing.tiny import save_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ROOT / "examples/data/demo_tokenizer"))
+    model = save_tiny_model(
+        "deepseek_v3",
+        tmp_path / "tiny",
+        tokenizer=False,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    tokenizer.save_pretrained(model)
+    steps = {**SGD, "max_steps": 4, "save_steps": 4}
+    one = dist_checks.config(tmp_path, model, "one", **steps)
+    two = dist_checks.config(tmp_path, model, "two", **steps, per_device_train_batch_size=2)
+    dist_checks.check(dist_checks.single(*CLI, str(one)))
+    dist_checks.check(dist_checks.torchrun(*CLI, str(two)))
+    _assert_same_run(tmp_path / "two", tmp_path / "one")
+    adapter = _adapter(tmp_path / "two")
+    assert any(".experts." in k and adapter[k].abs().max() > 0 for k in adapter if "lora_B" in k)
