@@ -30,7 +30,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     one = dist_checks.config(tmp, model, "one", **SGD)
     two = dist_checks.config(tmp, model, "two", **SGD, per_device_train_batch_size=2)
     dist_checks.check(dist_checks.single(*CLI, str(one)))
-    dist_checks.check(dist_checks.torchrun(*CLI, str(two)))
+    result = dist_checks.torchrun(*CLI, str(two))
+    dist_checks.check(result)
+    assert result.stdout.count("adapter written to") == 1  # the main process reports
     back = dist_checks.config(
         tmp, model, "two_to_one", **SGD, resume_from_checkpoint=str(tmp / "two/checkpoint-2")
     )
