@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
+from tests.integration import test_train
 
 ROOT = Path(__file__).resolve().parents[2]
 # --standalone: a rendezvous on a free local port, so tests running side by side do not collide
@@ -59,32 +59,11 @@ def single(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 def config(tmp: Path, model: Path, name: str, **over: Any) -> Path:
-    """A LoRA sft config on the demo data (every target, experts included) writing to ``tmp/name``."""
-    cfg = {
-        "model_name_or_path": str(model),
-        "lora_rank": 4,
-        "lora_alpha": 8,
-        "lora_target": "all",
-        "dataset": "demo_train",
-        "dataset_dir": str(ROOT / "examples/data"),
-        "max_samples": 64,
-        "cutoff_len": 32,
-        "output_dir": str(tmp / name),
-        "per_device_train_batch_size": 4,
-        "learning_rate": 1e-2,
-        "max_steps": 3,
-        "logging_steps": 1,
-        "save_steps": 2,
-        "seed": 0,
-        "gradient_checkpointing": False,
-        "report_to": "none",
-        "ddp_timeout": 120,
-        "moetune": {"device": "cpu", "num_threads": 1},
-        **over,
-    }
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    """``test_train``'s LoRA sft config on the demo data (every target, experts included) in ``tmp/name``,
+    writing to ``tmp/name/out``; collectives time out after 120 s (above the tests' 90 s limit on a hang)."""
+    folder = tmp / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return test_train._config(folder, model, **{"max_steps": 3, "ddp_timeout": 120, **over})
 
 
 def losses(out: Path) -> list[tuple[int, float]]:

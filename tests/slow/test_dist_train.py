@@ -34,7 +34,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     dist_checks.check(result)
     assert result.stdout.count("adapter written to") == 1  # the main process reports
     back = dist_checks.config(
-        tmp, model, "two_to_one", **SGD, resume_from_checkpoint=str(tmp / "two/checkpoint-2")
+        tmp, model, "two_to_one", **SGD, resume_from_checkpoint=str(tmp / "two/out/checkpoint-2")
     )
     forth = dist_checks.config(
         tmp,
@@ -42,11 +42,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         "one_to_two",
         **SGD,
         per_device_train_batch_size=2,
-        resume_from_checkpoint=str(tmp / "one/checkpoint-2"),
+        resume_from_checkpoint=str(tmp / "one/out/checkpoint-2"),
     )
     dist_checks.check(dist_checks.single(*CLI, str(back)))
     dist_checks.check(dist_checks.torchrun(*CLI, str(forth)))
-    return {name: tmp / name for name in ("one", "two", "two_to_one", "one_to_two")}
+    return {name: tmp / name / "out" for name in ("one", "two", "two_to_one", "one_to_two")}
 
 
 def _adapter(folder: Path) -> dict[str, torch.Tensor]:
@@ -100,26 +100,12 @@ def test_resume_with_another_number_of_processes(runs) -> None:
 @pytest.mark.slow
 def test_two_processes_equal_one_deepseek_v3(tmp_path) -> None:
     # shared experts (overlapped with the engine), grouped routing, MLA attention: one family apart from qwen3_moe
-    from transformers import AutoTokenizer
-
-    from moetune.testing.tiny import save_tiny_model
-
-    tokenizer = AutoTokenizer.from_pretrained(str(ROOT / "examples/data/demo_tokenizer"))
-    model = save_tiny_model(
-        "deepseek_v3",
-        tmp_path / "tiny",
-        tokenizer=False,
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    tokenizer.save_pretrained(model)
+    model = make_demo_model(tmp_path / "tiny", ROOT / "examples/data/demo_tokenizer", family="deepseek_v3")
     steps = {**SGD, "max_steps": 4, "save_steps": 4}
     one = dist_checks.config(tmp_path, model, "one", **steps)
     two = dist_checks.config(tmp_path, model, "two", **steps, per_device_train_batch_size=2)
     dist_checks.check(dist_checks.single(*CLI, str(one)))
     dist_checks.check(dist_checks.torchrun(*CLI, str(two)))
-    _assert_same_run(tmp_path / "two", tmp_path / "one")
-    adapter = _adapter(tmp_path / "two")
+    _assert_same_run(tmp_path / "two/out", tmp_path / "one/out")
+    adapter = _adapter(tmp_path / "two/out")
     assert any(".experts." in k and adapter[k].abs().max() > 0 for k in adapter if "lora_B" in k)
