@@ -109,3 +109,25 @@ def test_two_processes_equal_one_deepseek_v3(tmp_path) -> None:
     _assert_same_run(tmp_path / "two/out", tmp_path / "one/out")
     adapter = _adapter(tmp_path / "two/out")
     assert any(".experts." in k and adapter[k].abs().max() > 0 for k in adapter if "lora_B" in k)
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_freeze(tmp_path) -> None:
+    # the last layer trains fully, its routed experts' weights included (CPU parameters under DDP); checkpoints
+    # are written layer by layer (a second writer there failed inside the staging before the fix)
+    model = make_demo_model(tmp_path / "tiny", ROOT / "examples/data/demo_tokenizer")
+    mode = {"finetuning_type": "freeze", "freeze_trainable_layers": 1, "freeze_trainable_modules": "all"}
+    one = dist_checks.config(tmp_path, model, "one", **SGD, **mode)
+    two = dist_checks.config(tmp_path, model, "two", **SGD, **mode, per_device_train_batch_size=2)
+    dist_checks.check(dist_checks.single(*CLI, str(one)))
+    dist_checks.check(dist_checks.torchrun(*CLI, str(two)))
+    got, want = dict(dist_checks.losses(tmp_path / "two/out")), dict(dist_checks.losses(tmp_path / "one/out"))
+    assert sorted(got) == [1, 2, 3, 4]
+    assert all(got[s] == pytest.approx(want[s], rel=1e-5, abs=1e-6) for s in got)
+    a, b = (load_file(str(tmp_path / name / "out/model.safetensors")) for name in ("two", "one"))
+    assert a.keys() == b.keys() and any("experts" in k for k in a)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6, msg=key)
+    assert {"rng_state_0.pth", "rng_state_1.pth", "optimizer.index.json"} <= {
+        p.name for p in (tmp_path / "two/out/checkpoint-4").iterdir()
+    }
