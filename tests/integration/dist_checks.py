@@ -75,9 +75,9 @@ def check(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
-def _fail_on_rank_1(config_path: str) -> None:
-    """``moetune train``'s recipe with a forward hook that raises on rank 1 at its third forward (mid-training,
-    while rank 0 waits in DDP's all-reduce)."""
+def _fail_on_rank(config_path: str, failing: str) -> None:
+    """``moetune train``'s recipe with a forward hook that raises on rank ``failing`` at its third forward
+    (mid-training, while the other rank waits in DDP's all-reduce)."""
     from moetune.config import load_config
     from moetune.dist import failures_end_every_rank
     from moetune.train import recipe
@@ -89,11 +89,11 @@ def _fail_on_rank_1(config_path: str) -> None:
     def hook(module: Any, args: Any, output: Any) -> None:
         calls.append(1)
         if len(calls) == 3:
-            raise RuntimeError("injected failure on rank 1")
+            raise RuntimeError(f"injected failure on rank {failing}")
 
     with failures_end_every_rank(ranks):
         model, tokenizer, data = recipe.setup(cfg, progress=False)
-        if ranks.rank == 1:
+        if ranks.rank == int(failing):
             model.register_forward_hook(hook)
         recipe.train(cfg, model, tokenizer, data)
 
@@ -210,7 +210,7 @@ def _sharded_exchange() -> None:
 
 if __name__ == "__main__":
     checks = {
-        "fail_on_rank_1": _fail_on_rank_1,
+        "fail_on_rank": _fail_on_rank,
         "adapter_saves_on_every_rank": _adapter_saves_on_every_rank,
         "sharded_exchange": _sharded_exchange,
     }

@@ -18,15 +18,19 @@ def demo_model(tmp_path_factory) -> Path:
     return make_demo_model(tmp_path_factory.mktemp("m") / "tiny", ROOT / "examples/data/demo_tokenizer")
 
 
-def test_failure_on_rank_1_ends_rank_0_with_the_cause(tmp_path, demo_model) -> None:
-    # rank 1 raises in its third forward while rank 0 waits in DDP's gradient all-reduce; without the watchdog
-    # rank 0 would wait there until ddp_timeout (120 s here, above the 90 s this test allows)
+@pytest.mark.parametrize("failing", [0, 1])
+def test_failure_on_one_rank_ends_the_other_with_the_cause(tmp_path, demo_model, failing) -> None:
+    # the failing rank raises in its third forward while the other waits in DDP's gradient all-reduce; without
+    # the watchdog it would wait there until ddp_timeout (120 s here, above the 90 s this test allows)
     cfg = dist_checks.config(tmp_path, demo_model, "out", max_steps=6, per_device_train_batch_size=2)
-    result = dist_checks.torchrun("tests/integration/dist_checks.py", "fail_on_rank_1", str(cfg), timeout=90)
+    result = dist_checks.torchrun(
+        "tests/integration/dist_checks.py", "fail_on_rank", str(cfg), str(failing), timeout=90
+    )
     assert result.returncode != 0
+    cause = f"RuntimeError: injected failure on rank {failing}"
     lines = result.stderr.splitlines()
-    assert any("moetune rank 1: RuntimeError: injected failure on rank 1" in line for line in lines)
-    stop = "moetune rank 0: stopping: rank 1 failed: RuntimeError: injected failure on rank 1"
+    assert any(f"moetune rank {failing}: {cause}" in line for line in lines), result.stderr[-6000:]
+    stop = f"moetune rank {1 - failing}: stopping: rank {failing} failed: {cause}"
     assert any(stop in line for line in lines), result.stderr[-6000:]
 
 
