@@ -148,7 +148,7 @@ def _sharded_exchange() -> None:
     import torch
     import torch.distributed as dist
 
-    from moetune.dist import start
+    from moetune.dist import failures_end_every_rank, start
     from moetune.dist.exchange import ExpertOwners, sharded_experts
 
     ranks = start(cpu=True, timeout_s=60)
@@ -178,8 +178,9 @@ def _sharded_exchange() -> None:
             out = out.index_put((sel.nonzero().squeeze(1),), _ffn(rows[sel], local1[e], local2[e]))
         return out
 
-    y = sharded_experts(x, ids, weights, owners, local)
-    (y * cotangent).sum().backward()
+    with failures_end_every_rank(ranks):  # and the watchdog is stopped before the process group goes
+        y = sharded_experts(x, ids, weights, owners, local)
+        (y * cotangent).sum().backward()
 
     ref_x = x.detach().clone().requires_grad_()
     ref_w = weights.detach().clone().requires_grad_()
