@@ -83,3 +83,7 @@ def listing(items: list[str], *, inline: bool = False, total: int | None = None)
     if inline:
         return ", ".join(shown) + (f", ... and {more} more" if more > 0 else "")
     return "".join(f"\n  - {m}" for m in shown) + (f"\n  ... and {more} more" if more > 0 else "")
+
+
+class DistError(MoetuneError):
+    """A multi-process run could not start or another of its processes failed."""

@@ -18,6 +18,11 @@ renames of 3 the folder has no ``adapter_config.json``, so no loader, stock PEFT
 weights with the old config or the other way round: it fails on the missing file instead, and moetune recovers.
 :func:`recover_adapter` also removes what older moetune versions left (``.<name>.tmp-*`` folders beside the
 folder, restoring a previous adapter that one moved aside, and ``<file>.tmp`` files inside it).
+
+In a run of several processes (``torch.distributed`` set up) the main process alone writes: on the others
+:func:`save_pair` logs that it leaves the save to rank 0, and :func:`recover_adapter` only looks, raising
+``AdapterError`` if it finds an interrupted save (which the main process finishes; ``moetune train`` has it
+recover before the other ranks look).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from moetune.atomic import TMP_SUFFIX, fsync
+from moetune.errors import AdapterError
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +60,10 @@ def save_pair(
     removed, other files in the folder are kept."""
     optional = dict(optional or {})
     assert set(optional) <= set(OPTIONAL_NAMES), f"unknown optional adapter files {sorted(optional)}"
+    rank = _other_rank()
+    if rank is not None:
+        logger.info("moetune rank %d: the main process (rank 0) writes the adapter in %s", rank, folder)
+        return
     folder.mkdir(parents=True, exist_ok=True)
     recover_adapter(folder)
     partial = folder / PARTIAL
@@ -96,10 +106,22 @@ def _roll_forward(folder: Path) -> None:
 
 def recover_adapter(folder: Path) -> list[str]:
     """Finish or clean up what an interrupted adapter save left in or beside ``folder``; returns what was
-    done, in words (each also logged). Changes nothing when nothing was interrupted."""
-    done = []
+    done, in words (each also logged). Changes nothing when nothing was interrupted. On a process other than
+    the main one of a multi-process run, ``AdapterError`` instead of any change."""
+    done: list[str] = []
     parent, prefix = folder.parent, f".{folder.name}.tmp-"
     legacy = sorted(p for p in parent.iterdir() if p.name.startswith(prefix)) if parent.is_dir() else []
+    rank = _other_rank()
+    if rank is not None:
+        leftovers = [*legacy, folder / COMMITTED, folder / PARTIAL]
+        leftovers += [folder / (name + TMP_SUFFIX) for name in (WEIGHTS_NAME, CONFIG_NAME)]
+        found = [str(p) for p in leftovers if p.exists()]
+        if found:
+            raise AdapterError(
+                f"rank {rank} found an interrupted adapter save ({', '.join(found)}); only the main process "
+                "(rank 0) recovers it: recover it first there (moetune train does), or load once in one process"
+            )
+        return done
     asides = [p for p in legacy if p.name.endswith("-old") and (p / CONFIG_NAME).is_file()]
     if asides and not folder.exists():  # an older moetune was killed between its two folder renames
         os.rename(asides[-1], folder)
@@ -124,3 +146,12 @@ def recover_adapter(folder: Path) -> list[str]:
     for line in done:
         logger.warning("moetune: %s", line)
     return done
+
+
+def _other_rank() -> int | None:
+    """This process's rank when it is not the main process of a ``torch.distributed`` group, else None."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return dist.get_rank()
+    return None

@@ -24,6 +24,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)  # every config problem is reported here, before anything loads
     result = train_run(cfg)
+    if not result.trainer.is_world_process_zero():  # several processes (torchrun): the main one reports
+        return 0
     keep = (
         "steps",
         "wall_seconds",

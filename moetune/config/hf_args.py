@@ -5,10 +5,11 @@ LLaMA-Factory hands every ``TrainingArguments`` field it does not own to transfo
 each value is coerced to the field's type here, and the whole set is checked by constructing the real
 ``TrainingArguments`` (plus the learning-rate scheduler on a dummy optimizer when ``lr_scheduler_kwargs`` is
 set) before anything loads. Fields moetune sets itself are refused with the key to use instead; fields that
-only matter with several processes are accepted with one logged line saying they have no effect.
+only matter with several processes (``ddp_*``) are accepted with one logged line: they take effect when moetune
+is launched as several processes (torchrun / accelerate launch: docs/distributed.md).
 
-``deepspeed: CONFIG.json`` is accepted: moetune trains in one process, so there is nothing to shard, and a
-line says so. Settings in the JSON that ask for something moetune does not do (ZeRO offload, fp16) are
+``deepspeed: CONFIG.json`` is accepted and not used: the routed experts live in moetune's CPU engines and several
+processes train data-parallel under DDP (docs/distributed.md), so ZeRO has nothing to shard; a line says so. Settings in the JSON that ask for something moetune does not do (ZeRO offload, fp16) are
 refused, naming the setting and what moetune does instead.
 """
 
@@ -38,8 +39,8 @@ OWNED: dict[str, str] = {
     "use_cpu": "set `moetune: {device: cpu}`",
     "remove_unused_columns": "moetune's datasets hold exactly the model inputs",
     "label_names": "moetune's datasets hold exactly the model inputs",
-    "accelerator_config": "moetune trains in one process without Accelerate settings",
-    "parallelism_config": "moetune trains in one process",
+    "accelerator_config": "moetune sets up its processes itself (moetune.dist)",
+    "parallelism_config": "moetune's multi-process runs are data-parallel with replicated experts (docs/distributed.md)",
     "torch_compile_backend": "moetune runs the model eagerly (torch.compile is not applied)",
     "torch_compile_mode": "moetune runs the model eagerly (torch.compile is not applied)",
     "liger_kernel_config": "kernel patches are not applied",
@@ -48,11 +49,12 @@ OWNED: dict[str, str] = {
     "hub_strategy": "moetune does not push to the hub",
     "hub_always_push": "moetune does not push to the hub",
     "hub_revision": "moetune does not push to the hub",
-    "local_rank": "moetune trains in one process",
+    "local_rank": "the launcher sets it (torchrun / accelerate launch set LOCAL_RANK)",
     "logging_nan_inf_filter": "moetune logs every loss as computed; `on_divergence: stop | skip` says what a NaN does",
 }
-# fields that only matter with several processes: accepted, logged
+# fields that only matter with several processes (torchrun / accelerate launch): accepted, logged
 MULTI_PROCESS = (
+    "ddp_find_unused_parameters",
     "ddp_bucket_cap_mb",
     "ddp_broadcast_buffers",
     "ddp_static_graph",
@@ -85,7 +87,7 @@ def passthrough(key: str, value: Any, problems: Problems) -> Any:
         problems.add(key, f"is set by moetune itself: {OWNED[key]}. Remove it")
         return None
     if key in MULTI_PROCESS:
-        log.warning("%s: %r has no effect: moetune trains in one process", key, value)
+        log.info("%s: %r takes effect when moetune is launched as several processes", key, value)
     tp = _fields()[key]
     simple = _simple(tp)
     if simple is None or value is None:
@@ -182,9 +184,10 @@ def deepspeed_problem(value: Any) -> str | None:
         )
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
     log.warning(
-        "deepspeed: %s (ZeRO stage %s) is not used: moetune trains in one process, so there is nothing to "
-        "shard; the routed experts sit in CPU RAM (its own engine), the rest on one device, and bf16 follows "
-        "the `bf16` key",
+        "deepspeed: %s (ZeRO stage %s) is not used: the routed experts sit in CPU RAM (moetune's engine), the "
+        "rest on one device per process and several processes train under DDP (docs/distributed.md), so ZeRO has "
+        "nothing to shard; bf16 "
+        "follows the `bf16` key",
         where,
         stage,
     )

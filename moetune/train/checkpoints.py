@@ -3,7 +3,8 @@
 The trainer's own ``_save_checkpoint`` (adapter, optimizer, scheduler, RNG, trainer state, rotation) writes
 ``checkpoint-N`` inside a staging folder ``tmp-checkpoint-N/`` and only the complete folder is renamed into
 place, so a crash mid-save leaves no ``checkpoint-N`` for ``resume_from_checkpoint`` (transformers'
-``get_last_checkpoint`` matches ``checkpoint-N`` only). transformers 5.24 has no such mechanism of its own: it
+``get_last_checkpoint`` matches ``checkpoint-N`` only). With several processes every rank writes its own files
+(``rng_state_R.pth``) into the staging and the main process renames it once all have. transformers 5.24 has no such mechanism of its own: it
 writes into ``checkpoint-N`` file by file.
 
 :class:`AtomicCheckpoints` is a mixin placed before the trainer class in the bases
@@ -33,6 +34,7 @@ class AtomicCheckpoints:
     # provided by the Trainer this is mixed into
     args: Any
     state: Any
+    accelerator: Any
 
     def _get_output_dir(self, trial: Any) -> str:
         return self._staging if self._staging is not None else super()._get_output_dir(trial)  # type: ignore[misc]
@@ -44,10 +46,13 @@ class AtomicCheckpoints:
         staged = os.path.join(staging, name)
         if self.args.should_save:
             shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save of this step
+        self.accelerator.wait_for_everyone()  # several processes: none writes into the staging before it is clean
         self._staging = staging
         try:
             # everything goes to `staged`; its own rotation sees that one checkpoint only
             super()._save_checkpoint(model, trial)  # type: ignore[misc]
+            # every rank's files (rng_state_R.pth) are in `staged` before the main process renames it
+            self.accelerator.wait_for_everyone()
             if self.args.should_save:
                 if self.state.best_model_checkpoint == staged:  # the best is this one: record its final path
                     self.state.best_model_checkpoint = final

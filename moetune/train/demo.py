@@ -16,15 +16,18 @@ DEMO_CONFIG = Path("examples/demo_lora.yaml")
 DEMO_TOKENIZER = Path("examples/data/demo_tokenizer")
 
 
-def make_demo_model(path: str | Path, tokenizer_dir: str | Path = DEMO_TOKENIZER, seed: int = 0) -> Path:
-    """Write the demo's tiny Qwen3-MoE (fp32 safetensors) and the demo tokenizer to ``path``; same bytes every time."""
+def make_demo_model(
+    path: str | Path, tokenizer_dir: str | Path = DEMO_TOKENIZER, seed: int = 0, family: str = "qwen3_moe"
+) -> Path:
+    """Write the demo's tiny Qwen3-MoE (or tiny ``family`` model: ``moetune.testing.tiny``; fp32 safetensors) and
+    the demo tokenizer to ``path``; same bytes every time."""
     from transformers import AutoTokenizer
 
     from moetune.testing.tiny import save_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     out = save_tiny_model(
-        "qwen3_moe",
+        family,
         path,
         seed=seed,
         tokenizer=False,

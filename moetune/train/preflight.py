@@ -47,16 +47,20 @@ _INTEGER_CODES = ("I64", "I32", "I16", "I8", "U8", "BOOL")
 _PEFT_PREFIX = "base_model.model."
 
 
-def check_before_load(cfg: MoetuneConfig, dtype: str, modes: ModeSettings) -> None:
+def check_before_load(
+    cfg: MoetuneConfig, dtype: str, modes: ModeSettings, *, write_probe: bool = True
+) -> None:
     """Every check of this module, in order, for a model to be loaded in ``dtype`` and trained as ``modes``
     says (``moetune.train.modes``: its checks run on the same meta-device model); raises the first problem's
-    ``MoetuneError``."""
+    ``MoetuneError``. ``write_probe``: whether this process writes the probe file in ``output_dir`` (the main
+    process of a multi-process run only: one writer per file)."""
     from moetune.adapters.apply import resolve_targets
     from moetune.loading.load import plan_load
     from moetune.loading.options import LoadOptions
     from moetune.train.modes import check_mode_planned
 
-    check_output_dir(cfg.training.output_dir)
+    if write_probe:
+        check_output_dir(cfg.training.output_dir)
     model_path = cfg.model.model_name_or_path
     planned = plan_load(
         model_path,

@@ -6,6 +6,9 @@ config (validated) -> preflight (output_dir writable, model headers and lora_tar
      experts in the engine) -> the stage's trainer (moetune.train.stages: sft/pt a transformers Trainer,
      dpo/kto TRL's; NumericalGuard stops or skips a diverged step) -> train (optionally resumed)
   -> output_dir: adapter (stock PEFT), tokenizer, trainer_state.json, loss_curve.png, run_summary.json
+
+Launched as several processes (torchrun / accelerate launch: moetune.dist), every rank runs this same recipe
+on its share of each global batch under the Trainer's DDP; the main process alone writes files.
 """
 
 from __future__ import annotations
@@ -36,12 +39,21 @@ def _device(cfg: MoetuneConfig) -> str | None:
     return None if cfg.engine.device == "auto" else cfg.engine.device
 
 
+def _start_ranks(cfg: MoetuneConfig) -> Any:
+    """This process's ``moetune.dist.Ranks``; a multi-process launch gets its process group here."""
+    from moetune.dist import start
+
+    kwargs = training_arguments_kwargs(cfg)
+    return start(cpu=kwargs["use_cpu"], timeout_s=kwargs["ddp_timeout"], backend=kwargs.get("ddp_backend"))
+
+
 def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     """(peft_model, tokenizer, prepared data) for ``cfg``; the data is read and checked before the model loads."""
     import torch
 
     from moetune.adapters.apply import LoraSettings
     from moetune.adapters.swap import recover_adapter
+    from moetune.dist import main_writes
     from moetune.loading import load_model
     from moetune.train.data import prepare_datasets
     from moetune.train.modes import ModeSettings, apply_mode
@@ -54,18 +66,19 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     # bf16 (or pure_bf16) training loads bf16 weights; otherwise fp32 (exact, twice the memory)
     dtype = "bfloat16" if cfg.training.bf16 or cfg.finetune.pure_bf16 else "float32"
     modes = ModeSettings.from_config(cfg.finetune, bf16=cfg.training.bf16)
+    ranks = _start_ranks(cfg)
     # output_dir, model files, lora_target, resume checkpoint, what the mode asks of the experts: checked before
     # any weight loads
-    check_before_load(cfg, dtype, modes)
+    check_before_load(cfg, dtype, modes, write_probe=ranks.is_main)
     # an adapter save a crash interrupted in output_dir is finished or removed now, not at the next save
-    recover_adapter(Path(cfg.training.output_dir))
+    main_writes(ranks, lambda: recover_adapter(Path(cfg.training.output_dir)))
     tokenizer = load_tokenizer(cfg)
     data = prepare_datasets(cfg.data, tokenizer, seed=cfg.training.seed, codec=stage.codec)
     model = load_model(
         model_path,
         device=_device(cfg),
         dtype=dtype,
-        experts=cfg.engine.experts,
+        experts=_experts_for(cfg, ranks),
         trust_remote_code=cfg.model.trust_remote_code,
         progress=progress,
     )
@@ -80,6 +93,26 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
         assert cfg.finetune.lora_expert_intermediate_size is not None, "validated with lora_experts"
         attach_lora_experts(peft_model, cfg.finetune.lora_experts, cfg.finetune.lora_expert_intermediate_size)
     return peft_model, tokenizer, data
+
+
+def _experts_for(cfg: MoetuneConfig, ranks: Any) -> Any:
+    """The expert options this process loads with: unless ``num_threads`` is set, the ranks on one machine
+    share its cores (each would otherwise size its engine's pool to all of them)."""
+    import dataclasses
+
+    from moetune.sysinfo import default_num_threads
+
+    experts = cfg.engine.experts
+    if experts.num_threads is not None or ranks.local_world == 1:
+        return experts
+    share = max(1, default_num_threads() // ranks.local_world)
+    logger.info(
+        "moetune rank %d: %d engine threads (the cores shared by %d ranks)",
+        ranks.rank,
+        share,
+        ranks.local_world,
+    )
+    return dataclasses.replace(experts, num_threads=share)
 
 
 def _check_requires(cfg: MoetuneConfig, packages: tuple[str, ...]) -> None:
@@ -135,8 +168,10 @@ def _vocab_size(peft_model: Any) -> int | None:
 
 
 def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> dict[str, Any]:
-    """Write the final adapter, tokenizer, trainer state, loss curve and run summary; returns the summary."""
+    """Write the final adapter, tokenizer, trainer state, loss curve and run summary (the main process alone;
+    the others wait until it is done); returns the summary."""
     from moetune.adapters.save import save_adapter
+    from moetune.dist import main_writes
     from moetune.train.model_save import save_model
     from moetune.train.modes import memory_report
     from moetune.train.outputs import (
@@ -149,15 +184,21 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
         write_summary,
     )
 
+    ranks = _start_ranks(cfg)
     out = Path(cfg.training.output_dir)
-    if cfg.finetune.finetuning_type is FinetuningType.LORA:
-        save_adapter(trainer.model, out)
-    else:
-        save_model(trainer.model, out)
-    tokenizer.save_pretrained(out)
-    trainer.save_state()
+
+    def write_model() -> None:
+        if cfg.finetune.finetuning_type is FinetuningType.LORA:
+            save_adapter(trainer.model, out)
+        else:
+            save_model(trainer.model, out)
+        tokenizer.save_pretrained(out)
+
+    main_writes(ranks, write_model)
+    trainer.save_state()  # the Trainer's own: written by the main process only
     state = trainer.state
-    curve = write_loss_curve(state.log_history, out / LOSS_CURVE) if cfg.training.plot_loss else None
+    plot = cfg.training.plot_loss and ranks.is_main
+    curve = write_loss_curve(state.log_history, out / LOSS_CURVE) if plot else None
     final = [h for h in state.log_history if "train_runtime" in h]
     steps_run = max(state.global_step - (final[-1].get("start_step", 0) if final else 0), 1)
     summary = {
@@ -182,14 +223,17 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
         "loss_curve": str(curve) if curve else None,
         "config": cfg.summary(),
     }
-    write_summary(summary, out / SUMMARY)
+    main_writes(ranks, lambda: write_summary(summary, out / SUMMARY))
     return summary
 
 
 def run(cfg: MoetuneConfig, *, progress: bool = True) -> TrainRun:
     """setup -> train -> save for a validated config."""
+    from moetune.dist import failures_end_every_rank
+
     start = time.perf_counter()
-    peft_model, tokenizer, data = setup(cfg, progress=progress)
-    trainer = train(cfg, peft_model, tokenizer, data)
-    summary = save(cfg, trainer, tokenizer, time.perf_counter() - start)
+    with failures_end_every_rank(_start_ranks(cfg)):  # several processes: a failure on one ends them all
+        peft_model, tokenizer, data = setup(cfg, progress=progress)
+        trainer = train(cfg, peft_model, tokenizer, data)
+        summary = save(cfg, trainer, tokenizer, time.perf_counter() - start)
     return TrainRun(peft_model, tokenizer, trainer, summary)

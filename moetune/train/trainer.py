@@ -71,6 +71,8 @@ class MoetuneTrainer(GuardedSteps, AtomicCheckpoints, Trainer):
                 folder = Path(output_dir if output_dir is not None else self.args.output_dir)
                 write_atomically(folder / LORA_EXPERTS_FILE, lambda path: write_lora_experts(model, path))
             return
+        if not self.args.should_save:  # transformers calls _save on every rank; the main one writes
+            return
         # a checkpoint: weights in the live modules' layout, which resume's load_sharded_checkpoint matches; the
         # final save_model writes the base checkpoint's own layout instead
         out = str(output_dir if output_dir is not None else self.args.output_dir)
@@ -83,6 +85,8 @@ class MoetuneTrainer(GuardedSteps, AtomicCheckpoints, Trainer):
             super()._save_optimizer_and_scheduler(output_dir)
             return
         assert self.optimizer is not None and self.lr_scheduler is not None
+        if not self.args.should_save:  # several processes: the main one writes (replicated state)
+            return
         save_optimizer_by_layer(self.optimizer, self.model, output_dir)  # type: ignore[arg-type]
         torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 

@@ -1,0 +1,131 @@
+"""The ranks of a multi-process run and its process group.
+
+A launcher (``torchrun``, ``accelerate launch``) starts one process per rank and tells each its place in the
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``); :meth:`Ranks.from_env` reads them
+once, at the edge. :func:`start` sets up the process group through accelerate's ``PartialState`` (the state the
+Trainer's accelerator then finds in place) with the run's ``ddp_timeout`` on every collective, and starts the
+failure watchdog (:mod:`moetune.dist.watchdog`). One process (no launcher, or ``WORLD_SIZE=1``) touches no
+``torch.distributed`` state at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TypeVar
+
+from moetune.errors import DistError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the run: ``rank`` of ``world`` processes, ``local_rank`` of ``local_world`` on
+    its node. One process is ``Ranks(0, 1, 0, 1)``."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    local_world: int = 1
+
+    @property
+    def distributed(self) -> bool:
+        """More than one process trains."""
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        """The process that writes files (rank 0)."""
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Ranks:
+        """The launcher's variables (``os.environ`` unless ``env``); ``Ranks()`` when no launcher set them."""
+        env = os.environ if env is None else env
+        if "WORLD_SIZE" not in env:
+            return cls()
+        values = {}
+        for name in _LAUNCHER_VARS:
+            raw = env.get(name, "1" if name == "LOCAL_WORLD_SIZE" else None)
+            if raw is None or not raw.strip().isdigit():
+                raise DistError(
+                    f"environment variable {name}={raw!r}: a multi-process launch sets RANK, WORLD_SIZE and "
+                    "LOCAL_RANK to non-negative integers; start moetune with `torchrun --nproc-per-node N "
+                    "$(which moetune) train CFG.yaml` or `accelerate launch`"
+                )
+            values[name] = int(raw)
+        ranks = cls(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"])
+        if not 0 <= ranks.rank < ranks.world or ranks.world < 1:
+            raise DistError(f"RANK={ranks.rank} with WORLD_SIZE={ranks.world}: RANK must be in [0, WORLD_SIZE)")
+        return ranks
+
+
+_started: Ranks | None = None
+
+
+def start(*, cpu: bool, timeout_s: int, backend: str | None = None) -> Ranks:
+    """This process's :class:`Ranks`; with several, the process group is set up (once per process: later calls
+    return the same ranks) and the watchdog started. ``cpu``: the model computes on the CPU (gloo);
+    ``timeout_s``: every collective's timeout (``ddp_timeout``); ``backend``: ``ddp_backend`` if set."""
+    global _started
+    if _started is not None:
+        return _started
+    ranks = Ranks.from_env()
+    if not ranks.distributed:
+        _started = ranks
+        return ranks
+    if not cpu:
+        raise DistError(
+            f"moetune was launched as {ranks.world} processes with the model on a GPU; multi-process training "
+            "runs on the CPU only for now (the expert LoRA's CPU gradients cannot join NCCL's DDP buckets: "
+            "docs/distributed.md). Set `moetune: {device: cpu}` or train in one process"
+        )
+    import torch.distributed as dist
+    from accelerate import PartialState
+
+    if not dist.is_initialized():
+        # accelerate's own setup (the Trainer's accelerator finds this group): gloo on the CPU
+        PartialState(cpu=True, backend=backend, timeout=timedelta(seconds=timeout_s))
+    if dist.get_world_size() != ranks.world or dist.get_rank() != ranks.rank:
+        raise DistError(
+            f"the process group has rank {dist.get_rank()} of {dist.get_world_size()} but the launcher set "
+            f"RANK={ranks.rank} WORLD_SIZE={ranks.world}; start every process with the same launcher"
+        )
+    from moetune.dist.watchdog import start_watchdog
+
+    start_watchdog(ranks)
+    logger.info(
+        "moetune: rank %d of %d (local %d of %d), backend %s, collective timeout %d s",
+        ranks.rank,
+        ranks.world,
+        ranks.local_rank,
+        ranks.local_world,
+        dist.get_backend(),
+        timeout_s,
+    )
+    _started = ranks
+    return ranks
+
+
+def barrier(ranks: Ranks) -> None:
+    """Wait until every rank is here (nothing with one process)."""
+    if ranks.distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def main_writes(ranks: Ranks, write: Callable[[], T]) -> T | None:
+    """``write()`` on the main process only (its result; None elsewhere), then every rank waits for it: one
+    writer per file, and what it wrote is in place when any rank goes on. If it raises, the other ranks are
+    ended by the watchdog instead of waiting (``failures_end_every_rank``)."""
+    result = write() if ranks.is_main else None
+    barrier(ranks)
+    return result

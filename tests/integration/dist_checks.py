@@ -1,0 +1,218 @@
+"""Multi-process runs shared by ``tests/integration/test_dist_*.py`` and ``tests/slow/test_dist_*.py``.
+
+Each check starts ``torchrun --nproc-per-node 2`` (gloo on the CPU) as a child process running this file's
+``__main__`` (or ``moetune train``), and the single-process reference as a plain child process, so the tests'
+own process never joins a process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.integration import test_train
+
+ROOT = Path(__file__).resolve().parents[2]
+# --standalone: a rendezvous on a free local port, so tests running side by side do not collide
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``cmd`` in its own session; on timeout the whole session (launcher and ranks) is killed."""
+    with subprocess.Popen(
+        cmd,
+        env=env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise AssertionError(
+                f"{cmd} did not end within {timeout} s:\n{out[-3000:]}\n{err[-6000:]}"
+            ) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node 2 ARGS`` (``-m moetune.cli.main train CFG`` or this module's checks)."""
+    return _run([*TORCHRUN, *args], timeout)
+
+
+def single(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """One process: ``python ARGS``."""
+    return _run([sys.executable, *args], timeout)
+
+
+def config(tmp: Path, model: Path, name: str, **over: Any) -> Path:
+    """``test_train``'s LoRA sft config on the demo data (every target, experts included) in ``tmp/name``,
+    writing to ``tmp/name/out``; collectives time out after 120 s (above the tests' 90 s limit on a hang)."""
+    folder = tmp / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return test_train._config(folder, model, **{"max_steps": 3, "ddp_timeout": 120, **over})
+
+
+def losses(out: Path) -> list[tuple[int, float]]:
+    state = json.loads((out / "trainer_state.json").read_text())
+    return [(h["step"], h["loss"]) for h in state["log_history"] if "loss" in h]
+
+
+def check(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+def _fail_on_rank(config_path: str, failing: str) -> None:
+    """``moetune train``'s recipe with a forward hook that raises on rank ``failing`` at its third forward
+    (mid-training, while the other rank waits in DDP's all-reduce)."""
+    from moetune.config import load_config
+    from moetune.dist import failures_end_every_rank
+    from moetune.train import recipe
+
+    cfg = load_config(config_path)
+    ranks = recipe._start_ranks(cfg)
+    calls = []
+
+    def hook(module: Any, args: Any, output: Any) -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError(f"injected failure on rank {failing}")
+
+    with failures_end_every_rank(ranks):
+        model, tokenizer, data = recipe.setup(cfg, progress=False)
+        if ranks.rank == int(failing):
+            model.register_forward_hook(hook)
+        recipe.train(cfg, model, tokenizer, data)
+
+
+def _adapter_saves_on_every_rank(folder: str) -> None:
+    """Both ranks save an adapter pair into ``folder`` 20 times (the main process alone writes; the other logs
+    and returns), then rank 1 meets an interrupted save and must refuse to recover it itself."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from moetune.adapters.swap import PARTIAL, recover_adapter, save_pair
+    from moetune.dist import barrier, failures_end_every_rank, start
+    from moetune.errors import AdapterError
+
+    ranks = start(cpu=True, timeout_s=60)
+    out = Path(folder)
+    with failures_end_every_rank(ranks):
+        for i in range(20):
+            save_pair(
+                out, f'{{"i": {i}}}', lambda path, i=i: path.write_text(f"weights {i} of rank {ranks.rank}")
+            )
+        barrier(ranks)
+        assert (out / "adapter_model.safetensors").read_text() == "weights 19 of rank 0"
+        if ranks.is_main:
+            (out / PARTIAL).mkdir()
+        barrier(ranks)
+        if ranks.rank == 1:
+            try:
+                recover_adapter(out)
+            except AdapterError as err:
+                print(f"rank 1 refused: {err}", flush=True)
+        barrier(ranks)
+        assert (out / PARTIAL).is_dir()  # nobody touched it
+    dist.destroy_process_group()
+
+
+def _ffn(x: Any, w1: Any, w2: Any) -> Any:
+    """One expert, SwiGLU: ``x [M, H]``, ``w1 [2I, H]`` (gate rows then up rows), ``w2 [H, I]``."""
+    import torch
+
+    gate, up = (x @ w1.T).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up) @ w2.T
+
+
+def _sharded_exchange() -> None:
+    """Each rank computes a tiny MoE layer (E=8 experts, k=2, float64) with its 4 experts only, tokens exchanged
+    with ``moetune.dist.exchange``; compared with every expert computed in this process from the same weights:
+    the output, the gradients of the input and of the routing weights, and of this rank's expert weights (the
+    reference's summed over both ranks' tokens). Routing is uneven: rank 0 sends most slots to rank 1's experts,
+    rank 1 keeps most of its own, and some tokens of rank 1 go nowhere but rank 1."""
+    import torch
+    import torch.distributed as dist
+
+    from moetune.dist import failures_end_every_rank, start
+    from moetune.dist.exchange import ExpertOwners, sharded_experts
+
+    ranks = start(cpu=True, timeout_s=60)
+    num_experts, hidden, inter, k = 8, 6, 5, 2
+    owners = ExpertOwners(num_experts, ranks.world)
+    gen = torch.Generator().manual_seed(0)
+    w1 = torch.randn(num_experts, 2 * inter, hidden, generator=gen, dtype=torch.float64)
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen, dtype=torch.float64)
+    gen.manual_seed(1 + ranks.rank)
+    tokens = 7 if ranks.rank == 0 else 12  # different token counts per rank
+    x = torch.randn(tokens, hidden, generator=gen, dtype=torch.float64, requires_grad=True)
+    mine = ranks.rank * owners.per_rank
+    bias = torch.zeros(num_experts, dtype=torch.float64)
+    bias[4:] += 3.0  # both ranks prefer experts 4-7 (rank 1's)
+    logits = torch.randn(tokens, num_experts, generator=gen, dtype=torch.float64) + bias
+    ids = torch.topk(logits, k).indices  # [T, k]
+    weights = torch.softmax(torch.randn(tokens, k, generator=gen, dtype=torch.float64), -1).requires_grad_()
+    cotangent = torch.randn(tokens, hidden, generator=gen, dtype=torch.float64)
+
+    local1 = w1[mine : mine + owners.per_rank].clone().requires_grad_()
+    local2 = w2[mine : mine + owners.per_rank].clone().requires_grad_()
+
+    def local(rows: Any, local_ids: Any) -> Any:
+        out = rows.new_zeros(rows.shape)
+        for e in range(owners.per_rank):
+            sel = local_ids == e
+            out = out.index_put((sel.nonzero().squeeze(1),), _ffn(rows[sel], local1[e], local2[e]))
+        return out
+
+    with failures_end_every_rank(ranks):  # and the watchdog is stopped before the process group goes
+        y = sharded_experts(x, ids, weights, owners, local)
+        (y * cotangent).sum().backward()
+
+    ref_x = x.detach().clone().requires_grad_()
+    ref_w = weights.detach().clone().requires_grad_()
+    full1, full2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    ref = torch.zeros_like(ref_x)
+    for t in range(tokens):
+        for j in range(k):
+            e = int(ids[t, j])
+            ref = ref.index_add(
+                0, torch.tensor([t]), ref_w[t, j] * _ffn(ref_x[t : t + 1], full1[e], full2[e])
+            )
+    (ref * cotangent).sum().backward()
+    for grad in (full1.grad, full2.grad):  # the expert weights see every rank's tokens
+        dist.all_reduce(grad)
+    assert full1.grad is not None and full2.grad is not None and x.grad is not None
+    torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(weights.grad, ref_w.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(local1.grad, full1.grad[mine : mine + owners.per_rank], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(local2.grad, full2.grad[mine : mine + owners.per_rank], rtol=1e-12, atol=1e-12)
+    sent = torch.bincount(torch.div(ids.reshape(-1), owners.per_rank, rounding_mode="floor"), minlength=2)
+    print(
+        f"rank {ranks.rank}: sharded experts equal the reference; slots sent per owner {sent.tolist()}",
+        flush=True,
+    )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    checks = {
+        "fail_on_rank": _fail_on_rank,
+        "adapter_saves_on_every_rank": _adapter_saves_on_every_rank,
+        "sharded_exchange": _sharded_exchange,
+    }
+    checks[sys.argv[1]](*sys.argv[2:])

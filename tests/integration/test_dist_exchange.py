@@ -1,0 +1,13 @@
+"""Sharded experts over two processes (gloo): tokens exchanged with all_to_all, forward and backward, against
+every expert computed in one process (float64, tolerance 1e-12)."""
+
+from __future__ import annotations
+
+from tests.integration import dist_checks
+
+
+def test_sharded_experts_equal_one_process() -> None:
+    result = dist_checks.torchrun("tests/integration/dist_checks.py", "sharded_exchange", timeout=90)
+    dist_checks.check(result)
+    for rank in (0, 1):
+        assert f"rank {rank}: sharded experts equal the reference" in result.stdout
