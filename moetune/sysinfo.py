@@ -1,4 +1,4 @@
-"""Facts about the host CPU that the engine and ``moetune doctor`` need.
+"""Facts about the host CPU that the engine and ``moetune doctor`` need, and this process's peak memory.
 
 Read from Linux's /proc and /sys where present; every function degrades to a safe answer elsewhere.
 """
@@ -140,3 +140,22 @@ def default_num_threads() -> int:
     cores = cpu_info().physical_cores
     quota = cgroup_cpu_quota()
     return cores if quota is None else max(1, min(cores, math.floor(quota)))
+
+
+def peak_rss_bytes() -> int:
+    """The largest resident set size this process's current program image has had.
+
+    On Linux that is ``VmHWM`` of ``/proc/self/status``: ``ru_maxrss`` survives ``execve``, so a child started
+    by a large parent (a pytest session that already loaded several models) would report the parent's peak.
+    Elsewhere ``ru_maxrss`` (KiB on Linux, bytes on macOS).
+    """
+    import resource
+    import sys
+
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # "VmHWM:  123456 kB"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)

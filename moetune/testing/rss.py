@@ -1,7 +1,7 @@
 """Host memory of a process: resident now, and the peak it ever reached; ``load_model`` measured in a child.
 
-Peak resident set size is a per-process high-water mark (``getrusage(RUSAGE_SELF).ru_maxrss``: KiB on Linux,
-bytes on macOS), so every measurement that must not inherit another's peak runs in a fresh process.
+Peak resident set size is a per-process high-water mark (``VmHWM`` on Linux, ``ru_maxrss`` elsewhere), so every
+measurement that must not inherit another's peak runs in a fresh process.
 ``measure_load`` runs ``python -m moetune.testing.rss PATH ...`` and reads back one JSON line: the resident
 size once torch, transformers and moetune are imported (``baseline``; with ``warmup``, once a first, small
 checkpoint of the same family is loaded too, so the model's own modules and moetune's code paths are resident
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from moetune.errors import MoetuneError
+from moetune.sysinfo import peak_rss_bytes
 
 
 def rss_bytes() -> int:
@@ -28,14 +29,6 @@ def rss_bytes() -> int:
     import psutil
 
     return int(psutil.Process().memory_info().rss)
-
-
-def peak_rss_bytes() -> int:
-    """The largest resident set size this process has had."""
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def measure_load(
@@ -49,8 +42,8 @@ def measure_load(
     loading ``warmup`` there, when given, and keeping it).
 
     Returns ``{"baseline", "peak", "final"}`` in bytes and ``"seconds"`` (the load alone); raises
-    ``MoetuneError`` with the child's stderr when it fails. The peak is the process's high-water mark, which
-    Linux carries over from the parent's resident size at fork: spawn from a small parent.
+    ``MoetuneError`` with the child's stderr when it fails. The peak is the child program's own high-water
+    mark (:func:`peak_rss_bytes`), whatever the parent's size.
     """
     cmd = [sys.executable, "-m", "moetune.testing.rss", str(path), "--dtype", dtype]
     if warmup is not None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import resource
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,9 +19,10 @@ TRAINER_LOG = "trainer_log.jsonl"
 
 
 def peak_ram_gb() -> float:
-    """Peak resident memory of this process (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / (1 << 30) if sys.platform == "darwin" else rss / (1 << 20)
+    """Peak resident memory of this process (``moetune.sysinfo.peak_rss_bytes``)."""
+    from moetune.sysinfo import peak_rss_bytes
+
+    return peak_rss_bytes() / (1 << 30)
 
 
 def peak_vram_gb() -> float | None:

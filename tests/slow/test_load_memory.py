@@ -3,7 +3,7 @@
 The checkpoint (``moetune.testing.wide``: 4 Qwen3-MoE layers x 64 experts x 3 x 1024 x 1024, bf16) is written
 tensor by tensor, once in 512 MB shards (layers straddle shards, as in hub releases) and once as a single
 file (what ``save_pretrained`` writes by default in transformers 5). Each load runs in a fresh process
-(``moetune.testing.rss.measure_load``): the peak is that process's high-water mark (``ru_maxrss``), which
+(``moetune.testing.rss.measure_load``): the peak is that process's own high-water mark (``moetune.sysinfo.peak_rss_bytes``), which
 counts memory-mapped file pages as well as allocations.
 """
 

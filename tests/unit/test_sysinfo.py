@@ -33,3 +33,21 @@ def test_default_threads_are_capped_by_the_cgroup_quota(monkeypatch):
     assert default_num_threads() == 4  # whole CPUs of the quota
     monkeypatch.setattr(sysinfo, "cgroup_cpu_quota", lambda: 0.5)
     assert default_num_threads() == 1
+
+
+def test_a_child_does_not_report_its_parents_peak() -> None:
+    """``ru_maxrss`` survives fork + exec; the child's own peak must not: a large parent, a small child."""
+    import subprocess
+    import sys
+
+    from moetune.sysinfo import peak_rss_bytes
+
+    ballast = bytearray(512 << 20)  # 512 MiB, touched below so it is resident in this process
+    ballast[::4096] = b"x" * len(ballast[::4096])
+    assert peak_rss_bytes() >= 512 << 20
+    code = "from moetune.sysinfo import peak_rss_bytes; print(peak_rss_bytes())"
+    child = int(
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    )
+    del ballast
+    assert child < 256 << 20, child  # a bare interpreter plus moetune.sysinfo: tens of MiB
