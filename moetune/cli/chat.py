@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import TextIO
 
-from moetune.cli.generate import add_model_args, check_adapter_arg
+from moetune.cli.generate import add_model_args, load_from_args
 from moetune.errors import ConfigError
 
 RESET, EXIT = "/reset", "/exit"
@@ -47,17 +47,9 @@ def read_message(stream: TextIO, interactive: bool) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moetune.train.generation import complete, load_for_inference, render
+    from moetune.train.generation import complete, render
 
-    check_adapter_arg(args)
-    model, tok = load_for_inference(
-        args.model,
-        args.adapter,
-        device=args.device,
-        dtype=args.dtype,
-        progress=False,
-        trust_remote_code=args.trust_remote_code,
-    )
+    model, tok = load_from_args(args)
     if not args.raw and not tok.chat_template:
         raise ConfigError(
             f"the tokenizer of {args.adapter or args.model} has no chat template, so a conversation cannot be "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 
 def positive_int(text: str) -> int:
@@ -33,13 +34,24 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
 
-def check_adapter_arg(args: argparse.Namespace) -> None:
-    """``--adapter``'s folder checked on its own before the tokenizer or model loads (``load_model`` then checks
-    it against the model's config before reading any weight)."""
+def load_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(model, tokenizer) for the arguments of :func:`add_model_args`. ``--adapter``'s folder is checked on its
+    own first, before the tokenizer or model loads (``load_model`` then checks it against the model's config
+    before reading any weight)."""
+    from moetune.train.generation import load_for_inference
+
     if args.adapter is not None:
         from moetune.adapters.check import check_adapter_folder
 
         check_adapter_folder(args.adapter)
+    return load_for_inference(
+        args.model,
+        args.adapter,
+        device=args.device,
+        dtype=args.dtype,
+        progress=False,
+        trust_remote_code=args.trust_remote_code,
+    )
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -50,17 +62,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moetune.train.generation import answer, load_for_inference
+    from moetune.train.generation import answer
 
-    check_adapter_arg(args)
-    model, tok = load_for_inference(
-        args.model,
-        args.adapter,
-        device=args.device,
-        dtype=args.dtype,
-        progress=False,
-        trust_remote_code=args.trust_remote_code,
-    )
+    model, tok = load_from_args(args)
     for text in answer(model, tok, args.prompt, max_new_tokens=args.max_new_tokens, chat=not args.raw):
         print(text)
     return 0
