@@ -300,6 +300,24 @@ def _ignored(key: str, ignore: list[str]) -> bool:
     )
 
 
+def compress_int4_weights(
+    floats: dict[str, torch.Tensor],
+    keys: list[str],
+    stored: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor],
+) -> None:
+    """Replace each ``keys`` weight of ``stored`` by its compressed-tensors INT4 triple (``weight_packed`` int32,
+    ``weight_scale``, ``weight_shape``), quantized from ``floats``; ``reference[key]`` becomes its dequantized
+    value (the weights the release defines)."""
+    for key in keys:
+        name = key.removesuffix(".weight")
+        packed, scale = quantize_int4(floats[key])
+        del stored[key]
+        stored[f"{name}.weight_packed"], stored[f"{name}.weight_scale"] = packed, scale
+        stored[f"{name}.weight_shape"] = torch.tensor(floats[key].shape, dtype=torch.int32)
+        reference[key] = dequantize_int4(packed, scale)
+
+
 def save_kimi_thinking(
     path: str | Path,
     *,
@@ -318,15 +336,7 @@ def save_kimi_thinking(
     floats, quantizable = _float_tensors(model)
     stored = {k: _released(k, t) for k, t in floats.items()}
     reference = dict(stored)
-    for key in quantizable:
-        if _ignored(key, ignore):
-            continue
-        name = key.removesuffix(".weight")
-        packed, scale = quantize_int4(floats[key])
-        del stored[key]
-        stored[f"{name}.weight_packed"], stored[f"{name}.weight_scale"] = packed, scale
-        stored[f"{name}.weight_shape"] = torch.tensor(floats[key].shape, dtype=torch.int32)
-        reference[key] = dequantize_int4(packed, scale)
+    compress_int4_weights(floats, [k for k in quantizable if not _ignored(k, ignore)], stored, reference)
     config = kimi_config(model, THINKING, compressed_int4_config(ignore=ignore))
     if dequantized_path is not None:
         _write_reference(dequantized_path, reference, config)

@@ -30,9 +30,8 @@ import torch
 from moetune.testing.kimi import (
     EXPERT_KEY,
     KIMI_IGNORE,
+    compress_int4_weights,
     compressed_int4_config,
-    dequantize_int4,
-    quantize_int4,
     save_release,
 )
 
@@ -79,13 +78,7 @@ def save_kimi_k25(path: str | Path, *, seed: int = 0, dequantized_path: str | Pa
         k: t if k.endswith("e_score_correction_bias") else t.to(torch.bfloat16) for k, t in floats.items()
     }
     reference = dict(stored)
-    for key in [k for k in floats if EXPERT_KEY.search(k)]:
-        name = key.removesuffix(".weight")
-        packed, scale = quantize_int4(floats[key])
-        del stored[key]
-        stored[f"{name}.weight_packed"], stored[f"{name}.weight_scale"] = packed, scale
-        stored[f"{name}.weight_shape"] = torch.tensor(floats[key].shape, dtype=torch.int32)
-        reference[key] = dequantize_int4(packed, scale)
+    compress_int4_weights(floats, [k for k in floats if EXPERT_KEY.search(k)], stored, reference)
     text = dict(config["text_config"])
     release = {
         **config,
