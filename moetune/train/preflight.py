@@ -294,5 +294,7 @@ def check_steps_left(folder: Path, cfg: MoetuneConfig) -> None:
     if step >= last:
         raise CheckpointError(
             f"resume_from_checkpoint {folder} is at step {step}, which already reaches {key}: there is nothing left "
-            "to train. Raise max_steps (or num_train_epochs) to train further, or remove resume_from_checkpoint"
+            f"to train, and that checkpoint holds the run's final weights (use it as the adapter or model, e.g. "
+            f"--adapter {folder}). Raise max_steps (or num_train_epochs) to train further, or remove "
+            "resume_from_checkpoint"
         )

@@ -17,10 +17,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import moetune
 from moetune.adapters.check import check_adapter_folder
 from moetune.cli.main import main
-from moetune.errors import LoadError
+from moetune.errors import CheckpointError, LoadError
 from moetune.loading import hf
 from moetune.loading.checkpoint import Checkpoint
 from moetune.testing.tiny import save_tiny_model
@@ -205,7 +207,13 @@ def train_save_kill(tmp: Path, demo_model: Path, seed: int) -> None:
         state = json.loads((ckpt / "trainer_state.json").read_text())
         assert state["global_step"] == int(ckpt.name.split("-")[1])
         assert (ckpt / "optimizer.pt").is_file() and (ckpt / "scheduler.pt").is_file()
-    run(load_config(train_config(tmp, demo_model, resume_from_checkpoint=True)), progress=False)
-    final = json.loads((out / "trainer_state.json").read_text())
-    assert final["global_step"] == STEPS, (final["global_step"], [p.name for p in checkpoints])
+    resume = load_config(train_config(tmp, demo_model, resume_from_checkpoint=True))
+    if checkpoints[-1].name == f"checkpoint-{STEPS}":  # the kill landed after the last checkpoint
+        with pytest.raises(CheckpointError, match=f"--adapter {checkpoints[-1]}"):
+            run(resume, progress=False)  # nothing left to train: the error points at the final weights
+        out = checkpoints[-1]
+    else:
+        run(resume, progress=False)
+        final = json.loads((out / "trainer_state.json").read_text())
+        assert final["global_step"] == STEPS, (final["global_step"], [p.name for p in checkpoints])
     moetune.load_model(demo_model, device="cpu", dtype="float32", progress=False, adapter=out)
