@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import math
 import os
+from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+
+SYS_CPU = Path("/sys/devices/system/cpu")
+SYS_NODE = Path("/sys/devices/system/node")
 
 # ISA features moetune cares about, as /proc/cpuinfo spells them -> the name we print.
 ISA_FLAGS: dict[str, str] = {
@@ -59,25 +63,48 @@ def _visible_cpus() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def _physical_cores(cpus: list[int]) -> int:
-    cores = set()
-    for cpu in cpus:
-        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+def parse_cpu_list(text: str) -> list[int]:
+    """``"0-3,8,10-11"`` (the kernel's cpulist format) -> ``[0, 1, 2, 3, 8, 10, 11]``."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+@dataclass(frozen=True)
+class Core:
+    """One physical core: its NUMA node and its logical CPUs (SMT siblings), ascending."""
+
+    node: int
+    cpus: tuple[int, ...]
+
+
+def read_cores(cpus: list[int], sys_cpu: Path = SYS_CPU, sys_node: Path = SYS_NODE) -> list[Core]:
+    """The physical cores among logical ``cpus``, ordered by (node, first CPU); a machine without NUMA or
+    topology files is one node and one core per CPU."""
+    node_of: dict[int, int] = {}
+    for node_dir in sorted(sys_node.glob("node[0-9]*")):
         try:
-            pkg = (topo / "physical_package_id").read_text().strip()
-            core = (topo / "core_id").read_text().strip()
-        except OSError:
-            return len(cpus)  # no topology: count each CPU as a core
-        cores.add((pkg, core))
-    return max(1, len(cores))
-
-
-def _numa_nodes(cpus: list[int]) -> int:
-    nodes = set[str]()
+            for cpu in parse_cpu_list((node_dir / "cpulist").read_text()):
+                node_of[cpu] = int(node_dir.name[4:])
+        except (OSError, ValueError):
+            continue
+    siblings: dict[tuple[int, str, str], list[int]] = defaultdict(list)
     for cpu in cpus:
-        found = list(Path(f"/sys/devices/system/cpu/cpu{cpu}").glob("node[0-9]*"))
-        nodes.update(p.name for p in found)
-    return max(1, len(nodes))
+        topo = sys_cpu / f"cpu{cpu}" / "topology"
+        try:
+            package, core = (
+                (topo / "physical_package_id").read_text().strip(),
+                (topo / "core_id").read_text().strip(),
+            )
+        except OSError:
+            package, core = "cpu", str(cpu)  # no topology: each CPU is its own core
+        siblings[(node_of.get(cpu, 0), package, core)].append(cpu)
+    cores = [Core(key[0], tuple(sorted(found))) for key, found in siblings.items()]
+    return sorted(cores, key=lambda c: (c.node, c.cpus[0]))
 
 
 @lru_cache(maxsize=1)
@@ -85,13 +112,14 @@ def cpu_info() -> CpuInfo:
     """The host CPU as this process sees it (cached: topology does not change while we run)."""
     model, flags = _cpuinfo_fields()
     cpus = _visible_cpus()
+    cores = read_cores(cpus)
     isa = tuple(name for flag, name in ISA_FLAGS.items() if flag in flags)
     return CpuInfo(
         model=model,
         isa=isa,
         logical_cpus=len(cpus),
-        physical_cores=_physical_cores(cpus),
-        numa_nodes=_numa_nodes(cpus),
+        physical_cores=max(1, len(cores)),
+        numa_nodes=max(1, len({c.node for c in cores})),
     )
 
 

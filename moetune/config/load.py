@@ -33,6 +33,7 @@ from moetune.config.lora_experts import check_lora_expert_keys, translate_lora_e
 from moetune.config.schema import (
     ENGINE_KEY,
     ENGINE_KEYS,
+    ENGINE_OWN_KEYS,
     FLAT_SECTIONS,
     DataConfig,
     EngineConfig,
@@ -195,11 +196,11 @@ def _translate_aliases(flat: dict[str, Any], problems: Problems) -> dict[str, An
 
 
 def _parse_engine(raw: Mapping[str, Any], problems: Problems, origins: Mapping[str, str]) -> EngineConfig:
-    """The `moetune:` mapping: ``device``, then the expert options through the check ``load_model`` runs,
+    """The `moetune:` mapping: ``device`` and ``bind_cpus``, then the expert options through the check ``load_model`` runs,
     after coercing YAML strings as LLaMA-Factory does (``"4"`` for a number, ``"true"`` for a bool, any case
     for a mode). Unknown keys were reported by ``_check_keys``."""
     device = parse_section(
-        EngineConfig, {k: v for k, v in raw.items() if k == "device"}, problems, f"{ENGINE_KEY}."
+        EngineConfig, {k: v for k, v in raw.items() if k in ENGINE_OWN_KEYS}, problems, f"{ENGINE_KEY}."
     )
     values = {k: _coerce_expert_option(k, v) for k, v in raw.items() if k in ExpertOptions.names()}
     found = expert_option_problems(values)

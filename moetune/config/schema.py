@@ -277,7 +277,8 @@ class TrainingConfig:
 class EngineConfig:
     """moetune's own options: the ``moetune:`` mapping of the YAML.
 
-    ``device`` runs the dense part (``auto``: cuda when available); every other key is a field of
+    ``device`` runs the dense part (``auto``: cuda when available); ``bind_cpus`` pins each of several processes
+    on one machine to its share of the cores (``moetune.dist.affinity``); every other key is a field of
     :class:`~moetune.config.experts.ExpertOptions` (``expert_format``, ``int4_group_size``, ``int4_symmetric``,
     ``expert_path``, ``expert_residency``, ``expert_residency_budget``, ``activation_policy``, ``num_threads``,
     ``check_finite``), validated by the same check as ``load_model``'s keywords and passed to it whole.
@@ -285,6 +286,9 @@ class EngineConfig:
     """
 
     device: str = option("auto", check=_device)
+    # several processes on one machine: each pinned to its share of the cores, NUMA node by node
+    # (moetune.dist.affinity); false leaves the launcher's placement alone
+    bind_cpus: bool = option(True)
     experts: ExpertOptions = derived(ExpertOptions())
 
 
@@ -321,4 +325,5 @@ def _plain(value: Any) -> Any:
 # sections parsed from the flat top level, in order; the `moetune:` mapping is EngineConfig
 FLAT_SECTIONS: tuple[type, ...] = (ModelConfig, FinetuneConfig, DataConfig, TrainingConfig)
 ENGINE_KEY = "moetune"
-ENGINE_KEYS = ("device", *ExpertOptions.names())  # the keys of the `moetune:` mapping
+ENGINE_OWN_KEYS = ("device", "bind_cpus")  # EngineConfig's own keys; the others are ExpertOptions'
+ENGINE_KEYS = (*ENGINE_OWN_KEYS, *ExpertOptions.names())  # the keys of the `moetune:` mapping

@@ -10,6 +10,7 @@ failure watchdog (:mod:`moetune.dist.watchdog`). One process (no launcher, or ``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -34,6 +35,9 @@ class Ranks:
     world: int = 1
     local_rank: int = 0
     local_world: int = 1
+    cpus: tuple[
+        int, ...
+    ] = ()  # the CPUs this process was pinned to (moetune.dist.affinity); () if not pinned
 
     @property
     def distributed(self) -> bool:
@@ -63,16 +67,19 @@ class Ranks:
             values[name] = int(raw)
         ranks = cls(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"])
         if not 0 <= ranks.rank < ranks.world or ranks.world < 1:
-            raise DistError(f"RANK={ranks.rank} with WORLD_SIZE={ranks.world}: RANK must be in [0, WORLD_SIZE)")
+            raise DistError(
+                f"RANK={ranks.rank} with WORLD_SIZE={ranks.world}: RANK must be in [0, WORLD_SIZE)"
+            )
         return ranks
 
 
 _started: Ranks | None = None
 
 
-def start(*, cpu: bool, timeout_s: int, backend: str | None = None) -> Ranks:
+def start(*, cpu: bool, timeout_s: int, backend: str | None = None, bind_cpus: bool = True) -> Ranks:
     """This process's :class:`Ranks`; with several, the process group is set up (once per process: later calls
-    return the same ranks) and the watchdog started. ``cpu``: the model computes on the CPU (gloo);
+    return the same ranks), the watchdog started and, with ``bind_cpus``, the process pinned to its share of the
+    machine's cores (:mod:`moetune.dist.affinity`). ``cpu``: the model computes on the CPU (gloo);
     ``timeout_s``: every collective's timeout (``ddp_timeout``); ``backend``: ``ddp_backend`` if set."""
     global _started
     if _started is not None:
@@ -101,6 +108,12 @@ def start(*, cpu: bool, timeout_s: int, backend: str | None = None) -> Ranks:
     from moetune.dist.watchdog import start_watchdog
 
     start_watchdog(ranks)
+    if bind_cpus:
+        from moetune.dist.affinity import bind_local_rank
+
+        ranks = dataclasses.replace(
+            ranks, cpus=tuple(bind_local_rank(ranks.local_rank, ranks.local_world) or ())
+        )
     logger.info(
         "moetune: rank %d of %d (local %d of %d), backend %s, collective timeout %d s",
         ranks.rank,

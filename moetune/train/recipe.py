@@ -44,7 +44,12 @@ def _start_ranks(cfg: MoetuneConfig) -> Any:
     from moetune.dist import start
 
     kwargs = training_arguments_kwargs(cfg)
-    return start(cpu=kwargs["use_cpu"], timeout_s=kwargs["ddp_timeout"], backend=kwargs.get("ddp_backend"))
+    return start(
+        cpu=kwargs["use_cpu"],
+        timeout_s=kwargs["ddp_timeout"],
+        backend=kwargs.get("ddp_backend"),
+        bind_cpus=cfg.engine.bind_cpus,
+    )
 
 
 def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
@@ -97,7 +102,8 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
 
 def _experts_for(cfg: MoetuneConfig, ranks: Any) -> Any:
     """The expert options this process loads with: unless ``num_threads`` is set, the ranks on one machine
-    share its cores (each would otherwise size its engine's pool to all of them)."""
+    share its cores (each would otherwise size its engine's pool to all of them): a pinned rank uses the cores
+    it was pinned to, an unpinned one its share of them all."""
     import dataclasses
 
     from moetune.sysinfo import default_num_threads
@@ -105,7 +111,7 @@ def _experts_for(cfg: MoetuneConfig, ranks: Any) -> Any:
     experts = cfg.engine.experts
     if experts.num_threads is not None or ranks.local_world == 1:
         return experts
-    share = max(1, default_num_threads() // ranks.local_world)
+    share = default_num_threads() if ranks.cpus else max(1, default_num_threads() // ranks.local_world)
     logger.info(
         "moetune rank %d: %d engine threads (the cores shared by %d ranks)",
         ranks.rank,

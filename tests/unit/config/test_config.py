@@ -239,6 +239,9 @@ def test_engine_options(workdir: Path) -> None:
     assert "moetune.device: got 'gpu'; must be auto, cpu, cuda or cuda:N" in text
     assert "moetune.expert_format: got 'int3'; allowed: auto, dense" in text  # then the registered formats
     assert parse_config(minimal(moetune={"expert_format": "dense"})).engine.experts.expert_format == "dense"
+    assert parse_config(minimal()).engine.bind_cpus is True
+    assert parse_config(minimal(moetune={"bind_cpus": "false"})).engine.bind_cpus is False
+    assert "moetune.bind_cpus: got 'sometimes'" in problems_of(minimal(moetune={"bind_cpus": "sometimes"}))
 
 
 def test_cross_field_rules(workdir: Path) -> None:
