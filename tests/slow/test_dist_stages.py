@@ -1,0 +1,66 @@
+"""The dpo and kto stages (TRL's trainers) as two processes (torchrun, gloo, experts replicated) against one
+process over the same global batches: every logged loss and every LoRA tensor after plain SGD steps (each
+update the learning rate times the averaged gradient), and each file written once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from moetune.train.demo import make_demo_model
+from tests.integration import dist_checks
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = ("-m", "moetune.cli.main", "train")
+STEPS = 3
+
+
+def _config(tmp: Path, stage: str, model: Path, name: str, batch: int) -> Path:
+    """The shipped example for ``stage`` on the tiny model, SGD at a constant rate, in ``tmp/name``."""
+    cfg = yaml.safe_load((ROOT / f"examples/{stage}_lora.yaml").read_text())
+    cfg.pop("warmup_ratio")
+    folder = tmp / name
+    folder.mkdir()
+    cfg.update(
+        model_name_or_path=str(model),
+        dataset_dir=str(ROOT / "examples/data"),
+        output_dir=str(folder / "out"),
+        max_steps=STEPS,
+        logging_steps=1,
+        save_steps=STEPS,
+        optim="sgd",
+        learning_rate=0.5,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=batch,
+        ddp_timeout=120,
+    )
+    cfg["moetune"]["num_threads"] = 1
+    path = folder / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["dpo", "kto"])
+def test_two_processes_equal_one(tmp_path, stage) -> None:
+    model = make_demo_model(tmp_path / "tiny", ROOT / "examples/data/demo_tokenizer")
+    dist_checks.check(dist_checks.single(*CLI, str(_config(tmp_path, stage, model, "one", batch=8))))
+    result = dist_checks.torchrun(*CLI, str(_config(tmp_path, stage, model, "two", batch=4)))
+    dist_checks.check(result)
+    one, two = tmp_path / "one/out", tmp_path / "two/out"
+    got, want = dict(dist_checks.losses(two)), dict(dist_checks.losses(one))
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), (step, got, want)
+    a, b = (load_file(str(out / "adapter_model.safetensors")) for out in (two, one))
+    assert a.keys() == b.keys() and any(".experts." in k for k in a)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6, msg=key)
+    log = [json.loads(line) for line in (two / "trainer_log.jsonl").read_text().splitlines()]
+    assert [r["current_steps"] for r in log if "loss" in r] == list(range(1, STEPS + 1))  # one writer
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in (two / f"checkpoint-{STEPS}").iterdir()}
