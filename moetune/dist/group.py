@@ -88,18 +88,25 @@ def start(*, cpu: bool, timeout_s: int, backend: str | None = None, bind_cpus: b
     if not ranks.distributed:
         _started = ranks
         return ranks
-    if not cpu:
-        raise DistError(
-            f"moetune was launched as {ranks.world} processes with the model on a GPU; multi-process training "
-            "runs on the CPU only for now (the expert LoRA's CPU gradients cannot join NCCL's DDP buckets: "
-            "docs/distributed.md). Set `moetune: {device: cpu}` or train in one process"
-        )
+    import torch
     import torch.distributed as dist
     from accelerate import PartialState
 
-    if not dist.is_initialized():
+    timeout = timedelta(seconds=timeout_s)
+    if not cpu:  # one GPU per local rank; CPU tensors (expert gradients, token exchange) go over gloo
+        gpus = torch.cuda.device_count()
+        if ranks.local_rank >= gpus:
+            raise DistError(
+                f"LOCAL_RANK={ranks.local_rank} needs GPU {ranks.local_rank}, but this machine shows {gpus} "
+                f"GPU(s): start at most {gpus} processes per machine (--nproc-per-node), or train on the CPU "
+                "with `moetune: {device: cpu}`"
+            )
+        torch.cuda.set_device(ranks.local_rank)
+        if not dist.is_initialized():  # the Trainer's accelerator then finds this group
+            dist.init_process_group(backend=backend or "cuda:nccl,cpu:gloo", timeout=timeout)
+    elif not dist.is_initialized():
         # accelerate's own setup (the Trainer's accelerator finds this group): gloo on the CPU
-        PartialState(cpu=True, backend=backend, timeout=timedelta(seconds=timeout_s))
+        PartialState(cpu=True, backend=backend, timeout=timeout)
     if dist.get_world_size() != ranks.world or dist.get_rank() != ranks.rank:
         raise DistError(
             f"the process group has rank {dist.get_rank()} of {dist.get_world_size()} but the launcher set "

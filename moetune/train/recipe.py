@@ -35,7 +35,11 @@ class TrainRun:
     summary: dict[str, Any]
 
 
-def _device(cfg: MoetuneConfig) -> str | None:
+def _device(cfg: MoetuneConfig, ranks: Any) -> str | None:
+    """The device of the dense part: a GPU process of several takes its local rank's GPU (moetune.dist.start
+    made it the current one), whatever ``cuda`` / ``auto`` the config says."""
+    if ranks.distributed and not training_arguments_kwargs(cfg)["use_cpu"]:
+        return f"cuda:{ranks.local_rank}"
     return None if cfg.engine.device == "auto" else cfg.engine.device
 
 
@@ -81,7 +85,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     data = prepare_datasets(cfg.data, tokenizer, seed=cfg.training.seed, codec=stage.codec)
     model = load_model(
         model_path,
-        device=_device(cfg),
+        device=_device(cfg, ranks),
         dtype=dtype,
         experts=_experts_for(cfg, ranks),
         trust_remote_code=cfg.model.trust_remote_code,
@@ -160,6 +164,11 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any
         callbacks.append(HotExpertsAuto(experts.gpu_experts_budget, experts.gpu_experts_warmup))
     trainer = stage_for(cfg).build_trainer(cfg, peft_model, tokenizer, data, args, callbacks)
     attach_guard(trainer, NumericalGuard(cfg.training.on_divergence, _vocab_size(peft_model)))
+    ranks = _start_ranks(cfg)
+    if ranks.distributed:  # what the CPU engine trains is averaged outside DDP (moetune.train.host_grads)
+        from moetune.train.host_grads import attach_host_grads
+
+        attach_host_grads(trainer, ranks.world)
     trainer.remove_callback(PrinterCallback)  # ProgressBar prints the logs
     resume = cfg.training.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=str(resume) if isinstance(resume, Path) else resume)

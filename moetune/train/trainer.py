@@ -38,6 +38,7 @@ from moetune.atomic import write_atomically
 from moetune.errors import LoadError
 from moetune.train.checkpoints import STAGING_PREFIX, AtomicCheckpoints
 from moetune.train.guards import GuardedSteps
+from moetune.train.host_grads import AveragesHostGrads
 from moetune.train.layered import (
     OPTIMIZER_INDEX,
     load_optimizer_by_layer,
@@ -48,7 +49,7 @@ from moetune.train.layered import (
 __all__ = ["STAGING_PREFIX", "MoetuneTrainer", "ProgressBar"]
 
 
-class MoetuneTrainer(GuardedSteps, AtomicCheckpoints, Trainer):
+class MoetuneTrainer(GuardedSteps, AveragesHostGrads, AtomicCheckpoints, Trainer):
     """A ``Trainer`` (a subclass; no library class is patched) whose checkpoints are renamed into place only
     once complete (:class:`~moetune.train.checkpoints.AtomicCheckpoints`) and whose steps a numerical guard can
     stop or skip (:class:`~moetune.train.guards.GuardedSteps`)."""

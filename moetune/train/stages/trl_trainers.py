@@ -30,6 +30,7 @@ from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 from moetune.train.checkpoints import AtomicCheckpoints
 from moetune.train.data import PreparedData
 from moetune.train.guards import GuardedSteps
+from moetune.train.host_grads import AveragesHostGrads
 
 DPO_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 KTO_COLUMNS = ("prompt_ids", "completion_ids", "label")
@@ -65,7 +66,9 @@ def _tokenized(dataset: Any, columns: tuple[str, ...]) -> bool:
     return set(columns) <= set(getattr(dataset, "column_names", None) or ())
 
 
-class MoetuneDPOTrainer(GuardedSteps, AtomicCheckpoints, AdapterDisabledReference, DPOTrainer):
+class MoetuneDPOTrainer(
+    GuardedSteps, AveragesHostGrads, AtomicCheckpoints, AdapterDisabledReference, DPOTrainer
+):
     """TRL's ``DPOTrainer`` for a moetune ``PeftModel``: the reference is the model with its adapters disabled,
     checkpoints are atomic, and moetune-tokenized pairs skip TRL's tokenization."""
 
@@ -75,7 +78,9 @@ class MoetuneDPOTrainer(GuardedSteps, AtomicCheckpoints, AdapterDisabledReferenc
         return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
 
 
-class MoetuneKTOTrainer(GuardedSteps, AtomicCheckpoints, AdapterDisabledReference, KTOTrainer):
+class MoetuneKTOTrainer(
+    GuardedSteps, AveragesHostGrads, AtomicCheckpoints, AdapterDisabledReference, KTOTrainer
+):
     """TRL's ``KTOTrainer`` for a moetune ``PeftModel``: the reference is the model with its adapters disabled,
     checkpoints are atomic, and moetune-tokenized rows skip TRL's tokenization."""
 

@@ -46,10 +46,15 @@ def test_one_process_touches_no_process_group(monkeypatch) -> None:
         raise ValueError("passes through")
 
 
-def test_gpu_processes_are_refused_before_any_group(monkeypatch) -> None:
-    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+def test_a_gpu_process_without_its_gpu_is_refused_before_any_group(monkeypatch) -> None:
+    import torch
+
+    local = torch.cuda.device_count()  # the first local rank this machine has no GPU for
+    for name, value in {"RANK": str(local), "WORLD_SIZE": str(local + 2), "LOCAL_RANK": str(local)}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr("moetune.dist.group._started", None)
-    with pytest.raises(DistError, match="device: cpu"):
+    with pytest.raises(
+        DistError, match=f"LOCAL_RANK={local} needs GPU {local}, but this machine shows {local}"
+    ):
         start(cpu=False, timeout_s=10)
     assert not dist.is_initialized()

@@ -1,0 +1,102 @@
+"""Several processes: the parameters the CPU engine trains are averaged over ranks outside DDP.
+
+What the expert engine trains (expert LoRA, ``ExpertsLora``'s fp32 host tensors; in full/freeze mode the routed
+experts' own weights, ``CpuExperts`` parameters) lives in host RAM whatever device the rest of the model uses.
+DDP cannot hold a module whose parameters sit on a GPU and on the CPU (NCCL buckets are device tensors), so:
+
+- those parameters are kept out of DDP (torch's ``_set_params_and_buffers_to_ignore_for_model`` on the module
+  the Trainer wraps, before it wraps it), and DDP averages the rest (attention, routers, shared experts, ... on
+  the GPU over NCCL, or on the CPU over gloo);
+- after the backward of the micro-batch that ends an optimizer step (``accelerator.sync_gradients``), their
+  gradients are summed over every rank on a gloo group of their own and divided by the number of ranks: the
+  average DDP forms, before gradient clipping, the numerical guard and the optimizer see them.
+
+The same path runs on the CPU (how the tests run it) and with GPUs, where the default group is
+``cuda:nccl,cpu:gloo`` (:func:`moetune.dist.start`). Sharded experts need nothing else: a rank's copy of a
+non-local expert's LoRA gets no gradient there, its owner's gets every rank's tokens, and the sum over ranks
+divided by their number is again DDP's average.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from moetune.layer import CpuExperts
+
+logger = logging.getLogger(__name__)
+
+
+def host_trained(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of every trainable parameter the CPU engine computes with (names as in
+    ``model.named_parameters()``): those of ``CpuExperts`` modules and of the PEFT layers wrapped around them."""
+    from peft.tuners.lora import LoraLayer
+
+    host: set[str] = set()
+    for prefix, module in model.named_modules():
+        engine_side = isinstance(module, CpuExperts) or (
+            isinstance(module, LoraLayer) and isinstance(module.get_base_layer(), CpuExperts)
+        )
+        if engine_side:
+            host.update(f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters())
+    return [(n, p) for n, p in model.named_parameters() if n in host and p.requires_grad]
+
+
+class HostGrads:
+    """The host-trained parameters of one model, kept out of DDP and averaged over ranks by :meth:`average`."""
+
+    def __init__(self, model: nn.Module, world: int) -> None:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        named = host_trained(model)
+        self.params = [p for _, p in named]
+        self.world = world
+        # a gloo group of their own: their sums never interleave with DDP's buckets on the default group
+        self.group = dist.new_group(backend="gloo")
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in named])
+        logger.info(
+            "moetune: %d host-trained tensors (%.1f M values) averaged over %d ranks outside DDP",
+            len(self.params),
+            sum(p.numel() for p in self.params) / 1e6,
+            world,
+        )
+
+    def average(self) -> None:
+        """Every rank's gradient of each host-trained parameter replaced by the mean over ranks (a rank without
+        one contributes zeros)."""
+        import torch.distributed as dist
+
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.group)
+            p.grad.div_(self.world)
+
+
+class AveragesHostGrads:
+    """Mixin for a transformers ``Trainer`` subclass: with ``host_grads`` set (:func:`attach_host_grads`), the
+    host-trained parameters' gradients are averaged over ranks after the backward that completes a step."""
+
+    host_grads: HostGrads | None = None
+    accelerator: Any  # the Trainer's
+    model: Any  # the Trainer's
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        loss = super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
+        if self.host_grads is not None and self.accelerator.sync_gradients:
+            self.host_grads.average()
+        return loss
+
+
+def attach_host_grads(trainer: Any, world: int) -> None:
+    """Before ``trainer.train()`` of a run of ``world`` > 1 processes: keep the host-trained parameters of the
+    model the Trainer will wrap out of its DDP and average them in the trainer (an :class:`AveragesHostGrads`)."""
+    if not isinstance(trainer, AveragesHostGrads):
+        raise TypeError(
+            f"{type(trainer).__name__} does not mix in AveragesHostGrads; expert gradients would not sync"
+        )
+    trainer.host_grads = HostGrads(trainer.model, world)
