@@ -209,10 +209,84 @@ def _sharded_exchange() -> None:
     dist.destroy_process_group()
 
 
+def _sharded_model(model_dir: str) -> None:
+    """A tiny MoE model loaded twice on each rank, with every expert (the reference) and with
+    ``expert_parallel: sharded`` (this rank's experts only, tokens exchanged), LoRA on every target with the same
+    random values on both (B too, so every LoRA gradient is non-zero), gradient checkpointing on the sharded one
+    (its recompute repeats the exchange), and different token counts per rank: the logits and the gradients of
+    the input embeddings and of every non-expert LoRA tensor equal the reference's on each rank; the expert
+    LoRA's, summed over the ranks (what DDP's average times world is), equal the reference's summed likewise."""
+    import torch
+    import torch.distributed as dist
+
+    from moetune.adapters.apply import attach_lora
+    from moetune.dist import failures_end_every_rank, start
+    from moetune.layer import CpuExperts
+    from moetune.layer.sharded import ShardedExperts
+    from moetune.loading import load_model
+
+    ranks = start(cpu=True, timeout_s=60)
+    kwargs: dict[str, Any] = dict(device="cpu", dtype="float32", num_threads=1, progress=False)
+    with failures_end_every_rank(ranks):
+        ref = load_model(model_dir, **kwargs)
+        mine = load_model(model_dir, **kwargs, expert_parallel="sharded")
+        sites = {n: m for n, m in mine.named_modules() if isinstance(m, CpuExperts)}
+        assert sites and all(isinstance(m, ShardedExperts) for m in sites.values())
+        for name, module in sites.items():
+            whole = ref.get_submodule(name).engine.weights
+            e = module.owners.per_rank
+            assert module.engine.num_experts == e == whole.gate_up.shape[0] // ranks.world
+            held = slice(ranks.rank * e, (ranks.rank + 1) * e)
+            assert torch.equal(module.engine.weights.gate_up, whole.gate_up[held])
+            assert torch.equal(module.engine.weights.down, whole.down[held])
+        models = []
+        for model in (ref, mine):
+            peft_model = attach_lora(model, rank=4, alpha=8)
+            gen = torch.Generator().manual_seed(7)
+            with torch.no_grad():
+                for _, p in sorted(peft_model.named_parameters()):
+                    if p.requires_grad:
+                        p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            models.append(peft_model.train())
+        models[1].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        gen = torch.Generator().manual_seed(100 + ranks.rank)
+        batch, seq = (2, 9) if ranks.rank == 0 else (3, 5)  # different token counts per rank
+        ids = torch.randint(0, ref.config.vocab_size, (batch, seq), generator=gen)
+        outs, grads = [], []
+        for peft_model in models:
+            embeds = peft_model.get_input_embeddings()(ids).detach().requires_grad_()
+            out = peft_model(inputs_embeds=embeds, labels=ids)
+            out.loss.backward()
+            outs.append(out.logits.detach())
+            grads.append(
+                {
+                    "inputs_embeds": embeds.grad,
+                    **{n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad},
+                }
+            )
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+        assert grads[0].keys() == grads[1].keys()
+        experts = [n for n in grads[0] if ".experts." in n]
+        assert experts and len(experts) < len(grads[0])
+        for name in grads[0]:
+            want, got = grads[0][name], grads[1][name]
+            assert want is not None and got is not None, name
+            if name in experts:
+                dist.all_reduce(want)
+                dist.all_reduce(got)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+        print(
+            f"rank {ranks.rank}: the sharded model equals the reference ({len(grads[0])} gradients)",
+            flush=True,
+        )
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     checks = {
         "fail_on_rank": _fail_on_rank,
         "adapter_saves_on_every_rank": _adapter_saves_on_every_rank,
         "sharded_exchange": _sharded_exchange,
+        "sharded_model": _sharded_model,
     }
     checks[sys.argv[1]](*sys.argv[2:])
