@@ -209,11 +209,23 @@ def _sharded_exchange() -> None:
     dist.destroy_process_group()
 
 
+def _fold(ids: Any, half: int) -> Any:
+    """Top-k expert ids ``[T, k]`` moved into ``[0, half)`` (``id % half``, a repeat within a token moved on to
+    the next free id): uneven routing on purpose."""
+    out = ids % half
+    for t in range(out.shape[0]):
+        for j in range(1, out.shape[1]):
+            while bool((out[t, :j] == out[t, j]).any()):
+                out[t, j] = (out[t, j] + 1) % half
+    return out
+
+
 def _sharded_model(model_dir: str) -> None:
     """A tiny MoE model loaded twice on each rank, with every expert (the reference) and with
     ``expert_parallel: sharded`` (this rank's experts only, tokens exchanged), LoRA on every target with the same
     random values on both (B too, so every LoRA gradient is non-zero), gradient checkpointing on the sharded one
-    (its recompute repeats the exchange), and different token counts per rank: the logits and the gradients of
+    (its recompute repeats the exchange), different token counts per rank, and the first MoE layer routing every
+    slot to rank 0's experts (rank 1's engine receives no row there): the logits and the gradients of
     the input embeddings and of every non-expert LoRA tensor equal the reference's on each rank; the expert
     LoRA's, summed over the ranks (what DDP's average times world is), equal the reference's summed likewise."""
     import torch
@@ -239,8 +251,13 @@ def _sharded_model(model_dir: str) -> None:
             held = slice(ranks.rank * e, (ranks.rank + 1) * e)
             assert torch.equal(module.engine.weights.gate_up, whole.gate_up[held])
             assert torch.equal(module.engine.weights.down, whole.down[held])
+        first = sorted(sites)[0]  # its block routes every slot to rank 0's experts: rank 1 receives none
+        half = sites[first].owners.per_rank
         models = []
         for model in (ref, mine):
+            model.get_submodule(first.rpartition(".")[0] + ".gate").register_forward_hook(
+                lambda module, args, out: (*out[:2], _fold(out[2], half))
+            )
             peft_model = attach_lora(model, rank=4, alpha=8)
             gen = torch.Generator().manual_seed(7)
             with torch.no_grad():
