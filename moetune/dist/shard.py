@@ -65,3 +65,20 @@ def expert_shard(parallel: ExpertParallel) -> ExpertShard | None:
     if _exchange_group is None:
         _exchange_group = dist.new_group(backend="gloo")
     return ExpertShard(dist.get_rank(), dist.get_world_size(), _exchange_group)
+
+
+def experts_held(model: Any) -> dict[str, Any]:
+    """What this rank holds of the routed experts, for the run summary: ``expert_parallel`` (``sharded`` when its
+    experts modules hold a shard, else ``replicated``), the experts per MoE layer (``"4 of 8"``, the first
+    layer's) and the bytes of every engine's weights, in GiB."""
+    from moetune.layer import CpuExperts
+    from moetune.layer.sharded import ShardedExperts
+
+    modules = [m for m in model.modules() if isinstance(m, CpuExperts)]
+    sharded = any(isinstance(m, ShardedExperts) for m in modules)
+    first = modules[0] if modules else None
+    return {
+        "expert_parallel": (ExpertParallel.SHARDED if sharded else ExpertParallel.REPLICATED).value,
+        "experts_per_layer": f"{first.engine.num_experts} of {first.num_experts}" if first is not None else None,
+        "engines_gb": round(sum(m.engine.weights.nbytes for m in modules) / 2**30, 6),
+    }

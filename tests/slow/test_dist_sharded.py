@@ -56,6 +56,10 @@ def test_two_sharded_processes_equal_one(runs) -> None:
     assert experts and all(adapter[k].abs().max() > 0 for k in experts)  # expert LoRA was trained
     config = [json.loads((runs[n] / "adapter_config.json").read_text()) for n in ("two", "one")]
     assert config[0] == config[1]  # the whole adapter, as one process writes it (stock PEFT loads that one)
+    held = [json.loads((runs[n] / "run_summary.json").read_text())["routed_experts"] for n in ("two", "one")]
+    assert held[0]["expert_parallel"] == "sharded" and held[0]["experts_per_layer"] == "4 of 8"
+    assert held[1]["expert_parallel"] == "replicated" and held[1]["experts_per_layer"] == "8 of 8"
+    assert held[0]["engines_gb"] == pytest.approx(held[1]["engines_gb"] / 2, rel=1e-3)  # rank 0's half
 
 
 @pytest.mark.slow
