@@ -4,11 +4,12 @@
 rank. :func:`start` reads the launcher's environment once, sets up the process group through accelerate
 (gloo on CPU, NCCL on GPUs; the collectives time out after ``ddp_timeout``) and starts the failure watchdog.
 Every rank holds a full copy of the routed experts (replicated experts) and the Trainer's own DDP averages every
-gradient, the expert LoRA's (fp32 CPU parameters of the PEFT model) included. Files are written by the main
-process only (:func:`main_writes`); an exception on any rank ends every rank, each printing the cause
-(:mod:`moetune.dist.watchdog`). :mod:`moetune.dist.exchange` holds the token exchange of sharded experts (each
-rank computing E / world experts; tested on a layer, not yet wired into training). docs/distributed.md has the
-design and what is left.
+gradient, the expert LoRA's (fp32 CPU parameters of the PEFT model) included; or, with ``expert_parallel:
+sharded``, each rank holds E / world experts of every MoE layer (:mod:`moetune.dist.shard`) and the token exchange
+of :mod:`moetune.dist.exchange` brings every rank's tokens to their experts' owners and back
+(``moetune.layer.sharded``). Files are written by the main process only (:func:`main_writes`); an exception on any
+rank ends every rank, each printing the cause (:mod:`moetune.dist.watchdog`). docs/distributed.md has the design
+and what is left.
 """
 
 from moetune.dist.group import Ranks, barrier, main_writes, start
