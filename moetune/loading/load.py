@@ -108,10 +108,9 @@ def shard_slices(shard: ExpertShard | None, planned: PlannedLoad) -> list[range]
             f"{layer_summary(quantized)} quantized. Use expert_parallel: replicated, or a bf16 checkpoint "
             "(expert_format int8/int4/fp8 then quantizes each rank's experts as they are read)"
         )
-    return [
-        shard.experts(shard.owners(layer.site.layout.num_experts, layer.site.path).num_experts)
-        for layer in planned.plan.layers
-    ]
+    for layer in planned.plan.layers:
+        shard.owners(layer.site.layout.num_experts, layer.site.path)  # raises where E does not split evenly
+    return [shard.experts(layer.site.layout.num_experts) for layer in planned.plan.layers]
 
 
 def experts_module(
@@ -200,7 +199,9 @@ def load_model(
             experts' options, either as ``experts=`` (a validated
             :class:`~moetune.config.experts.ExpertOptions`, e.g. a training config's) or one by one
             (``expert_format``, ``int4_group_size``, ``int4_symmetric``, ``expert_path``, ``expert_residency``,
-            ``expert_residency_budget``, ``activation_policy``, ``num_threads``, ``check_finite``, ``gpu_experts``), and
+            ``expert_residency_budget``, ``activation_policy``, ``num_threads``, ``check_finite``, ``gpu_experts``,
+            ``expert_parallel``: under a process group, ``sharded`` loads only this rank's share of every
+            layer's experts, ``moetune.layer.sharded``), and
             ``trust_remote_code`` (see :class:`LoadOptions`).
 
     Returns:

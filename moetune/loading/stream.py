@@ -178,7 +178,8 @@ def build_engine(
             "gate_up_bias": buffers.gate_up_bias,
             "down_bias": buffers.down_bias,
         }
-    check_finite_layer(layer, read)  # as read, before any quantization can hide a NaN
+    # as read, before any quantization can hide a NaN
+    check_finite_layer(layer, read, 0 if experts is None else experts.start)
     if stored is not None and layer.method is not None:
         weights = stored if choice == layer.method.native else choice.from_dense(*stored.dequantize(dtype))
     else:
