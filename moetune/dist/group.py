@@ -68,13 +68,19 @@ class Ranks:
 
 
 _started: Ranks | None = None
+_timeout: timedelta | None = None  # every collective's, as start() set it
+
+
+def collective_timeout() -> timedelta | None:
+    """The timeout :func:`start` gave the process group (``ddp_timeout``), for further groups; None before."""
+    return _timeout
 
 
 def start(*, cpu: bool, timeout_s: int, backend: str | None = None) -> Ranks:
     """This process's :class:`Ranks`; with several, the process group is set up (once per process: later calls
     return the same ranks) and the watchdog started. ``cpu``: the model computes on the CPU (gloo);
     ``timeout_s``: every collective's timeout (``ddp_timeout``); ``backend``: ``ddp_backend`` if set."""
-    global _started
+    global _started, _timeout
     if _started is not None:
         return _started
     ranks = Ranks.from_env()
@@ -90,9 +96,10 @@ def start(*, cpu: bool, timeout_s: int, backend: str | None = None) -> Ranks:
     import torch.distributed as dist
     from accelerate import PartialState
 
+    _timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         # accelerate's own setup (the Trainer's accelerator finds this group): gloo on the CPU
-        PartialState(cpu=True, backend=backend, timeout=timedelta(seconds=timeout_s))
+        PartialState(cpu=True, backend=backend, timeout=_timeout)
     if dist.get_world_size() != ranks.world or dist.get_rank() != ranks.rank:
         raise DistError(
             f"the process group has rank {dist.get_rank()} of {dist.get_world_size()} but the launcher set "

@@ -16,6 +16,7 @@ from typing import Any
 
 from moetune.config.experts import ExpertParallel
 from moetune.dist.exchange import ExpertOwners
+from moetune.dist.group import collective_timeout
 from moetune.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -62,8 +63,8 @@ def expert_shard(parallel: ExpertParallel) -> ExpertShard | None:
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         logger.info("moetune: expert_parallel: sharded with one process: this process holds every expert")
         return None
-    if _exchange_group is None:
-        _exchange_group = dist.new_group(backend="gloo")
+    if _exchange_group is None:  # with the run's ddp_timeout where moetune.dist.start set up the group
+        _exchange_group = dist.new_group(backend="gloo", timeout=collective_timeout())
     return ExpertShard(dist.get_rank(), dist.get_world_size(), _exchange_group)
 
 
