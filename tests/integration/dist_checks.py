@@ -75,9 +75,10 @@ def check(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
-def _fail_on_rank(config_path: str, failing: str) -> None:
+def _fail_on_rank(config_path: str, failing: str, where: str = "model") -> None:
     """``moetune train``'s recipe with a forward hook that raises on rank ``failing`` at its third forward
-    (mid-training, while the other rank waits in DDP's all-reduce)."""
+    (mid-training, while the other rank waits in DDP's all-reduce); ``where="experts"``: the hook is on the first
+    routed-experts module instead, so with sharded experts the other rank waits inside that layer's exchange."""
     from moetune.config import load_config
     from moetune.dist import failures_end_every_rank
     from moetune.train import recipe
@@ -94,7 +95,10 @@ def _fail_on_rank(config_path: str, failing: str) -> None:
     with failures_end_every_rank(ranks):
         model, tokenizer, data = recipe.setup(cfg, progress=False)
         if ranks.rank == int(failing):
-            model.register_forward_hook(hook)
+            from moetune.layer import CpuExperts
+
+            experts = [m for m in model.modules() if isinstance(m, CpuExperts)]
+            (model if where == "model" else experts[0]).register_forward_hook(hook)
         recipe.train(cfg, model, tokenizer, data)
 
 

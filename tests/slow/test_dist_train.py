@@ -149,3 +149,19 @@ def test_two_processes_equal_one_freeze(tmp_path) -> None:
     assert {"rng_state_0.pth", "rng_state_1.pth", "optimizer.index.json"} <= {
         p.name for p in (tmp_path / "two/out/checkpoint-4").iterdir()
     }
+
+
+@pytest.mark.slow
+def test_sharded_failure_in_an_expert_layer_ends_the_other_rank(tmp_path) -> None:
+    # rank 1 raises after its first MoE layer's third call, so rank 0 waits in the next MoE layer's token exchange
+    # (a collective of the exchange's own group, not DDP's): the watchdog ends rank 0 with rank 1's cause
+    model = make_demo_model(tmp_path / "tiny", ROOT / "examples/data/demo_tokenizer")
+    cfg = dist_checks.config(
+        tmp_path, model, "out", **MODES["sharded"], max_steps=6, per_device_train_batch_size=2
+    )
+    result = dist_checks.torchrun(
+        "tests/integration/dist_checks.py", "fail_on_rank", str(cfg), "1", "experts", timeout=90
+    )
+    assert result.returncode != 0
+    cause = "RuntimeError: injected failure on rank 1"
+    assert f"moetune rank 0: stopping: rank 1 failed: {cause}" in result.stderr, result.stderr[-6000:]
