@@ -19,8 +19,9 @@ number of ranks and the final adapter are those of a replicated run.
 
 Activation checkpointing: a recompute runs the layer again, exchange included; every rank recomputes the same
 layers in the same order (the same model, the same backward), so the exchanges pair up. The memo of the owner's
-engine (``moetune.layer.memo``) is keyed on the rows it received, which the recompute reproduces, so the
-engine's second forward is skipped as in one process; whether it is has no effect on the collectives.
+engine (``moetune.layer.memo``) sits inside the local compute, keyed on the rows it received (which the recompute
+reproduces), so it can skip the engine's second forward as in one process; hit or miss is local to the rank and
+changes no collective, and a miss only recomputes.
 """
 
 from __future__ import annotations
