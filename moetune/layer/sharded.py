@@ -20,7 +20,7 @@ number of ranks and the final adapter are those of a replicated run.
 Activation checkpointing: a recompute runs the layer again, exchange included; every rank recomputes the same
 layers in the same order (the same model, the same backward), so the exchanges pair up. The memo of the owner's
 engine (``moetune.layer.memo``) sits inside the local compute, keyed on the rows it received (which the recompute
-reproduces), so it can skip the engine's second forward as in one process; hit or miss is local to the rank and
+reproduces), so it skips the engine's second forward as in one process; hit or miss is local to the rank and
 changes no collective, and a miss only recomputes.
 """
 

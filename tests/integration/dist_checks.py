@@ -270,6 +270,12 @@ def _sharded_model(model_dir: str) -> None:
                         p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
             models.append(peft_model.train())
         models[1].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        runs: list[str] = []  # engine forwards of the sharded model: the recompute's are reused (layer.memo)
+        calls: list[str] = []  # its experts modules' calls: the forward's and the recompute's
+        for name, module in sites.items():
+            engine_forward = module.engine.forward
+            module.engine.forward = lambda *a, f=engine_forward, n=name, **k: runs.append(n) or f(*a, **k)
+            module.register_forward_pre_hook(lambda m, args, n=name: calls.append(n))
         gen = torch.Generator().manual_seed(100 + ranks.rank)
         batch, seq = (2, 9) if ranks.rank == 0 else (3, 5)  # different token counts per rank
         ids = torch.randint(0, ref.config.vocab_size, (batch, seq), generator=gen)
@@ -286,6 +292,9 @@ def _sharded_model(model_dir: str) -> None:
                 }
             )
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+        assert sorted(runs) == sorted(sites), (
+            runs
+        )  # once per layer, though checkpointing ran each layer twice
         assert grads[0].keys() == grads[1].keys()
         experts = [n for n in grads[0] if ".experts." in n]
         assert experts and len(experts) < len(grads[0])
