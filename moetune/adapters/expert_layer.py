@@ -69,7 +69,7 @@ class ExpertsLora(nn.Module, LoraLayer):
 
     @property
     def num_experts(self) -> int:
-        return self.experts.engine.num_experts
+        return self.experts.num_experts
 
     @property
     def lora_experts(self) -> int:

@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
         "peak_ram_gb",
         "finetuning_type",
         "memory",
+        "routed_experts",
     )
     print(json.dumps({k: result.summary[k] for k in keep}, indent=2))
     what = "adapter" if result.summary["finetuning_type"] == "lora" else "model"

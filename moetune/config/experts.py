@@ -36,6 +36,13 @@ class ActivationPolicy(str, enum.Enum):
     RECOMPUTE = "recompute"  # only the inputs; backward recomputes gate_up (one third of forward's GEMMs)
 
 
+class ExpertParallel(str, enum.Enum):
+    """How several processes (torchrun / accelerate launch) hold the routed experts (docs/distributed.md)."""
+
+    REPLICATED = "replicated"  # every rank holds every expert; DDP averages the expert LoRA's gradients
+    SHARDED = "sharded"  # rank r holds experts [r E/world, (r+1) E/world); tokens travel to their owners
+
+
 class ExpertResidency(str, enum.Enum):
     """Where routed experts read from a converted store live while training."""
 
@@ -99,6 +106,9 @@ class ExpertOptions:
             model's E and MoE layer count before anything loads (``hot_sets``).
         gpu_experts_budget: ``auto`` only: device bytes for the hot experts' copies (an int or ``"2GB"``).
         gpu_experts_warmup: ``auto`` only: training steps whose routing is counted before choosing (None: 4).
+        expert_parallel: with several processes, ``replicated`` (default: every rank holds every expert) or
+            ``sharded`` (each rank holds E / world experts of every MoE layer and computes every rank's tokens
+            routed to them: ``moetune.layer.sharded``); one process holds every expert either way.
     """
 
     expert_format: str = AUTO
@@ -113,6 +123,7 @@ class ExpertOptions:
     gpu_experts: int | str | tuple[tuple[int, ...], ...] | None = None
     gpu_experts_budget: int | None = None
     gpu_experts_warmup: int | None = None
+    expert_parallel: ExpertParallel = ExpertParallel.REPLICATED
 
     @classmethod
     def names(cls) -> list[str]:
@@ -146,6 +157,8 @@ class ExpertOptions:
             out["gpu_experts_budget"] = parse_bytes(out["gpu_experts_budget"])
         if isinstance(out.get("gpu_experts"), (list, tuple)):
             out["gpu_experts"] = tuple(tuple(layer) for layer in out["gpu_experts"])
+        if "expert_parallel" in out:
+            out["expert_parallel"] = ExpertParallel(out["expert_parallel"])
         return cls(**out)
 
 
@@ -187,6 +200,7 @@ def _field_checks() -> dict[str, Callable[[object], str | None]]:
             else "allowed: a positive number of bytes, or a size such as '2GB'"
         ),
         "gpu_experts_warmup": lambda v: None if _is_int(v) and v >= 1 else "must be a positive integer",
+        "expert_parallel": _one_of([p.value for p in ExpertParallel]),
     }
 
 
@@ -294,6 +308,17 @@ def expert_option_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
             )
             for name in GPU_AUTO_OPTIONS
             if not auto and values.get(name) is not None and name not in bad
+        ]
+    if values.get("expert_parallel") == ExpertParallel.SHARDED and "expert_parallel" not in bad:
+        problems += [
+            (
+                "expert_parallel",
+                f"is 'sharded' but {name} is set ({values[name]!r}); sharded experts are read from a Hugging Face "
+                f"checkpoint into engines without hot experts for now. Remove {name}, or use expert_parallel: "
+                "replicated",
+            )
+            for name in ("expert_path", "gpu_experts")
+            if values.get(name)
         ]
     residency = values.get("expert_residency", ExpertResidency.RAM)
     if "expert_residency" not in bad:

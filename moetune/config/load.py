@@ -18,7 +18,7 @@ from typing import Any
 
 from moetune.config.chat_templates import NAMED_TEMPLATES, TEMPLATE_SUFFIXES
 from moetune.config.datasets import resolve_datasets
-from moetune.config.experts import ExpertOptions, expert_option_problems
+from moetune.config.experts import ExpertOptions, ExpertParallel, expert_option_problems
 from moetune.config.fields import Problems, coerce, parse_section, yaml_fields
 from moetune.config.hf_args import (
     check_training_arguments,
@@ -141,6 +141,16 @@ def parse_config(
     training = dataclasses.replace(training, extra_args=tuple(extra.items()))
     engine = _parse_engine(engine_raw if isinstance(engine_raw, Mapping) else {}, problems, origins)
     _check_cross_fields(finetune, data, training, problems)
+    if (
+        engine.experts.expert_parallel is ExpertParallel.SHARDED
+        and finetune.finetuning_type is not FinetuningType.LORA
+    ):
+        problems.add(
+            f"{ENGINE_KEY}.expert_parallel",
+            f"is 'sharded' with finetuning_type {finetune.finetuning_type.value}; sharded experts train LoRA only "
+            "(each rank holds other experts, whose trained weights DDP cannot average). Use finetuning_type lora, "
+            "or expert_parallel: replicated",
+        )
     data = _resolve_template(_resolve_data(data, problems), problems)
     check_stage(finetune, data, training, problems)
     _check_files(model, data, training, problems, check_model_path)

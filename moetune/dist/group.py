@@ -74,6 +74,12 @@ class Ranks:
 
 
 _started: Ranks | None = None
+_timeout: timedelta | None = None  # every collective's, as start() set it
+
+
+def collective_timeout() -> timedelta | None:
+    """The timeout :func:`start` gave the process group (``ddp_timeout``), for further groups; None before."""
+    return _timeout
 
 
 def start(*, cpu: bool, timeout_s: int, backend: str | None = None, bind_cpus: bool = True) -> Ranks:
@@ -81,7 +87,7 @@ def start(*, cpu: bool, timeout_s: int, backend: str | None = None, bind_cpus: b
     return the same ranks), the watchdog started and, with ``bind_cpus``, the process pinned to its share of the
     machine's cores (:mod:`moetune.dist.affinity`). ``cpu``: the model computes on the CPU (gloo);
     ``timeout_s``: every collective's timeout (``ddp_timeout``); ``backend``: ``ddp_backend`` if set."""
-    global _started
+    global _started, _timeout
     if _started is not None:
         return _started
     ranks = Ranks.from_env()
@@ -92,7 +98,7 @@ def start(*, cpu: bool, timeout_s: int, backend: str | None = None, bind_cpus: b
     import torch.distributed as dist
     from accelerate import PartialState
 
-    timeout = timedelta(seconds=timeout_s)
+    _timeout = timeout = timedelta(seconds=timeout_s)
     if not cpu:  # one GPU per local rank; CPU tensors (expert gradients, token exchange) go over gloo
         gpus = torch.cuda.device_count()
         if ranks.local_rank >= gpus:

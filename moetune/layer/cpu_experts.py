@@ -144,6 +144,11 @@ class CpuExperts(nn.Module):
         self.memo = ForwardMemo()  # forwards of the old engine are not this one's
         self._register_base()
 
+    @property
+    def num_experts(self) -> int:
+        """The layer's routed experts, which its expert LoRA is sized for (``ShardedExperts``: over every rank)."""
+        return self.engine.num_experts
+
     def forward(
         self,
         hidden_states: torch.Tensor,

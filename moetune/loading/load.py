@@ -26,10 +26,13 @@ from torch import nn
 
 from moetune.arch import ArchSpec, ExpertsSite, find_experts, resolve_arch
 from moetune.config.experts import AUTO, hot_sets
+from moetune.dist.shard import ExpertShard, expert_shard
+from moetune.engine import ExpertEngine
 from moetune.engine.threads import set_engine_threads
-from moetune.errors import LoadError
-from moetune.layer import EXPERTS_MODULES
+from moetune.errors import ConfigError, LoadError
+from moetune.layer import EXPERTS_MODULES, CpuExperts
 from moetune.layer.overlap import attach_shared_ahead
+from moetune.layer.sharded import SHARDED_MODULES
 from moetune.loading import hf
 from moetune.loading.checkpoint import Checkpoint
 from moetune.loading.expert_plan import ExpertPlan, plan_experts
@@ -84,6 +87,43 @@ def layer_summary(paths: list[str]) -> str:
                 runs.append(str(i))
         out.append(pattern.replace("{}", "{" + ",".join(runs) + "}") if idx else pattern)
     return ", ".join(out)
+
+
+def shard_slices(shard: ExpertShard | None, planned: PlannedLoad) -> list[range] | None:
+    """The experts of each planned layer this rank reads (None: every expert); ``ConfigError`` naming
+    ``expert_parallel`` for what sharding does not run (a family calling its experts otherwise, a quantized
+    checkpoint, E not divisible by the number of processes), from headers, before any tensor is read."""
+    if shard is None:
+        return None
+    if planned.spec.call not in SHARDED_MODULES:
+        raise ConfigError(
+            f"expert_parallel: sharded runs families whose block calls its experts as "
+            f"{', '.join(c.value for c in SHARDED_MODULES)}; {planned.spec.name} calls them as "
+            f"{planned.spec.call.value}. Use expert_parallel: replicated for this model"
+        )
+    quantized = [layer.site.path for layer in planned.plan.layers if layer.method is not None]
+    if quantized:
+        raise ConfigError(
+            f"expert_parallel: sharded reads float checkpoints only for now; {planned.checkpoint.path} stores "
+            f"{layer_summary(quantized)} quantized. Use expert_parallel: replicated, or a bf16 checkpoint "
+            "(expert_format int8/int4/fp8 then quantizes each rank's experts as they are read)"
+        )
+    for layer in planned.plan.layers:
+        shard.owners(layer.site.layout.num_experts, layer.site.path)  # raises where E does not split evenly
+    return [shard.experts(layer.site.layout.num_experts) for layer in planned.plan.layers]
+
+
+def experts_module(
+    planned: PlannedLoad, engine: ExpertEngine, site: ExpertsSite, shard: ExpertShard | None
+) -> CpuExperts:
+    """The module that takes ``site``'s place: the family's (``EXPERTS_MODULES``), or with a shard of the
+    experts the sharded one (``SHARDED_MODULES``, checked by :func:`shard_slices`)."""
+    if shard is None:
+        return EXPERTS_MODULES[planned.spec.call](engine, layout=site.layout)
+    owners = shard.owners(site.layout.num_experts, site.path)
+    return SHARDED_MODULES[planned.spec.call](
+        engine, site.layout, owners=owners, rank=shard.rank, group=shard.group
+    )
 
 
 @dataclass
@@ -159,7 +199,9 @@ def load_model(
             experts' options, either as ``experts=`` (a validated
             :class:`~moetune.config.experts.ExpertOptions`, e.g. a training config's) or one by one
             (``expert_format``, ``int4_group_size``, ``int4_symmetric``, ``expert_path``, ``expert_residency``,
-            ``expert_residency_budget``, ``activation_policy``, ``num_threads``, ``check_finite``, ``gpu_experts``), and
+            ``expert_residency_budget``, ``activation_policy``, ``num_threads``, ``check_finite``, ``gpu_experts``,
+            ``expert_parallel``: under a process group, ``sharded`` loads only this rank's share of every
+            layer's experts, ``moetune.layer.sharded``), and
             ``trust_remote_code`` (see :class:`LoadOptions`).
 
     Returns:
@@ -181,6 +223,8 @@ def load_model(
         planned.sites,
         planned.plan,
     )
+    shard = expert_shard(opts.experts.expert_parallel)  # every rank, here: it may create a process group
+    slices = shard_slices(shard, planned)
     for site in sites:
         model.set_submodule(site.path, PendingExperts(site, model.get_submodule(site.path)))
     hf.skip_weight_init(model, sorted({s.path.rpartition(".")[0] for s in sites} - {""}))
@@ -199,7 +243,13 @@ def load_model(
     held = hot_bytes = 0
     experts = (
         stream_experts(
-            checkpoint, plan.layers, planned.formats, opts.dtype, opts.engine, progress=opts.progress
+            checkpoint,
+            plan.layers,
+            planned.formats,
+            opts.dtype,
+            opts.engine,
+            progress=opts.progress,
+            experts=slices,
         )
         if store is None
         else zip(
@@ -216,7 +266,7 @@ def load_model(
         )
     )
     for layer, engine in experts:
-        module = EXPERTS_MODULES[spec.call](engine, layout=layer.site.layout)
+        module = experts_module(planned, engine, layer.site, shard)
         pending = model.get_submodule(layer.site.path)
         for name in layer.site.kept:  # loaded on the device with the rest of the model
             module.add_module(name, getattr(pending, name))
@@ -271,4 +321,14 @@ def load_model(
         opts.device,
         f": {layer_summary(routers)}" if routers else "",
     )
+    if shard is not None:
+        logger.info(
+            "moetune rank %d of %d: expert_parallel sharded: this rank holds experts %d-%d of every MoE layer (%s); "
+            "tokens routed elsewhere are exchanged with their owners",
+            shard.rank,
+            shard.world,
+            slices[0].start if slices else 0,
+            slices[0].stop - 1 if slices else 0,
+            format_bytes(held),
+        )
     return model

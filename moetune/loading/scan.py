@@ -32,12 +32,13 @@ _ROLES = {
 }
 
 
-def check_finite_layer(layer: LayerPlan, tensors: Mapping[str, torch.Tensor | None]) -> None:
+def check_finite_layer(layer: LayerPlan, tensors: Mapping[str, torch.Tensor | None], first: int = 0) -> None:
     """``NonFiniteWeightError`` if a floating tensor of ``tensors`` holds NaN or Inf.
 
     ``tensors``: what was read for ``layer``, each ``[E, ...]`` with the expert first, by engine name
     (``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]``, ``gate_up_bias`` ``[E, 2I]``, ``down_bias`` ``[E, H]``,
-    or a quantized format's state fields such as ``gate_up_scale_inv``); None entries are skipped.
+    or a quantized format's state fields such as ``gate_up_scale_inv``); None entries are skipped. ``first``: the
+    layer's expert id of index 0 (a rank's share of the experts, ``expert_parallel: sharded``), for the message.
     """
     for name, t in tensors.items():
         if t is None or not t.is_floating_point():
@@ -50,7 +51,7 @@ def check_finite_layer(layer: LayerPlan, tensors: Mapping[str, torch.Tensor | No
                 continue
             bad = ~torch.isfinite(t[e])
             if bool(bad.any()):
-                _refuse(layer, name, e, t[e], bad)
+                _refuse(layer, name, first + e, t[e], bad)
 
 
 def _refuse(layer: LayerPlan, name: str, expert: int, values: torch.Tensor, bad: torch.Tensor) -> None:

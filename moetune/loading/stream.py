@@ -44,10 +44,12 @@ def _deinterleave(t: torch.Tensor) -> torch.Tensor:
 
 
 class _LayerBuffers:
-    """One layer's engine tensors, filled slice by slice."""
+    """One layer's engine tensors, filled slice by slice: those of ``experts`` (global ids; default every
+    expert of the layer), the first of them at index 0."""
 
-    def __init__(self, layout: ExpertsLayout, dtype: torch.dtype) -> None:
-        e, h, i = layout.num_experts, layout.hidden_size, layout.intermediate_size
+    def __init__(self, layout: ExpertsLayout, dtype: torch.dtype, experts: range | None = None) -> None:
+        self.experts = range(layout.num_experts) if experts is None else experts
+        e, h, i = len(self.experts), layout.hidden_size, layout.intermediate_size
         self.layout = layout
         self.gate_up = torch.empty(e, 2 * i, h, dtype=dtype)  # [E, 2I, H]
         self.down = torch.empty(e, h, i, dtype=dtype)  # [E, H, I]
@@ -58,6 +60,7 @@ class _LayerBuffers:
         """``w`` is expert ``e``'s ``[out, in]`` matrix: gate/up ``[I, H]``, down ``[H, I]``. Non-gated experts'
         up rows fill the gate rows too (``ExpertsLayout.gated``: act(u) = f(u) * u on tied rows)."""
         i = self.layout.intermediate_size
+        e -= self.experts.start
         if role == "up" and not self.layout.gated:
             self.gate_up[e, :i].copy_(w)
         dst = {"gate": self.gate_up[e, :i], "up": self.gate_up[e, i:], "down": self.down[e]}[role]
@@ -81,14 +84,15 @@ class _LayerBuffers:
             DOWN_BIAS: self.down_bias,
         }[name]
         assert dst is not None
-        dst[e].copy_(w)
+        dst[e - self.experts.start].copy_(w)
 
 
 def _fill(buffers: _LayerBuffers, source: ExpertSource, reader: ShardReader) -> None:
     if source.expert is not None:
-        buffers.put_per_expert(source.role, source.expert, reader.read(source.info))
+        if source.expert in buffers.experts:  # another rank's expert (sharded) is not read at all
+            buffers.put_per_expert(source.role, source.expert, reader.read(source.info))
         return
-    for e in range(buffers.layout.num_experts):  # one expert at a time: no full-tensor temporary
+    for e in buffers.experts:  # one expert at a time: no full-tensor temporary
         w = reader.read(source.info, e)
         if (
             source.role in ROLES
@@ -135,9 +139,13 @@ def build_engine(
     options: EngineOptions,
     choice: ExpertFormatChoice,
     spare: _LayerBuffers | None = None,
+    experts: range | None = None,
 ) -> tuple[ExpertEngine, _LayerBuffers | None]:
     """The engine of one experts module in format ``choice``, read from ``reader``; dense weights and biases
     in ``dtype``. ``spare``: dense buffers a previous layer no longer needs, reused when their layout fits.
+    ``experts``: read and hold only these experts (global ids, consecutive; ``expert_parallel: sharded``), the
+    engine's expert 0 being the first of them; a quantized layer is always read whole (the loader refuses
+    sharding it first).
 
     Quantized formats are quantized from the checkpoint's own float precision (``LayerPlan.float_dtype``, as
     ``moetune convert`` does, so both give the same engines), or, for a quantized layer held in another
@@ -149,13 +157,19 @@ def build_engine(
     biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # per-expert checkpoints: none
     stored: ExpertFormat | None = None
     if layer.method is not None:
+        assert experts is None, "sharded loading reads float checkpoints (refused before the load)"
         stored = read_quantized(layer, reader)
         biases = read_biases(layer, reader, dtype)
         read = {**stored.state_tensors(), "gate_up_bias": biases[0], "down_bias": biases[1]}
     else:
         read_dtype = dtype if choice.keeps_input else layer.float_dtype
-        fits = spare is not None and spare.layout == lay and spare.gate_up.dtype == read_dtype
-        buffers = spare if spare is not None and fits else _LayerBuffers(lay, read_dtype)
+        fits = (
+            spare is not None
+            and spare.layout == lay
+            and spare.gate_up.dtype == read_dtype
+            and spare.experts == (range(lay.num_experts) if experts is None else experts)
+        )
+        buffers = spare if spare is not None and fits else _LayerBuffers(lay, read_dtype, experts)
         for source in layer.sources:
             _fill(buffers, source, reader)
         read = {
@@ -164,7 +178,8 @@ def build_engine(
             "gate_up_bias": buffers.gate_up_bias,
             "down_bias": buffers.down_bias,
         }
-    check_finite_layer(layer, read)  # as read, before any quantization can hide a NaN
+    # as read, before any quantization can hide a NaN
+    check_finite_layer(layer, read, 0 if experts is None else experts.start)
     if stored is not None and layer.method is not None:
         weights = stored if choice == layer.method.native else choice.from_dense(*stored.dequantize(dtype))
     else:
@@ -193,9 +208,11 @@ def stream_experts(
     options: EngineOptions,
     *,
     progress: bool = True,
+    experts: list[range] | None = None,
 ) -> Iterator[tuple[LayerPlan, ExpertEngine]]:
     """Yield ``(layer, engine)`` in plan order, layer ``j`` held in ``formats[j]``, each shard closed as soon as
-    no later layer needs it.
+    no later layer needs it. ``experts[j]``: the experts of layer ``j`` to read and hold (``build_engine``);
+    None: every expert.
 
     A tqdm bar counts layers and shows the read rate (checkpoint bytes per second).
     """
@@ -204,7 +221,8 @@ def stream_experts(
     spare: _LayerBuffers | None = None
     with ShardReader(checkpoint, [layer.files for layer in layers]) as reader, bar:
         for step, (layer, choice) in enumerate(zip(layers, formats, strict=True)):
-            engine, spare = build_engine(layer, reader, dtype, options, choice, spare)
+            mine = None if experts is None else experts[step]
+            engine, spare = build_engine(layer, reader, dtype, options, choice, spare, mine)
             reader.done(step)
             bar.advance(layer.nbytes)
             yield layer, engine

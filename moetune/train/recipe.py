@@ -187,6 +187,7 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
     the others wait until it is done); returns the summary."""
     from moetune.adapters.save import save_adapter
     from moetune.dist import main_writes
+    from moetune.dist.shard import experts_held
     from moetune.train.model_save import save_model
     from moetune.train.modes import memory_report
     from moetune.train.outputs import (
@@ -235,6 +236,7 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
         "peak_vram_gb": peak_vram_gb(),
         "finetuning_type": cfg.finetune.finetuning_type.value,
         "memory": memory_report(trainer.model),
+        "routed_experts": experts_held(trainer.model),  # this rank's: with expert_parallel sharded, its share
         "loss_curve": str(curve) if curve else None,
         "config": cfg.summary(),
     }

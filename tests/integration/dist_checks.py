@@ -75,9 +75,10 @@ def check(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
-def _fail_on_rank(config_path: str, failing: str) -> None:
+def _fail_on_rank(config_path: str, failing: str, where: str = "model") -> None:
     """``moetune train``'s recipe with a forward hook that raises on rank ``failing`` at its third forward
-    (mid-training, while the other rank waits in DDP's all-reduce)."""
+    (mid-training, while the other rank waits in DDP's all-reduce); ``where="experts"``: the hook is on the first
+    routed-experts module instead, so with sharded experts the other rank waits inside that layer's exchange."""
     from moetune.config import load_config
     from moetune.dist import failures_end_every_rank
     from moetune.train import recipe
@@ -94,7 +95,10 @@ def _fail_on_rank(config_path: str, failing: str) -> None:
     with failures_end_every_rank(ranks):
         model, tokenizer, data = recipe.setup(cfg, progress=False)
         if ranks.rank == int(failing):
-            model.register_forward_hook(hook)
+            from moetune.layer import CpuExperts
+
+            experts = [m for m in model.modules() if isinstance(m, CpuExperts)]
+            (model if where == "model" else experts[0]).register_forward_hook(hook)
         recipe.train(cfg, model, tokenizer, data)
 
 
@@ -209,10 +213,110 @@ def _sharded_exchange() -> None:
     dist.destroy_process_group()
 
 
+def _fold(ids: Any, half: int) -> Any:
+    """Top-k expert ids ``[T, k]`` moved into ``[0, half)`` (``id % half``, a repeat within a token moved on to
+    the next free id): uneven routing on purpose."""
+    out = ids % half
+    for t in range(out.shape[0]):
+        for j in range(1, out.shape[1]):
+            while bool((out[t, :j] == out[t, j]).any()):
+                out[t, j] = (out[t, j] + 1) % half
+    return out
+
+
+def _sharded_model(model_dir: str) -> None:
+    """A tiny MoE model loaded twice on each rank, with every expert (the reference) and with
+    ``expert_parallel: sharded`` (this rank's experts only, tokens exchanged), LoRA on every target with the same
+    random values on both (B too, so every LoRA gradient is non-zero), gradient checkpointing on the sharded one
+    (its recompute repeats the exchange), different token counts per rank, and the first MoE layer routing every
+    slot to rank 0's experts (rank 1's engine receives no row there): the logits and the gradients of
+    the input embeddings and of every non-expert LoRA tensor equal the reference's on each rank; the expert
+    LoRA's, summed over the ranks (what DDP's average times world is), equal the reference's summed likewise."""
+    import torch
+    import torch.distributed as dist
+
+    from moetune.adapters.apply import attach_lora
+    from moetune.dist import failures_end_every_rank, start
+    from moetune.layer import CpuExperts
+    from moetune.layer.sharded import ShardedExperts
+    from moetune.loading import load_model
+
+    ranks = start(cpu=True, timeout_s=60)
+    kwargs: dict[str, Any] = dict(device="cpu", dtype="float32", num_threads=1, progress=False)
+    with failures_end_every_rank(ranks):
+        ref = load_model(model_dir, **kwargs)
+        mine = load_model(model_dir, **kwargs, expert_parallel="sharded")
+        sites = {n: m for n, m in mine.named_modules() if isinstance(m, CpuExperts)}
+        assert sites and all(isinstance(m, ShardedExperts) for m in sites.values())
+        for name, module in sites.items():
+            whole = ref.get_submodule(name).engine.weights
+            e = module.owners.per_rank
+            assert module.engine.num_experts == e == whole.gate_up.shape[0] // ranks.world
+            held = slice(ranks.rank * e, (ranks.rank + 1) * e)
+            assert torch.equal(module.engine.weights.gate_up, whole.gate_up[held])
+            assert torch.equal(module.engine.weights.down, whole.down[held])
+        first = sorted(sites)[0]  # its block routes every slot to rank 0's experts: rank 1 receives none
+        half = sites[first].owners.per_rank
+        models = []
+        for model in (ref, mine):
+            model.get_submodule(first.rpartition(".")[0] + ".gate").register_forward_hook(
+                lambda module, args, out: (*out[:2], _fold(out[2], half))
+            )
+            peft_model = attach_lora(model, rank=4, alpha=8)
+            gen = torch.Generator().manual_seed(7)
+            with torch.no_grad():
+                for _, p in sorted(peft_model.named_parameters()):
+                    if p.requires_grad:
+                        p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            models.append(peft_model.train())
+        models[1].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        runs: list[str] = []  # engine forwards of the sharded model: the recompute's are reused (layer.memo)
+        calls: list[str] = []  # its experts modules' calls: the forward's and the recompute's
+        for name, module in sites.items():
+            engine_forward = module.engine.forward
+            module.engine.forward = lambda *a, f=engine_forward, n=name, **k: runs.append(n) or f(*a, **k)
+            module.register_forward_pre_hook(lambda m, args, n=name: calls.append(n))
+        gen = torch.Generator().manual_seed(100 + ranks.rank)
+        batch, seq = (2, 9) if ranks.rank == 0 else (3, 5)  # different token counts per rank
+        ids = torch.randint(0, ref.config.vocab_size, (batch, seq), generator=gen)
+        outs, grads = [], []
+        for peft_model in models:
+            embeds = peft_model.get_input_embeddings()(ids).detach().requires_grad_()
+            out = peft_model(inputs_embeds=embeds, labels=ids)
+            out.loss.backward()
+            outs.append(out.logits.detach())
+            grads.append(
+                {
+                    "inputs_embeds": embeds.grad,
+                    **{n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad},
+                }
+            )
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+        assert sorted(runs) == sorted(sites), (
+            runs
+        )  # once per layer, though checkpointing ran each layer twice
+        assert grads[0].keys() == grads[1].keys()
+        experts = [n for n in grads[0] if ".experts." in n]
+        assert experts and len(experts) < len(grads[0])
+        for name in grads[0]:
+            want, got = grads[0][name], grads[1][name]
+            assert want is not None and got is not None, name
+            if name in experts:
+                dist.all_reduce(want)
+                dist.all_reduce(got)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+        print(
+            f"rank {ranks.rank}: the sharded model equals the reference ({len(grads[0])} gradients)",
+            flush=True,
+        )
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     checks = {
         "fail_on_rank": _fail_on_rank,
         "adapter_saves_on_every_rank": _adapter_saves_on_every_rank,
         "sharded_exchange": _sharded_exchange,
+        "sharded_model": _sharded_model,
     }
     checks[sys.argv[1]](*sys.argv[2:])

@@ -1,12 +1,14 @@
-"""``moetune train`` as two processes (torchrun, gloo on the CPU, experts replicated on each rank) against one
-process over the same global batches: every loss and every LoRA tensor after SGD steps (each the learning rate
-times the averaged gradient, expert LoRA included), one writer per file, and resuming a checkpoint with the
-other number of processes."""
+"""``moetune train`` as two processes (torchrun, gloo on the CPU) against one process over the same global batches,
+with the experts replicated on each rank and with ``expert_parallel: sharded`` (each rank holds half of every MoE
+layer's experts; tokens travel to their owners and back): every loss and every LoRA tensor after SGD steps (each
+the learning rate times the averaged gradient, expert LoRA included), one writer per file, and resuming a
+checkpoint with the other number of processes."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,34 +21,38 @@ ROOT = Path(__file__).resolve().parents[2]
 CLI = ("-m", "moetune.cli.main", "train")
 # plain SGD: every update is lr * gradient, so equal adapters mean equal gradients
 SGD = {"optim": "sgd", "learning_rate": 0.5, "lr_scheduler_type": "constant", "max_steps": 4, "save_steps": 2}
+# what the two-process runs add to their config, by expert_parallel
+MODES: dict[str, dict[str, Any]] = {
+    "replicated": {},
+    "sharded": {"moetune": {"device": "cpu", "num_threads": 1, "expert_parallel": "sharded"}},
+}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    """Output folders: ``one`` (one process, batch 4), ``two`` (two processes, batch 2 each), ``two_to_one``
-    (one process resuming ``two``'s checkpoint-2), ``one_to_two`` (two processes resuming ``one``'s)."""
-    tmp = tmp_path_factory.mktemp("dist")
+def four_runs(tmp: Path, **two: Any) -> dict[str, Path]:
+    """Output folders: ``one`` (one process, batch 4), ``two`` (two processes, batch 2 each, ``two`` added to
+    their config), ``two_to_one`` (one process resuming ``two``'s checkpoint-2), ``one_to_two`` (two processes,
+    ``two`` added, resuming ``one``'s)."""
     model = make_demo_model(tmp / "tiny", ROOT / "examples/data/demo_tokenizer")
     one = dist_checks.config(tmp, model, "one", **SGD)
-    two = dist_checks.config(tmp, model, "two", **SGD, per_device_train_batch_size=2)
+    pair = {**SGD, **two, "per_device_train_batch_size": 2}
     dist_checks.check(dist_checks.single(*CLI, str(one)))
-    result = dist_checks.torchrun(*CLI, str(two))
+    result = dist_checks.torchrun(*CLI, str(dist_checks.config(tmp, model, "two", **pair)))
     dist_checks.check(result)
     assert result.stdout.count("adapter written to") == 1  # the main process reports
     back = dist_checks.config(
         tmp, model, "two_to_one", **SGD, resume_from_checkpoint=str(tmp / "two/out/checkpoint-2")
     )
     forth = dist_checks.config(
-        tmp,
-        model,
-        "one_to_two",
-        **SGD,
-        per_device_train_batch_size=2,
-        resume_from_checkpoint=str(tmp / "one/out/checkpoint-2"),
+        tmp, model, "one_to_two", **pair, resume_from_checkpoint=str(tmp / "one/out/checkpoint-2")
     )
     dist_checks.check(dist_checks.single(*CLI, str(back)))
     dist_checks.check(dist_checks.torchrun(*CLI, str(forth)))
     return {name: tmp / name / "out" for name in ("one", "two", "two_to_one", "one_to_two")}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def runs(request, tmp_path_factory) -> dict[str, Path]:
+    return four_runs(tmp_path_factory.mktemp(request.param), **MODES[request.param])
 
 
 def _adapter(folder: Path) -> dict[str, torch.Tensor]:
@@ -66,11 +72,20 @@ def _assert_same_run(got: Path, want: Path) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one(runs) -> None:
+def test_two_processes_equal_one(runs, request) -> None:
     _assert_same_run(runs["two"], runs["one"])
     adapter = _adapter(runs["two"])
     experts = [k for k in adapter if ".experts." in k and "lora_B" in k]
     assert experts and all(adapter[k].abs().max() > 0 for k in experts)  # expert LoRA was trained
+    config = [json.loads((runs[n] / "adapter_config.json").read_text()) for n in ("two", "one")]
+    assert config[0] == config[1]  # the whole adapter, as one process writes it (stock PEFT loads that one)
+    held = [json.loads((runs[n] / "run_summary.json").read_text())["routed_experts"] for n in ("two", "one")]
+    mode = request.node.callspec.params["runs"]
+    assert held[0]["expert_parallel"] == mode and held[1]["expert_parallel"] == "replicated"
+    assert held[1]["experts_per_layer"] == "8 of 8"
+    assert held[0]["experts_per_layer"] == ("4 of 8" if mode == "sharded" else "8 of 8")
+    share = 2 if mode == "sharded" else 1  # rank 0's engines (GiB, rounded to 6 digits)
+    assert held[0]["engines_gb"] == pytest.approx(held[1]["engines_gb"] / share, abs=2e-6)
 
 
 @pytest.mark.slow
@@ -98,12 +113,15 @@ def test_resume_with_another_number_of_processes(runs) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_deepseek_v3(tmp_path) -> None:
-    # shared experts (overlapped with the engine), grouped routing, MLA attention: one family apart from qwen3_moe
+@pytest.mark.parametrize("mode", list(MODES))
+def test_two_processes_equal_one_deepseek_v3(tmp_path, mode) -> None:
+    # shared experts (overlapped with the engine, and with the exchange when sharded), grouped routing, MLA
+    # attention: one family apart from qwen3_moe; gradient checkpointing: sharded, the recompute repeats every
+    # layer's exchange on both ranks
     model = make_demo_model(tmp_path / "tiny", ROOT / "examples/data/demo_tokenizer", family="deepseek_v3")
-    steps = {**SGD, "max_steps": 4, "save_steps": 4}
+    steps = {**SGD, "max_steps": 4, "save_steps": 4, "gradient_checkpointing": True}
     one = dist_checks.config(tmp_path, model, "one", **steps)
-    two = dist_checks.config(tmp_path, model, "two", **steps, per_device_train_batch_size=2)
+    two = dist_checks.config(tmp_path, model, "two", **steps, **MODES[mode], per_device_train_batch_size=2)
     dist_checks.check(dist_checks.single(*CLI, str(one)))
     dist_checks.check(dist_checks.torchrun(*CLI, str(two)))
     _assert_same_run(tmp_path / "two/out", tmp_path / "one/out")
@@ -131,3 +149,19 @@ def test_two_processes_equal_one_freeze(tmp_path) -> None:
     assert {"rng_state_0.pth", "rng_state_1.pth", "optimizer.index.json"} <= {
         p.name for p in (tmp_path / "two/out/checkpoint-4").iterdir()
     }
+
+
+@pytest.mark.slow
+def test_sharded_failure_in_an_expert_layer_ends_the_other_rank(tmp_path) -> None:
+    # rank 1 raises after its first MoE layer's third call, so rank 0 waits in the next MoE layer's token exchange
+    # (a collective of the exchange's own group, not DDP's): the watchdog ends rank 0 with rank 1's cause
+    model = make_demo_model(tmp_path / "tiny", ROOT / "examples/data/demo_tokenizer")
+    cfg = dist_checks.config(
+        tmp_path, model, "out", **MODES["sharded"], max_steps=6, per_device_train_batch_size=2
+    )
+    result = dist_checks.torchrun(
+        "tests/integration/dist_checks.py", "fail_on_rank", str(cfg), "1", "experts", timeout=90
+    )
+    assert result.returncode != 0
+    cause = "RuntimeError: injected failure on rank 1"
+    assert f"moetune rank 0: stopping: rank 1 failed: {cause}" in result.stderr, result.stderr[-6000:]

@@ -46,3 +46,10 @@ def test_non_finite_values_are_refused_naming_layer_and_expert(dtype, values, co
 
 def test_integer_tensors_are_left_to_their_format():
     check_finite_layer(LAYER, {"gate_up": torch.full((E, 2 * I, H), 127, dtype=torch.int8)})
+
+
+def test_a_ranks_share_is_named_by_the_layers_expert_ids():
+    t = _tensors()
+    t["down"][1, 0, 0] = float("nan")  # index 1 of a rank holding experts 4-7 (expert_parallel: sharded)
+    with pytest.raises(NonFiniteWeightError, match=r"model.layers.3.mlp.experts \(expert 5\)"):
+        check_finite_layer(LAYER, t, first=4)

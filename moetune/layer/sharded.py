@@ -1,0 +1,104 @@
+"""``ShardedExperts``: the experts module of a rank that holds only its share of a layer's routed experts.
+
+With ``expert_parallel: sharded`` under several processes (``moetune.dist.shard``), rank r's engine holds experts
+``[r E/world, (r+1) E/world)`` of the layer (``moetune.loading`` reads only those). Its forward keeps the
+transformers v5 experts call, ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])``, and
+runs :func:`moetune.dist.exchange.sharded_experts`: every slot travels to its expert's owner, the owner's engine
+computes what it received as rows of their own (``k = 1``, weight 1, through :class:`CpuExperts`' own forward:
+the autograd Function, the forward memo, LoRA), the rows come back and the routing weights combine them on the
+token's rank, so the router's gradient stays there. Every rank must run the same layers in the same order: each
+call holds collectives on the exchange's group, also with no token at all.
+
+Expert LoRA: the PEFT layers around this module (``moetune.adapters.expert_layer``) size their tensors for the
+layer's E experts (:attr:`num_experts`), exactly as in one process, and pass them with each call; this module
+hands the engine the views of its own experts' rows. The gradient those views receive sums every rank's tokens;
+the other experts' rows get zeros here and their owner's gradient through DDP's average (the Trainer scales each
+rank's loss by the number of ranks, so the average of one owner's sum and zeros elsewhere is exactly one
+process's gradient). The adapter therefore stays whole and equal on every rank: checkpoints, resume with another
+number of ranks and the final adapter are those of a replicated run.
+
+Activation checkpointing: a recompute runs the layer again, exchange included; every rank recomputes the same
+layers in the same order (the same model, the same backward), so the exchanges pair up. The memo of the owner's
+engine (``moetune.layer.memo``) sits inside the local compute, keyed on the rows it received (which the recompute
+reproduces), so it skips the engine's second forward as in one process; hit or miss is local to the rank and
+changes no collective, and a miss only recomputes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from moetune.arch.spec import ExpertsCall
+from moetune.dist.exchange import ExpertOwners, sharded_experts
+from moetune.engine import ExpertEngine, ExpertLoRA
+from moetune.layer.cpu_experts import CpuExperts
+
+if TYPE_CHECKING:
+    from moetune.arch.detect import ExpertsLayout
+
+_LORA_FIELDS = ("gate_up_A", "gate_up_B", "down_A", "down_B")
+
+
+class ShardedExperts(CpuExperts):
+    """A :class:`CpuExperts` whose engine holds experts ``first .. first + engine.num_experts - 1`` of
+    ``owners.num_experts``; tokens are exchanged with the other ranks over ``group`` (module docstring)."""
+
+    def __init__(
+        self,
+        engine: ExpertEngine,
+        layout: ExpertsLayout | None = None,
+        *,
+        owners: ExpertOwners,
+        rank: int,
+        group: Any,
+    ) -> None:
+        super().__init__(engine, layout)
+        assert engine.num_experts == owners.per_rank, (engine.num_experts, owners)
+        self.owners, self.rank, self.group = owners, rank, group
+        self.first = rank * owners.per_rank
+
+    @property
+    def num_experts(self) -> int:
+        """The layer's experts over every rank (E; the engine holds E / world of them)."""
+        return self.owners.num_experts
+
+    def local_lora(self, lora: ExpertLoRA | None) -> ExpertLoRA | None:
+        """The rows of this rank's experts of a whole layer's LoRA (A ``[E, r, in]``, B ``[E, out, r]``), as
+        views: their gradients flow back into the whole tensors."""
+        if lora is None:
+            return None
+        mine = slice(self.first, self.first + self.owners.per_rank)
+        return dataclasses.replace(lora, **{name: getattr(lora, name)[mine] for name in _LORA_FIELDS})
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        lora: ExpertLoRA | None = None,
+    ) -> torch.Tensor:
+        """hidden_states ``[T, H]``, top_k_index ``[T, k]`` (global expert ids), top_k_weights ``[T, k]`` ->
+        ``[T, H]`` in hidden_states' dtype; ``lora``: the whole layer's expert LoRA (as :class:`CpuExperts`)."""
+        mine = self.local_lora(lora)
+        own = super().forward
+
+        def local(rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+            # rows [M, H] from every rank, local_ids [M] in [0, E / world): one row per slot, weight 1
+            ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)  # [M, 1]
+            return own(rows, local_ids.unsqueeze(1), ones, lora=mine)
+
+        return sharded_experts(
+            hidden_states, top_k_index.to(torch.int64), top_k_weights, self.owners, local, self.group
+        )
+
+    def extra_repr(self) -> str:
+        last = self.first + self.owners.per_rank - 1
+        return f"experts {self.first}-{last} of {self.owners.num_experts} (rank {self.rank}), {super().extra_repr()}"
+
+
+SHARDED_MODULES: dict[ExpertsCall, type[ShardedExperts]] = {ExpertsCall.TOPK: ShardedExperts}
+"""The module of a rank holding a shard of a layer's experts, by how the family's block calls its experts
+(``ArchSpec.call``); the families calling them otherwise are refused with ``expert_parallel: sharded``."""
