@@ -25,6 +25,7 @@ from torch import nn
 from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS
 from moetune.arch.spec import ExpertsCall
 from moetune.engine import LORA_NAMES, DenseExperts, ExpertEngine, ExpertLoRA, TrainMode
+from moetune.engine.base_grads import ExpertGradBuffer
 from moetune.engine.routing import validate_routing
 from moetune.errors import ConfigError, SaveError
 from moetune.layer.function import routed_experts
@@ -65,6 +66,9 @@ class CpuExperts(nn.Module):
         # dtype of the hidden states counted
         self.routing_counts: torch.Tensor | None = None
         self.counted_on: tuple[torch.device, torch.dtype] | None = None
+        # full mode: where backward puts the base gradients of the experts with rows (set by the expert optimizer,
+        # moetune.train.expert_optim); None: dense .grad tensors, for any torch optimizer
+        self.base_grads: ExpertGradBuffer | None = None
         if engine.mode is TrainMode.FULL:
             self._register_base()
 
@@ -183,6 +187,7 @@ class CpuExperts(nn.Module):
             host=host,
             lora=lora,
             subset=cold,
+            sink=self.base_grads if self.engine.mode is TrainMode.FULL else None,
         )
         return y if y_hot is None else y + y_hot
 
