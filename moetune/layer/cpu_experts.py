@@ -273,6 +273,14 @@ class CpuExperts(nn.Module):
         )
 
 
+def drop_base_grads(model: nn.Module) -> None:
+    """Drop the sparse base gradients every full-mode experts module of ``model`` holds (``model.zero_grad``
+    cannot see them: they are no ``.grad``); a skipped step then updates no expert."""
+    for m in model.modules():
+        if isinstance(m, CpuExperts) and m.base_grads is not None:
+            m.base_grads.clear()
+
+
 class PrescaledDenseExperts(CpuExperts):
     """Llama 4's experts call: ``experts(routed_in [E*T, H]) -> [E*T, H]``, row ``e*T + t`` holding token t
     multiplied by its router score for expert e, or zeros where e is not among its top k.

@@ -127,7 +127,9 @@ def routed_experts(
         memo,
         host,
         subset,
-        sink if torch.is_grad_enabled() else None,  # no graph (a checkpoint's first pass): no backward to expect
+        sink
+        if torch.is_grad_enabled()
+        else None,  # no graph (a checkpoint's first pass): no backward to expect
         x,
         topk_ids,
         topk_weights,

@@ -37,6 +37,7 @@ from transformers import TrainerCallback
 
 from moetune.config.schema import DivergenceAction
 from moetune.errors import DivergenceError, listing
+from moetune.layer.cpu_experts import drop_base_grads
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ class NumericalGuard(TrainerCallback):
             self.skipped.append(step)
             self._window_skipped += 1
             model.zero_grad(set_to_none=True)  # torch optimizers skip parameters without a gradient
+            drop_base_grads(model)  # and the routed experts' sparse ones (full mode)
             logger.warning(
                 "moetune: step %d skipped (on_divergence: skip): %s Its gradients were dropped; the optimizer "
                 "did not update the weights (the learning-rate schedule still advances).",

@@ -154,6 +154,12 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any
         callbacks.append(HotExpertsAuto(experts.gpu_experts_budget, experts.gpu_experts_warmup))
     trainer = stage_for(cfg).build_trainer(cfg, peft_model, tokenizer, data, args, callbacks)
     attach_guard(trainer, NumericalGuard(cfg.training.on_divergence, _vocab_size(peft_model)))
+    if hasattr(
+        trainer, "expert_optim"
+    ):  # full/freeze: the routed experts' optimizer (moetune.train.expert_optim)
+        from moetune.train.expert_optim import spec_of_config
+
+        trainer.expert_optim = spec_of_config(cfg)
     trainer.remove_callback(PrinterCallback)  # ProgressBar prints the logs
     resume = cfg.training.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=str(resume) if isinstance(resume, Path) else resume)
@@ -219,7 +225,7 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
         "peak_ram_gb": round(peak_ram_gb(), 3),
         "peak_vram_gb": peak_vram_gb(),
         "finetuning_type": cfg.finetune.finetuning_type.value,
-        "memory": memory_report(trainer.model),
+        "memory": memory_report(trainer.model, trainer.optimizer),
         "loss_curve": str(curve) if curve else None,
         "config": cfg.summary(),
     }
