@@ -161,7 +161,7 @@ class ExpertAdamW(torch.optim.AdamW):
     def grad_norm(self, dense: Iterable[torch.Tensor]) -> torch.Tensor:
         """The global L2 norm (fp32 0-d) of the ``dense`` parameters' ``.grad`` and every expert gradient of this
         step (the layers updated early included), as ``clip_grad_norm_`` would compute it over dense grads."""
-        self._wait()
+        self.wait()
         grads = [p.grad for p in dense if p.grad is not None]
         dense_sq = float(torch.nn.utils.get_total_norm(grads, 2.0).double() ** 2) if grads else 0.0
         sparse_sq = self._norm_sq_done + sum(float(lay.buffer.norm_sq()) for lay in self.layers)
@@ -194,7 +194,8 @@ class ExpertAdamW(torch.optim.AdamW):
         assert self._worker is not None
         self._futures.append(self._worker.submit(self._update_layer, lay))
 
-    def _wait(self) -> None:
+    def wait(self) -> None:
+        """Block until the experts modules updated during backward (:meth:`arm`) are done."""
         futures, self._futures = self._futures, []
         for f in futures:
             self._norm_sq_done += f.result()  # re-raises a failed update here, on the training thread
@@ -204,7 +205,7 @@ class ExpertAdamW(torch.optim.AdamW):
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Update the experts (those not already updated during backward), then torch's AdamW step of the rest."""
         try:
-            self._wait()
+            self.wait()
             for lay in self.layers:
                 lay.buffer.on_ready = None
                 if id(lay) not in self._done:

@@ -316,14 +316,18 @@ def memory_report(model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
     from moetune.train.expert_optim import unwrap
 
     experts = unwrap(optimizer)
-    expert_ids = {id(p) for lay in experts.layers for p in lay.params.values()} if experts is not None else set()
+    expert_ids = (
+        {id(p) for lay in experts.layers for p in lay.params.values()} if experts is not None else set()
+    )
     host_ids = {id(q) for m in _host_modules(model) for q in m.parameters()}
     host = device = host_bytes = device_bytes = 0
     for p in model.parameters():
         if not p.requires_grad:
             continue
         # the experts' weights only here; their grads and state come from the optimizer below
-        state = p.numel() * p.element_size() * (1 if id(p) in expert_ids else 4)  # weight (+ grad + 2 moments)
+        state = (
+            p.numel() * p.element_size() * (1 if id(p) in expert_ids else 4)
+        )  # weight (+ grad + 2 moments)
         if id(p) in host_ids:
             host, host_bytes = host + p.numel(), host_bytes + state
         else:
