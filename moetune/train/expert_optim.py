@@ -154,6 +154,7 @@ class ExpertAdamW(torch.optim.AdamW):
         self._futures: list[Future[float]] = []
         self._norm_sq_done = 0.0  # sum of squares of the grads of the layers already updated this step
         self._worker: ThreadPoolExecutor | None = None
+        self.early_updates = 0  # experts-module updates run during backward so far (overlap)
         for lay in layers:
             lay.buffer.clear()
 
@@ -191,6 +192,7 @@ class ExpertAdamW(torch.optim.AdamW):
         lay = self._by_buffer[id(buffer)]
         buffer.on_ready = None
         self._done.add(id(lay))
+        self.early_updates += 1
         assert self._worker is not None
         self._futures.append(self._worker.submit(self._update_layer, lay))
 
@@ -291,6 +293,11 @@ class ExpertAdamW(torch.optim.AdamW):
             p = params[int(idx)]
             if id(p) in self._expert_ids:
                 self.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
+
+    def state_name(self) -> str:
+        """The experts' moment store as run (``param`` resolved to the weights' dtype: fp32, bf16)."""
+        p = next(iter(self.layers[0].params.values()))
+        return self.spec.store(p).name
 
     # memory ------------------------------------------------------------------------------------------------
     def host_bytes(self) -> dict[str, int]:

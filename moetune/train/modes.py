@@ -339,7 +339,7 @@ def memory_report(model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
         host_bytes += held["state"] + held["grads_peak"]
         report["host_expert_state_gb"] = round(held["state"] / gib, 6)
         report["host_expert_grads_peak_gb"] = round(held["grads_peak"] / gib, 6)
-        report["expert_optim_state"] = experts.spec.state
+        report["expert_optim_state"] = experts.state_name()
         report["expert_update"] = experts.spec.update.value
     report.update(
         host_train_state_gb=round(host_bytes / gib, 6),
