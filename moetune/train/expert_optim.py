@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.adamw import adamw
 
 from moetune.config.schema import ExpertUpdate
 from moetune.engine.base_grads import ExpertGradBuffer
@@ -122,6 +123,9 @@ def expert_layers(model: nn.Module) -> list[ExpertLayer]:
     return out
 
 
+# the most bytes of fp32 zeros kept to step idle experts with torch's kernel (why a cap: a run of idle experts
+# as long as a whole layer would otherwise keep a zero tensor the size of the layer's fp32 weights)
+ZERO_BUFFER_BYTES = 64 << 20
 _ZERO = torch.zeros(())  # lerp towards 0: the exact arithmetic of a zero gradient, without a zero tensor
 
 
@@ -154,6 +158,7 @@ class ExpertAdamW(torch.optim.AdamW):
         self._futures: list[Future[float]] = []
         self._norm_sq_done = 0.0  # sum of squares of the grads of the layers already updated this step
         self._worker: ThreadPoolExecutor | None = None
+        self._zero_buffer = torch.zeros(0)  # zero gradients of idle experts (_torch_adamw)
         self.early_updates = 0  # experts-module updates run during backward so far (overlap)
         for lay in layers:
             lay.buffer.clear()
@@ -235,6 +240,9 @@ class ExpertAdamW(torch.optim.AdamW):
         return norm_sq
 
     def _update_param(self, p: nn.Parameter, name: str, grads: dict[int, dict[str, torch.Tensor]]) -> None:
+        """AdamW on one ``[E, ...]`` expert parameter: the experts with a gradient, then (``exact``) every other
+        expert as with a zero gradient, in runs of neighbouring experts with the same step count (one op chain
+        over ``[n, ...]`` views per run rather than per expert)."""
         group = self._group_of[id(p)]
         store = self.spec.store(p)
         state = self.state[p]
@@ -242,31 +250,89 @@ class ExpertAdamW(torch.optim.AdamW):
             state["step"] = torch.zeros(p.shape[0], dtype=torch.float32)
             for key in MOMENTS:
                 state.update(store.init(key, p.shape))
-        if self.spec.update is ExpertUpdate.EXACT:
-            experts: Iterable[int] = range(p.shape[0])
-        else:
-            experts = sorted(e for e, named in grads.items() if name in named)
-        for e in experts:
-            g = grads.get(e, {}).get(name)
-            if g is not None and self._clip is not None:
-                g.mul_(self._clip)
-            self._adamw(p[e], g, state, store, e, group)
+        with_grad = {e: named[name] for e, named in sorted(grads.items()) if name in named}
+        if self._clip is not None:
+            for g in with_grad.values():
+                g.mul_(self._clip)  # torch's clip multiplies each grad by the same fp32 coefficient
+        steps = state["step"]
+        idle = _idle_runs(steps.tolist(), with_grad) if self.spec.update is ExpertUpdate.EXACT else []
+        if isinstance(store, PlainStore) and store.dtype == p.dtype == torch.float32:
+            # the state tensors are the moments: torch's own AdamW kernel with the group's fused/foreach flags, so
+            # the result is that of torch's AdamW on a dense gradient, bit for bit
+            self._torch_adamw(p, with_grad, idle, state, group)
+            return
+        for e, g in with_grad.items():
+            self._adamw(p, slice(e, e + 1), g.unsqueeze(0), state, store, group)
+        for sl in idle:
+            self._adamw(p, sl, None, state, store, group)
+
+    def _torch_adamw(
+        self,
+        p: torch.Tensor,
+        with_grad: dict[int, torch.Tensor],
+        idle: list[slice],
+        state: dict[str, torch.Tensor],
+        group: dict[str, Any],
+    ) -> None:
+        """fp32 weights and state: ``torch.optim.adamw.adamw`` on the experts with a gradient, then on the idle
+        runs with a zero gradient (views of one reused zero buffer of at most ``ZERO_BUFFER_BYTES``: a run
+        longer than that goes in chunks; no gradient-sized zero fill per step)."""
+        steps = state["step"]
+        per_expert = p[0].numel()
+        chunk = max(1, ZERO_BUFFER_BYTES // (4 * per_expert))
+        pieces = [slice(e, e + 1) for e in with_grad]
+        grads = [with_grad[e].unsqueeze(0) for e in with_grad]
+        for run in idle:
+            for s0 in range(run.start, run.stop, chunk):
+                sl = slice(s0, min(s0 + chunk, run.stop))
+                pieces.append(sl)
+                grads.append(self._zeros(sl.stop - sl.start, p.shape[1:]))
+        counts = [steps[sl][0].clone() for sl in pieces]  # one count per piece: its experts share it
+        adamw(
+            [p[sl] for sl in pieces],
+            grads,
+            [state["exp_avg"][sl] for sl in pieces],
+            [state["exp_avg_sq"][sl] for sl in pieces],
+            [],
+            counts,
+            foreach=group.get("foreach"),
+            fused=group.get("fused"),
+            amsgrad=False,
+            beta1=group["betas"][0],
+            beta2=group["betas"][1],
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group.get("maximize", False),
+        )
+        for sl, count in zip(pieces, counts, strict=True):
+            steps[sl] = count
+
+    def _zeros(self, n: int, shape: torch.Size) -> torch.Tensor:
+        """``[n, *shape]`` fp32 zeros: a view of one buffer kept across steps (never written by AdamW)."""
+        numel = n * math.prod(shape)
+        if self._zero_buffer.numel() < numel:
+            self._zero_buffer = torch.zeros(numel, dtype=torch.float32)
+        return self._zero_buffer[:numel].view(n, *shape)
 
     @staticmethod
     def _adamw(
-        w: torch.Tensor,
+        p: torch.Tensor,
+        sl: slice,
         g: torch.Tensor | None,
         state: dict[str, torch.Tensor],
         store: MomentStore,
-        e: int,
         group: dict[str, Any],
     ) -> None:
-        """One expert's AdamW step, torch's single-tensor arithmetic in fp32 (``g`` None: a zero gradient)."""
+        """AdamW on experts ``sl`` of ``p`` (one step count), torch's single-tensor arithmetic in fp32; ``g``
+        ``[n, ...]``, or None: a zero gradient."""
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        state["step"][e] += 1
-        step = float(state["step"][e])
+        steps = state["step"][sl]
+        steps += 1
+        step = float(steps[0])
+        w = p[sl]
         work = w if w.dtype == torch.float32 else w.float()
-        m, v = store.read(state, "exp_avg", e), store.read(state, "exp_avg_sq", e)
+        m, v = store.read(state, "exp_avg", sl), store.read(state, "exp_avg_sq", sl)
         if wd != 0:
             work.mul_(1 - lr * wd)
         if g is None:
@@ -278,8 +344,8 @@ class ExpertAdamW(torch.optim.AdamW):
         step_size = lr / (1 - beta1**step)
         denom = (v.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
         work.addcdiv_(m, denom, value=-step_size)
-        store.write(state, "exp_avg", e, m)
-        store.write(state, "exp_avg_sq", e, v)
+        store.write(state, "exp_avg", sl, m)
+        store.write(state, "exp_avg_sq", sl, v)
         if work is not w:
             w.copy_(work)  # round to nearest into the bf16 weights
 
@@ -312,6 +378,20 @@ class ExpertAdamW(torch.optim.AdamW):
                 else:
                     state += int(2 * p.numel() * self.spec.store(p).bytes_per_element) + 4 * p.shape[0]
         return {"state": state, "grads_peak": sum(lay.buffer.peak_nbytes for lay in self.layers)}
+
+
+def _idle_runs(steps: list[float], with_grad: dict[int, torch.Tensor]) -> list[slice]:
+    """Maximal runs of neighbouring experts without a gradient and with the same step count."""
+    runs: list[slice] = []
+    start = None
+    for e in range(len(steps) + 1):
+        idle = e < len(steps) and e not in with_grad
+        if start is not None and (not idle or steps[e] != steps[start]):
+            runs.append(slice(start, e))
+            start = None
+        if idle and start is None:
+            start = e
+    return runs
 
 
 def spec_of_config(config: Any) -> ExpertOptimSpec:

@@ -1,8 +1,9 @@
 """How the expert optimizer holds AdamW's two moments of one ``[E, ...]`` expert tensor: fp32, bf16 or 8-bit.
 
-Every store offers one contract (``init``, ``read``, ``write``, ``bytes_per_element``): ``read(state, key, e)``
-returns expert e's moment as fp32 (a view of the state when it is fp32, so the update runs in place there and
-matches torch's AdamW bit for bit), ``write`` stores an fp32 value back (rounded to the store's precision).
+Every store offers one contract (``init``, ``read``, ``write``, ``bytes_per_element``): ``read(state, key, sl)``
+returns the moment of the experts in slice ``sl`` as fp32 ``[n, ...]`` (a view of the state when it is fp32, so the
+update runs in place there and matches torch's AdamW bit for bit), ``write`` stores an fp32 value back (rounded to
+the store's precision).
 State entries are plain tensors (safetensors stores them: ``moetune.train.layered``).
 
 8-bit (``Blockwise8``): each expert's moment is flattened and cut into blocks of ``BLOCK`` values; a block keeps
@@ -35,9 +36,9 @@ class MomentStore(Protocol):
 
     def init(self, key: str, shape: torch.Size) -> dict[str, torch.Tensor]: ...
 
-    def read(self, state: dict[str, torch.Tensor], key: str, e: int) -> torch.Tensor: ...
+    def read(self, state: dict[str, torch.Tensor], key: str, sl: slice) -> torch.Tensor: ...
 
-    def write(self, state: dict[str, torch.Tensor], key: str, e: int, value: torch.Tensor) -> None: ...
+    def write(self, state: dict[str, torch.Tensor], key: str, sl: slice, value: torch.Tensor) -> None: ...
 
 
 class PlainStore:
@@ -51,13 +52,13 @@ class PlainStore:
     def init(self, key: str, shape: torch.Size) -> dict[str, torch.Tensor]:
         return {key: torch.zeros(shape, dtype=self.dtype)}
 
-    def read(self, state: dict[str, torch.Tensor], key: str, e: int) -> torch.Tensor:
-        t = state[key][e]
+    def read(self, state: dict[str, torch.Tensor], key: str, sl: slice) -> torch.Tensor:
+        t = state[key][sl]
         return t if t.dtype == torch.float32 else t.float()
 
-    def write(self, state: dict[str, torch.Tensor], key: str, e: int, value: torch.Tensor) -> None:
-        t = state[key][e]
-        if value is not t:
+    def write(self, state: dict[str, torch.Tensor], key: str, sl: slice, value: torch.Tensor) -> None:
+        t = state[key][sl]
+        if value.data_ptr() != t.data_ptr() or value.dtype != t.dtype:  # fp32: read() gave the state itself
             t.copy_(value)  # round to nearest (bf16)
 
 
@@ -82,28 +83,27 @@ class Blockwise8:
             f"{key}_shape": torch.tensor(shape[1:], dtype=torch.int64),
         }
 
-    def read(self, state: dict[str, torch.Tensor], key: str, e: int) -> torch.Tensor:
-        q, absmax = state[f"{key}_q"][e], state[f"{key}_absmax"][e]  # [blocks * BLOCK], [blocks]
+    def read(self, state: dict[str, torch.Tensor], key: str, sl: slice) -> torch.Tensor:
+        q, absmax = state[f"{key}_q"][sl], state[f"{key}_absmax"][sl]  # [n, blocks * BLOCK], [n, blocks]
         shape = tuple(int(s) for s in state[f"{key}_shape"])
-        m = self._levels(key)
-        code = q.float().view(-1, BLOCK)  # [blocks, BLOCK]
-        value = code.abs().div_(m).square_().mul_(code.sign()).mul_(absmax.unsqueeze(1))
+        n, m = q.shape[0], self._levels(key)
+        code = q.float().view(n, -1, BLOCK)  # [n, blocks, BLOCK]
+        value = code.abs().div_(m).square_().mul_(code.sign()).mul_(absmax.unsqueeze(2))
         if key == "exp_avg_sq":
             value.square_()  # stored as its square root
-        return value.view(-1)[: math.prod(shape)].view(shape)
+        return value.view(n, -1)[:, : math.prod(shape)].reshape(n, *shape)
 
-    def write(self, state: dict[str, torch.Tensor], key: str, e: int, value: torch.Tensor) -> None:
-        q, absmax = state[f"{key}_q"][e], state[f"{key}_absmax"][e]
-        m = self._levels(key)
-        flat = torch.zeros(q.numel(), dtype=torch.float32)
-        flat[: value.numel()] = (
-            value.reshape(-1) if key == "exp_avg" else value.reshape(-1).clamp_min(0).sqrt()
-        )
-        blocks = flat.view(-1, BLOCK)
-        amax = blocks.abs().amax(dim=1)  # [blocks]
+    def write(self, state: dict[str, torch.Tensor], key: str, sl: slice, value: torch.Tensor) -> None:
+        q, absmax = state[f"{key}_q"][sl], state[f"{key}_absmax"][sl]
+        n, m = q.shape[0], self._levels(key)
+        flat = torch.zeros(n, q.shape[1], dtype=torch.float32)
+        rows = value.reshape(n, -1)
+        flat[:, : rows.shape[1]] = rows if key == "exp_avg" else rows.clamp_min(0).sqrt()
+        blocks = flat.view(n, -1, BLOCK)
+        amax = blocks.abs().amax(dim=2)  # [n, blocks]
         scale = torch.where(amax > 0, amax, torch.ones_like(amax))
-        code = blocks.abs().div_(scale.unsqueeze(1)).sqrt_().mul_(m).round_().mul_(blocks.sign())
-        q.copy_(code.view(-1).to(q.dtype))
+        code = blocks.abs().div_(scale.unsqueeze(2)).sqrt_().mul_(m).round_().mul_(blocks.sign())
+        q.copy_(code.view(n, -1).to(q.dtype))
         absmax.copy_(amax)
 
 

@@ -206,8 +206,8 @@ def test_8bit_codes_round_trip_within_a_code_step() -> None:
     x = torch.randn(3, 2 * BLOCK + 17, generator=gen) * torch.logspace(-4, 0, 2 * BLOCK + 17)
     state = store.init("exp_avg", x.shape)
     for e in range(3):
-        store.write(state, "exp_avg", e, x[e])
-        back = store.read(state, "exp_avg", e)
+        store.write(state, "exp_avg", slice(e, e + 1), x[e : e + 1])
+        back = store.read(state, "exp_avg", slice(e, e + 1))[0]
         blocks = torch.nn.functional.pad(x[e], (0, 3 * BLOCK - x.shape[1])).view(-1, BLOCK)
         absmax = blocks.abs().amax(1).repeat_interleave(BLOCK)[: x.shape[1]]
         assert bool(((back - x[e]).abs() <= absmax / 127 + 1e-12).all())
