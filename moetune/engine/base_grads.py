@@ -42,25 +42,26 @@ class BaseGrads:
 class ExpertGradBuffer:
     """Base gradients of one experts module summed over the micro-batches of one optimizer step, per expert.
 
-    ``expect_backward()`` counts a differentiated forward; ``add()`` sums one backward's :class:`BaseGrads`
-    (thread-safe) and, once every counted forward's backward has arrived while ``on_ready`` is set, calls it
-    (the optimizer then updates this layer while autograd continues below it). ``clear()`` drops everything
-    (after a step, or when the step is skipped).
+    ``expect_backward(index)`` notes a differentiated forward (the engine's forward number: activation
+    checkpointing's recompute hands autograd the same forward again, ``moetune.layer.memo``, and must not count
+    twice); ``add(grads, index)`` sums one backward's :class:`BaseGrads` (thread-safe) and, once every noted
+    forward's backward has arrived while ``on_ready`` is set, calls it (the optimizer then updates this layer while
+    autograd continues below it). ``take()`` / ``clear()`` empty it (the step, or a skipped step).
     """
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.grads: dict[int, dict[str, torch.Tensor]] = {}
-        self.pending = 0  # forwards of this step whose backward has not run yet
+        self.pending: set[int] = set()  # forwards of this step whose backward has not run yet
         self.on_ready: Callable[[ExpertGradBuffer], None] | None = None
         self.peak_nbytes = 0  # the most gradient bytes held at once (memory_report)
         self._lock = threading.Lock()
 
-    def expect_backward(self) -> None:
+    def expect_backward(self, index: int) -> None:
         with self._lock:
-            self.pending += 1
+            self.pending.add(index)
 
-    def add(self, grads: BaseGrads) -> None:
+    def add(self, grads: BaseGrads, index: int) -> None:
         """Sum ``grads`` in (the first contribution of an expert is kept as is: no zero-filled start)."""
         with self._lock:
             for e, named in grads.by_expert.items():
@@ -70,22 +71,22 @@ class ExpertGradBuffer:
                     continue
                 for name, g in named.items():
                     mine[name].add_(g)
-            self.pending = max(self.pending - 1, 0)
+            self.pending.discard(index)
             self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
-            ready = self.on_ready if self.pending == 0 else None
+            ready = self.on_ready if not self.pending else None
         if ready is not None:
             ready(self)
 
     def take(self) -> dict[int, dict[str, torch.Tensor]]:
-        """The summed gradients, leaving the buffer empty."""
+        """The summed gradients, leaving the buffer empty (a forward noted but never differentiated is forgotten)."""
         with self._lock:
-            out, self.grads = self.grads, {}
+            out, self.grads, self.pending = self.grads, {}, set()
             return out
 
     def clear(self) -> None:
         """Drop the gradients and the pending count (a skipped step, or the start of the next one)."""
         with self._lock:
-            self.grads, self.pending = {}, 0
+            self.grads, self.pending = {}, set()
 
     @property
     def nbytes(self) -> int:

@@ -52,7 +52,7 @@ class ExpertsFunction(torch.autograd.Function):
         ctx.engine, ctx.memo, ctx.saved, ctx.sink = engine, memo, None, sink
         if saved is not None:
             if sink is not None:
-                sink.expect_backward()
+                sink.expect_backward(saved.index)
             # autograd owns the big tensors: it frees them after a backward without retain_graph and raises
             # its own "backward through the graph a second time" error on reuse; retain_graph keeps them.
             ctx.save_for_backward(*saved.tensors())
@@ -82,7 +82,8 @@ class ExpertsFunction(torch.autograd.Function):
         if grads.base is not None:
             sink: ExpertGradBuffer | None = ctx.sink
             if sink is not None:  # sparse: the expert optimizer reads them from the buffer, no dense .grad
-                sink.add(grads.base)
+                assert saved is not None
+                sink.add(grads.base, saved.index)
                 flat += (None,) * (len(trained) - len(flat))
             else:  # plain autograd (any torch optimizer): a dense grad, zeros for experts without rows
                 flat += tuple(grads.base.dense(engine.base_tensors()).values())

@@ -397,14 +397,22 @@ def test_full_training_lowers_held_out_loss_resumes_exactly_and_saves_a_transfor
     ("over", "state"),
     [
         ({"optim": "adamw_torch", "max_grad_norm": 0.5}, "fp32"),
-        ({"optim": "adamw_torch", "max_grad_norm": 0.0, "gradient_accumulation_steps": 2}, "fp32"),
+        (
+            {
+                "optim": "adamw_torch",
+                "max_grad_norm": 0.0,
+                "gradient_accumulation_steps": 2,
+                "gradient_checkpointing": True,
+            },
+            "fp32",
+        ),
         (
             {"optim": "adamw_anyprecision", "optim_args": "momentum_dtype=bfloat16,variance_dtype=bfloat16"},
             "bf16",
         ),
         ({"optim": "adamw_8bit", "expert_update": "lazy"}, "8bit"),
     ],
-    ids=["fp32-clip", "fp32-overlap-accum", "bf16", "8bit-lazy"],
+    ids=["fp32-clip", "fp32-overlap-accum-checkpointing", "bf16", "8bit-lazy"],
 )
 def test_expert_optimizer_state_is_saved_by_layer_and_resumes_exactly(
     over, state, tmp_path, demo_model
