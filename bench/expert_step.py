@@ -2,11 +2,13 @@
 without its update overlapped with the backward of the layers below.
 
     python bench/expert_step.py [--layers 4 --experts 64 --active 16 --tokens 256 --hidden 256 --inter 128
-                                 --top-k 4 --threads 2 --reps 5]
+                                 --top-k 4 --threads 2 --reps 5 --device-ms 0]
 
 A stack of ``--layers`` full-mode experts modules (fp32 weights, as a bf16 run's fp32 master weights), each
 routing ``--tokens`` tokens to ``--top-k`` of ``--active`` of its ``--experts`` experts, is run forward +
-backward + optimizer step. Variants, interleaved round by round so machine noise falls on all alike:
+backward + optimizer step. ``--device-ms D`` puts between the layers an op whose backward waits D ms without
+using the CPU: a stand-in for the device's share of each decoder layer's backward (attention, norms, router,
+shared experts on the GPU), during which the host's cores are idle in a real run. Variants, interleaved round by round so machine noise falls on all alike:
 
 - ``dense+torch``: what full mode did before: dense ``[E, ...]`` gradients (zeros for experts without tokens) and
   ``torch.optim.AdamW`` (``fused``, the Trainer's default ``adamw_torch_fused``);
@@ -25,6 +27,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,9 +57,23 @@ def _routing(args: argparse.Namespace, layer: int) -> tuple[torch.Tensor, torch.
     return active[pick], torch.rand(args.tokens, args.top_k, generator=gen)
 
 
+class DeviceWait(torch.autograd.Function):
+    """Identity; its backward sleeps (the GPU computing the rest of the decoder layer while the CPU idles)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
 class Variant:
     def __init__(self, args: argparse.Namespace, name: str) -> None:
-        self.name, self.model = name, _stack(args)
+        self.name, self.model, self.wait_s = name, _stack(args), args.device_ms / 1e3
         self.overlap = name.endswith("+overlap")
         params = list(self.model.parameters())
         self.opt: torch.optim.Optimizer
@@ -81,6 +98,8 @@ class Variant:
         h = self.x.requires_grad_(True)
         for m, (ids, w) in zip(self.model, self.routes, strict=True):
             h = m(h, ids, w)
+            if self.wait_s:
+                h = DeviceWait.apply(h, self.wait_s)
         t1 = time.perf_counter()
         if self.overlap:
             assert isinstance(self.opt, ExpertAdamW)
@@ -113,6 +132,7 @@ def main() -> None:
         ("--top-k", 4),
         ("--threads", 2),
         ("--reps", 5),
+        ("--device-ms", 0),
     ):
         p.add_argument(flag, type=int, default=default)
     args = p.parse_args()
@@ -123,7 +143,8 @@ def main() -> None:
     )
     print(
         f"L={args.layers} E={args.experts} (active {args.active}) T={args.tokens} H={args.hidden} I={args.inter} "
-        f"k={args.top_k}, fp32 weights, {args.threads} threads; {args.reps} interleaved rounds"
+        f"k={args.top_k}, fp32 weights, {args.threads} threads, device stand-in {args.device_ms} ms per layer; "
+        f"{args.reps} interleaved rounds"
     )
     names = ["dense+torch", "exact", "exact+overlap", "lazy", "lazy+overlap"]
     variants = [Variant(args, n) for n in names]

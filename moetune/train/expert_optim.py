@@ -227,13 +227,20 @@ class ExpertAdamW(torch.optim.AdamW):
             lay.buffer.clear()
 
     def _update_layer(self, lay: ExpertLayer) -> float:
-        """AdamW on one experts module's weights, in place; returns the sum of squares of its gradients."""
+        """AdamW on one experts module's weights, in place; returns the sum of squares of its gradients. A
+        non-finite gradient is not applied (during backward no guard has judged the step yet; the returned NaN
+        reaches the guard through the gradient norm, which then stops the run)."""
         grads = lay.buffer.take()
         norm_sq = sum(
             float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2)
             for n in grads.values()
             for g in n.values()
         )
+        if not math.isfinite(norm_sq):
+            logger.warning(
+                "moetune: %s: non-finite expert gradients; this module's update is not applied", lay.name
+            )
+            return norm_sq
         with torch.no_grad():
             for name, p in lay.params.items():
                 self._update_param(p, name, grads)

@@ -250,3 +250,16 @@ def test_unusable_optim_is_refused_naming_the_allowed_ones() -> None:
         ExpertOptimSpec.from_optim("sgd")
     with pytest.raises(ConfigError, match="optim_args"):
         ExpertOptimSpec.from_optim("adamw_anyprecision", "momentum_dtype=bfloat16")
+
+
+def test_non_finite_expert_grads_are_not_applied(caplog) -> None:
+    """A NaN gradient (what the guard then stops on, via the gradient norm) never reaches the expert weights."""
+    model = _model()
+    opt = _ours(model)
+    _loss(model, 0).backward()
+    model[1].base_grads.grads[0]["down"][0, 0] = float("nan")
+    before = model[1].gate_up_proj.detach().clone()
+    assert not torch.isfinite(opt.grad_norm([p for p in model.parameters() if p.grad is not None]))
+    with caplog.at_level("WARNING"):
+        opt.step()
+    assert torch.equal(model[1].gate_up_proj, before) and "non-finite expert gradients" in caplog.text
