@@ -12,7 +12,8 @@ shared experts on the GPU), during which the host's cores are idle in a real run
 
 - ``dense+torch``: what full mode did before: dense ``[E, ...]`` gradients (zeros for experts without tokens) and
   ``torch.optim.AdamW`` (``fused``, the Trainer's default ``adamw_torch_fused``);
-- ``exact``: ``ExpertAdamW``, sparse fp32 gradients, every expert updated (torch's AdamW semantics);
+- ``exact``: ``ExpertAdamW`` (fused, as the Trainer builds it), sparse fp32 gradients, every expert updated
+  (torch's AdamW semantics);
 - ``exact+overlap``: the same, each layer updated on a worker thread while the backward of the layers below runs;
 - ``lazy`` / ``lazy+overlap``: only experts with tokens updated.
 
@@ -87,6 +88,7 @@ class Variant:
                 ExpertOptimSpec(update=update),
                 lr=1e-4,
                 weight_decay=0.01,
+                fused=True,  # as the Trainer builds it for adamw_torch_fused
             )
         self.routes = [_routing(args, n) for n in range(args.layers)]
         gen = torch.Generator().manual_seed(1)
