@@ -617,3 +617,20 @@ def test_moetune_train_prints_the_modes_memory(tmp_path, demo_model, capsys) -> 
     assert memory["trainable_host_params"] > 0 and memory["trainable_device_params"] > 0
     assert memory["host_train_state_gb"] > 0 and memory["device_train_state_gb"] > 0
     assert f"model written to {tmp_path / 'out'}" in out
+
+
+def test_an_optimizer_the_experts_cannot_take_is_refused_before_loading(
+    tmp_path, demo_model, no_heavy_work
+) -> None:
+    from moetune.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="optim: 'sgd'"):
+        _run(
+            tmp_path,
+            demo_model,
+            optim="sgd",
+            max_steps=1,
+            eval_strategy="no",
+            eval_dataset=None,
+            eval_steps=None,
+        )
