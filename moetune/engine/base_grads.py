@@ -92,6 +92,13 @@ class ExpertGradBuffer:
     def nbytes(self) -> int:
         return sum(g.nbytes for named in self.grads.values() for g in named.values())
 
+    def non_finite(self) -> list[str]:
+        """The names (``BASE_NAMES``) whose held gradient has a NaN/Inf in some expert."""
+        bad = {
+            n for named in self.grads.values() for n, g in named.items() if not bool(torch.isfinite(g).all())
+        }
+        return [n for n in BASE_NAMES if n in bad]
+
     def norm_sq(self) -> torch.Tensor:
         """Sum of squares of every held gradient, fp64 0-d (0 when empty)."""
         total = torch.zeros((), dtype=torch.float64)

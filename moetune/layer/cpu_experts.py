@@ -273,6 +273,24 @@ class CpuExperts(nn.Module):
         )
 
 
+_PARAM_OF_BASE = {
+    "gate_up": "gate_up_proj",
+    "down": "down_proj",
+    "gate_up_bias": "gate_up_proj_bias",
+    "down_bias": "down_proj_bias",
+}
+
+
+def non_finite_base_grads(model: nn.Module) -> list[str]:
+    """Parameter names (``<experts path>.gate_up_proj``, ...) whose sparse base gradients hold a NaN/Inf."""
+    return [
+        f"{path}.{_PARAM_OF_BASE[n]}"
+        for path, m in model.named_modules()
+        if isinstance(m, CpuExperts) and m.base_grads is not None
+        for n in m.base_grads.non_finite()
+    ]
+
+
 def drop_base_grads(model: nn.Module) -> None:
     """Drop the sparse base gradients every full-mode experts module of ``model`` holds (``model.zero_grad``
     cannot see them: they are no ``.grad``); a skipped step then updates no expert."""

@@ -15,6 +15,7 @@ from moetune.config.schema import ExpertUpdate
 from moetune.errors import ConfigError
 from moetune.layer.cpu_experts import drop_base_grads
 from moetune.train.expert_optim import ExpertAdamW, ExpertOptimSpec, expert_layers
+from moetune.train.guards import non_finite_parameters
 from moetune.train.moment_store import BLOCK, STORES
 from tests.unit.engine_cases import build_module, make_layer
 
@@ -260,6 +261,7 @@ def test_non_finite_expert_grads_are_not_applied(caplog) -> None:
     model[1].base_grads.grads[0]["down"][0, 0] = float("nan")
     before = model[1].gate_up_proj.detach().clone()
     assert not torch.isfinite(opt.grad_norm([p for p in model.parameters() if p.grad is not None]))
+    assert non_finite_parameters(model, grads=True) == ["1.down_proj"]  # what the guard's message names
     with caplog.at_level("WARNING"):
         opt.step()
     assert torch.equal(model[1].gate_up_proj, before) and "non-finite expert gradients" in caplog.text
