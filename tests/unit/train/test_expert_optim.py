@@ -265,3 +265,32 @@ def test_non_finite_expert_grads_are_not_applied(caplog) -> None:
     with caplog.at_level("WARNING"):
         opt.step()
     assert torch.equal(model[1].gate_up_proj, before) and "non-finite expert gradients" in caplog.text
+
+
+def test_sparse_grads_equal_float64_autograd_and_cover_only_routed_experts() -> None:
+    """The buffer's per-expert gradients (two micro-batches summed) against the float64 per-expert autograd loop;
+    experts without rows have no entry at all (their reference gradient is zero)."""
+    from tests.unit.engine_cases import make_routing, rel_err, run_reference
+
+    layer = make_layer(E=E, H=H, I=I, lora=False, bias=True, dtype=torch.float64)
+    module = build_module(layer, full=True)
+    (lay,) = expert_layers(nn.ModuleList([module]))
+    want: dict[str, torch.Tensor] = {}
+    for seed in (1, 2):
+        x, ids, w = make_routing(T=9, E=E, k=2, H=H, seed=seed)
+        ids = ids % 5  # experts 5..7 get no rows
+        ids[:, 1] = (ids[:, 0] + 1) % 5
+        gy = torch.randn(9, H, dtype=torch.float64)
+        (module(x, ids, w) * gy).sum().backward()
+        _, ref = run_reference(layer, x, ids, w, gy, full=True)
+        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            want[name] = want.get(name, 0) + ref[name]
+    assert module.gate_up_proj.grad is None and sorted(lay.buffer.grads) == [0, 1, 2, 3, 4]
+    for base, name in (
+        ("gate_up", "gate_up_proj"),
+        ("down", "down_proj"),
+        ("gate_up_bias", "gate_up_proj_bias"),
+    ):
+        got = torch.stack([lay.buffer.grads[e][base] for e in range(5)])
+        assert rel_err(got, want[name][:5]) < 1e-12, name
+        assert not want[name][5:].any()
