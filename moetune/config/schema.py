@@ -69,6 +69,14 @@ class FinetuningType(str, enum.Enum):
     FREEZE = "freeze"
 
 
+class ExpertUpdate(str, enum.Enum):
+    """Which routed experts the full-mode optimizer updates each step (``moetune.train.expert_optim``): ``exact``
+    every expert, as torch's AdamW with zero gradients; ``lazy`` only those that received tokens."""
+
+    EXACT = "exact"
+    LAZY = "lazy"
+
+
 class DivergenceAction(str, enum.Enum):
     """What the numerical guard does on a non-finite loss or gradient norm (moetune.train.guards)."""
 
@@ -171,6 +179,8 @@ class FinetuneConfig:
     freeze_extra_modules: tuple[str, ...] | None = option(None)
     # load in bf16 and keep trainable weights, their grads and optimizer state in bf16 (no fp32 upcast)
     pure_bf16: bool = option(False)
+    # full/freeze: exact (every expert steps, as torch's AdamW) or lazy (only experts with tokens step)
+    expert_update: ExpertUpdate = option(ExpertUpdate.EXACT)
     # the router's load-balancing loss weight (the model's router_aux_loss_coef; its aux loss joins the loss)
     moe_aux_loss_coef: float | None = option(None, check=non_negative)
     # lora: N LoRA experts of this intermediate size per MoE block (dense SwiGLU on the device, added to the

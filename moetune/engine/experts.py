@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from moetune.engine.activations import GluActivation, get_activation
+from moetune.engine.base_grads import BaseGrads
 from moetune.engine.formats import DenseExperts, ExpertFormat
 from moetune.engine.formats.base import Projection
 from moetune.engine.gemm import BlockedGemm
@@ -85,21 +86,17 @@ class SavedForward:
 
 @dataclass
 class ExpertGrads:
-    """Backward's results. ``lora`` is fp32 (fp64 for fp64 LoRA), keyed by ``LORA_NAMES``; ``base`` only in full mode."""
+    """Backward's results. ``lora`` is fp32 (fp64 for fp64 LoRA), keyed by ``LORA_NAMES``; ``base`` only in full
+    mode, for the experts that received rows only (fp32, fp64 for an fp64 engine: ``base_grads.BaseGrads``)."""
 
     x: torch.Tensor  # [T, H], dtype of x
     topk_weights: torch.Tensor  # [T, k], dtype of topk_weights
     lora: dict[str, torch.Tensor] | None = None
-    base: dict[str, torch.Tensor] | None = None  # gate_up [E, 2I, H], down [E, H, I], biases if present
+    base: BaseGrads | None = None
 
     def flat(self) -> tuple[torch.Tensor, ...]:
-        """Grads in ``ExpertEngine.trained_tensors`` order."""
-        out: tuple[torch.Tensor, ...] = tuple(self.lora[n] for n in LORA_NAMES) if self.lora else ()
-        if self.base:
-            out += tuple(
-                self.base[n] for n in ("gate_up", "down", "gate_up_bias", "down_bias") if n in self.base
-            )
-        return out
+        """LoRA grads in ``ExpertEngine.trained_tensors`` order (the base ones follow there: ``base``)."""
+        return tuple(self.lora[n] for n in LORA_NAMES) if self.lora else ()
 
 
 _engine_ids = itertools.count()
@@ -189,14 +186,11 @@ class ExpertEngine:
 
     def trained_tensors(self, lora: ExpertLoRA | None = None) -> tuple[torch.Tensor, ...]:
         """The tensors backward differentiates besides x and w, for a call with ``lora`` (None: the engine's):
-        LoRA (``LORA_NAMES`` order), then in full mode gate_up, down and the biases present.
-        ``ExpertGrads.flat`` returns their grads in this order."""
+        LoRA (``LORA_NAMES`` order; ``ExpertGrads.flat``), then in full mode ``base_tensors()`` in its order."""
         lora = self.call_lora(lora)
         out: tuple[torch.Tensor, ...] = lora.tensors() if lora is not None else ()
         if self.plan.base_grads:
-            assert isinstance(self.weights, DenseExperts)
-            out += (self.weights.gate_up, self.weights.down)
-            out += tuple(b for b in (self.gate_up_bias, self.down_bias) if b is not None)
+            out += tuple(self.base_tensors().values())
         return out
 
     def _lora_pass(self, plan: EnginePlan, lora: ExpertLoRA | None, seed: int | None) -> LoraPass | None:
@@ -395,7 +389,9 @@ class ExpertEngine:
         gxs = self.ws.get("gxs", (n, h), cd)  # [N, H]: grad at the sorted inputs
         gw_sorted = torch.empty(n, dtype=cd)  # [N]: grad of the routing weights, sorted
         lora_g = lora_pass.zero_grads() if lora_pass is not None else {}
-        base_g = self._zero_base_grads() if plan.base_grads else None
+        base_g = BaseGrads() if plan.base_grads else None
+        # why fp32: these are summed over micro-batches (fp64 for an fp64 engine, as its LoRA grads)
+        gdt = torch.promote_types(cd, torch.float32)
 
         def expert_backward(seg: tuple[int, int, int]) -> None:
             e, s0, s1 = seg
@@ -416,10 +412,11 @@ class ExpertEngine:
             b2 = self._bias("down", e)
             if b2 is not None:
                 gw_sorted[s0:s1] += g_e @ b2
-            if base_g is not None:
-                base_g["down"][e].copy_(g_e.t() @ (h_e * w_e))
-                if "down_bias" in base_g:
-                    base_g["down_bias"][e].copy_((g_e * w_e).sum(0))
+            mine: dict[str, torch.Tensor] | None = None
+            if base_g is not None:  # only this expert's slices: experts without rows get no tensor at all
+                mine = base_g.by_expert[e] = {"down": (g_e.t() @ (h_e * w_e)).to(gdt)}
+                if self.down_bias is not None:
+                    mine["down_bias"] = (g_e * w_e).sum(0).to(gdt)
             gh_e.mul_(w_e)
 
             ggu = self.act.vjp(gu_e, gh_e)  # [n, 2I]
@@ -428,11 +425,11 @@ class ExpertEngine:
                 assert xs_e is not None
                 lora_pass.backward("gate_up", e, ggu, gxs_e, xs_e, xa_e, None, lora_g)
             self.gemm.matmul_w("gate_up", e, ggu, gxs_e, accumulate=lora_pass is not None)
-            if base_g is not None:
+            if mine is not None:
                 assert xs_e is not None
-                base_g["gate_up"][e].copy_(ggu.t() @ xs_e)
-                if "gate_up_bias" in base_g:
-                    base_g["gate_up_bias"][e].copy_(ggu.sum(0))
+                mine["gate_up"] = (ggu.t() @ xs_e).to(gdt)
+                if self.gate_up_bias is not None:
+                    mine["gate_up_bias"] = ggu.sum(0).to(gdt)
 
         self._each_expert(disp, expert_backward)
         if lora_pass is not None:
@@ -447,12 +444,13 @@ class ExpertEngine:
             base=base_g,
         )
 
-    def _zero_base_grads(self) -> dict[str, torch.Tensor]:
-        """Zeroed grads of gate_up ``[E, 2I, H]``, down ``[E, H, I]`` and the biases present, in their dtypes."""
+    def base_tensors(self) -> dict[str, torch.Tensor]:
+        """Full mode's trained base tensors by ``base_grads.BASE_NAMES`` name: gate_up ``[E, 2I, H]``, down
+        ``[E, H, I]`` and the biases present (the engine's own tensors, updated in place by an optimizer)."""
         assert isinstance(self.weights, DenseExperts)
-        out = {"gate_up": torch.zeros_like(self.weights.gate_up), "down": torch.zeros_like(self.weights.down)}
+        out = {"gate_up": self.weights.gate_up, "down": self.weights.down}
         if self.gate_up_bias is not None:
-            out["gate_up_bias"] = torch.zeros_like(self.gate_up_bias)
+            out["gate_up_bias"] = self.gate_up_bias
         if self.down_bias is not None:
-            out["down_bias"] = torch.zeros_like(self.down_bias)
+            out["down_bias"] = self.down_bias
         return out

@@ -25,6 +25,7 @@ from torch import nn
 from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS
 from moetune.arch.spec import ExpertsCall
 from moetune.engine import LORA_NAMES, DenseExperts, ExpertEngine, ExpertLoRA, TrainMode
+from moetune.engine.base_grads import ExpertGradBuffer
 from moetune.engine.routing import validate_routing
 from moetune.errors import ConfigError, SaveError
 from moetune.layer.function import routed_experts
@@ -65,6 +66,9 @@ class CpuExperts(nn.Module):
         # dtype of the hidden states counted
         self.routing_counts: torch.Tensor | None = None
         self.counted_on: tuple[torch.device, torch.dtype] | None = None
+        # full mode: where backward puts the base gradients of the experts with rows (set by the expert optimizer,
+        # moetune.train.expert_optim); None: dense .grad tensors, for any torch optimizer
+        self.base_grads: ExpertGradBuffer | None = None
         if engine.mode is TrainMode.FULL:
             self._register_base()
 
@@ -188,6 +192,7 @@ class CpuExperts(nn.Module):
             host=host,
             lora=lora,
             subset=cold,
+            sink=self.base_grads if self.engine.mode is TrainMode.FULL else None,
         )
         return y if y_hot is None else y + y_hot
 
@@ -271,6 +276,32 @@ class CpuExperts(nn.Module):
             f"storage={e.weights.storage_dtype}, compute={e.compute_dtype}, mode={e.mode.value}, "
             f"policy={e.options.policy.value}{hot}"
         )
+
+
+_PARAM_OF_BASE = {
+    "gate_up": "gate_up_proj",
+    "down": "down_proj",
+    "gate_up_bias": "gate_up_proj_bias",
+    "down_bias": "down_proj_bias",
+}
+
+
+def non_finite_base_grads(model: nn.Module) -> list[str]:
+    """Parameter names (``<experts path>.gate_up_proj``, ...) whose sparse base gradients hold a NaN/Inf."""
+    return [
+        f"{path}.{_PARAM_OF_BASE[n]}"
+        for path, m in model.named_modules()
+        if isinstance(m, CpuExperts) and m.base_grads is not None
+        for n in m.base_grads.non_finite()
+    ]
+
+
+def drop_base_grads(model: nn.Module) -> None:
+    """Drop the sparse base gradients every full-mode experts module of ``model`` holds (``model.zero_grad``
+    cannot see them: they are no ``.grad``); a skipped step then updates no expert."""
+    for m in model.modules():
+        if isinstance(m, CpuExperts) and m.base_grads is not None:
+            m.base_grads.clear()
 
 
 class PrescaledDenseExperts(CpuExperts):

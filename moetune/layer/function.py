@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from moetune.engine import ExpertEngine, ExpertLoRA, SavedForward
+from moetune.engine.base_grads import ExpertGradBuffer
 from moetune.layer.hot import SlotSubset
 from moetune.layer.memo import ForwardMemo
 from moetune.layer.transfer import HostCopy, to_device, to_host
@@ -32,12 +33,13 @@ class ExpertsFunction(torch.autograd.Function):
         memo: ForwardMemo | None,
         host: HostCopy | None,
         subset: SlotSubset | None,
+        sink: ExpertGradBuffer | None,
         x: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         *trained: torch.Tensor,
     ) -> torch.Tensor:
-        needs_backward = any(ctx.needs_input_grad[6:])
+        needs_backward = any(ctx.needs_input_grad[7:])
         inputs = (host if host is not None else HostCopy(x, topk_ids, topk_weights)).wait()
         ctx.subset, ctx.num_tokens = subset, x.shape[0]
         if subset is not None:  # one row per slot of the subset (k = 1)
@@ -47,8 +49,10 @@ class ExpertsFunction(torch.autograd.Function):
             y, saved = memo.forward(engine, *inputs, training=training, lora=lora)
         else:
             y, saved = engine.forward(*inputs, save=needs_backward, training=training, lora=lora)
-        ctx.engine, ctx.memo, ctx.saved = engine, memo, None
+        ctx.engine, ctx.memo, ctx.saved, ctx.sink = engine, memo, None, sink
         if saved is not None:
+            if sink is not None:
+                sink.expect_backward(saved.index)
             # autograd owns the big tensors: it frees them after a backward without retain_graph and raises
             # its own "backward through the graph a second time" error on reuse; retain_graph keeps them.
             ctx.save_for_backward(*saved.tensors())
@@ -74,13 +78,22 @@ class ExpertsFunction(torch.autograd.Function):
             grad_x_host = subset.add_rows(grad_x_host, ctx.num_tokens)
             grad_w_host = subset.put_slots(grad_w_host, ctx.num_tokens)
         trained = engine.trained_tensors(saved.lora if saved is not None else None)
+        flat: tuple[torch.Tensor | None, ...] = grads.flat()
+        if grads.base is not None:
+            sink: ExpertGradBuffer | None = ctx.sink
+            if sink is not None:  # sparse: the expert optimizer reads them from the buffer, no dense .grad
+                assert saved is not None
+                sink.add(grads.base, saved.index)
+                flat += (None,) * (len(trained) - len(flat))
+            else:  # plain autograd (any torch optimizer): a dense grad, zeros for experts without rows
+                flat += tuple(grads.base.dense(engine.base_tensors()).values())
         trained_grads = tuple(
-            g.to(t.dtype) if need else None
-            for g, t, need in zip(grads.flat(), trained, ctx.needs_input_grad[9:])
+            g.to(t.dtype) if need and g is not None else None
+            for g, t, need in zip(flat, trained, ctx.needs_input_grad[10:], strict=True)
         )
-        grad_x = to_device(grad_x_host, ctx.x_device) if ctx.needs_input_grad[6] else None
-        grad_w = to_device(grad_w_host, ctx.w_device) if ctx.needs_input_grad[8] else None
-        return (None, None, None, None, None, None, grad_x, None, grad_w, *trained_grads)
+        grad_x = to_device(grad_x_host, ctx.x_device) if ctx.needs_input_grad[7] else None
+        grad_w = to_device(grad_w_host, ctx.w_device) if ctx.needs_input_grad[9] else None
+        return (None, None, None, None, None, None, None, grad_x, None, grad_w, *trained_grads)
 
 
 def routed_experts(
@@ -94,6 +107,7 @@ def routed_experts(
     host: HostCopy | None = None,
     lora: ExpertLoRA | None = None,
     subset: SlotSubset | None = None,
+    sink: ExpertGradBuffer | None = None,
 ) -> torch.Tensor:
     """x ``[T, H]``, topk_ids ``[T, k]`` int64, topk_weights ``[T, k]`` -> y ``[T, H]``, differentiable.
 
@@ -104,7 +118,21 @@ def routed_experts(
     by the caller (so device work queued after them overlaps the engine); by default they are made here.
     ``subset``: compute only these slots (``moetune.layer.hot``: the others are the device's), each as a row of
     its own; y and the gradients keep the full ``[T, H]`` / ``[T, k]`` shapes (zeros for slots left out).
+    ``sink``: full mode's base gradients go there, sparse (``moetune.engine.base_grads``), instead of into
+    dense ``.grad`` tensors of the base weights.
     """
     return ExpertsFunction.apply(
-        engine, lora, training, memo, host, subset, x, topk_ids, topk_weights, *engine.trained_tensors(lora)
+        engine,
+        lora,
+        training,
+        memo,
+        host,
+        subset,
+        sink
+        if torch.is_grad_enabled()
+        else None,  # no graph (a checkpoint's first pass): no backward to expect
+        x,
+        topk_ids,
+        topk_weights,
+        *engine.trained_tensors(lora),
     )

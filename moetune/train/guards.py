@@ -37,6 +37,7 @@ from transformers import TrainerCallback
 
 from moetune.config.schema import DivergenceAction
 from moetune.errors import DivergenceError, listing
+from moetune.layer.cpu_experts import drop_base_grads, non_finite_base_grads
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ def non_finite_parameters(model: Any, *, grads: bool) -> list[str]:
         t = p.grad if grads else (p if p.requires_grad else None)
         if t is not None and not bool(torch.isfinite(t).all()):
             out.append(name)
-    return out
+    # full mode's routed experts keep their gradients sparse, beside .grad (moetune.engine.base_grads)
+    return out + (non_finite_base_grads(model) if grads else [])
 
 
 def checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
@@ -141,6 +143,7 @@ class NumericalGuard(TrainerCallback):
             self.skipped.append(step)
             self._window_skipped += 1
             model.zero_grad(set_to_none=True)  # torch optimizers skip parameters without a gradient
+            drop_base_grads(model)  # and the routed experts' sparse ones (full mode)
             logger.warning(
                 "moetune: step %d skipped (on_divergence: skip): %s Its gradients were dropped; the optimizer "
                 "did not update the weights (the learning-rate schedule still advances).",

@@ -1,7 +1,8 @@
 """Full/freeze checkpoints written layer by layer: model weights and optimizer state as safetensors, index last.
 
 A full-mode checkpoint holds every routed expert's weights and two AdamW moments per parameter (for a large MoE,
-hundreds of GB). They are written one decoder layer at a time, each file atomically (``moetune.atomic``), then an
+hundreds of GB; the experts' moments in the format the expert optimizer holds them, fp32, bf16 or 8-bit codes
+with their scales, ``moetune.train.expert_optim``, each tensor in its own dtype). They are written one decoder layer at a time, each file atomically (``moetune.atomic``), then an
 index naming every file; a reader trusts only files an index names, so a crash mid-save never yields a checkpoint
 that looks complete (the Trainer checkpoint folder itself is also staged and renamed whole: ``trainer.py``).
 
@@ -109,7 +110,8 @@ def save_optimizer_by_layer(optimizer: torch.optim.Optimizer, model: nn.Module, 
                 if type(value) is not torch.Tensor:
                     raise LoadError(
                         f"optimizer state {names[idx]}/{key} is a {type(value).__name__}, which safetensors cannot "
-                        "store; use torch's AdamW (optim state in fp32, or bf16 with pure_bf16)"
+                        "store; use an optim moetune's full mode supports (README, training modes: adamw_torch, "
+                        "adamw_anyprecision, adamw_8bit)"
                     )
                 tensors.append((f"{names[idx]}/{key}", value))
             else:

@@ -302,33 +302,55 @@ def _train_fully(model: nn.Module, settings: ModeSettings) -> None:
     )
 
 
-def memory_report(model: nn.Module) -> dict[str, Any]:
-    """Trainable parameters by where they live, and what training them holds: the weights, a gradient of
-    each and AdamW's two moments (``exp_avg``, ``exp_avg_sq``, in the parameter's dtype: torch's AdamW makes
-    them with ``zeros_like``), in GiB. Host = the routed experts (and expert LoRA) in CPU RAM. Also the device
-    memory of the hot experts' frozen weight copies (``gpu_experts``, ``moetune.layer.hot``)."""
+def memory_report(model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
+    """Trainable parameters by where they live, and what training them holds, in GiB. Host = the routed experts
+    (and expert LoRA) in CPU RAM. Also the device memory of the hot experts' frozen weight copies (``gpu_experts``,
+    ``moetune.layer.hot``).
+
+    Per trained tensor: the weights, a gradient and AdamW's two moments (torch's AdamW makes them with
+    ``zeros_like``: the parameter's dtype). With the full-mode expert optimizer (``optimizer``, an
+    ``ExpertAdamW``, possibly wrapped by accelerate) the routed experts' share is what it holds instead: the
+    weights, the state in its format (``host_expert_state_gb``: fp32 / bf16 / 8-bit moments, as allocated) and
+    the most sparse fp32 gradient bytes held at once so far (``host_expert_grads_peak_gb``; only experts that
+    received tokens have one)."""
+    from moetune.train.expert_optim import unwrap
+
+    experts = unwrap(optimizer)
+    expert_ids = (
+        {id(p) for lay in experts.layers for p in lay.params.values()} if experts is not None else set()
+    )
     host_ids = {id(q) for m in _host_modules(model) for q in m.parameters()}
     host = device = host_bytes = device_bytes = 0
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        state = 4 * p.numel() * p.element_size()  # weight + grad + 2 moments
+        # the experts' weights only here; their grads and state come from the optimizer below
+        state = (
+            p.numel() * p.element_size() * (1 if id(p) in expert_ids else 4)
+        )  # weight (+ grad + 2 moments)
         if id(p) in host_ids:
             host, host_bytes = host + p.numel(), host_bytes + state
         else:
             device, device_bytes = device + p.numel(), device_bytes + state
     gib = 2**30
-    return {
-        "trainable_host_params": host,
-        "trainable_device_params": device,
-        "host_train_state_gb": round(host_bytes / gib, 6),
-        "device_train_state_gb": round(device_bytes / gib, 6),
-        "hot_experts_device_gb": round(
+    report: dict[str, Any] = {"trainable_host_params": host, "trainable_device_params": device}
+    if experts is not None:
+        held = experts.host_bytes()
+        host_bytes += held["state"] + held["grads_peak"]
+        report["host_expert_state_gb"] = round(held["state"] / gib, 6)
+        report["host_expert_grads_peak_gb"] = round(held["grads_peak"] / gib, 6)
+        report["expert_optim_state"] = experts.state_name()
+        report["expert_update"] = experts.spec.update.value
+    report.update(
+        host_train_state_gb=round(host_bytes / gib, 6),
+        device_train_state_gb=round(device_bytes / gib, 6),
+        hot_experts_device_gb=round(
             sum(m.hot.nbytes for m in model.modules() if isinstance(m, CpuExperts) and m.hot is not None)
             / gib,
             6,
         ),
-    }
+    )
+    return report
 
 
 def _host_modules(model: nn.Module) -> list[nn.Module]:

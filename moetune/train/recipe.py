@@ -169,6 +169,12 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any
         from moetune.train.host_grads import attach_host_grads
 
         attach_host_grads(trainer, ranks.world)
+    if hasattr(
+        trainer, "expert_optim"
+    ):  # full/freeze: the routed experts' optimizer (moetune.train.expert_optim)
+        from moetune.train.expert_optim import spec_of_config
+
+        trainer.expert_optim = spec_of_config(cfg)
     trainer.remove_callback(PrinterCallback)  # ProgressBar prints the logs
     resume = cfg.training.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=str(resume) if isinstance(resume, Path) else resume)
@@ -235,8 +241,8 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
         "peak_ram_gb": round(peak_ram_gb(), 3),
         "peak_vram_gb": peak_vram_gb(),
         "finetuning_type": cfg.finetune.finetuning_type.value,
-        "memory": memory_report(trainer.model),
         "routed_experts": experts_held(trainer.model),  # this rank's: with expert_parallel sharded, its share
+        "memory": memory_report(trainer.model, trainer.optimizer),
         "loss_curve": str(curve) if curve else None,
         "config": cfg.summary(),
     }

@@ -18,6 +18,10 @@ resume and by ``load_best_model_at_end``.
 A full/freeze model (``moetune.train.modes``; no PEFT wrapper) checkpoints its weights and optimizer state layer by
 layer as safetensors instead of ``model.safetensors`` / ``optimizer.pt`` (``moetune.train.layered``), and a resume
 that would leave routed-expert weights unloaded raises ``LoadError`` (the Trainer only warns about missing keys).
+Its optimizer is ``moetune.train.expert_optim.ExpertAdamW`` (torch's AdamW plus the experts' sparse in-place
+update, state per ``optim``): clipping and the logged gradient norm cover the experts' sparse gradients too, and
+with ``max_grad_norm: 0`` (no global norm needed first) and no guard that may skip a step, each experts module is
+updated while the backward of the layers below it runs.
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ from moetune.adapters.lora_experts import FILE_NAME as LORA_EXPERTS_FILE
 from moetune.adapters.lora_experts import spec_of, write_lora_experts
 from moetune.adapters.save import restore_lora_experts
 from moetune.atomic import write_atomically
+from moetune.config.schema import DivergenceAction
 from moetune.errors import LoadError
 from moetune.train.checkpoints import STAGING_PREFIX, AtomicCheckpoints
+from moetune.train.expert_optim import ExpertAdamW, ExpertOptimSpec, build_expert_optimizer, unwrap
 from moetune.train.guards import GuardedSteps
 from moetune.train.host_grads import AveragesHostGrads
 from moetune.train.layered import (
@@ -53,6 +59,66 @@ class MoetuneTrainer(GuardedSteps, AveragesHostGrads, AtomicCheckpoints, Trainer
     """A ``Trainer`` (a subclass; no library class is patched) whose checkpoints are renamed into place only
     once complete (:class:`~moetune.train.checkpoints.AtomicCheckpoints`) and whose steps a numerical guard can
     stop or skip (:class:`~moetune.train.guards.GuardedSteps`)."""
+
+    expert_optim = ExpertOptimSpec()  # full/freeze: the routed experts' optimizer (the recipe sets the run's)
+
+    def create_optimizer(self, model: Any = None) -> Any:
+        """Full/freeze with routed experts in full mode: :class:`ExpertAdamW` over the Trainer's own parameter
+        groups (weight decay except biases and norms), with ``optim``'s hyperparameters; else the Trainer's."""
+        opt_model: Any = self.model if model is None else model
+        if self.optimizer is None and self._layered():
+            decay = set(self.get_decay_parameter_names(opt_model))
+            named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+            groups = [
+                {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+            ]
+            args = self.args
+            optim = str(getattr(args.optim, "value", args.optim))
+            built = build_expert_optimizer(
+                opt_model,
+                groups,
+                self.expert_optim,
+                lr=args.learning_rate,
+                betas=(args.adam_beta1, args.adam_beta2),
+                eps=args.adam_epsilon,
+                fused=optim == "adamw_torch_fused" or None,
+            )
+            if built is not None:
+                self.optimizer = built
+                return built
+        return super().create_optimizer(model)
+
+    def _expert_optimizer(self) -> ExpertAdamW | None:
+        return unwrap(self.optimizer)
+
+    def _dense_params(self, model: Any) -> list[torch.Tensor]:
+        return [p for p in model.parameters() if p.grad is not None]
+
+    def _clip_grad_norm(self, model: Any) -> Any:
+        experts = self._expert_optimizer()
+        if experts is None:
+            return super()._clip_grad_norm(model)
+        self.accelerator.unscale_gradients()
+        return experts.clip_grad_norm_(self._dense_params(model), self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        experts = self._expert_optimizer()
+        if experts is not None and grad_norm is None:  # no clipping: the norm over dense and expert grads
+            grad_norm = experts.grad_norm(self._dense_params(model))
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def overlaps_expert_step(self) -> bool:
+        """Whether the experts' update may run during the backward of the step's last micro-batch: only when
+        nothing must see every gradient first (clipping's global norm, a guard that may skip the step)."""
+        skip = self.guard is not None and self.guard.action is DivergenceAction.SKIP
+        return not (self.args.max_grad_norm or 0) > 0 and not skip
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        experts = self._expert_optimizer()
+        if experts is not None and self.accelerator.sync_gradients and self.overlaps_expert_step():
+            experts.arm()
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def _layered(self) -> bool:
         """A full/freeze model (``moetune.train.modes``): its checkpoints are written layer by layer."""

@@ -393,6 +393,60 @@ def test_full_training_lowers_held_out_loss_resumes_exactly_and_saves_a_transfor
     assert any(".experts." in k and not torch.equal(a[k], base[k]) for k in a)  # the experts trained
 
 
+@pytest.mark.parametrize(
+    ("over", "state"),
+    [
+        ({"optim": "adamw_torch", "max_grad_norm": 0.5}, "fp32"),
+        (
+            {
+                "optim": "adamw_torch",
+                "max_grad_norm": 0.0,
+                "gradient_accumulation_steps": 2,
+                "gradient_checkpointing": True,
+            },
+            "fp32",
+        ),
+        (
+            {"optim": "adamw_anyprecision", "optim_args": "momentum_dtype=bfloat16,variance_dtype=bfloat16"},
+            "bf16",
+        ),
+        ({"optim": "adamw_8bit", "expert_update": "lazy"}, "8bit"),
+    ],
+    ids=["fp32-clip", "fp32-overlap-accum-checkpointing", "bf16", "8bit-lazy"],
+)
+def test_expert_optimizer_state_is_saved_by_layer_and_resumes_exactly(
+    over, state, tmp_path, demo_model
+) -> None:
+    """Each state format of the experts' optimizer (moetune.train.expert_optim) is written layer by layer in its
+    own dtype and a resume from the mid-run checkpoint ends with the very same weights."""
+    from safetensors import safe_open
+
+    from moetune.train.expert_optim import unwrap
+
+    over = {
+        "max_steps": 4,
+        "save_steps": 2,
+        "eval_strategy": "no",
+        "eval_dataset": None,
+        "eval_steps": None,
+        **over,
+    }
+    whole = _run(tmp_path / "whole", demo_model, **over)
+    assert whole.summary["memory"]["expert_optim_state"] == state
+    assert whole.summary["memory"]["host_expert_grads_peak_gb"] > 0
+    early = unwrap(whole.trainer.optimizer).early_updates
+    assert (early > 0) == (over.get("max_grad_norm", 1.0) == 0)  # overlap only without clipping
+    ckpt = tmp_path / "whole" / "out" / "checkpoint-2"
+    index = json.loads((ckpt / "optimizer.index.json").read_text())
+    key = "model.layers.0.mlp.experts.gate_up_proj/" + ("exp_avg_q" if state == "8bit" else "exp_avg")
+    with safe_open(str(ckpt / index["files"][key]), "pt") as f:
+        want = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.int8}[state]
+        assert f.get_tensor(key).dtype == want
+    _run(tmp_path / "resumed", demo_model, resume_from_checkpoint=str(ckpt), **over)
+    a, b = _weights(tmp_path / "whole" / "out"), _weights(tmp_path / "resumed" / "out")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def _untrained_trainer(run, demo_model):
     """The same trainer's eval on the untrained model (a fresh load)."""
     from moetune.loading import load_model
@@ -540,9 +594,12 @@ def test_pure_bf16_keeps_the_trained_experts_in_bf16(tmp_path, demo_model) -> No
     assert expert_dtypes(upcast) == {torch.float32} and expert_dtypes(pure) == {torch.bfloat16}
     state = pure.trainer.optimizer.state
     assert all(s["exp_avg"].dtype == torch.bfloat16 for s in state.values() if "exp_avg" in s)
-    assert pure.summary["memory"]["host_train_state_gb"] == pytest.approx(
-        upcast.summary["memory"]["host_train_state_gb"] / 2, rel=0.01
+    # the experts' moments follow the weights' dtype (optim adamw_torch, as torch's zeros_like); their sparse
+    # gradients are fp32 either way (summed over micro-batches)
+    assert pure.summary["memory"]["host_expert_state_gb"] == pytest.approx(
+        upcast.summary["memory"]["host_expert_state_gb"] / 2, rel=0.01
     )
+    assert pure.summary["memory"]["host_expert_grads_peak_gb"] > 0
 
 
 def test_moetune_train_prints_the_modes_memory(tmp_path, demo_model, capsys) -> None:
@@ -560,3 +617,20 @@ def test_moetune_train_prints_the_modes_memory(tmp_path, demo_model, capsys) -> 
     assert memory["trainable_host_params"] > 0 and memory["trainable_device_params"] > 0
     assert memory["host_train_state_gb"] > 0 and memory["device_train_state_gb"] > 0
     assert f"model written to {tmp_path / 'out'}" in out
+
+
+def test_an_optimizer_the_experts_cannot_take_is_refused_before_loading(
+    tmp_path, demo_model, no_heavy_work
+) -> None:
+    from moetune.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="optim: 'sgd'"):
+        _run(
+            tmp_path,
+            demo_model,
+            optim="sgd",
+            max_steps=1,
+            eval_strategy="no",
+            eval_dataset=None,
+            eval_steps=None,
+        )
