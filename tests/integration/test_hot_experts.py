@@ -16,6 +16,9 @@ from moetune.testing.tiny import VOCAB, save_tiny_model
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
 TOL = 1e-5  # float32: the hot and cold shares are summed in another order than the engine's own combine
+WAIT = (
+    20.0  # seconds one side of the overlap test waits for the other before it fails (a guard, not a timing)
+)
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +118,52 @@ def test_hot_experts_with_gradient_checkpointing(checkpoints, one_thread) -> Non
     ids = _ids(4)
     want_logits, want = _step(ref, ids)
     got_logits, got = _step(hot, ids)
+    torch.testing.assert_close(got_logits, want_logits, atol=TOL, rtol=TOL)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=TOL, rtol=TOL, msg=name)
+
+
+def test_hot_experts_run_beside_the_engine_forward_and_backward(checkpoints, one_thread, monkeypatch) -> None:
+    """Each side waits for the other, so the step finishes only if the two run at the same time: the hot experts'
+    forward starts only once the engine's forward has started, the engine's backward only once the hot experts'
+    backward has finished. (Run one after the other, the first waiter would wait for ever: here WAIT seconds, then
+    it fails.) Logits and gradients still equal the all-CPU model's."""
+    import threading
+
+    path = checkpoints["qwen3_moe"]
+    ref, hot = _model(path), _model(path, gpu_experts=[[1, 4, 6], [0, 7]])
+    experts = _experts(hot)[0]
+    assert experts.hot is not None
+    engine_forward, hot_backward = threading.Event(), threading.Event()
+    waited: list[str] = []
+
+    def wait_for(event: threading.Event, what: str) -> None:
+        if not event.wait(WAIT):
+            waited.append(what)  # the failure is reported after the step, not raised on another thread
+            raise AssertionError(f"waited {WAIT} s for {what}")
+
+    forward, backward = experts.engine.forward, experts.engine.backward
+
+    def engine_forward_started(*args, **kwargs):
+        engine_forward.set()
+        return forward(*args, **kwargs)
+
+    def engine_backward_after_hot(*args, **kwargs):
+        wait_for(hot_backward, "the hot experts' backward, before the engine's backward could go on")
+        return backward(*args, **kwargs)
+
+    monkeypatch.setattr(experts.engine, "forward", engine_forward_started)
+    monkeypatch.setattr(experts.engine, "backward", engine_backward_after_hot)
+    experts.hot.register_forward_pre_hook(
+        lambda *_: wait_for(
+            engine_forward, "the engine's forward, before the hot experts' forward could go on"
+        )
+    )
+    experts.hot.register_full_backward_hook(lambda *_: hot_backward.set())
+    ids = _ids(5)
+    want_logits, want = _step(ref, ids)
+    got_logits, got = _step(hot, ids)
+    assert not waited and engine_forward.is_set() and hot_backward.is_set()
     torch.testing.assert_close(got_logits, want_logits, atol=TOL, rtol=TOL)
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=TOL, rtol=TOL, msg=name)

@@ -1,6 +1,6 @@
 """TRL's ``DPOTrainer`` and ``KTOTrainer`` as moetune runs them: subclasses, no TRL class patched.
 
-Two things differ from stock TRL:
+Three things differ from stock TRL:
 
 - Checkpoints are atomic (:class:`~moetune.train.checkpoints.AtomicCheckpoints`, as for sft) and hold the LoRA
   experts when the model has them (:class:`~moetune.train.lora_experts_checkpoints.LoraExpertsCheckpoints`).
