@@ -268,6 +268,54 @@ def test_hot_experts_on_cuda_match_all_cpu(checkpoints, family) -> None:
         torch.testing.assert_close(got[name].cpu(), want[name], atol=1e-4, rtol=1e-4, msg=name)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_engine_computes_while_the_gpu_runs_the_hot_experts(checkpoints, monkeypatch) -> None:
+    """Right after the hot experts' forward and after their backward have been queued, hooks keep the GPU busy
+    (a sleep kernel of about a second, then an event); the engine's forward and backward each find that kernel
+    still running when they start: the host copies they wait for were queued before the hot experts' work, and
+    nothing on the host waited for the GPU to finish it."""
+    import threading
+
+    from moetune.adapters import attach_lora
+    from moetune.loading import load_model
+
+    path = checkpoints["qwen3_moe"]
+    hot = attach_lora(
+        load_model(path, device="cuda", dtype="float32", progress=False, gpu_experts=3),
+        rank=4,
+        alpha=8,
+        targets=("o_proj", "experts"),
+    )
+    experts = _experts(hot)[0]
+    assert experts.hot is not None
+    queued = {"forward": threading.Event(), "backward": threading.Event()}
+    busy: dict[str, torch.cuda.Event] = {}
+    gpu_busy_at_start: dict[str, bool] = {}
+
+    def keep_gpu_busy(phase: str) -> None:
+        torch.cuda._sleep(2_000_000_000)  # clock cycles: about a second
+        busy[phase] = torch.cuda.Event()
+        busy[phase].record()
+        queued[phase].set()
+
+    def engine_pass(phase: str, run):
+        def wrapped(*args, **kwargs):
+            assert queued[phase].wait(WAIT), f"the hot experts' {phase} was not queued beside the engine's"
+            gpu_busy_at_start[phase] = not busy[phase].query()
+            return run(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(experts.engine, "forward", engine_pass("forward", experts.engine.forward))
+    monkeypatch.setattr(experts.engine, "backward", engine_pass("backward", experts.engine.backward))
+    experts.hot.register_forward_hook(lambda *_: keep_gpu_busy("forward"))
+    experts.hot.register_full_backward_hook(lambda *_: keep_gpu_busy("backward"))
+    _step(hot, _ids().cuda())
+    torch.cuda.synchronize()
+    assert gpu_busy_at_start == {"forward": True, "backward": True}
+
+
 def test_bad_routing_is_refused_with_hot_experts(checkpoints) -> None:
     """The routing is checked whole before the split (the engine then sees one expert per row): a token listing
     an expert twice, or an id out of range, is the engine's own error."""
