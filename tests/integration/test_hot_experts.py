@@ -169,6 +169,42 @@ def test_hot_experts_run_beside_the_engine_forward_and_backward(checkpoints, one
         torch.testing.assert_close(got[name], want[name], atol=TOL, rtol=TOL, msg=name)
 
 
+def test_on_the_cpu_with_lora_dropout_the_hot_experts_run_first(checkpoints, one_thread, monkeypatch) -> None:
+    """With expert LoRA dropout on the CPU stand-in both sides would draw masks from the one CPU generator at once:
+    the hot experts run before the engine starts (it has not started when they begin, even given time), and two
+    steps from the same seed give the same gradients."""
+    import threading
+
+    from moetune.adapters import attach_lora
+    from moetune.loading import load_model
+
+    path = checkpoints["qwen3_moe"]
+    model = load_model(path, device="cpu", dtype="float32", progress=False, gpu_experts=[[1, 4, 6], [0, 7]])
+    hot = attach_lora(model, rank=4, alpha=8, dropout=0.3, targets=("o_proj", "experts"))
+    experts = _experts(hot)[0]
+    assert experts.hot is not None
+    engine_started = threading.Event()
+    seen: list[bool] = []
+    forward = experts.engine.forward
+
+    def engine_forward(*args, **kwargs):
+        engine_started.set()
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(experts.engine, "forward", engine_forward)
+    # beside each other, the engine would start within this wait; one after the other it never does
+    experts.hot.register_forward_pre_hook(lambda *_: seen.append(engine_started.wait(2.0)))
+    grads = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        hot.zero_grad()
+        grads.append(_step(hot, _ids(6))[1])
+        engine_started.clear()
+    assert seen == [False, False]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=0, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_saved_adapter_loads_in_stock_peft(checkpoints, family, tmp_path) -> None:
     """The adapter trained with hot experts is the stock PEFT layout: loaded on the unmodified transformers
