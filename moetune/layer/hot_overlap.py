@@ -34,6 +34,7 @@ with the same ``subset``: the same engine calls on the same inputs.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -68,6 +69,16 @@ def _engine_thread() -> ThreadPoolExecutor:
         if _worker is None:
             _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetune-engine")
         return _worker
+
+
+def _forget_worker_in_child() -> None:
+    """A forked child has none of the parent's threads: it starts a worker of its own on first use."""
+    global _worker, _worker_lock
+    _worker, _worker_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_worker_in_child)
 
 
 def _submit(fn: Callable[[], T]) -> Future[T]:
