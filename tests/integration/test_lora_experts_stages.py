@@ -5,7 +5,7 @@ with them present (and random, so that leaving them on could not hide) the refer
 unmodified transformers base model's. A dpo and a kto run with LoRA experts train, checkpoint them, and
 ``moetune.load_model(adapter=)`` reproduces the trained logits; the trainer's loss on a batch after training then
 equals the stage's loss computed by hand from the log-probabilities of the reloaded model (policy) and the stock base
-model (reference).
+model (reference), and a run resumed from a checkpoint ends where the uninterrupted one did.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import torch.nn.functional as F
 
 from moetune.config import load_config, training_arguments_kwargs
 from tests.integration.test_stages import _example, _logps, _stock
+from tests.integration.test_train import _losses
 
 SIZES = {"lora_experts": 2, "lora_expert_intermediate_size": 4}
+SHORT = {"max_steps": 4, "save_steps": 2, **SIZES}
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +113,7 @@ def test_dpo_and_kto_train_save_and_reload_lora_experts(tmp_path, demo_model, st
     from moetune.adapters.load import load_model
     from moetune.train.recipe import run
 
-    cfg = load_config(_example(tmp_path, stage, demo_model, max_steps=4, save_steps=2, **SIZES))
+    cfg = load_config(_example(tmp_path, stage, demo_model, **SHORT))
     result = run(cfg, progress=False)
     out = tmp_path / "out"
     for folder in (out, out / "checkpoint-2", out / "checkpoint-4"):
@@ -136,3 +138,15 @@ def test_dpo_and_kto_train_save_and_reload_lora_experts(tmp_path, demo_model, st
         loss = trainer.compute_loss(trained, trainer.data_collator(rows))
     hand = HAND_LOSS[stage](loaded, base, rows, cfg.finetune.pref_beta)
     torch.testing.assert_close(loss.double(), hand.double(), atol=1e-5, rtol=0)
+
+    # resumed from checkpoint-2, the run restores the trained LoRA experts (not fresh ones): the same last losses
+    # and the same final LoRA experts as the uninterrupted run
+    (tmp_path / "b").mkdir()
+    ckpt = str(out / "checkpoint-2")
+    run(
+        load_config(_example(tmp_path / "b", stage, demo_model, resume_from_checkpoint=ckpt, **SHORT)),
+        progress=False,
+    )
+    assert _losses(tmp_path / "b" / "out")[2:] == pytest.approx(_losses(out)[2:], abs=1e-6)
+    for key, value in load_file(str(tmp_path / "b" / "out" / "moetune_lora_experts.safetensors")).items():
+        torch.testing.assert_close(value, final[key], atol=1e-6, rtol=0)
