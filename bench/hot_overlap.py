@@ -1,7 +1,7 @@
 """How much of the hot experts' time is hidden behind the CPU experts, forward and backward.
 
     python bench/hot_overlap.py [--experts 64 --hot 8 --tokens 512 --hidden 1024 --inter 512 --top-k 8
-                                 --rank 8 --device cpu --threads N --reps 5]
+                                 --rank 8 --device cpu --device-ms 0 --threads N --reps 5]
 
 One MoE layer (``CpuExperts`` over random fp32 weights with expert LoRA, tokens routed like a softmax top-k
 router) with its ``--hot`` most-routed experts held on ``--device`` (``moetune.layer.hot``). Three variants are
@@ -15,8 +15,11 @@ all alike:
 Printed per pass: the median ms of each, and the share of the hot experts' time hidden,
 ``(cold + hot - both) / hot`` (1: fully hidden; 0: the two ran one after the other; below 0: running them together
 cost more than running them apart). With ``--device cpu`` the "device" is the same CPU: both sides share its cores,
-so the share shows that they run at the same time, not what a GPU would hide; with ``--device cuda`` the hot
-experts are queued on the GPU (timings synchronise the device at the end of each pass).
+so the share shows that they run at the same time, not what a GPU would hide, and on a machine shared with other
+work it is mostly noise. ``--device-ms X`` stands in for a device that is busy X ms per pass while the host's cores
+are free (the hot experts' forward and backward each also sleep X ms), which a loaded machine measures steadily.
+With ``--device cuda`` the hot experts are queued on the GPU (timings synchronise the device at the end of each
+pass).
 """
 
 from __future__ import annotations
@@ -61,6 +64,12 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the physical cores)")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument(
+        "--device-ms",
+        type=float,
+        default=0.0,
+        help="simulated device time: the hot experts' forward and backward each also sleep this long (ms)",
+    )
     args = p.parse_args()
     threads = args.threads if args.threads is not None else default_num_threads()
     set_engine_threads(threads)
@@ -69,6 +78,7 @@ def main() -> None:
     print(
         f"{cpu.model} ({', '.join(cpu.isa) or 'no listed ISA extensions'}), {cpu.logical_cpus} logical CPUs, "
         f"{threads} torch threads; load {os.getloadavg()[0]:.1f}; hot experts on {device}"
+        + (f", simulated device time {args.device_ms:g} ms per pass" if args.device_ms > 0 else "")
     )
     weights = make_weights(args.experts, args.hidden, args.inter, args.rank, 2 * args.rank, torch.float32, 0)
     batch = make_batch(args.tokens, args.experts, args.top_k, args.hidden, torch.float32, 1)
@@ -78,6 +88,9 @@ def main() -> None:
     layer.place_hot(hot_ids, device, torch.float32)
     assert layer.hot is not None
     hot, engine = layer.hot, layer.engine
+    if args.device_ms > 0:  # a device busy for that long, during which the host's cores are free
+        hot.register_forward_hook(lambda *_: time.sleep(args.device_ms / 1e3))
+        hot.register_full_backward_hook(lambda *_: time.sleep(args.device_ms / 1e3))
     route = hot.route(batch.topk_ids)
     x = batch.x.to(device).requires_grad_(True)
     w = batch.topk_weights.to(device).requires_grad_(True)

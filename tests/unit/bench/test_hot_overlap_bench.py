@@ -14,14 +14,16 @@ SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "hot_overlap.py"
 
 def test_hot_overlap_bench_prints_the_hidden_share_of_both_passes(monkeypatch, capsys) -> None:
     threads = torch.get_num_threads()
-    sizes = "--experts 8 --hot 2 --tokens 16 --hidden 32 --inter 16 --top-k 2 --rank 2 --reps 1 --threads 1"
+    sizes = "--experts 8 --hot 2 --tokens 16 --hidden 32 --inter 16 --top-k 2 --rank 2 --reps 1 --threads 1 --device-ms 1"
     monkeypatch.setattr(sys, "argv", [str(SCRIPT), *sizes.split()])
     try:
         runpy.run_path(str(SCRIPT), run_name="__main__")
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
-    assert "logical CPUs" in out and "hot experts on cpu" in out  # the CPU and its ISA, the device
+    assert (
+        "logical CPUs" in out and "hot experts on cpu, simulated device time 1 ms" in out
+    )  # CPU, ISA, device
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ")}
     assert set(rows) == {"forward", "backward"}
     for row in rows.values():
