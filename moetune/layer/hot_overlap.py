@@ -24,11 +24,12 @@ thread computes the hot experts while the worker computes the engine, so the ove
 (``bench/hot_overlap.py`` measures the share of the hot experts' time hidden).
 
 The worker does host work only (the engine on host tensors); every device copy is issued on the calling thread.
-It computes in the caller's grad mode for the pass (off: autograd's forward and backward run without a graph) and
-with the caller's intra-op thread count (torch's count is per thread). One exception: on the CPU with expert LoRA
-dropout in training, both sides would draw masks from the one CPU random generator at once, so the hot experts
-run before the engine there (logged once). Results are those of ``ExpertsFunction``
-with the same ``subset``: the same engine calls on the same inputs.
+One stream suffices: each host copy is queued before the device work it must not wait for. The worker computes
+without a graph (as autograd's forward and backward do), in the caller's inference mode and with the caller's
+intra-op thread count (torch's count is per thread). One exception to "beside": on the CPU with expert LoRA
+dropout in training, both sides would draw masks from the one CPU random generator at once (in an order that
+changes from run to run), so there the hot experts run before the engine, forward and backward (logged once).
+Results are those of ``ExpertsFunction`` with the same ``subset``: the same engine calls on the same inputs.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -95,31 +97,23 @@ def _submit(fn: Callable[[], T]) -> Future[T]:
     return _engine_thread().submit(run)
 
 
+@dataclass
 class EngineJob:
     """The engine's share (``subset``'s slots) of one call, run on the worker: the forward submitted by
     ``EngineStart`` and collected by ``EngineJoin``, the backward submitted by ``EngineJoin`` and collected by
     ``EngineStart``."""
 
-    def __init__(
-        self,
-        engine: ExpertEngine,
-        lora: ExpertLoRA | None,
-        training: bool,
-        memo: ForwardMemo | None,
-        host: HostCopy,
-        subset: SlotSubset,
-    ) -> None:
-        self.engine, self.lora, self.training, self.memo, self.host, self.subset = (
-            engine,
-            lora,
-            training,
-            memo,
-            host,
-            subset,
-        )
-        self._forward: Future[tuple[torch.Tensor, SavedForward | None]] | None = None
-        self._backward: Future[tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]] | None = None
-        self.saved: SavedForward | None = None  # the forward the running backward consumes
+    engine: ExpertEngine
+    lora: ExpertLoRA | None
+    training: bool
+    memo: ForwardMemo | None
+    host: HostCopy
+    subset: SlotSubset
+    _forward: Future[tuple[torch.Tensor, SavedForward | None]] | None = field(default=None, init=False)
+    _backward: Future[tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]] | None = field(
+        default=None, init=False
+    )
+    saved: SavedForward | None = field(default=None, init=False)  # the forward the running backward consumes
 
     def start_forward(self, needs_backward: bool) -> None:
         args = (self.engine, self.lora, self.training, self.memo, self.host, self.subset, needs_backward)
