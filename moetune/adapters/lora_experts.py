@@ -18,6 +18,13 @@ the block adds its output to the block's output. The model's existing parameter 
 ordinary (stock PEFT) adapter keeps its keys; the child's name avoids ``lora_``, which PEFT's
 ``get_peft_model_state_dict`` selects by substring, so the LoRA experts never enter ``adapter_model.safetensors``.
 
+The LoRA experts are part of the adapter, so they follow PEFT's on/off switch: PEFT turns its adapters off and on
+(``PeftModel.disable_adapter()``, which TRL's dpo/kto reference pass uses; ``disable_adapter_layers()``) by calling
+``enable_adapters`` on every one of its tuner layers, which all hold the same state. Each :class:`LoraExperts` keeps
+one of the model's tuner layers (:class:`AdapterSwitch`, found when they are attached) and the block's hook adds
+nothing while that layer's adapters are disabled: the block then returns the base model's output exactly, as
+PEFT's LoRA layers return their base layer's. No PEFT or TRL class is changed.
+
 Saved beside the adapter as ``moetune_lora_experts.safetensors`` (:data:`FILE_NAME`; stock PEFT does not know LoRA
 experts and ignores the file): fp32 tensors ``<block path>.extra_experts.{gate_proj,up_proj,down_proj}`` of
 shapes ``[N, I', H]``, ``[N, I', H]``, ``[N, H, I']`` (block paths as in the transformers model, e.g.
@@ -32,7 +39,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +48,9 @@ from torch import nn
 from moetune.adapters.swap import LORA_EXPERTS_NAME
 from moetune.errors import AdapterError, LoadError, listing
 from moetune.layer import CpuExperts
+
+if TYPE_CHECKING:
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +83,29 @@ class LoraExpertsSpec:
         }
 
 
-class LoraExperts(nn.Module):
-    """One MoE block's LoRA experts (module docstring): ``forward(x: [..., H]) -> [..., H]`` in ``x``'s dtype."""
+class AdapterSwitch:
+    """Whether the model's PEFT adapters are enabled, read from one of its tuner layers (PEFT switches all of them
+    together); a plain object, so the layer is not registered as a submodule of the LoRA experts."""
 
-    def __init__(self, spec: LoraExpertsSpec, device: torch.device | str | None = None) -> None:
+    def __init__(self, layer: BaseTunerLayer) -> None:
+        self.layer = layer
+
+    @property
+    def enabled(self) -> bool:
+        return not self.layer.disable_adapters
+
+
+class LoraExperts(nn.Module):
+    """One MoE block's LoRA experts (module docstring): ``forward(x: [..., H]) -> [..., H]`` in ``x``'s dtype.
+
+    ``switch`` is PEFT's adapter on/off state they follow (module docstring)."""
+
+    def __init__(
+        self, spec: LoraExpertsSpec, switch: AdapterSwitch, device: torch.device | str | None = None
+    ) -> None:
         super().__init__()
         self.spec = spec
+        self.switch = switch
         shapes = spec.shapes()
 
         def empty(name: str) -> nn.Parameter:
@@ -106,7 +133,11 @@ class LoraExperts(nn.Module):
 
 
 def _add_lora_experts(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-    """Forward hook on an MoE block: its output plus its LoRA experts' output on the block's input."""
+    """Forward hook on an MoE block: its output plus its LoRA experts' output on the block's input; the output
+    unchanged while PEFT's adapters are disabled."""
+    extra = getattr(block, CHILD)
+    if not extra.switch.enabled:
+        return output
     x = args[0] if args else kwargs.get("hidden_states")
     first = output[0] if isinstance(output, tuple) else output
     if not isinstance(x, torch.Tensor) or not isinstance(first, torch.Tensor) or first.shape != x.shape:
@@ -115,7 +146,7 @@ def _add_lora_experts(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
             f"{getattr(first, 'shape', first)!r} are not hidden states of one shape; this family's MoE block does "
             "not take LoRA experts (remove lora_experts)"
         )
-    added = first + getattr(block, CHILD)(x)
+    added = first + extra(x)
     return (added, *output[1:]) if isinstance(output, tuple) else added
 
 
@@ -152,24 +183,40 @@ def lora_experts_of(model: nn.Module) -> dict[str, LoraExperts]:
     return out
 
 
+def adapter_switch(model: nn.Module) -> AdapterSwitch:
+    """The on/off switch of ``model``'s PEFT adapters (one of its tuner layers); ``AdapterError`` when it has
+    none (the LoRA experts belong to an adapter)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            return AdapterSwitch(module)
+    raise AdapterError(
+        f"LoRA experts belong to a PEFT adapter, and {type(model).__name__} has no PEFT LoRA layer; attach them to "
+        "the PeftModel (moetune.adapters.attach_lora, or get_peft_model) after its LoRA"
+    )
+
+
 def attach_lora_experts(model: nn.Module, num_experts: int, intermediate_size: int) -> dict[str, LoraExperts]:
-    """Add trainable LoRA experts to every MoE block of a ``moetune.load_model`` model (or the ``PeftModel``
-    over it), on the device of its embeddings; returns ``{block path: LoraExperts}``. Attach after PEFT's
-    ``get_peft_model`` (which freezes every parameter it does not own). ``AdapterError`` when they are there
-    already or the sizes are not whole numbers >= 1."""
+    """Add trainable LoRA experts to every MoE block of the ``PeftModel`` over a ``moetune.load_model`` model, on
+    the device of its embeddings; returns ``{block path: LoraExperts}``. Attach after PEFT's ``get_peft_model``
+    (which freezes every parameter it does not own); they follow its adapters' on/off switch (module docstring).
+    ``AdapterError`` when they are there already, the model has no PEFT adapter, or the sizes are not whole
+    numbers >= 1."""
     for key, value in (("lora_experts", num_experts), ("lora_expert_intermediate_size", intermediate_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise AdapterError(f"{key} is {value!r}; it must be a whole number >= 1")
     base = _base(model)
     if lora_experts_of(base):
         raise AdapterError(f"{type(base).__name__} already has LoRA experts; attach them once per model")
+    switch = adapter_switch(model)
     hidden = base.config.get_text_config().hidden_size
     spec = LoraExpertsSpec(num_experts, intermediate_size, hidden)
     device = base.get_input_embeddings().weight.device
     added = {}
     for path in moe_block_paths(base):
         block = base.get_submodule(path)
-        block.add_module(CHILD, LoraExperts(spec, device))
+        block.add_module(CHILD, LoraExperts(spec, switch, device))
         block.register_forward_hook(_add_lora_experts, with_kwargs=True)
         added[path] = getattr(block, CHILD)
     count = sum(p.numel() for m in added.values() for p in m.parameters())

@@ -299,7 +299,7 @@ def _check_cross_fields(
     if not finetune.do_train and not problems.has("do_train"):
         problems.add("do_train", "is false, but `moetune train` always trains; set it to true or remove it")
     _check_mode_keys(finetune, problems)
-    check_lora_expert_keys(finetune, finetune.stage.value, finetune.finetuning_type.value, problems)
+    check_lora_expert_keys(finetune, finetune.finetuning_type.value, problems)
     if training.warmup_ratio and training.warmup_steps:
         problems.add("warmup_steps", "is set together with warmup_ratio; set only one of them")
     has_eval = data.eval_dataset is not None or data.val_size > 0

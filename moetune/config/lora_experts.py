@@ -58,9 +58,9 @@ def _put(flat: dict[str, Any], key: str, value: Any, source: str, problems: Prob
     log.warning("%s: %r read as moetune's %s: %r", source, value, key, value)
 
 
-def check_lora_expert_keys(finetune: Any, stage: str, method: str, problems: Problems) -> None:
-    """``lora_experts`` and ``lora_expert_intermediate_size`` go together, with ``finetuning_type: lora`` and the
-    sft or pt stage (the dpo/kto reference model disables the adapter, which the LoRA experts are not part of)."""
+def check_lora_expert_keys(finetune: Any, method: str, problems: Problems) -> None:
+    """``lora_experts`` and ``lora_expert_intermediate_size`` go together, with ``finetuning_type: lora`` (they are
+    part of the adapter; every stage takes them, dpo/kto's reference pass switching them off with the adapter)."""
     count, size = finetune.lora_experts, finetune.lora_expert_intermediate_size
     if problems.has(_COUNT, _SIZE) or (count is None and size is None):
         return
@@ -73,10 +73,4 @@ def check_lora_expert_keys(finetune: Any, stage: str, method: str, problems: Pro
     elif method != "lora":
         problems.add(
             _COUNT, f"adds LoRA experts, which need finetuning_type: lora (it is {method}); remove it"
-        )
-    elif stage not in ("sft", "pt"):
-        problems.add(
-            _COUNT,
-            f"is not supported with stage {stage} (its reference model disables the adapter, not the LoRA experts); "
-            "use stage sft or pt, or remove lora_experts",
         )

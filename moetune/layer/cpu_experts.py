@@ -30,6 +30,7 @@ from moetune.engine.routing import validate_routing
 from moetune.errors import ConfigError, SaveError
 from moetune.layer.function import routed_experts
 from moetune.layer.hot import HotExperts
+from moetune.layer.hot_overlap import routed_experts_beside
 from moetune.layer.memo import ForwardMemo
 from moetune.layer.overlap import SharedAhead
 from moetune.layer.runtime_layout import from_runtime, to_runtime
@@ -174,27 +175,26 @@ class CpuExperts(nn.Module):
             e = self.engine.num_experts
             self.routing_counts += torch.bincount(host.wait()[1].reshape(-1), minlength=e)[:e]
             self.counted_on = (hidden_states.device, hidden_states.dtype)
-        y_hot, cold = None, None
-        if self.hot is not None:  # queued on the device before the engine runs (moetune.layer.hot)
-            x_host, ids_host, w_host = host.wait()
-            # all slots, before the split: the engine then sees one expert per row and could not tell duplicates
-            validate_routing(ids_host, w_host, x_host.shape[0], self.engine.num_experts)
-            route = self.hot.route(ids_host)
-            y_hot = self.hot(hidden_states, top_k_weights, route, self.engine.call_lora(lora), self.training)
-            cold = route.cold
-        y = routed_experts(
-            self.engine,
-            hidden_states,
-            top_k_index,
-            top_k_weights,
+        run = (self.engine, hidden_states, top_k_index, top_k_weights)
+        if self.hot is None:  # full mode's base gradients, sparse, into the expert optimizer's buffer
+            sink = self.base_grads if self.engine.mode is TrainMode.FULL else None
+            return routed_experts(
+                *run, training=self.training, memo=self.memo, host=host, lora=lora, sink=sink
+            )
+        # computed beside the engine, forward and backward (moetune.layer.hot, moetune.layer.hot_overlap)
+        x_host, ids_host, w_host = host.wait()
+        # all slots, before the split: the engine then sees one expert per row and could not tell duplicates
+        validate_routing(ids_host, w_host, x_host.shape[0], self.engine.num_experts)
+        route, hot, call_lora = self.hot.route(ids_host), self.hot, self.engine.call_lora(lora)
+        return routed_experts_beside(
+            *run,
+            beside=lambda: hot(hidden_states, top_k_weights, route, call_lora, self.training),
+            subset=route.cold,
             training=self.training,
             memo=self.memo,
             host=host,
             lora=lora,
-            subset=cold,
-            sink=self.base_grads if self.engine.mode is TrainMode.FULL else None,
         )
-        return y if y_hot is None else y + y_hot
 
     def _expert_tensors(self) -> dict[str, torch.Tensor]:
         """The engine's dense tensors by module name (``gate_up_proj``, ``down_proj``, biases), engine layout."""

@@ -21,6 +21,97 @@ from moetune.layer.memo import ForwardMemo
 from moetune.layer.transfer import HostCopy, to_device, to_host
 
 
+def forward_on_host(
+    engine: ExpertEngine,
+    lora: ExpertLoRA | None,
+    training: bool,
+    memo: ForwardMemo | None,
+    host: HostCopy,
+    subset: SlotSubset | None,
+    needs_backward: bool,
+) -> tuple[torch.Tensor, SavedForward | None]:
+    """The engine's forward on the host copies of (x ``[T, H]``, topk_ids ``[T, k]``, topk_weights ``[T, k]``):
+    y ``[T, H]`` on the host (only ``subset``'s slots, each as a row of its own, when given) and what its backward
+    needs (None without ``needs_backward``). Host work only, so it may run on another thread (``layer.hot_overlap``)."""
+    inputs = host.wait()
+    num_tokens = inputs[0].shape[0]
+    if subset is not None:  # one row per slot of the subset (k = 1)
+        inputs = subset.take(*inputs)
+    saved: SavedForward | None
+    if needs_backward and memo is not None:
+        y, saved = memo.forward(engine, *inputs, training=training, lora=lora)
+    else:
+        y, saved = engine.forward(*inputs, save=needs_backward, training=training, lora=lora)
+    return (subset.add_rows(y, num_tokens) if subset is not None else y), saved
+
+
+def backward_on_host(
+    engine: ExpertEngine,
+    saved: SavedForward | None,
+    subset: SlotSubset | None,
+    grad_y_host: torch.Tensor,
+    sink: ExpertGradBuffer | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...]]:
+    """grad_y ``[T, H]`` (host) -> the host gradients of x ``[T, H]``, topk_weights ``[T, k]`` and the trained
+    tensors (``engine.trained_tensors(saved.lora)`` order); host work only, like :func:`forward_on_host`.
+    Full mode's base gradients (only the experts with rows) go to ``sink`` when given (their entries are then
+    None: the expert optimizer reads the buffer), else become dense gradients (zeros for experts without rows)."""
+    num_tokens = grad_y_host.shape[0]
+    if subset is not None:
+        grad_y_host = grad_y_host.index_select(0, subset.token)
+    grads = engine.backward(saved, grad_y_host)
+    grad_x_host, grad_w_host = grads.x, grads.topk_weights
+    if subset is not None:
+        grad_x_host = subset.add_rows(grad_x_host, num_tokens)
+        grad_w_host = subset.put_slots(grad_w_host, num_tokens)
+    flat: tuple[torch.Tensor | None, ...] = grads.flat()
+    if grads.base is not None:
+        if sink is not None:
+            assert saved is not None
+            sink.add(grads.base, saved.index)
+            flat += (None,) * (len(engine.trained_tensors(saved.lora)) - len(flat))
+        else:
+            flat += tuple(grads.base.dense(engine.base_tensors()).values())
+    return grad_x_host, grad_w_host, flat
+
+
+def keep_saved(ctx: Any, saved: SavedForward | None) -> None:
+    """Hand a forward's big tensors to autograd (``ctx.save_for_backward``): it frees them after a backward
+    without retain_graph and raises its own "backward through the graph a second time" error on reuse;
+    retain_graph keeps them. :func:`kept_saved` gives the forward back in backward."""
+    ctx.saved = None
+    if saved is not None:
+        ctx.save_for_backward(*saved.tensors())
+        ctx.saved = saved.with_tensors((None,) * len(saved.TENSOR_FIELDS))
+
+
+def kept_saved(ctx: Any) -> SavedForward | None:
+    """The forward :func:`keep_saved` handed to autograd, its tensors back in place."""
+    return ctx.saved.with_tensors(ctx.saved_tensors) if ctx.saved is not None else None
+
+
+def device_grads(
+    engine: ExpertEngine,
+    saved: SavedForward | None,
+    host_grads: tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...]],
+    needs: tuple[bool, ...],
+    x_device: torch.device,
+    w_device: torch.device,
+) -> tuple[torch.Tensor | None, ...]:
+    """(grad x, grad topk_weights, *grads of the trained tensors) as autograd wants them back: x's and the
+    weights' on their devices, the trained tensors' in their dtypes, None where ``needs`` (x, weights, trained
+    tensors) says no gradient is wanted."""
+    grad_x_host, grad_w_host, flat = host_grads
+    trained = engine.trained_tensors(saved.lora if saved is not None else None)
+    trained_grads = tuple(
+        g.to(t.dtype) if need and g is not None else None
+        for g, t, need in zip(flat, trained, needs[2:], strict=True)
+    )
+    grad_x = to_device(grad_x_host, x_device) if needs[0] else None
+    grad_w = to_device(grad_w_host, w_device) if needs[1] else None
+    return (grad_x, grad_w, *trained_grads)
+
+
 class ExpertsFunction(torch.autograd.Function):
     """autograd glue; call through :func:`routed_experts`."""
 
@@ -40,59 +131,27 @@ class ExpertsFunction(torch.autograd.Function):
         *trained: torch.Tensor,
     ) -> torch.Tensor:
         needs_backward = any(ctx.needs_input_grad[7:])
-        inputs = (host if host is not None else HostCopy(x, topk_ids, topk_weights)).wait()
-        ctx.subset, ctx.num_tokens = subset, x.shape[0]
-        if subset is not None:  # one row per slot of the subset (k = 1)
-            inputs = subset.take(*inputs)
-        saved: SavedForward | None
-        if needs_backward and memo is not None:
-            y, saved = memo.forward(engine, *inputs, training=training, lora=lora)
-        else:
-            y, saved = engine.forward(*inputs, save=needs_backward, training=training, lora=lora)
-        ctx.engine, ctx.memo, ctx.saved, ctx.sink = engine, memo, None, sink
-        if saved is not None:
-            if sink is not None:
-                sink.expect_backward(saved.index)
-            # autograd owns the big tensors: it frees them after a backward without retain_graph and raises
-            # its own "backward through the graph a second time" error on reuse; retain_graph keeps them.
-            ctx.save_for_backward(*saved.tensors())
-            ctx.saved = saved.with_tensors((None,) * len(saved.TENSOR_FIELDS))
+        host = host if host is not None else HostCopy(x, topk_ids, topk_weights)
+        y, saved = forward_on_host(engine, lora, training, memo, host, subset, needs_backward)
+        keep_saved(ctx, saved)
+        ctx.engine, ctx.memo, ctx.subset, ctx.sink = engine, memo, subset, sink
+        if saved is not None and sink is not None:
+            sink.expect_backward(saved.index)
         ctx.x_device, ctx.w_device = x.device, topk_weights.device
-        if subset is not None:
-            y = subset.add_rows(y, x.shape[0])
         return to_device(y, x.device)
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         engine: ExpertEngine = ctx.engine
-        saved = ctx.saved.with_tensors(ctx.saved_tensors) if ctx.saved is not None else None
+        saved = kept_saved(ctx)
         if ctx.memo is not None and saved is not None:
             ctx.memo.forget(saved)
         (grad_y_host,) = to_host(grad_y)
-        subset: SlotSubset | None = ctx.subset
-        if subset is not None:
-            grad_y_host = grad_y_host.index_select(0, subset.token)
-        grads = engine.backward(saved, grad_y_host)
-        grad_x_host, grad_w_host = grads.x, grads.topk_weights
-        if subset is not None:
-            grad_x_host = subset.add_rows(grad_x_host, ctx.num_tokens)
-            grad_w_host = subset.put_slots(grad_w_host, ctx.num_tokens)
-        trained = engine.trained_tensors(saved.lora if saved is not None else None)
-        flat: tuple[torch.Tensor | None, ...] = grads.flat()
-        if grads.base is not None:
-            sink: ExpertGradBuffer | None = ctx.sink
-            if sink is not None:  # sparse: the expert optimizer reads them from the buffer, no dense .grad
-                assert saved is not None
-                sink.add(grads.base, saved.index)
-                flat += (None,) * (len(trained) - len(flat))
-            else:  # plain autograd (any torch optimizer): a dense grad, zeros for experts without rows
-                flat += tuple(grads.base.dense(engine.base_tensors()).values())
-        trained_grads = tuple(
-            g.to(t.dtype) if need and g is not None else None
-            for g, t, need in zip(flat, trained, ctx.needs_input_grad[10:], strict=True)
+        host_grads = backward_on_host(engine, saved, ctx.subset, grad_y_host, ctx.sink)
+        needs = (ctx.needs_input_grad[7], ctx.needs_input_grad[9], *ctx.needs_input_grad[10:])
+        grad_x, grad_w, *trained_grads = device_grads(
+            engine, saved, host_grads, needs, ctx.x_device, ctx.w_device
         )
-        grad_x = to_device(grad_x_host, ctx.x_device) if ctx.needs_input_grad[7] else None
-        grad_w = to_device(grad_w_host, ctx.w_device) if ctx.needs_input_grad[9] else None
         return (None, None, None, None, None, None, None, grad_x, None, grad_w, *trained_grads)
 
 
@@ -121,6 +180,8 @@ def routed_experts(
     ``sink``: full mode's base gradients go there, sparse (``moetune.engine.base_grads``), instead of into
     dense ``.grad`` tensors of the base weights.
     """
+    # no graph (a checkpoint's first pass): no backward to expect
+    sink = sink if torch.is_grad_enabled() else None
     return ExpertsFunction.apply(
         engine,
         lora,
@@ -128,9 +189,7 @@ def routed_experts(
         memo,
         host,
         subset,
-        sink
-        if torch.is_grad_enabled()
-        else None,  # no graph (a checkpoint's first pass): no backward to expect
+        sink,
         x,
         topk_ids,
         topk_weights,

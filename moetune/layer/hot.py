@@ -12,10 +12,11 @@ unchanged, nothing is re-read) but computes only the slots routed to the others 
    the same gated MLP as the engine, ``act`` being the engine's own activation object (torch ops, any device),
    with the call's expert LoRA restricted to the hot rows (``index_select`` of the ``[E, ...]`` tensors: the
    gradient flows to the same PEFT parameters, so the saved adapter keeps its layout);
-3. the engine computes the cold slots on the host meanwhile (on CUDA the device kernels run concurrently;
-   with ``device="cpu"`` standing in, the two run one after the other), and the two outputs are summed.
+3. the engine computes the cold slots on the host meanwhile, on a worker thread (``moetune.layer.hot_overlap``),
+   and the two outputs are summed.
 
-Backward is autograd's: the device path's ops, and the engine's backward for the cold slots. Results equal
+Backward is autograd's: the device path's ops, queued (computed, with ``device="cpu"`` standing in) on the calling
+thread while the worker runs the engine's backward for the cold slots (``moetune.layer.hot_overlap``). Results equal
 the all-CPU ones up to summation order (fp32: rounding level).
 Costs: the engine's inputs become one row per cold slot (``[N_cold, H]`` with ``k = 1``), so what its forward
 keeps for backward holds ``N_cold`` rows of x instead of ``T`` (up to k times more for x alone).

@@ -14,7 +14,7 @@ kto stages). Given a guard (``moetune.train.guards.attach_guard``), every micro-
 gradient norm reach it before ``optimizer.step()``, so a diverged step is stopped or skipped before it is applied.
 LoRA experts (``moetune.adapters.lora_experts``), which PEFT does not save, are written into every checkpoint beside
 the adapter (``moetune_lora_experts.safetensors``, inside the staged folder, so atomic with it) and restored on
-resume and by ``load_best_model_at_end``.
+resume and by ``load_best_model_at_end`` (``moetune.train.lora_experts_checkpoints``, shared with the TRL trainers).
 A full/freeze model (``moetune.train.modes``; no PEFT wrapper) checkpoints its weights and optimizer state layer by
 layer as safetensors instead of ``model.safetensors`` / ``optimizer.pt`` (``moetune.train.layered``), and a resume
 that would leave routed-expert weights unloaded raises ``LoadError`` (the Trainer only warns about missing keys).
@@ -28,17 +28,12 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import SCHEDULER_NAME
 
-from moetune.adapters.lora_experts import FILE_NAME as LORA_EXPERTS_FILE
-from moetune.adapters.lora_experts import spec_of, write_lora_experts
-from moetune.adapters.save import restore_lora_experts
-from moetune.atomic import write_atomically
 from moetune.config.schema import DivergenceAction
 from moetune.errors import LoadError
 from moetune.train.checkpoints import STAGING_PREFIX, AtomicCheckpoints
@@ -51,11 +46,12 @@ from moetune.train.layered import (
     save_model_by_layer,
     save_optimizer_by_layer,
 )
+from moetune.train.lora_experts_checkpoints import LoraExpertsCheckpoints
 
 __all__ = ["STAGING_PREFIX", "MoetuneTrainer", "ProgressBar"]
 
 
-class MoetuneTrainer(GuardedSteps, AveragesHostGrads, AtomicCheckpoints, Trainer):
+class MoetuneTrainer(GuardedSteps, AveragesHostGrads, AtomicCheckpoints, LoraExpertsCheckpoints, Trainer):
     """A ``Trainer`` (a subclass; no library class is patched) whose checkpoints are renamed into place only
     once complete (:class:`~moetune.train.checkpoints.AtomicCheckpoints`) and whose steps a numerical guard can
     stop or skip (:class:`~moetune.train.guards.GuardedSteps`)."""
@@ -132,11 +128,7 @@ class MoetuneTrainer(GuardedSteps, AveragesHostGrads, AtomicCheckpoints, Trainer
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if self._staging is None or not self._layered():
-            super()._save(output_dir, state_dict)
-            model: Any = self.model
-            if self.args.should_save and spec_of(model) is not None:
-                folder = Path(output_dir if output_dir is not None else self.args.output_dir)
-                write_atomically(folder / LORA_EXPERTS_FILE, lambda path: write_lora_experts(model, path))
+            super()._save(output_dir, state_dict)  # LoraExpertsCheckpoints: the LoRA experts too
             return
         if not self.args.should_save:  # transformers calls _save on every rank; the main one writes
             return
@@ -166,22 +158,6 @@ class MoetuneTrainer(GuardedSteps, AveragesHostGrads, AtomicCheckpoints, Trainer
         self.lr_scheduler.load_state_dict(
             torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
         )
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
-        self._restore_lora_experts(model if model is not None else self.model, resume_from_checkpoint)
-
-    def _load_best_model(self) -> None:
-        super()._load_best_model()
-        self._restore_lora_experts(self.model, self.state.best_model_checkpoint)
-
-    @staticmethod
-    def _restore_lora_experts(model: Any, checkpoint: str) -> None:
-        """A PEFT model's LoRA experts from the checkpoint (``AdapterError`` when the two disagree on having them)."""
-        from peft import PeftModel
-
-        if isinstance(model, PeftModel):
-            restore_lora_experts(model, checkpoint, attach=False)
 
     def _issue_warnings_after_load(self, load_result: Any) -> None:
         from moetune.layer import CpuExperts

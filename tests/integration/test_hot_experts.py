@@ -16,6 +16,9 @@ from moetune.testing.tiny import VOCAB, save_tiny_model
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
 TOL = 1e-5  # float32: the hot and cold shares are summed in another order than the engine's own combine
+WAIT = (
+    20.0  # seconds one side of the overlap test waits for the other before it fails (a guard, not a timing)
+)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +123,88 @@ def test_hot_experts_with_gradient_checkpointing(checkpoints, one_thread) -> Non
         torch.testing.assert_close(got[name], want[name], atol=TOL, rtol=TOL, msg=name)
 
 
+def test_hot_experts_run_beside_the_engine_forward_and_backward(checkpoints, one_thread, monkeypatch) -> None:
+    """Each side waits for the other, so the step finishes only if the two run at the same time: the hot experts'
+    forward starts only once the engine's forward has started, the engine's backward only once the hot experts'
+    backward has finished. (Run one after the other, the first waiter would wait for ever: here WAIT seconds, then
+    it fails.) Logits and gradients still equal the all-CPU model's."""
+    import threading
+
+    path = checkpoints["qwen3_moe"]
+    ref, hot = _model(path), _model(path, gpu_experts=[[1, 4, 6], [0, 7]])
+    experts = _experts(hot)[0]
+    assert experts.hot is not None
+    engine_forward, hot_backward = threading.Event(), threading.Event()
+    waited: list[str] = []
+
+    def wait_for(event: threading.Event, what: str) -> None:
+        if not event.wait(WAIT):
+            waited.append(what)  # the failure is reported after the step, not raised on another thread
+            raise AssertionError(f"waited {WAIT} s for {what}")
+
+    forward, backward = experts.engine.forward, experts.engine.backward
+
+    def engine_forward_started(*args, **kwargs):
+        engine_forward.set()
+        return forward(*args, **kwargs)
+
+    def engine_backward_after_hot(*args, **kwargs):
+        wait_for(hot_backward, "the hot experts' backward, before the engine's backward could go on")
+        return backward(*args, **kwargs)
+
+    monkeypatch.setattr(experts.engine, "forward", engine_forward_started)
+    monkeypatch.setattr(experts.engine, "backward", engine_backward_after_hot)
+    experts.hot.register_forward_pre_hook(
+        lambda *_: wait_for(
+            engine_forward, "the engine's forward, before the hot experts' forward could go on"
+        )
+    )
+    experts.hot.register_full_backward_hook(lambda *_: hot_backward.set())
+    ids = _ids(5)
+    want_logits, want = _step(ref, ids)
+    got_logits, got = _step(hot, ids)
+    assert not waited and engine_forward.is_set() and hot_backward.is_set()
+    torch.testing.assert_close(got_logits, want_logits, atol=TOL, rtol=TOL)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=TOL, rtol=TOL, msg=name)
+
+
+def test_on_the_cpu_with_lora_dropout_the_hot_experts_run_first(checkpoints, one_thread, monkeypatch) -> None:
+    """With expert LoRA dropout on the CPU stand-in both sides would draw masks from the one CPU generator at once:
+    the hot experts run before the engine starts (it has not started when they begin, even given time), and two
+    steps from the same seed give the same gradients."""
+    import threading
+
+    from moetune.adapters import attach_lora
+    from moetune.loading import load_model
+
+    path = checkpoints["qwen3_moe"]
+    model = load_model(path, device="cpu", dtype="float32", progress=False, gpu_experts=[[1, 4, 6], [0, 7]])
+    hot = attach_lora(model, rank=4, alpha=8, dropout=0.3, targets=("o_proj", "experts"))
+    experts = _experts(hot)[0]
+    assert experts.hot is not None
+    engine_started = threading.Event()
+    seen: list[bool] = []
+    forward = experts.engine.forward
+
+    def engine_forward(*args, **kwargs):
+        engine_started.set()
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(experts.engine, "forward", engine_forward)
+    # beside each other, the engine would start within this wait; one after the other it never does
+    experts.hot.register_forward_pre_hook(lambda *_: seen.append(engine_started.wait(2.0)))
+    grads = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        hot.zero_grad()
+        grads.append(_step(hot, _ids(6))[1])
+        engine_started.clear()
+    assert seen == [False, False]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=0, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_saved_adapter_loads_in_stock_peft(checkpoints, family, tmp_path) -> None:
     """The adapter trained with hot experts is the stock PEFT layout: loaded on the unmodified transformers
@@ -217,6 +302,54 @@ def test_hot_experts_on_cuda_match_all_cpu(checkpoints, family) -> None:
     torch.testing.assert_close(got_logits.cpu(), want_logits, atol=1e-4, rtol=1e-4)
     for name in want:
         torch.testing.assert_close(got[name].cpu(), want[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_engine_computes_while_the_gpu_runs_the_hot_experts(checkpoints, monkeypatch) -> None:
+    """Right after the hot experts' forward and after their backward have been queued, hooks keep the GPU busy
+    (a sleep kernel of about a second, then an event); the engine's forward and backward each find that kernel
+    still running when they start: the host copies they wait for were queued before the hot experts' work, and
+    nothing on the host waited for the GPU to finish it."""
+    import threading
+
+    from moetune.adapters import attach_lora
+    from moetune.loading import load_model
+
+    path = checkpoints["qwen3_moe"]
+    hot = attach_lora(
+        load_model(path, device="cuda", dtype="float32", progress=False, gpu_experts=3),
+        rank=4,
+        alpha=8,
+        targets=("o_proj", "experts"),
+    )
+    experts = _experts(hot)[0]
+    assert experts.hot is not None
+    queued = {"forward": threading.Event(), "backward": threading.Event()}
+    busy: dict[str, torch.cuda.Event] = {}
+    gpu_busy_at_start: dict[str, bool] = {}
+
+    def keep_gpu_busy(phase: str) -> None:
+        torch.cuda._sleep(2_000_000_000)  # clock cycles: about a second
+        busy[phase] = torch.cuda.Event()
+        busy[phase].record()
+        queued[phase].set()
+
+    def engine_pass(phase: str, run):
+        def wrapped(*args, **kwargs):
+            assert queued[phase].wait(WAIT), f"the hot experts' {phase} was not queued beside the engine's"
+            gpu_busy_at_start[phase] = not busy[phase].query()
+            return run(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(experts.engine, "forward", engine_pass("forward", experts.engine.forward))
+    monkeypatch.setattr(experts.engine, "backward", engine_pass("backward", experts.engine.backward))
+    experts.hot.register_forward_hook(lambda *_: keep_gpu_busy("forward"))
+    experts.hot.register_full_backward_hook(lambda *_: keep_gpu_busy("backward"))
+    _step(hot, _ids().cuda())
+    torch.cuda.synchronize()
+    assert gpu_busy_at_start == {"forward": True, "backward": True}
 
 
 def test_bad_routing_is_refused_with_hot_experts(checkpoints) -> None:

@@ -127,6 +127,41 @@ def test_zero_initialised_down_projection_leaves_the_base_model(checkpoints, fam
         assert module.down_proj.grad is not None and module.down_proj.grad.abs().max() > 0
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_disabling_the_adapter_switches_the_lora_experts_off(checkpoints, family) -> None:
+    """The LoRA experts belong to the adapter: with PEFT's adapters disabled (``disable_adapter()``, which TRL's
+    dpo/kto reference pass uses, or ``disable_adapter_layers()``) the random LoRA experts add nothing and the logits
+    are the unmodified transformers model's; enabled again, the adapted logits come back."""
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoints[family]
+    model = _moetune(path)
+    _randomize(model)
+    ids = _ids(4)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want, adapted = base(input_ids=ids).logits, model(input_ids=ids).logits
+        assert (adapted - want).abs().max() > 1e-2
+        with model.disable_adapter():
+            torch.testing.assert_close(model(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(model(input_ids=ids).logits, adapted, atol=0, rtol=0)
+        model.base_model.disable_adapter_layers()
+        torch.testing.assert_close(model(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+        model.base_model.enable_adapter_layers()
+        torch.testing.assert_close(model(input_ids=ids).logits, adapted, atol=0, rtol=0)
+
+
+def test_lora_experts_need_a_peft_adapter(checkpoints) -> None:
+    """Attached to a model without PEFT LoRA they would have no adapter switch to follow: refused, named."""
+    from moetune.adapters import attach_lora_experts
+    from moetune.errors import AdapterError
+    from moetune.loading import load_model
+
+    model = load_model(checkpoints["qwen3_moe"], device="cpu", dtype="float32", progress=False)
+    with pytest.raises(AdapterError, match="no PEFT LoRA layer; attach them to the PeftModel"):
+        attach_lora_experts(model, 2, 4)
+
+
 def test_saved_adapter_reloads_exactly_and_its_stock_part_loads_in_stock_peft(checkpoints, tmp_path) -> None:
     """save_adapter writes the stock pair plus moetune_lora_experts.safetensors; load_model(adapter=) restores
     both (identical logits, LoRA experts frozen like the LoRA); stock PEFT loads the stock pair alone and computes

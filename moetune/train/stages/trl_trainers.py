@@ -1,8 +1,9 @@
 """TRL's ``DPOTrainer`` and ``KTOTrainer`` as moetune runs them: subclasses, no TRL class patched.
 
-Two things differ from stock TRL:
+Three things differ from stock TRL:
 
-- Checkpoints are atomic (:class:`~moetune.train.checkpoints.AtomicCheckpoints`, as for sft).
+- Checkpoints are atomic (:class:`~moetune.train.checkpoints.AtomicCheckpoints`, as for sft) and hold the LoRA
+  experts when the model has them (:class:`~moetune.train.lora_experts_checkpoints.LoraExpertsCheckpoints`).
 - Datasets tokenized by moetune's data path (``moetune.train.preference``: LLaMA-Factory's row forms, moetune's
   chat rendering, truncation and checks; what ``moetune train`` passes) skip TRL's ``_prepare_dataset`` (prompt
   extraction, tokenization); kto adds its KL completions to them as TRL does. Any other dataset (TRL's own
@@ -16,7 +17,8 @@ Two things differ from stock TRL:
   ``__init__`` a weightless placeholder as ``ref_model`` and set ``ref_model`` back to None once it returns;
   from then on TRL computes every reference log-probability on its own PEFT path, ``use_adapter(model, None)``
   = ``PeftModel.disable_adapter()``, which switches the routed experts' LoRA off too
-  (``moetune.adapters.expert_layer``). For a fresh adapter (B = 0) that is the same function as the copy TRL
+  (``moetune.adapters.expert_layer``) and the LoRA experts (``moetune.adapters.lora_experts``, which follow PEFT's
+  adapter switch). For a fresh adapter (B = 0) that is the same function as the copy TRL
   would have made, with no second set of LoRA weights and no second copy of anything.
 """
 
@@ -31,6 +33,7 @@ from moetune.train.checkpoints import AtomicCheckpoints
 from moetune.train.data import PreparedData
 from moetune.train.guards import GuardedSteps
 from moetune.train.host_grads import AveragesHostGrads
+from moetune.train.lora_experts_checkpoints import LoraExpertsCheckpoints
 
 DPO_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 KTO_COLUMNS = ("prompt_ids", "completion_ids", "label")
@@ -67,7 +70,12 @@ def _tokenized(dataset: Any, columns: tuple[str, ...]) -> bool:
 
 
 class MoetuneDPOTrainer(
-    GuardedSteps, AveragesHostGrads, AtomicCheckpoints, AdapterDisabledReference, DPOTrainer
+    GuardedSteps,
+    AveragesHostGrads,
+    AtomicCheckpoints,
+    LoraExpertsCheckpoints,
+    AdapterDisabledReference,
+    DPOTrainer,
 ):
     """TRL's ``DPOTrainer`` for a moetune ``PeftModel``: the reference is the model with its adapters disabled,
     checkpoints are atomic, and moetune-tokenized pairs skip TRL's tokenization."""
@@ -79,7 +87,12 @@ class MoetuneDPOTrainer(
 
 
 class MoetuneKTOTrainer(
-    GuardedSteps, AveragesHostGrads, AtomicCheckpoints, AdapterDisabledReference, KTOTrainer
+    GuardedSteps,
+    AveragesHostGrads,
+    AtomicCheckpoints,
+    LoraExpertsCheckpoints,
+    AdapterDisabledReference,
+    KTOTrainer,
 ):
     """TRL's ``KTOTrainer`` for a moetune ``PeftModel``: the reference is the model with its adapters disabled,
     checkpoints are atomic, and moetune-tokenized rows skip TRL's tokenization."""
