@@ -1,0 +1,122 @@
+"""Every GEMM path (``gemm.resolve_gemm_path``) against a float64 reference, forward and every gradient.
+
+The path an engine takes depends on the CPU (whole converted matrices with AMX-BF16, cache-sized row blocks
+elsewhere) and on the format (int8's codes with the per-row scale moved onto the GEMM's small side, or
+dequantized tiles), so each is pinned here in turn on any machine. The reference is a float64 engine on the
+format's own dequantized weights: whatever path runs, the effective weights must be the format's.
+
+Bounds (max-abs error over the reference's max-abs, per quantity): fp32 compute 1e-5 (rounding only);
+bf16 compute 2e-2, and at most twice the error of a dense bf16 engine holding ``dequantize(bf16)`` (the
+accuracy bf16 compute has anyway: 5-8e-3 here, measured). A path that dropped the scale, applied it on the
+wrong side, or read another expert's rows is off by the quantization error (~1e-2 for int8) or by O(1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetune.engine import DenseExperts, ExpertFormat
+from moetune.engine.formats import Int8Experts
+from moetune.engine.gemm import GemmPath, resolve_gemm_path
+from moetune.sysinfo import CpuInfo
+from tests.unit.engine.test_formats import QUANTIZED, E, H, _lora, _module, gaussian
+from tests.unit.engine_cases import make_routing, run_module
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+T, K = 24, 2
+
+
+def _cpu(*isa: str) -> CpuInfo:
+    return CpuInfo(model="test", isa=isa, logical_cpus=2, physical_cores=2, numa_nodes=1)
+
+
+def _paths(fmt: ExpertFormat, compute: torch.dtype) -> list[GemmPath]:
+    conversions = ["dequantized tiles"]
+    if compute in fmt.SCALED_TILE_DTYPES:
+        conversions.append("scaled codes")
+    return [GemmPath(c, whole_tiles=w) for c in conversions for w in (True, False)]
+
+
+def _errors(y, grads, ref_y, ref_grads) -> dict[str, float]:
+    pairs = [("y", y, ref_y)] + [(n, grads[n], ref_grads[n]) for n in ref_grads]
+    return {
+        n: float((got.double() - ref.double()).abs().max() / ref.double().abs().max())
+        for n, got, ref in pairs
+    }
+
+
+@pytest.fixture(scope="module")
+def formats() -> dict[str, ExpertFormat]:
+    gate_up, down = gaussian()
+    return {c.id: c.build(gate_up, down) for c in QUANTIZED}
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in QUANTIZED if c.id in ("int8", "int4-g64-asym", "fp8_block")], ids=str
+)
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=str)
+def test_every_gemm_path_matches_float64(case, compute, formats):
+    fmt = formats[case.id]
+    x, ids, w = make_routing(T=T, E=E, k=K, H=H, dtype=torch.float32)
+    gy = torch.randn(T, H, generator=torch.Generator().manual_seed(5))
+    lora = _lora()
+    ref = run_module(
+        _module(
+            DenseExperts(*fmt.dequantize(torch.float64)),
+            {n: t.double() for n, t in lora.items()},
+            compute_dtype=torch.float64,
+        ),
+        x.double(),
+        ids,
+        w.double(),
+        gy.double(),
+    )
+    dense = _errors(
+        *run_module(
+            _module(DenseExperts(*fmt.dequantize(compute)), lora, compute_dtype=compute), x, ids, w, gy
+        ),
+        *ref,
+    )
+    for path in _paths(fmt, compute):
+        module = _module(fmt, lora, compute_dtype=compute)
+        module.engine.gemm.path = path
+        errors = _errors(*run_module(module, x, ids, w, gy), *ref)
+        for name, err in errors.items():
+            if compute == torch.float32:
+                assert err <= 1e-5, (path, name, err)
+            else:
+                assert err <= min(2e-2, max(2 * dense[name], 1e-3)), (path, name, err, dense[name])
+
+
+def test_int8_scaled_codes_path_and_its_dtypes(formats):
+    """int8's scaled tile is its codes (exactly) and row scales: their product is ``dequantize``'s weight."""
+    fmt = formats["int8"]
+    assert isinstance(fmt, Int8Experts)
+    full = fmt.dequantize(torch.float32)[0]  # the fp32 product of code and scale
+    for dtype in Int8Experts.SCALED_TILE_DTYPES:
+        buf = torch.empty(fmt.shape("gate_up"), dtype=dtype)
+        codes, scale = fmt.scaled_tile("gate_up", 2, dtype, buf, slice(None))
+        assert codes.data_ptr() == buf.data_ptr() and torch.equal(codes.double(), fmt.gate_up[2].double())
+        assert scale.dtype == torch.float32 and torch.equal(codes.float() * scale[:, None], full[2])
+        part, part_scale = fmt.scaled_tile(
+            "gate_up", 2, dtype, torch.empty(16, H, dtype=dtype), slice(16, 32)
+        )
+        assert torch.equal(part.double(), fmt.gate_up[2, 16:32].double())
+        assert torch.equal(part_scale, fmt.gate_up_scale[2, 16:32])
+
+
+def test_resolve_gemm_path_per_format_dtype_and_cpu(formats):
+    gate_up, down = gaussian()
+    amx, avx512 = _cpu("AMX-BF16", "AVX512-BF16", "AVX512F", "AVX2"), _cpu("AVX512-BF16", "AVX512F", "AVX2")
+    bf16 = DenseExperts(gate_up.bfloat16(), down.bfloat16())
+    assert resolve_gemm_path(bf16, torch.bfloat16, amx).conversion == "view"
+    assert resolve_gemm_path(bf16, torch.float32, avx512) == GemmPath("dequantized tiles", whole_tiles=False)
+    int8, int4 = formats["int8"], formats["int4-g64-sym"]
+    assert resolve_gemm_path(int8, torch.bfloat16, amx) == GemmPath("scaled codes", whole_tiles=True)
+    assert resolve_gemm_path(int8, torch.bfloat16, avx512) == GemmPath("scaled codes", whole_tiles=False)
+    assert resolve_gemm_path(int8, torch.float32, amx) == GemmPath("scaled codes", whole_tiles=False)
+    assert resolve_gemm_path(int4, torch.bfloat16, amx) == GemmPath("dequantized tiles", whole_tiles=True)
+    assert resolve_gemm_path(int4, torch.float32, _cpu("AVX2")).whole_tiles is False
+    assert "per-row scale" in resolve_gemm_path(int8, torch.bfloat16, amx).describe()
