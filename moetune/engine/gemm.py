@@ -5,10 +5,12 @@ dtype. How, is one :class:`GemmPath`, resolved once per engine from the format, 
 CPU (``resolve_gemm_path``; ``moetune doctor`` prints it per format):
 
 * ``view``: dense weights stored in the compute dtype, multiplied in place (no copy).
-* ``scaled codes``: formats whose matrix is ``diag(row_scale) @ codes`` (int8) convert only the codes, in one
-  exact pass, and apply the fp32 per-row scale to the GEMM's small side: forward scales its ``[n, D_out]``
-  output, backward its ``[n, D_out]`` input gradient. Dequantizing (convert, multiply, round) took three passes
-  over every weight; this is one.
+* ``scaled codes``: formats whose matrix is ``diag(row_scale) @ codes`` (int8), for experts with at most
+  ``SMALL_ROWS`` rows, convert only the codes, in one exact pass, and apply the fp32 per-row scale to the GEMM's
+  small side: forward scales its ``[n, D_out]`` output, backward its ``[n, D_out]`` input gradient.
+  Dequantizing (convert, multiply, round) takes three passes over every weight; this is one. With more rows,
+  scaling ``[n, D_out]`` in mixed bf16/fp32 costs more than it saves (measured 3.9 ms per [1024, 1536] vs
+  0.04 ms at n = 64), so those experts take dequantized tiles.
 * ``dequantized tiles``: the others (``ExpertFormat.tile``) write the effective weight in the compute dtype.
 
 Converted weights come whole or in row blocks: on CPUs with AMX-BF16 a bf16 GEMM on a whole converted matrix
@@ -53,7 +55,8 @@ class GemmPath:
             return "GEMMs on the stored weights (no conversion)"
         size = "whole matrices" if self.whole_tiles else "cache-sized row blocks"
         what = (
-            "codes converted exactly, per-row scale applied to the GEMM's output / input gradient"
+            f"experts with <= {SMALL_ROWS} rows: codes converted exactly, per-row scale applied to the GEMM's "
+            "output / input gradient; more rows: weights dequantized"
             if self.conversion == "scaled codes"
             else "weights dequantized"
         )
@@ -96,7 +99,7 @@ class BlockedGemm:
         """Expert e's ``proj`` matrix ``[D_out, D_in]`` as ``(r0, r1, W, scale)`` blocks in the compute dtype:
         ``W[r0:r1]`` itself (scale None) or, on the scaled-codes path, its codes and fp32 row scales ``[R]``.
 
-        Stored in the compute dtype: one block, a view. Otherwise each block is converted into a reused buffer:
+        Stored in the compute dtype: one block, a view. Scaled codes: for ``n <= SMALL_ROWS``. Otherwise each block is converted into a reused buffer:
         whole matrices on the ``whole_tiles`` path or when ``whole`` asks for one block; else blocks small enough
         to stay in cache while their GEMM with the expert's ``n`` rows runs (few rows are memory bound: small
         blocks; many rows want wider GEMMs: larger blocks).
@@ -112,10 +115,11 @@ class BlockedGemm:
         else:  # whole blocks of the format's scales
             step = min(d_out, -(-(128 if n < 256 else 256) // align) * align)
         buf = thread_workspace().get(f"tile_{proj}", (step, d_in), cd)
+        scaled = self.path.conversion == "scaled codes" and n <= SMALL_ROWS
         for r0 in range(0, d_out, step):
             r1 = min(r0 + step, d_out)
             rows = slice(r0, r1)
-            if self.path.conversion == "scaled codes":
+            if scaled:
                 codes, scale = self.weights.scaled_tile(proj, e, cd, buf[: r1 - r0], rows)
                 yield r0, r1, codes, scale
             else:
@@ -134,21 +138,14 @@ class BlockedGemm:
         rounded once into ``out`` (added to it when accumulating).
         """
         n = inp.shape[0]
-        ws = thread_workspace()
         for r0, r1, w, scale in self.row_blocks(proj, e, n):
             dst = out[:, r0:r1]
-            if n <= SMALL_ROWS:
-                tmp = ws.get("wt_tmp", (r1 - r0, n), inp.dtype)
-                torch.mm(w, inp.t(), out=tmp)
-                res = tmp.t()  # [n, R]
-            elif scale is None:
+            if n > SMALL_ROWS:  # weights themselves (scaled codes only come with few rows)
+                assert scale is None
                 dst.addmm_(inp, w.t()) if accumulate else torch.mm(inp, w.t(), out=dst)
                 continue
-            elif accumulate:
-                res = torch.mm(inp, w.t(), out=ws.get("wt_wide", (n, r1 - r0), inp.dtype))
-            else:
-                torch.mm(inp, w.t(), out=dst)
-                res = dst
+            tmp = thread_workspace().get("wt_tmp", (r1 - r0, n), inp.dtype)
+            res = torch.mm(w, inp.t(), out=tmp).t()  # [n, R]
             if scale is None:
                 dst.add_(res) if accumulate else dst.copy_(res)
             elif accumulate:

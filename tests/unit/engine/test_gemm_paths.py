@@ -7,7 +7,8 @@ format's own dequantized weights: whatever path runs, the effective weights must
 
 Bounds (max-abs error over the reference's max-abs, per quantity): fp32 compute 1e-5 (rounding only);
 bf16 compute 2e-2, and at most twice the error of a dense bf16 engine holding ``dequantize(bf16)`` (the
-accuracy bf16 compute has anyway: 5-8e-3 here, measured). A path that dropped the scale, applied it on the
+accuracy bf16 compute has anyway: 5-8e-3 here, measured). Experts with few rows and with many (which take
+other branches: the weight-left GEMM, scaled codes only up to ``SMALL_ROWS``) both run. A path that dropped the scale, applied it on the
 wrong side, or read another expert's rows is off by the quantization error (~1e-2 for int8) or by O(1).
 """
 
@@ -16,16 +17,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetune.engine import DenseExperts, ExpertFormat
+from moetune.engine import DenseExperts, EngineOptions, ExpertEngine, ExpertFormat
 from moetune.engine.formats import Int8Experts
 from moetune.engine.gemm import GemmPath, resolve_gemm_path
+from moetune.layer import CpuExperts
 from moetune.sysinfo import CpuInfo
 from tests.unit.engine.test_formats import QUANTIZED, E, H, _lora, _module, gaussian
 from tests.unit.engine_cases import make_routing, run_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-T, K = 24, 2
+K = 2
 
 
 def _cpu(*isa: str) -> CpuInfo:
@@ -53,34 +55,38 @@ def formats() -> dict[str, ExpertFormat]:
     return {c.id: c.build(gate_up, down) for c in QUANTIZED}
 
 
+def _build(weights: ExpertFormat, lora: dict[str, torch.Tensor] | None, compute: torch.dtype) -> CpuExperts:
+    """The engine module on ``weights``, with expert LoRA (lora mode) or without (frozen mode: the forward
+    GEMMs then write their output instead of adding to the LoRA term)."""
+    if lora is not None:
+        return _module(weights, lora, compute_dtype=compute)
+    return CpuExperts(ExpertEngine(weights, options=EngineOptions(compute_dtype=compute)))
+
+
 @pytest.mark.parametrize(
     "case", [c for c in QUANTIZED if c.id in ("int8", "int4-g64-asym", "fp8_block")], ids=str
 )
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=str)
-def test_every_gemm_path_matches_float64(case, compute, formats):
+@pytest.mark.parametrize("T", [24, 300])  # ~12 rows per expert, and ~150 > gemm.SMALL_ROWS
+@pytest.mark.parametrize("with_lora", [True, False], ids=["lora", "frozen"])
+def test_every_gemm_path_matches_float64(case, compute, T, with_lora, formats):
     fmt = formats[case.id]
     x, ids, w = make_routing(T=T, E=E, k=K, H=H, dtype=torch.float32)
     gy = torch.randn(T, H, generator=torch.Generator().manual_seed(5))
-    lora = _lora()
+    lora = _lora() if with_lora else None
+    lora64 = {n: t.double() for n, t in lora.items()} if lora is not None else None
     ref = run_module(
-        _module(
-            DenseExperts(*fmt.dequantize(torch.float64)),
-            {n: t.double() for n, t in lora.items()},
-            compute_dtype=torch.float64,
-        ),
+        _build(DenseExperts(*fmt.dequantize(torch.float64)), lora64, torch.float64),
         x.double(),
         ids,
         w.double(),
         gy.double(),
     )
     dense = _errors(
-        *run_module(
-            _module(DenseExperts(*fmt.dequantize(compute)), lora, compute_dtype=compute), x, ids, w, gy
-        ),
-        *ref,
+        *run_module(_build(DenseExperts(*fmt.dequantize(compute)), lora, compute), x, ids, w, gy), *ref
     )
     for path in _paths(fmt, compute):
-        module = _module(fmt, lora, compute_dtype=compute)
+        module = _build(fmt, lora, compute)
         module.engine.gemm.path = path
         errors = _errors(*run_module(module, x, ids, w, gy), *ref)
         for name, err in errors.items():
