@@ -17,8 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moetune.doctor.engine import gemm_paths
 from moetune.engine import DenseExperts, EngineOptions, ExpertEngine, ExpertFormat
-from moetune.engine.formats import Int8Experts
+from moetune.engine.formats import FORMATS, Int8Experts
 from moetune.engine.gemm import GemmPath, resolve_gemm_path
 from moetune.layer import CpuExperts
 from moetune.sysinfo import CpuInfo
@@ -126,3 +127,27 @@ def test_resolve_gemm_path_per_format_dtype_and_cpu(formats):
     assert resolve_gemm_path(int4, torch.bfloat16, amx) == GemmPath("dequantized tiles", whole_tiles=True)
     assert resolve_gemm_path(int4, torch.float32, _cpu("AVX2")).whole_tiles is False
     assert "per-row scale" in resolve_gemm_path(int8, torch.bfloat16, amx).describe()
+
+
+@pytest.mark.parametrize(
+    "isa,int8_line",
+    [
+        (("AMX-BF16", "AVX512-BF16", "AVX2"), "int8: computes in bfloat16; experts with <= 128 rows: codes"),
+        (("AVX512-BF16", "AVX2"), "int8: computes in bfloat16; experts with <= 128 rows: codes"),
+        (("AVX2",), "int8: computes in float32; experts with <= 128 rows: codes"),
+    ],
+)
+def test_doctor_names_each_formats_path(monkeypatch, isa, int8_line):
+    cpu = _cpu(*isa)
+    monkeypatch.setattr("moetune.engine.plan.cpu_info", lambda: cpu)
+    monkeypatch.setattr("moetune.engine.gemm.cpu_info", lambda: cpu)
+    lines = gemm_paths()
+    by_name = {line.split(":")[0]: line for line in lines}
+    assert set(by_name) == {"bf16 (dense)" if n == "dense" else n for n in FORMATS.names()}
+    assert by_name["int8"].startswith(int8_line)
+    whole = "AMX-BF16" in isa
+    assert by_name["int4"].endswith("in whole matrices" if whole else "in cache-sized row blocks")
+    native = "AVX512-BF16" in isa
+    assert by_name["bf16 (dense)"].endswith(
+        "no conversion)" if native else "weights dequantized, in cache-sized row blocks"
+    )
