@@ -29,6 +29,7 @@ from tests.unit.engine_cases import make_routing, run_module
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 K = 2
+T_POOL = 64  # ~32 rows per expert: the scaled-codes branch
 
 
 def _cpu(*isa: str) -> CpuInfo:
@@ -151,3 +152,20 @@ def test_doctor_names_each_formats_path(monkeypatch, isa, int8_line):
     assert by_name["bf16 (dense)"].endswith(
         "no conversion)" if native else "weights dequantized, in cache-sized row blocks"
     )
+
+
+def test_scaled_codes_on_the_expert_pool_equal_one_expert_at_a_time(formats, four_threads):
+    """Per-thread scratch (code tiles, the transposed result, the scaled gradient) must not leak between experts
+    computed at once: four workers give exactly what one expert at a time gives."""
+    fmt = formats["int8"]
+    x, ids, w = make_routing(T=T_POOL, E=E, k=K, H=H, dtype=torch.float32)
+    gy = torch.randn(T_POOL, H, generator=torch.Generator().manual_seed(5))
+    results = []
+    for workers in (1, 4):
+        module = _module(fmt, _lora(), compute_dtype=torch.bfloat16, expert_workers=workers)
+        module.engine.gemm.path = GemmPath("scaled codes", whole_tiles=True)
+        results.append(run_module(module, x, ids, w, gy))
+    (y1, g1), (y4, g4) = results
+    assert torch.equal(y1, y4)
+    for name in g1:
+        assert torch.equal(g1[name], g4[name]), name
