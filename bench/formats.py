@@ -11,7 +11,7 @@ too).
 Each rep runs every format once, in turn, so machine noise falls on all of them alike. Printed per format
 (first its GEMM path on this CPU, ``moetune.engine.gemm.GemmPath``), per token count: resident bytes per
 parameter, relative Frobenius error of the dequantized weights, the time the engine's path takes to convert
-every expert's two matrices once for experts of T*k/E rows (what one pass adds over weights stored in the
+every expert's two matrices once for experts of T*k/E rows (CPU ms) (what one pass adds over weights stored in the
 compute dtype; a step converts twice, forward and backward), fwd+bwd ms with expert LoRA trained (wall-clock
 min and median over reps, and process CPU time min), and throughput relative to bf16 (bf16 ms / format ms,
 from the minima: the least disturbed runs). On a machine shared with other jobs, CPU time with
@@ -71,9 +71,10 @@ FORMAT_BUILDS: dict[str, tuple[Build, torch.dtype]] = {  # label -> (build, dtyp
 
 
 def timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
+    """Process CPU milliseconds ``fn()`` takes (time descheduled does not count)."""
+    t0 = time.process_time()
     fn()
-    return (time.perf_counter() - t0) * 1e3
+    return (time.process_time() - t0) * 1e3
 
 
 def main() -> None:
@@ -165,7 +166,7 @@ def bench_tokens(
 
     print(f"T={t} ({rows} rows per expert)")
     print(
-        f"{'format':<15} {'B/param':>8} {'w err':>7} {'convert ms':>11} {'wall min':>9} {'median':>8} "
+        f"{'format':<15} {'B/param':>8} {'w err':>7} {'convert cpu':>11} {'wall min':>9} {'median':>8} "
         f"{'cpu min':>8} {'vs bf16 wall':>13} {'cpu':>6}"
     )
     for label in engines:
