@@ -168,12 +168,13 @@ class ExpertEngine:
 
     @property
     def weights(self) -> ExpertFormat:
-        """The expert weights, as the GEMMs read them (replacing them keeps the compute dtype and plan)."""
+        """The expert weights, as the GEMMs read them (replacing them keeps the compute dtype and plan; the GEMM
+        path is resolved again for the new format)."""
         return self.gemm.weights
 
     @weights.setter
     def weights(self, weights: ExpertFormat) -> None:
-        self.gemm.weights = weights
+        self.gemm = BlockedGemm(weights, self.compute_dtype)
 
     @property
     def mode(self) -> TrainMode:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
@@ -37,27 +38,35 @@ SMALL_ROWS = 128
 Block = tuple[int, int, torch.Tensor, torch.Tensor | None]  # r0, r1, W-or-codes [r1 - r0, D_in], row scale
 
 
+class Conversion(str, Enum):
+    """How an engine's weights become GEMM operands (see the module docstring)."""
+
+    VIEW = "view"
+    SCALED_CODES = "scaled codes"
+    DEQUANTIZED = "dequantized tiles"
+
+
 @dataclass(frozen=True)
 class GemmPath:
     """How one engine's GEMMs get their weights (see the module docstring).
 
     Attributes:
-        conversion: ``"view"``, ``"scaled codes"`` or ``"dequantized tiles"``.
+        conversion: views, scaled codes or dequantized tiles.
         whole_tiles: converted weights come one whole matrix at a time (else in cache-sized row blocks).
     """
 
-    conversion: str
+    conversion: Conversion
     whole_tiles: bool
 
     def describe(self) -> str:
         """One line for ``moetune doctor`` and the benchmarks."""
-        if self.conversion == "view":
+        if self.conversion is Conversion.VIEW:
             return "GEMMs on the stored weights (no conversion)"
         size = "whole matrices" if self.whole_tiles else "cache-sized row blocks"
         what = (
             f"experts with <= {SMALL_ROWS} rows: codes converted exactly, per-row scale applied to the GEMM's "
             "output / input gradient; more rows: weights dequantized"
-            if self.conversion == "scaled codes"
+            if self.conversion is Conversion.SCALED_CODES
             else "weights dequantized"
         )
         return f"{what}, in {size}"
@@ -68,8 +77,9 @@ def resolve_gemm_path(
 ) -> GemmPath:
     """The GEMM path for ``weights`` computed in ``compute_dtype`` on ``cpu`` (default: this machine's)."""
     if not weights.needs_buffer(compute_dtype):
-        return GemmPath("view", whole_tiles=True)
-    conversion = "scaled codes" if compute_dtype in weights.SCALED_TILE_DTYPES else "dequantized tiles"
+        return GemmPath(Conversion.VIEW, whole_tiles=True)
+    scaled = compute_dtype in weights.SCALED_TILE_DTYPES
+    conversion = Conversion.SCALED_CODES if scaled else Conversion.DEQUANTIZED
     amx = "AMX-BF16" in (cpu or cpu_info()).isa
     return GemmPath(conversion, whole_tiles=amx and compute_dtype == torch.bfloat16)
 
@@ -99,14 +109,15 @@ class BlockedGemm:
         """Expert e's ``proj`` matrix ``[D_out, D_in]`` as ``(r0, r1, W, scale)`` blocks in the compute dtype:
         ``W[r0:r1]`` itself (scale None) or, on the scaled-codes path, its codes and fp32 row scales ``[R]``.
 
-        Stored in the compute dtype: one block, a view. Scaled codes: for ``n <= SMALL_ROWS``. Otherwise each block is converted into a reused buffer:
-        whole matrices on the ``whole_tiles`` path or when ``whole`` asks for one block; else blocks small enough
-        to stay in cache while their GEMM with the expert's ``n`` rows runs (few rows are memory bound: small
-        blocks; many rows want wider GEMMs: larger blocks).
+        Stored in the compute dtype: one block, a view. Scaled codes: for ``n <= SMALL_ROWS`` only. Otherwise
+        each block is converted into a reused buffer: whole matrices on the ``whole_tiles`` path or when
+        ``whole`` asks for one block; else blocks small enough to stay in cache while their GEMM with the
+        expert's ``n`` rows runs (few rows are memory bound: small blocks; many rows want wider GEMMs: larger
+        blocks).
         """
         cd = self.compute_dtype
         d_out, d_in = self.weights.shape(proj)
-        if self.path.conversion == "view":
+        if self.path.conversion is Conversion.VIEW:
             yield 0, d_out, self.weights.tile(proj, e, cd, None), None
             return
         align = self.weights.row_align(proj)
@@ -115,7 +126,7 @@ class BlockedGemm:
         else:  # whole blocks of the format's scales
             step = min(d_out, -(-(128 if n < 256 else 256) // align) * align)
         buf = thread_workspace().get(f"tile_{proj}", (step, d_in), cd)
-        scaled = self.path.conversion == "scaled codes" and n <= SMALL_ROWS
+        scaled = self.path.conversion is Conversion.SCALED_CODES and n <= SMALL_ROWS
         for r0 in range(0, d_out, step):
             r1 = min(r0 + step, d_out)
             rows = slice(r0, r1)

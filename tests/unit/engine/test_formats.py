@@ -34,6 +34,7 @@ from moetune.engine import (
     ExpertLoRA,
 )
 from moetune.engine.formats import FORMATS
+from moetune.engine.gemm import Conversion
 from moetune.errors import EngineError
 from moetune.layer import CpuExperts
 from tests.unit.engine_cases import make_routing, run_module
@@ -205,8 +206,10 @@ def test_engine_equals_dense_engine_on_dequantized_weights(
     opts = {"policy": policy, "compute_dtype": compute}
     module = _module(fmt, lora, **opts, expert_workers=workers)
     path = module.engine.gemm.path
-    if path.conversion == "scaled codes":  # int8's other GEMMs: against float64 in test_gemm_paths.py
-        module.engine.gemm.path = replace(path, conversion="dequantized tiles")
+    if (
+        path.conversion is Conversion.SCALED_CODES
+    ):  # int8's other GEMMs: against float64 in test_gemm_paths.py
+        module.engine.gemm.path = replace(path, conversion=Conversion.DEQUANTIZED)
     y_q, g_q = run_module(module, x, ids, w, gy)
     y_d, g_d = run_module(_module(dense, lora, **opts, expert_workers=1), x, ids, w, gy)
     # fp32: 1e-5 relative (summation order differs: quantized tiles arrive in row blocks, dense ones whole;

@@ -20,7 +20,7 @@ import torch
 from moetune.doctor.engine import gemm_paths
 from moetune.engine import DenseExperts, EngineOptions, ExpertEngine, ExpertFormat
 from moetune.engine.formats import FORMATS, Int8Experts
-from moetune.engine.gemm import GemmPath, resolve_gemm_path
+from moetune.engine.gemm import Conversion, GemmPath, resolve_gemm_path
 from moetune.layer import CpuExperts
 from moetune.sysinfo import CpuInfo
 from tests.unit.engine.test_formats import QUANTIZED, E, H, _lora, _module, gaussian
@@ -37,9 +37,9 @@ def _cpu(*isa: str) -> CpuInfo:
 
 
 def _paths(fmt: ExpertFormat, compute: torch.dtype) -> list[GemmPath]:
-    conversions = ["dequantized tiles"]
+    conversions = [Conversion.DEQUANTIZED]
     if compute in fmt.SCALED_TILE_DTYPES:
-        conversions.append("scaled codes")
+        conversions.append(Conversion.SCALED_CODES)
     return [GemmPath(c, whole_tiles=w) for c in conversions for w in (True, False)]
 
 
@@ -119,13 +119,17 @@ def test_resolve_gemm_path_per_format_dtype_and_cpu(formats):
     gate_up, down = gaussian()
     amx, avx512 = _cpu("AMX-BF16", "AVX512-BF16", "AVX512F", "AVX2"), _cpu("AVX512-BF16", "AVX512F", "AVX2")
     bf16 = DenseExperts(gate_up.bfloat16(), down.bfloat16())
-    assert resolve_gemm_path(bf16, torch.bfloat16, amx).conversion == "view"
-    assert resolve_gemm_path(bf16, torch.float32, avx512) == GemmPath("dequantized tiles", whole_tiles=False)
+    assert resolve_gemm_path(bf16, torch.bfloat16, amx).conversion is Conversion.VIEW
+    assert resolve_gemm_path(bf16, torch.float32, avx512) == GemmPath(
+        Conversion.DEQUANTIZED, whole_tiles=False
+    )
     int8, int4 = formats["int8"], formats["int4-g64-sym"]
-    assert resolve_gemm_path(int8, torch.bfloat16, amx) == GemmPath("scaled codes", whole_tiles=True)
-    assert resolve_gemm_path(int8, torch.bfloat16, avx512) == GemmPath("scaled codes", whole_tiles=False)
-    assert resolve_gemm_path(int8, torch.float32, amx) == GemmPath("scaled codes", whole_tiles=False)
-    assert resolve_gemm_path(int4, torch.bfloat16, amx) == GemmPath("dequantized tiles", whole_tiles=True)
+    assert resolve_gemm_path(int8, torch.bfloat16, amx) == GemmPath(Conversion.SCALED_CODES, whole_tiles=True)
+    assert resolve_gemm_path(int8, torch.bfloat16, avx512) == GemmPath(
+        Conversion.SCALED_CODES, whole_tiles=False
+    )
+    assert resolve_gemm_path(int8, torch.float32, amx) == GemmPath(Conversion.SCALED_CODES, whole_tiles=False)
+    assert resolve_gemm_path(int4, torch.bfloat16, amx) == GemmPath(Conversion.DEQUANTIZED, whole_tiles=True)
     assert resolve_gemm_path(int4, torch.float32, _cpu("AVX2")).whole_tiles is False
     assert "per-row scale" in resolve_gemm_path(int8, torch.bfloat16, amx).describe()
 
@@ -163,9 +167,25 @@ def test_scaled_codes_on_the_expert_pool_equal_one_expert_at_a_time(formats, fou
     results = []
     for workers in (1, 4):
         module = _module(fmt, _lora(), compute_dtype=torch.bfloat16, expert_workers=workers)
-        module.engine.gemm.path = GemmPath("scaled codes", whole_tiles=True)
+        module.engine.gemm.path = GemmPath(Conversion.SCALED_CODES, whole_tiles=True)
         results.append(run_module(module, x, ids, w, gy))
     (y1, g1), (y4, g4) = results
     assert torch.equal(y1, y4)
     for name in g1:
         assert torch.equal(g1[name], g4[name]), name
+
+
+def test_replacing_the_weights_resolves_the_path_again(formats):
+    """An engine whose int8 weights are swapped for dense ones (as a reference in the loading tests is) must not
+    keep reading them as scaled codes."""
+    engine = ExpertEngine(formats["int8"], options=EngineOptions(compute_dtype=torch.bfloat16))
+    assert engine.gemm.path.conversion is Conversion.SCALED_CODES
+    dense = DenseExperts(*formats["int8"].dequantize(torch.bfloat16))
+    engine.weights = dense
+    assert engine.weights is dense and engine.gemm.path.conversion is Conversion.VIEW
+    x, ids, w = make_routing(T=8, E=E, k=K, H=H, dtype=torch.bfloat16)
+    y, _ = engine.forward(x, ids, w, save=False)
+    y_ref, _ = ExpertEngine(dense, options=EngineOptions(compute_dtype=torch.bfloat16)).forward(
+        x, ids, w, save=False
+    )
+    assert torch.equal(y, y_ref)
