@@ -68,8 +68,9 @@ class ExpertFormat(ABC):
         conversion costs one read of the stored bytes, not a write and a re-read of a full-size tile.
         """
 
-    # compute dtypes in which ``scaled_tile`` is offered (none by default)
-    SCALED_TILE_DTYPES: ClassVar[tuple[torch.dtype, ...]] = ()
+    # compute dtypes in which ``scaled_tile`` is offered (none by default); an instance attribute where a wrapper
+    # (PagedExperts) takes its format's
+    SCALED_TILE_DTYPES: tuple[torch.dtype, ...] = ()
 
     def scaled_tile(
         self, proj: Projection, expert: int, dtype: torch.dtype, buf: torch.Tensor, rows: slice
