@@ -1,6 +1,6 @@
 """Expert engine forward+backward per weight format, measured side by side in one run.
 
-    python bench/formats.py [--experts 16 --hidden 2048 --inter 768 --tokens 512 --top-k 8 --rank 8 --reps 5]
+    python bench/formats.py [--experts 16 --hidden 2048 --inter 768 --tokens 128 2048 --top-k 8 --rank 8 --reps 5]
 
 One fp32 Gaussian layer is stored as bf16 (the baseline), int8, int4 (group 64, symmetric), fp8_block, mxfp4
 (gpt-oss's shipped format; H and I must be multiples of 32) and compressed-int4: int4 as a compressed-tensors
@@ -8,12 +8,14 @@ INT4 checkpoint (Kimi-K2-Thinking) loads, i.e. each expert matrix quantized the 
 it (groups of 32, scale max|w| / 7.5, codes -8..7), packed as its int32 words, then re-packed into int4's
 nibble order by the checkpoint loader's own path (the time that takes, the load cost per layer, is printed
 too).
-Each rep runs every format once, in turn, so machine noise falls on all of them alike. Printed per format:
-resident bytes per parameter, relative Frobenius error of the dequantized weights, the time to dequantize
-every expert's two tiles once (what one forward adds over fp32 weights), fwd+bwd ms with expert LoRA
-trained (wall-clock min and median over reps, and process CPU time min), and throughput relative to bf16
-(bf16 ms / format ms, from the minima: the least disturbed runs). On a machine shared with other jobs,
-CPU time with ``--threads 1`` is the steadier measure: time spent descheduled does not count.
+Each rep runs every format once, in turn, so machine noise falls on all of them alike. Printed per format
+(first its GEMM path on this CPU, ``moetune.engine.gemm.GemmPath``), per token count: resident bytes per
+parameter, relative Frobenius error of the dequantized weights, the time the engine's path takes to convert
+every expert's two matrices once for experts of T*k/E rows (CPU ms) (what one pass adds over weights stored in the
+compute dtype; a step converts twice, forward and backward), fwd+bwd ms with expert LoRA trained (wall-clock
+min and median over reps, and process CPU time min), and throughput relative to bf16 (bf16 ms / format ms,
+from the minima: the least disturbed runs). On a machine shared with other jobs, CPU time with
+``--threads 1`` is the steadier measure: time spent descheduled does not count.
 """
 
 from __future__ import annotations
@@ -69,9 +71,10 @@ FORMAT_BUILDS: dict[str, tuple[Build, torch.dtype]] = {  # label -> (build, dtyp
 
 
 def timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
+    """Process CPU milliseconds ``fn()`` takes (time descheduled does not count)."""
+    t0 = time.process_time()
     fn()
-    return (time.perf_counter() - t0) * 1e3
+    return (time.process_time() - t0) * 1e3
 
 
 def main() -> None:
@@ -79,46 +82,72 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768)
-    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 2048])
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
-    e, h, i, t, k = args.experts, args.hidden, args.inter, args.tokens, args.top_k
+    e, h, i, k = args.experts, args.hidden, args.inter, args.top_k
     threads = set_engine_threads(args.threads)  # every format on the same threads
 
     gen = torch.Generator().manual_seed(0)
     gate_up = torch.randn(e, 2 * i, h, generator=gen) / h**0.5
     down = torch.randn(e, h, i, generator=gen) / i**0.5
-    x = torch.randn(t, h, generator=gen)
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])  # [T, k] distinct experts
-    w = torch.softmax(torch.randn(t, k, generator=gen), dim=1)
-    gy = torch.randn(t, h, generator=gen)
     lora = ExpertLoRA.init(e, h, i, args.rank, alpha=2.0 * args.rank, generator=gen)
     lora.gate_up_B.normal_(generator=gen)
     lora.down_B.normal_(generator=gen)
 
     engines: dict[str, ExpertEngine] = {}
-    info: dict[str, tuple[float, float, float]] = {}
+    info: dict[str, tuple[float, float]] = {}  # bytes per parameter, weight error
     for label, (build, src_dtype) in FORMAT_BUILDS.items():
         fmt = build(gate_up.to(src_dtype), down.to(src_dtype))
-        engine = ExpertEngine(fmt, lora=lora)
         gq, dq = fmt.dequantize(torch.float32)
         err = float(torch.cat([(gq - gate_up).flatten(), (dq - down).flatten()]).norm())
         err /= float(torch.cat([gate_up.flatten(), down.flatten()]).norm())
         del gq, dq
-        bufs = {p: torch.empty(fmt.shape(p), dtype=engine.compute_dtype) for p in PROJS}
+        info[label] = (fmt.bytes_per_param, err)
+        engines[label] = ExpertEngine(fmt, lora=lora)
 
-        def dequant_all(fmt: ExpertFormat = fmt, bufs: dict[Projection, torch.Tensor] = bufs) -> None:
-            for x_ in range(e):
-                for p in PROJS:
-                    dtype = bufs[p].dtype
-                    fmt.tile(p, x_, dtype, bufs[p] if fmt.needs_buffer(dtype) else None)
+    first = next(iter(engines.values()))
+    machine = cpu_info()
+    print(f"bench/formats.py | {machine.model} ({', '.join(machine.isa) or 'no SIMD flags found'})")
+    print(
+        f"E={e} H={h} I={i} k={k} r={args.rank} threads={threads} compute={first.compute_dtype} reps={args.reps}"
+    )
+    for label, engine in engines.items():
+        print(f"  {label}: {engine.gemm.path.describe()}")
+    for t in args.tokens:
+        bench_tokens(engines, info, t, e, h, k, args.reps, gen)
 
-        dequant_all()
-        info[label] = (fmt.bytes_per_param, err, min(timed(dequant_all) for _ in range(3)))
-        engines[label] = engine
+
+def bench_tokens(
+    engines: dict[str, ExpertEngine],
+    info: dict[str, tuple[float, float]],
+    t: int,
+    e: int,
+    h: int,
+    k: int,
+    reps: int,
+    gen: torch.Generator,
+) -> None:
+    """One table: every engine's forward+backward at T = ``t`` tokens, side by side."""
+    x = torch.randn(t, h, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])  # [T, k] distinct experts
+    w = torch.softmax(torch.randn(t, k, generator=gen), dim=1)
+    gy = torch.randn(t, h, generator=gen)
+    rows = max(1, t * k // e)  # rows per expert, on average
+
+    def convert_all(engine: ExpertEngine) -> None:  # the engine's own conversions for one pass
+        for x_ in range(e):
+            for p in PROJS:
+                for _ in engine.gemm.row_blocks(p, x_, rows):
+                    pass
+
+    convert: dict[str, float] = {}
+    for label, engine in engines.items():
+        convert_all(engine)
+        convert[label] = min(timed(lambda engine=engine: convert_all(engine)) for _ in range(3))
 
     def step(engine: ExpertEngine) -> None:
         _, saved = engine.forward(x, ids, w)
@@ -128,30 +157,24 @@ def main() -> None:
         step(engine)
     wall: dict[str, list[float]] = {label: [] for label in engines}
     cpu: dict[str, list[float]] = {label: [] for label in engines}
-    for _ in range(args.reps):
+    for _ in range(reps):
         for label, engine in engines.items():
             w0, c0 = time.perf_counter(), time.process_time()
             step(engine)
             wall[label].append((time.perf_counter() - w0) * 1e3)
             cpu[label].append((time.process_time() - c0) * 1e3)
 
-    first = next(iter(engines.values()))
-    machine = cpu_info()
-    print(f"bench/formats.py | {machine.model} ({', '.join(machine.isa) or 'no SIMD flags found'})")
+    print(f"T={t} ({rows} rows per expert)")
     print(
-        f"E={e} H={h} I={i} T={t} k={k} r={args.rank} threads={threads} "
-        f"compute={first.compute_dtype} reps={args.reps}"
-    )
-    print(
-        f"{'format':<15} {'B/param':>8} {'w err':>7} {'dequant ms':>11} {'wall min':>9} {'median':>8} "
+        f"{'format':<15} {'B/param':>8} {'w err':>7} {'convert cpu':>11} {'wall min':>9} {'median':>8} "
         f"{'cpu min':>8} {'vs bf16 wall':>13} {'cpu':>6}"
     )
     for label in engines:
-        bpp, err, deq = info[label]
+        bpp, err = info[label]
         ratio_wall = min(wall["bf16"]) / min(wall[label])
         ratio_cpu = min(cpu["bf16"]) / min(cpu[label])
         print(
-            f"{label:<15} {bpp:>8.3f} {err:>7.2%} {deq:>11.1f} {min(wall[label]):>9.1f} "
+            f"{label:<15} {bpp:>8.3f} {err:>7.2%} {convert[label]:>11.1f} {min(wall[label]):>9.1f} "
             f"{statistics.median(wall[label]):>8.1f} {min(cpu[label]):>8.1f} {ratio_wall:>12.2f}x {ratio_cpu:>5.2f}x"
         )
 

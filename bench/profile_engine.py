@@ -1,12 +1,16 @@
 """Where one engine step's time goes: torch.profiler over forward + backward, grouped into categories.
 
     python bench/profile_engine.py [--experts 32 --tokens 128 512 2048 --threads 1 --modes lora frozen]
+                                   [--format bf16|int8|int4|fp8_block|mxfp4]
 
 The layer is the engine benchmark's (Qwen3-30B-A3B: H = 2048, I = 768, k = 8, r = 8, bf16 weights, retain
-policy), with ``--experts`` experts to fit the time. Per (T, mode): the unprofiled median of 3 steps, the
-profiled step's wall time, and its split: base GEMMs, LoRA GEMMs (an operand of width r), the combine's bmm,
-elementwise ops (activation, its backward, weighting, the router's row dots), copies / gathers / fills, other
-aten ops, and the gap (wall time no op accounts for: Python and dispatch). ``docs/performance.md`` holds a run.
+policy), with ``--experts`` experts to fit the time; ``--format`` stores them quantized (from the bf16 weights,
+each format's ``from_dense``) and prints the engine's GEMM path. Per (T, mode): the unprofiled median of 3
+steps, the profiled step's wall time, and its split: base GEMMs, LoRA GEMMs (an operand of width r), the
+combine's bmm, elementwise ops (activation, its backward, weighting, the router's row dots, scales), copies /
+gathers / fills / dtype conversions (weight codes included), the bit operations that unpack quantized codes,
+other aten ops, and the gap (wall time no op accounts for: Python and dispatch). ``docs/performance.md``
+holds a run.
 """
 
 from __future__ import annotations
@@ -18,8 +22,17 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from moetune.bench.runners import RUNNERS, make_batch, make_weights
-from moetune.engine import EngineOptions, TrainMode
+from moetune.bench.runners import (
+    RUNNERS,
+    BenchBatch,
+    BenchWeights,
+    EngineStep,
+    Step,
+    make_batch,
+    make_weights,
+)
+from moetune.engine import EngineOptions, ExpertEngine, TrainMode
+from moetune.engine.formats import FORMATS
 from moetune.sysinfo import cpu_info
 
 GEMMS = {"aten::mm", "aten::addmm_", "aten::addmm", "aten::bmm"}
@@ -31,7 +44,10 @@ ELEMENTWISE = {
     "aten::sum",
     "aten::add_",
     "aten::div_",
+    "aten::addcmul_",
+    "aten::sub_",
 }
+BIT_OPS = {"aten::bitwise_and", "aten::bitwise_right_shift", "aten::bitwise_left_shift", "aten::bitwise_and_"}
 COPIES = {
     "aten::copy_",
     "aten::_to_copy",
@@ -49,7 +65,21 @@ def category(name: str, shapes: str, rank: int) -> str:
         return "lora gemm" if f", {rank}]" in shapes or f"[{rank}," in shapes else "base gemm"
     if name in ELEMENTWISE:
         return "elementwise"
+    if name in BIT_OPS or name.startswith("aten::bitwise_left_shift"):
+        return "unpack (bit ops)"
     return "copies/gathers/fills" if name in COPIES else "other aten"
+
+
+def make_step(
+    weights: BenchWeights, batch: BenchBatch, mode: TrainMode, options: EngineOptions, fmt: str
+) -> Step:
+    """The engine benchmark's step on bf16 weights, or on them stored in ``fmt`` (its path printed)."""
+    if fmt == "bf16":
+        return RUNNERS.get("engine")(weights, batch, mode, options)
+    stored = FORMATS.get(fmt).from_dense(weights.gate_up.float(), weights.down.float())
+    engine = ExpertEngine(stored, lora=weights.lora if mode is TrainMode.LORA else None, options=options)
+    print(f"    {fmt}: {engine.gemm.path.describe()}")
+    return EngineStep(engine, batch)
 
 
 def main() -> None:
@@ -59,6 +89,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--modes", nargs="+", choices=["lora", "frozen"], default=["lora", "frozen"])
     p.add_argument("--expert-workers", type=int, help="EngineOptions.expert_workers (default: the engine's)")
+    p.add_argument(
+        "--format", default="bf16", choices=["bf16", *(n for n in FORMATS.names() if n != "dense")]
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     h, i, k, r = 2048, 768, 8, 8
@@ -71,7 +104,7 @@ def main() -> None:
     for t in args.tokens:
         batch = make_batch(t, args.experts, k, h, torch.bfloat16, t)
         for mode in (TrainMode(m) for m in args.modes):
-            step = RUNNERS.get("engine")(weights, batch, mode, options)
+            step = make_step(weights, batch, mode, options, args.format)
             step.backward(step.forward())
             times = []
             for _ in range(3):

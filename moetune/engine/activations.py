@@ -34,6 +34,17 @@ class GluActivation:
             (grad,) = torch.autograd.grad(self(leaf), leaf, grad_h)
         return grad
 
+    def forward_saving(self, gate_up: torch.Tensor, out: torch.Tensor, memo: torch.Tensor) -> torch.Tensor:
+        """h ``[n, I]`` into ``out``, as ``self(gate_up, out=out)``, leaving in ``memo`` ``[n, I]`` (same dtype)
+        what ``vjp_into`` may reuse instead of recomputing it. The default keeps nothing there."""
+        return self(gate_up, out=out)
+
+    def vjp_into(
+        self, gate_up: torch.Tensor, grad_h: torch.Tensor, memo: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """``vjp`` written into out ``[n, 2I]``, after ``forward_saving`` filled ``memo`` from the same gate_up."""
+        return out.copy_(self.vjp(gate_up, grad_h))
+
 
 def _halves(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     i = gate_up.shape[-1] // 2
@@ -57,6 +68,21 @@ class SiluGlu(GluActivation):
         # d/dg = grad_h * u * silu'(g); aten's fused silu_backward computes x * silu'(g) in one pass
         grad_g.copy_(torch.ops.aten.silu_backward(grad_h * u, g))
         return grad
+
+    def forward_saving(self, gate_up: torch.Tensor, out: torch.Tensor, memo: torch.Tensor) -> torch.Tensor:
+        """Keeps ``silu(g)`` in memo: the backward's vjp needs it again (one pass over ``[n, I]`` fewer)."""
+        g, u = _halves(gate_up)
+        return torch.mul(torch.ops.aten.silu.out(g, out=memo), u, out=out)
+
+    def vjp_into(
+        self, gate_up: torch.Tensor, grad_h: torch.Tensor, memo: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        g, u = _halves(gate_up)
+        grad_g, grad_u = _halves(out)
+        torch.mul(grad_h, memo, out=grad_u)  # d/du = silu(g), kept by forward_saving
+        # d/dg = grad_h * u * silu'(g), aten's fused silu_backward written straight into its half
+        torch.ops.aten.silu_backward.grad_input(torch.mul(grad_h, u, out=memo), g, grad_input=grad_g)
+        return out
 
 
 @dataclass

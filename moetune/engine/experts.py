@@ -42,7 +42,7 @@ from moetune.engine.routing import (
     validate_routing,
 )
 from moetune.engine.threads import MIN_POOL_EXPERT_PARAMS, expert_pool, split_threads
-from moetune.engine.workspace import Workspace
+from moetune.engine.workspace import Workspace, thread_workspace
 from moetune.errors import EngineError, EngineStateError, NonFiniteError
 
 
@@ -165,12 +165,13 @@ class ExpertEngine:
 
     @property
     def weights(self) -> ExpertFormat:
-        """The expert weights, as the GEMMs read them (replacing them keeps the compute dtype and plan)."""
+        """The expert weights, as the GEMMs read them (replacing them keeps the compute dtype and plan; the GEMM
+        path is resolved again for the new format)."""
         return self.gemm.weights
 
     @weights.setter
     def weights(self, weights: ExpertFormat) -> None:
-        self.gemm.weights = weights
+        self.gemm = BlockedGemm(weights, self.compute_dtype)
 
     @property
     def mode(self) -> TrainMode:
@@ -400,7 +401,11 @@ class ExpertEngine:
             if plan.recompute_gate_up:
                 assert xs_e is not None
                 self._project("gate_up", e, xs_e, gu_e, xa_e, lora_pass)
-            h_e = self.act(gu_e, out=hid[s0:s1])
+            # per-thread scratch (experts may run in parallel): what the vjp reuses of the activation, and its
+            # result; both live only inside this expert's backward
+            scratch = thread_workspace()
+            memo = scratch.get("act_memo", (s1 - s0, i), cd)  # [n, I]
+            h_e = self.act.forward_saving(gu_e, hid[s0:s1], memo)
             g_e, w_e, gh_e = gs[s0:s1], w_sorted[s0:s1], gh_all[s0:s1]
 
             # down projection: gh = g @ (W2 + s B2 A2 (dropout)) ; all unweighted by w until the router grad is taken
@@ -419,7 +424,9 @@ class ExpertEngine:
                     mine["down_bias"] = (g_e * w_e).sum(0).to(gdt)
             gh_e.mul_(w_e)
 
-            ggu = self.act.vjp(gu_e, gh_e)  # [n, 2I]
+            ggu = self.act.vjp_into(
+                gu_e, gh_e, memo, scratch.get("act_grad", (s1 - s0, 2 * i), cd)
+            )  # [n, 2I]
             gxs_e = gxs[s0:s1]
             if lora_pass is not None:
                 assert xs_e is not None

@@ -1,23 +1,87 @@
 """One expert's base-weight GEMMs over any weight format, block by block of the weight's rows.
 
-Every format hands out its per-expert matrices ``W_e`` (gate_up ``[2I, H]``, down ``[H, I]``) as tiles in the
-compute dtype (``ExpertFormat.tile``). Dense weights stored in the compute dtype come as views; the others are
-converted into a reused buffer a block of rows at a time, so the block stays in cache while its GEMM runs.
+Every format hands out its per-expert matrices ``W_e`` (gate_up ``[2I, H]``, down ``[H, I]``) in the compute
+dtype. How, is one :class:`GemmPath`, resolved once per engine from the format, the compute dtype and the
+CPU (``resolve_gemm_path``; ``moetune doctor`` prints it per format):
+
+* ``view``: dense weights stored in the compute dtype, multiplied in place (no copy).
+* ``scaled codes``: formats whose matrix is ``diag(row_scale) @ codes`` (int8), for experts with at most
+  ``SMALL_ROWS`` rows, convert only the codes, in one exact pass, and apply the fp32 per-row scale to the GEMM's
+  small side: forward scales its ``[n, D_out]`` output, backward its ``[n, D_out]`` input gradient.
+  Dequantizing (convert, multiply, round) takes three passes over every weight; this is one. With more rows,
+  scaling ``[n, D_out]`` in mixed bf16/fp32 costs more than it saves (measured 3.9 ms per [1024, 1536] vs
+  0.04 ms at n = 64), so those experts take dequantized tiles.
+* ``dequantized tiles``: the others (``ExpertFormat.tile``) write the effective weight in the compute dtype.
+
+Converted weights come whole or in row blocks: on CPUs with AMX-BF16 a bf16 GEMM on a whole converted matrix
+measured faster than on 128/256-row blocks, conversion included (int8, 16 experts of [1536, 2048], n = 64:
+22 vs 43 ms); elsewhere row blocks small enough to stay in cache measured faster (an AVX512 EPYC, n = 16: 2.2x).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
 from moetune.engine.formats import ExpertFormat
 from moetune.engine.formats.base import Projection
 from moetune.engine.workspace import thread_workspace
+from moetune.sysinfo import CpuInfo, cpu_info
 
 # Up to this many rows per expert, forward GEMMs take the weight block as their left operand (matmul_wt);
 # backward keeps grad @ W, which measured faster at every n.
 SMALL_ROWS = 128
+
+Block = tuple[int, int, torch.Tensor, torch.Tensor | None]  # r0, r1, W-or-codes [r1 - r0, D_in], row scale
+
+
+class Conversion(str, Enum):
+    """How an engine's weights become GEMM operands (see the module docstring)."""
+
+    VIEW = "view"
+    SCALED_CODES = "scaled codes"
+    DEQUANTIZED = "dequantized tiles"
+
+
+@dataclass(frozen=True)
+class GemmPath:
+    """How one engine's GEMMs get their weights (see the module docstring).
+
+    Attributes:
+        conversion: views, scaled codes or dequantized tiles.
+        whole_tiles: converted weights come one whole matrix at a time (else in cache-sized row blocks).
+    """
+
+    conversion: Conversion
+    whole_tiles: bool
+
+    def describe(self) -> str:
+        """One line for ``moetune doctor`` and the benchmarks."""
+        if self.conversion is Conversion.VIEW:
+            return "GEMMs on the stored weights (no conversion)"
+        size = "whole matrices" if self.whole_tiles else "cache-sized row blocks"
+        what = (
+            f"experts with <= {SMALL_ROWS} rows: codes converted exactly, per-row scale applied to the GEMM's "
+            "output / input gradient; more rows: weights dequantized"
+            if self.conversion is Conversion.SCALED_CODES
+            else "weights dequantized"
+        )
+        return f"{what}, in {size}"
+
+
+def resolve_gemm_path(
+    weights: ExpertFormat, compute_dtype: torch.dtype, cpu: CpuInfo | None = None
+) -> GemmPath:
+    """The GEMM path for ``weights`` computed in ``compute_dtype`` on ``cpu`` (default: this machine's)."""
+    if not weights.needs_buffer(compute_dtype):
+        return GemmPath(Conversion.VIEW, whole_tiles=True)
+    scaled = compute_dtype in weights.SCALED_TILE_DTYPES
+    conversion = Conversion.SCALED_CODES if scaled else Conversion.DEQUANTIZED
+    amx = "AMX-BF16" in (cpu or cpu_info()).isa
+    return GemmPath(conversion, whole_tiles=amx and compute_dtype == torch.bfloat16)
 
 
 class BlockedGemm:
@@ -26,39 +90,51 @@ class BlockedGemm:
     Args:
         weights: the layer's expert weights in any registered format.
         compute_dtype: the dtype the GEMMs run in (``resolve_compute_dtype``).
+        path: how weights reach the GEMMs (default: ``resolve_gemm_path`` on this machine).
 
     Tile buffers and the transposed small-n result are the calling thread's scratch (``thread_workspace``), so
     experts may be multiplied in parallel threads.
     """
 
-    def __init__(self, weights: ExpertFormat, compute_dtype: torch.dtype) -> None:
+    def __init__(
+        self, weights: ExpertFormat, compute_dtype: torch.dtype, path: GemmPath | None = None
+    ) -> None:
         self.weights = weights
         self.compute_dtype = compute_dtype
+        self.path = path or resolve_gemm_path(weights, compute_dtype)
         # fp32/fp64 partial sums lose nothing, so backward may sum block by block (see matmul_w)
         self.exact_sums = compute_dtype in (torch.float32, torch.float64)
 
-    def row_blocks(
-        self, proj: Projection, e: int, n: int, whole: bool = False
-    ) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """Expert e's ``proj`` matrix ``[D_out, D_in]`` as ``(r0, r1, W[r0:r1])`` blocks in the compute dtype.
+    def row_blocks(self, proj: Projection, e: int, n: int, whole: bool = False) -> Iterator[Block]:
+        """Expert e's ``proj`` matrix ``[D_out, D_in]`` as ``(r0, r1, W, scale)`` blocks in the compute dtype:
+        ``W[r0:r1]`` itself (scale None) or, on the scaled-codes path, its codes and fp32 row scales ``[R]``.
 
-        Stored in the compute dtype: one block, a view. Otherwise each block is converted into a reused buffer
-        small enough to stay in cache while its GEMM with the expert's ``n`` rows runs: converting whole tiles
-        wrote and re-read a full fp32 copy per expert, which at n = 16 made the GEMMs 2.2x slower (measured).
-        Few rows are memory bound (small blocks); many rows want wider GEMMs (larger blocks). ``whole`` asks
-        for one block (the whole matrix).
+        Stored in the compute dtype: one block, a view. Scaled codes: for ``n <= SMALL_ROWS`` only. Otherwise
+        each block is converted into a reused buffer: whole matrices on the ``whole_tiles`` path or when
+        ``whole`` asks for one block; else blocks small enough to stay in cache while their GEMM with the
+        expert's ``n`` rows runs (few rows are memory bound: small blocks; many rows want wider GEMMs: larger
+        blocks).
         """
         cd = self.compute_dtype
         d_out, d_in = self.weights.shape(proj)
-        if not self.weights.needs_buffer(cd):
-            yield 0, d_out, self.weights.tile(proj, e, cd, None)
+        if self.path.conversion is Conversion.VIEW:
+            yield 0, d_out, self.weights.tile(proj, e, cd, None), None
             return
         align = self.weights.row_align(proj)
-        step = d_out if whole else min(d_out, -(-(128 if n < 256 else 256) // align) * align)  # whole blocks
+        if whole or self.path.whole_tiles:
+            step = d_out
+        else:  # whole blocks of the format's scales
+            step = min(d_out, -(-(128 if n < 256 else 256) // align) * align)
         buf = thread_workspace().get(f"tile_{proj}", (step, d_in), cd)
+        scaled = self.path.conversion is Conversion.SCALED_CODES and n <= SMALL_ROWS
         for r0 in range(0, d_out, step):
             r1 = min(r0 + step, d_out)
-            yield r0, r1, self.weights.tile(proj, e, cd, buf[: r1 - r0], rows=slice(r0, r1))
+            rows = slice(r0, r1)
+            if scaled:
+                codes, scale = self.weights.scaled_tile(proj, e, cd, buf[: r1 - r0], rows)
+                yield r0, r1, codes, scale
+            else:
+                yield r0, r1, self.weights.tile(proj, e, cd, buf[: r1 - r0], rows=rows), None
 
     def matmul_wt(
         self, proj: Projection, e: int, inp: torch.Tensor, out: torch.Tensor, accumulate: bool = False
@@ -69,19 +145,24 @@ class BlockedGemm:
         Few rows: computed as ``W_blk @ inp^T`` (``[R, n]``) then written transposed. MKL runs the weight as
         the left operand 1.3-3x faster for n <= 128 (measured: n = 16, 1.95 vs 3.84 ms per [1536, 2048] tile).
         ``accumulate`` lets a term already in ``out`` (the LoRA term) be added inside the GEMM (beta = 1)
-        instead of in a separate pass over ``out``.
+        instead of in a separate pass over ``out``. Scaled codes: the GEMM's result times the fp32 row scale,
+        rounded once into ``out`` (added to it when accumulating).
         """
         n = inp.shape[0]
-        for r0, r1, w in self.row_blocks(proj, e, n):
+        for r0, r1, w, scale in self.row_blocks(proj, e, n):
             dst = out[:, r0:r1]
-            if n <= SMALL_ROWS:
-                tmp = thread_workspace().get("wt_tmp", (r1 - r0, n), inp.dtype)
-                torch.mm(w, inp.t(), out=tmp)
-                dst.add_(tmp.t()) if accumulate else dst.copy_(tmp.t())
+            if n > SMALL_ROWS:  # weights themselves (scaled codes only come with few rows)
+                assert scale is None
+                dst.addmm_(inp, w.t()) if accumulate else torch.mm(inp, w.t(), out=dst)
+                continue
+            tmp = thread_workspace().get("wt_tmp", (r1 - r0, n), inp.dtype)
+            res = torch.mm(w, inp.t(), out=tmp).t()  # [n, R]
+            if scale is None:
+                dst.add_(res) if accumulate else dst.copy_(res)
             elif accumulate:
-                dst.addmm_(inp, w.t())
+                dst.addcmul_(res, scale)
             else:
-                torch.mm(inp, w.t(), out=dst)
+                torch.mul(res, scale, out=dst)
 
     def matmul_w(
         self, proj: Projection, e: int, grad: torch.Tensor, out: torch.Tensor, accumulate: bool = False
@@ -91,10 +172,15 @@ class BlockedGemm:
 
         Partial sums land in ``out``'s dtype: blocks only where that is fp32/fp64; a bf16 compute dtype would
         round every partial sum to 8 bits, so it takes the whole matrix in one GEMM (fp32 accumulation inside).
+        Scaled codes: ``(grad * row_scale) @ codes``, the scaled gradient rounded once to the compute dtype.
         """
         # no weight-left form here: W^T @ grad^T measured 1.3-12x slower than grad @ W for n <= 24
-        for r0, r1, w in self.row_blocks(proj, e, grad.shape[0], whole=not self.exact_sums):
+        n = grad.shape[0]
+        for r0, r1, w, scale in self.row_blocks(proj, e, n, whole=not self.exact_sums):
+            g = grad[:, r0:r1]
+            if scale is not None:
+                g = torch.mul(g, scale, out=thread_workspace().get("w_scaled_grad", (n, r1 - r0), grad.dtype))
             if r0 == 0 and not accumulate:
-                torch.mm(grad[:, r0:r1], w, out=out)
+                torch.mm(g, w, out=out)
             else:
-                out.addmm_(grad[:, r0:r1], w)
+                out.addmm_(g, w)

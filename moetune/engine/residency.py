@@ -178,8 +178,8 @@ class ResidencyWindow:
 class PagedExperts(ExpertFormat):
     """A stored format whose weights are memory-mapped and paged by a :class:`ResidencyWindow`.
 
-    Same contract as the wrapped format (``tile`` returns what it returns); every read first tells the
-    window which layer it is in. Not registered in ``FORMATS``: it stores nothing itself.
+    Same contract as the wrapped format (``tile`` and ``scaled_tile`` return what it returns); every read first
+    tells the window which layer it is in. Not registered in ``FORMATS``: it stores nothing itself.
     """
 
     def __init__(self, inner: ExpertFormat, window: ResidencyWindow, pages: Pageable) -> None:
@@ -187,6 +187,7 @@ class PagedExperts(ExpertFormat):
         self.window = window
         self.index = window.add(pages)
         self.name = inner.name
+        self.SCALED_TILE_DTYPES = inner.SCALED_TILE_DTYPES  # the GEMMs read it as the wrapped format's
         self.num_experts, self.hidden_size = inner.num_experts, inner.hidden_size
         self.intermediate_size = inner.intermediate_size
 
@@ -211,6 +212,12 @@ class PagedExperts(ExpertFormat):
     ) -> torch.Tensor:
         self._enter()
         return self.inner.tile(proj, expert, dtype, buf, rows)
+
+    def scaled_tile(
+        self, proj: Projection, expert: int, dtype: torch.dtype, buf: torch.Tensor, rows: slice
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._enter()
+        return self.inner.scaled_tile(proj, expert, dtype, buf, rows)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         self._enter()

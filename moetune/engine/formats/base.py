@@ -68,6 +68,23 @@ class ExpertFormat(ABC):
         conversion costs one read of the stored bytes, not a write and a re-read of a full-size tile.
         """
 
+    # compute dtypes in which ``scaled_tile`` is offered (none by default); an instance attribute where a wrapper
+    # (PagedExperts) takes its format's
+    SCALED_TILE_DTYPES: tuple[torch.dtype, ...] = ()
+
+    def scaled_tile(
+        self, proj: Projection, expert: int, dtype: torch.dtype, buf: torch.Tensor, rows: slice
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``rows`` of expert ``expert``'s ``proj`` matrix factored as ``diag(row_scale) @ codes``, for
+        ``dtype`` in ``SCALED_TILE_DTYPES``.
+
+        ``codes`` ``[R, D_in]`` in ``dtype`` holds numbers that ``dtype`` represents exactly (written into
+        ``buf``), ``row_scale`` ``[R]`` fp32. The GEMMs then convert the codes in one exact pass and apply the
+        scale on the GEMM's ``[n, D_out]`` side (forward: its output; backward: its input gradient) instead of
+        forming the dequantized weight (``gemm.BlockedGemm``).
+        """
+        raise NotImplementedError(f"{self.name} offers no scaled tiles")
+
     def row_align(self, proj: Projection) -> int:
         """Row blocks asked of ``tile`` start at multiples of this (block-scaled formats: their block height)."""
         return 1

@@ -85,6 +85,18 @@ class Int8Experts(QuantizedExperts):
         # temporary on the CPU.
         out.copy_(codes[expert, r0:r1]).mul_(scale[expert, r0:r1, None])
 
+    SCALED_TILE_DTYPES = (torch.bfloat16, torch.float32, torch.float64)  # hold every int8 code exactly
+
+    def scaled_tile(
+        self, proj: Projection, expert: int, dtype: torch.dtype, buf: torch.Tensor, rows: slice
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes (|q| <= 127 needs 7 significant bits: exact in bf16) and their per-row fp32 scales."""
+        assert dtype in self.SCALED_TILE_DTYPES
+        codes, scale = (
+            (self.gate_up, self.gate_up_scale) if proj == "gate_up" else (self.down, self.down_scale)
+        )
+        return buf.copy_(codes[expert, rows]), scale[expert, rows]
+
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.gate_up, self.gate_up_scale, self.down, self.down_scale))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from typing import ClassVar
 
 import torch
 
@@ -90,10 +91,13 @@ class QuantizedExperts(ExpertFormat):
     """
 
     _chunks: dict[str, list[tuple[int, int]]]
+    # dtypes ``_dequant_rows`` writes directly, each value the fp32 one rounded once (others: via fp32 scratch)
+    DIRECT_DTYPES: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
 
     @abstractmethod
     def _dequant_rows(self, proj: Projection, expert: int, r0: int, r1: int, out: torch.Tensor) -> None:
-        """Write rows ``[r0, r1)`` of expert ``expert``'s ``proj`` matrix into out ``[r1 - r0, D_in]`` fp32."""
+        """Write rows ``[r0, r1)`` of expert ``expert``'s ``proj`` matrix into out ``[r1 - r0, D_in]``, whose
+        dtype is one of ``DIRECT_DTYPES``."""
 
     def tile(
         self,
@@ -115,7 +119,7 @@ class QuantizedExperts(ExpertFormat):
             if r0 >= r1:
                 continue
             dst = buf[r0 - start : r1 - start]
-            if dtype == torch.float32:
+            if dtype in self.DIRECT_DTYPES:
                 self._dequant_rows(proj, expert, r0, r1, dst)
             else:
                 f32 = scratch("dequant_f32", (r1 - r0, cols), torch.float32)

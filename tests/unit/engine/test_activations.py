@@ -70,6 +70,13 @@ def test_forward_and_vjp_match_float64_autograd(case):
     out = torch.empty_like(got)
     act(gate_up.detach(), out=out)
     assert torch.equal(out, got)
+    # the engine's backward pair: h into out (memo holds what the vjp reuses, stale garbage before), then the
+    # vjp into a buffer; the same numbers as the two calls above
+    memo, h = torch.full_like(got, float("nan")), torch.full_like(got, float("nan"))
+    assert act.forward_saving(gate_up.detach(), h, memo) is h and torch.equal(h, got)
+    grad_buf = torch.full_like(gate_up, float("nan"))
+    assert act.vjp_into(gate_up.detach(), grad_h, memo, grad_buf) is grad_buf
+    assert rel_err(grad_buf, want_grad) < 1e-14
 
 
 def test_clamps_cut_the_gradient_past_the_limit_only():

@@ -18,7 +18,7 @@ carries three independent weight errors of about the same relative size e, which
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -34,6 +34,7 @@ from moetune.engine import (
     ExpertLoRA,
 )
 from moetune.engine.formats import FORMATS
+from moetune.engine.gemm import Conversion
 from moetune.errors import EngineError
 from moetune.layer import CpuExperts
 from tests.unit.engine_cases import make_routing, run_module
@@ -203,7 +204,13 @@ def test_engine_equals_dense_engine_on_dequantized_weights(
     gy = torch.randn(24, H)
     lora = _lora()
     opts = {"policy": policy, "compute_dtype": compute}
-    y_q, g_q = run_module(_module(fmt, lora, **opts, expert_workers=workers), x, ids, w, gy)
+    module = _module(fmt, lora, **opts, expert_workers=workers)
+    path = module.engine.gemm.path
+    if (
+        path.conversion is Conversion.SCALED_CODES
+    ):  # int8's other GEMMs: against float64 in test_gemm_paths.py
+        module.engine.gemm.path = replace(path, conversion=Conversion.DEQUANTIZED)
+    y_q, g_q = run_module(module, x, ids, w, gy)
     y_d, g_d = run_module(_module(dense, lora, **opts, expert_workers=1), x, ids, w, gy)
     # fp32: 1e-5 relative (summation order differs: quantized tiles arrive in row blocks, dense ones whole;
     # a different effective weight would show as ~1e-2, the quantization error)

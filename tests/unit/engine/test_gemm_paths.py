@@ -1,0 +1,191 @@
+"""Every GEMM path (``gemm.resolve_gemm_path``) against a float64 reference, forward and every gradient.
+
+The path an engine takes depends on the CPU (whole converted matrices with AMX-BF16, cache-sized row blocks
+elsewhere) and on the format (int8's codes with the per-row scale moved onto the GEMM's small side, or
+dequantized tiles), so each is pinned here in turn on any machine. The reference is a float64 engine on the
+format's own dequantized weights: whatever path runs, the effective weights must be the format's.
+
+Bounds (max-abs error over the reference's max-abs, per quantity): fp32 compute 1e-5 (rounding only);
+bf16 compute 2e-2, and at most twice the error of a dense bf16 engine holding ``dequantize(bf16)`` (the
+accuracy bf16 compute has anyway: 5-8e-3 here, measured). Experts with few rows and with many (which take
+other branches: the weight-left GEMM, scaled codes only up to ``SMALL_ROWS``) both run. A path that dropped the scale, applied it on the
+wrong side, or read another expert's rows is off by the quantization error (~1e-2 for int8) or by O(1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetune.doctor.engine import gemm_paths
+from moetune.engine import DenseExperts, EngineOptions, ExpertEngine, ExpertFormat
+from moetune.engine.formats import FORMATS, Int8Experts
+from moetune.engine.gemm import Conversion, GemmPath, resolve_gemm_path
+from moetune.layer import CpuExperts
+from moetune.sysinfo import CpuInfo
+from tests.unit.engine.test_formats import QUANTIZED, E, H, _lora, _module, gaussian
+from tests.unit.engine_cases import make_routing, run_module
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+K = 2
+T_POOL = 64  # ~32 rows per expert: the scaled-codes branch
+
+
+def _cpu(*isa: str) -> CpuInfo:
+    return CpuInfo(model="test", isa=isa, logical_cpus=2, physical_cores=2, numa_nodes=1)
+
+
+def _paths(fmt: ExpertFormat, compute: torch.dtype) -> list[GemmPath]:
+    conversions = [Conversion.DEQUANTIZED]
+    if compute in fmt.SCALED_TILE_DTYPES:
+        conversions.append(Conversion.SCALED_CODES)
+    return [GemmPath(c, whole_tiles=w) for c in conversions for w in (True, False)]
+
+
+def _errors(y, grads, ref_y, ref_grads) -> dict[str, float]:
+    pairs = [("y", y, ref_y)] + [(n, grads[n], ref_grads[n]) for n in ref_grads]
+    return {
+        n: float((got.double() - ref.double()).abs().max() / ref.double().abs().max())
+        for n, got, ref in pairs
+    }
+
+
+@pytest.fixture(scope="module")
+def formats() -> dict[str, ExpertFormat]:
+    gate_up, down = gaussian()
+    return {c.id: c.build(gate_up, down) for c in QUANTIZED}
+
+
+def _build(weights: ExpertFormat, lora: dict[str, torch.Tensor] | None, compute: torch.dtype) -> CpuExperts:
+    """The engine module on ``weights``, with expert LoRA (lora mode) or without (frozen mode: the forward
+    GEMMs then write their output instead of adding to the LoRA term)."""
+    if lora is not None:
+        return _module(weights, lora, compute_dtype=compute)
+    return CpuExperts(ExpertEngine(weights, options=EngineOptions(compute_dtype=compute)))
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in QUANTIZED if c.id in ("int8", "int4-g64-asym", "fp8_block")], ids=str
+)
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T", [24, 300])  # ~12 rows per expert, and ~150 > gemm.SMALL_ROWS
+@pytest.mark.parametrize("with_lora", [True, False], ids=["lora", "frozen"])
+def test_every_gemm_path_matches_float64(case, compute, T, with_lora, formats):
+    fmt = formats[case.id]
+    x, ids, w = make_routing(T=T, E=E, k=K, H=H, dtype=torch.float32)
+    gy = torch.randn(T, H, generator=torch.Generator().manual_seed(5))
+    lora = _lora() if with_lora else None
+    lora64 = {n: t.double() for n, t in lora.items()} if lora is not None else None
+    ref = run_module(
+        _build(DenseExperts(*fmt.dequantize(torch.float64)), lora64, torch.float64),
+        x.double(),
+        ids,
+        w.double(),
+        gy.double(),
+    )
+    dense = _errors(
+        *run_module(_build(DenseExperts(*fmt.dequantize(compute)), lora, compute), x, ids, w, gy), *ref
+    )
+    for path in _paths(fmt, compute):
+        module = _build(fmt, lora, compute)
+        module.engine.gemm.path = path
+        errors = _errors(*run_module(module, x, ids, w, gy), *ref)
+        for name, err in errors.items():
+            if compute == torch.float32:
+                assert err <= 1e-5, (path, name, err)
+            else:
+                assert err <= min(2e-2, max(2 * dense[name], 1e-3)), (path, name, err, dense[name])
+
+
+def test_int8_scaled_codes_path_and_its_dtypes(formats):
+    """int8's scaled tile is its codes (exactly) and row scales: their product is ``dequantize``'s weight."""
+    fmt = formats["int8"]
+    assert isinstance(fmt, Int8Experts)
+    full = fmt.dequantize(torch.float32)[0]  # the fp32 product of code and scale
+    for dtype in Int8Experts.SCALED_TILE_DTYPES:
+        buf = torch.empty(fmt.shape("gate_up"), dtype=dtype)
+        codes, scale = fmt.scaled_tile("gate_up", 2, dtype, buf, slice(None))
+        assert codes.data_ptr() == buf.data_ptr() and torch.equal(codes.double(), fmt.gate_up[2].double())
+        assert scale.dtype == torch.float32 and torch.equal(codes.float() * scale[:, None], full[2])
+        part, part_scale = fmt.scaled_tile(
+            "gate_up", 2, dtype, torch.empty(16, H, dtype=dtype), slice(16, 32)
+        )
+        assert torch.equal(part.double(), fmt.gate_up[2, 16:32].double())
+        assert torch.equal(part_scale, fmt.gate_up_scale[2, 16:32])
+
+
+def test_resolve_gemm_path_per_format_dtype_and_cpu(formats):
+    gate_up, down = gaussian()
+    amx, avx512 = _cpu("AMX-BF16", "AVX512-BF16", "AVX512F", "AVX2"), _cpu("AVX512-BF16", "AVX512F", "AVX2")
+    bf16 = DenseExperts(gate_up.bfloat16(), down.bfloat16())
+    assert resolve_gemm_path(bf16, torch.bfloat16, amx).conversion is Conversion.VIEW
+    assert resolve_gemm_path(bf16, torch.float32, avx512) == GemmPath(
+        Conversion.DEQUANTIZED, whole_tiles=False
+    )
+    int8, int4 = formats["int8"], formats["int4-g64-sym"]
+    assert resolve_gemm_path(int8, torch.bfloat16, amx) == GemmPath(Conversion.SCALED_CODES, whole_tiles=True)
+    assert resolve_gemm_path(int8, torch.bfloat16, avx512) == GemmPath(
+        Conversion.SCALED_CODES, whole_tiles=False
+    )
+    assert resolve_gemm_path(int8, torch.float32, amx) == GemmPath(Conversion.SCALED_CODES, whole_tiles=False)
+    assert resolve_gemm_path(int4, torch.bfloat16, amx) == GemmPath(Conversion.DEQUANTIZED, whole_tiles=True)
+    assert resolve_gemm_path(int4, torch.float32, _cpu("AVX2")).whole_tiles is False
+    assert "per-row scale" in resolve_gemm_path(int8, torch.bfloat16, amx).describe()
+
+
+@pytest.mark.parametrize(
+    "isa,int8_line",
+    [
+        (("AMX-BF16", "AVX512-BF16", "AVX2"), "int8: computes in bfloat16; experts with <= 128 rows: codes"),
+        (("AVX512-BF16", "AVX2"), "int8: computes in bfloat16; experts with <= 128 rows: codes"),
+        (("AVX2",), "int8: computes in float32; experts with <= 128 rows: codes"),
+    ],
+)
+def test_doctor_names_each_formats_path(monkeypatch, isa, int8_line):
+    cpu = _cpu(*isa)
+    monkeypatch.setattr("moetune.engine.plan.cpu_info", lambda: cpu)
+    monkeypatch.setattr("moetune.engine.gemm.cpu_info", lambda: cpu)
+    lines = gemm_paths()
+    by_name = {line.split(":")[0]: line for line in lines}
+    assert set(by_name) == {"bf16 (dense)" if n == "dense" else n for n in FORMATS.names()}
+    assert by_name["int8"].startswith(int8_line)
+    whole = "AMX-BF16" in isa
+    assert by_name["int4"].endswith("in whole matrices" if whole else "in cache-sized row blocks")
+    native = "AVX512-BF16" in isa
+    assert by_name["bf16 (dense)"].endswith(
+        "no conversion)" if native else "weights dequantized, in cache-sized row blocks"
+    )
+
+
+def test_scaled_codes_on_the_expert_pool_equal_one_expert_at_a_time(formats, four_threads):
+    """Per-thread scratch (code tiles, the transposed result, the scaled gradient) must not leak between experts
+    computed at once: four workers give exactly what one expert at a time gives."""
+    fmt = formats["int8"]
+    x, ids, w = make_routing(T=T_POOL, E=E, k=K, H=H, dtype=torch.float32)
+    gy = torch.randn(T_POOL, H, generator=torch.Generator().manual_seed(5))
+    results = []
+    for workers in (1, 4):
+        module = _module(fmt, _lora(), compute_dtype=torch.bfloat16, expert_workers=workers)
+        module.engine.gemm.path = GemmPath(Conversion.SCALED_CODES, whole_tiles=True)
+        results.append(run_module(module, x, ids, w, gy))
+    (y1, g1), (y4, g4) = results
+    assert torch.equal(y1, y4)
+    for name in g1:
+        assert torch.equal(g1[name], g4[name]), name
+
+
+def test_replacing_the_weights_resolves_the_path_again(formats):
+    """An engine whose int8 weights are swapped for dense ones (as a reference in the loading tests is) must not
+    keep reading them as scaled codes."""
+    engine = ExpertEngine(formats["int8"], options=EngineOptions(compute_dtype=torch.bfloat16))
+    assert engine.gemm.path.conversion is Conversion.SCALED_CODES
+    dense = DenseExperts(*formats["int8"].dequantize(torch.bfloat16))
+    engine.weights = dense
+    assert engine.weights is dense and engine.gemm.path.conversion is Conversion.VIEW
+    x, ids, w = make_routing(T=8, E=E, k=K, H=H, dtype=torch.bfloat16)
+    y, _ = engine.forward(x, ids, w, save=False)
+    y_ref, _ = ExpertEngine(dense, options=EngineOptions(compute_dtype=torch.bfloat16)).forward(
+        x, ids, w, save=False
+    )
+    assert torch.equal(y, y_ref)
