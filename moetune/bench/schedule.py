@@ -2,10 +2,13 @@
 
 The device stands in for a GPU stream: a second thread that runs its tasks in the order given (a CUDA stream
 runs kernels in order), waiting before a task for the CPU tasks it depends on (``cudaStreamWaitEvent``). A
-device task here only sleeps for its modelled duration, so it uses no core the CPU tasks need, as a GPU
-would not. CPU tasks run on the calling thread in their order, waiting for the device tasks they depend on
-(an event's ``synchronize``). Every task's start and end are recorded; :func:`overlap_s` then says how much of
-the device's busy time fell inside the CPU's.
+device task only keeps the device busy for its modelled duration, on the device's own clock: it starts when
+the previous device task ended and the CPU tasks it waits for ended (as recorded), ends ``seconds`` later,
+and the thread sleeps until then, so it uses no core the CPU tasks need, as a GPU would not. (A Python thread
+wakes late when another holds the GIL; the clock keeps that lateness out of the device's busy time.) CPU
+tasks run on the calling thread in their order, waiting for the device tasks they depend on (an event's
+``synchronize``), and their real start and end are recorded. :func:`overlap_s` then says how much of the
+device's busy time fell inside the CPU's.
 """
 
 from __future__ import annotations
@@ -20,17 +23,14 @@ Interval = tuple[float, float]  # (start, end), seconds on time.perf_counter's c
 
 @dataclass
 class Task:
-    """One unit of work on one queue: ``run()`` after every task named in ``deps`` has finished."""
+    """One unit of work on one queue, after every task named in ``deps`` has finished: a CPU task calls
+    ``run()``; a device task is busy for ``seconds`` (modelled) and runs nothing."""
 
     name: str
-    run: Callable[[], None]
+    run: Callable[[], None] | None = None
     deps: tuple[str, ...] = ()
+    seconds: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
-
-
-def sleeper(seconds: float) -> Callable[[], None]:
-    """A device task's body: the modelled duration, spent without using a core."""
-    return lambda: time.sleep(seconds)
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,7 @@ def run_schedule(cpu: Sequence[Task], device: Sequence[Task]) -> Timeline:
     stamps: dict[str, dict[str, Interval]] = {"cpu": {}, "device": {}}
 
     def run_queue(queue: Sequence[Task], where: str) -> None:
+        device_free = 0.0  # the device clock: when its previous task ended
         for task in queue:
             for dep in task.deps:
                 while not tasks[dep].done.wait(0.05):
@@ -97,9 +98,17 @@ def run_schedule(cpu: Sequence[Task], device: Sequence[Task]) -> Timeline:
                         raise RuntimeError("the device queue failed") from failure[0]
                     if where == "device" and cpu_stopped.is_set():
                         return  # the CPU queue raised: nothing this task waits for will come
-            start = time.perf_counter()
-            task.run()
-            stamps[where][task.name] = (start, time.perf_counter())
+            if where == "cpu":
+                assert task.run is not None, f"CPU task {task.name} has nothing to run"
+                start = time.perf_counter()
+                task.run()
+                end = time.perf_counter()
+            else:
+                ready = max((stamps["cpu"][d][1] for d in task.deps if d in stamps["cpu"]), default=0.0)
+                start = max(device_free or time.perf_counter(), ready)
+                end = device_free = start + task.seconds
+                time.sleep(max(0.0, end - time.perf_counter()))
+            stamps[where][task.name] = (start, end)
             task.done.set()
 
     def device_thread() -> None:
@@ -118,3 +127,29 @@ def run_schedule(cpu: Sequence[Task], device: Sequence[Task]) -> Timeline:
     if failure:
         raise RuntimeError("the device queue failed") from failure[0]
     return Timeline(cpu=stamps["cpu"], device=stamps["device"])
+
+
+def replay(cpu: Sequence[Task], device: Sequence[Task], cpu_seconds: dict[str, float]) -> Timeline:
+    """The same schedule on a virtual clock: each CPU task takes its measured ``cpu_seconds``, each device task
+    its modelled ``seconds``, and a task starts the moment its queue and its dependencies allow.
+
+    What the threaded run shows minus this machine's wake-up latencies (a thread woken by an event or a sleep
+    runs late when the cores are shared, a GPU's event is seen within microseconds): the schedule's own
+    overlap, from the CPU work as measured.
+    """
+    end: dict[str, float] = {}
+    out: dict[str, dict[str, Interval]] = {"cpu": {}, "device": {}}
+    queues = {"cpu": list(cpu), "device": list(device)}
+    free = {"cpu": 0.0, "device": 0.0}
+    while queues["cpu"] or queues["device"]:
+        progressed = False
+        for where, queue in queues.items():
+            while queue and all(d in end for d in queue[0].deps):
+                task = queue.pop(0)
+                start = max([free[where], *(end[d] for d in task.deps)])
+                length = cpu_seconds[task.name] if where == "cpu" else task.seconds
+                end[task.name] = free[where] = start + length
+                out[where][task.name] = (start, start + length)
+                progressed = True
+        assert progressed, f"the schedule deadlocks at {queues['cpu'][:1]} / {queues['device'][:1]}"
+    return Timeline(cpu=out["cpu"], device=out["device"])
