@@ -1,12 +1,13 @@
 """One model-benchmark variant in its own process: load a checkpoint, then time training steps on request.
 
 ``python -m moetune.bench.model_worker VARIANT CHECKPOINT --threads N --batch B --seq S --seed X
-[--lora-rank R --accumulation A]`` is started by ``moetune.bench.model``. It imports what loading needs and answers ``{"ready": true}`` (so the workers'
-imports can overlap), then on ``load`` loads the checkpoint the way the variant says (``VARIANTS``) and
-answers the load's measurements; then it reads commands from stdin: ``step`` runs one forward + backward of the causal-LM loss on a fixed
-batch of ``[B, S]`` random token ids and answers its times and loss; ``quit`` answers the process's peak
-resident size and exits. Its own process, so each variant's peak RSS is its own (``ru_maxrss`` is a
-per-process high-water mark). Anything libraries print goes to stderr: stdout carries the protocol alone.
+[--lora-rank R --accumulation A]`` is started by ``moetune.bench.model``. It imports what loading needs and
+answers ``{"ready": true}`` (so the workers' imports can overlap), then on ``load`` loads the checkpoint the
+way the variant says (``VARIANTS``) and answers the load's measurements; then it reads commands from stdin:
+``step`` runs one step (``Stepper``: A micro-batches of ``[B, S]`` fixed random token ids) and answers its
+times and loss; ``quit`` answers the process's peak resident size and exits. Its own process, so each
+variant's peak RSS is its own (``ru_maxrss`` is a per-process high-water mark). Anything libraries print goes
+to stderr: stdout carries the protocol alone.
 
 What a step trains, the same in every variant. With ``--lora-rank 0`` (the model benchmark): the routed
 experts are frozen (moetune's engine holds them outside torch; transformers' expert parameters get
@@ -103,7 +104,7 @@ def _lora_transformers(model: Any, rank: int) -> Any:
     )
     params = sorted(
         {
-            f"{site.path.rsplit('.', 2)[-2]}.{site.path.rsplit('.', 1)[-1]}.{name}"
+            ".".join([*site.path.split(".")[-2:], name])
             for site in sites
             for name, _ in model.get_submodule(site.path).named_parameters(recurse=False)
         }
