@@ -234,9 +234,9 @@ class EngineLayers:
         return call
 
 
-def run_step(name: str, layers: EngineLayers, costs: LayerCosts) -> tuple[Timeline, Timeline]:
-    """One forward + backward over every layer under schedule ``name`` (``costs``: one whole micro-batch): the
-    threaded run's timeline, and its replay on a virtual clock from the measured CPU task times."""
+def step_tasks(name: str, layers: EngineLayers, costs: LayerCosts) -> tuple[list[Task], list[Task]]:
+    """The CPU and device tasks of one forward + backward over every layer under schedule ``name``
+    (``costs``: one whole micro-batch)."""
     parts = PARTS[name]
     build = SCHEDULES.get(name)
     n = len(layers.engines)
@@ -244,9 +244,25 @@ def run_step(name: str, layers: EngineLayers, costs: LayerCosts) -> tuple[Timeli
     bwd_cpu, bwd_dev = build(n, costs.scaled(BWD_FACTOR / parts), layers.backward_call(parts, n), "b")
     first_bwd = bwd_dev[0]
     first_bwd.deps = (*first_bwd.deps, fwd_cpu[-1].name)  # the loss needs the whole forward
-    cpu, dev = fwd_cpu + bwd_cpu, fwd_dev + bwd_dev
-    threaded = run_schedule(cpu, dev)
-    return threaded, replay(cpu, dev, {n: e - s for n, (s, e) in threaded.cpu.items()})
+    return fwd_cpu + bwd_cpu, fwd_dev + bwd_dev
+
+
+def replay_medians(
+    layers: EngineLayers, costs: LayerCosts, runs: dict[str, list[Timeline]]
+) -> dict[str, Timeline]:
+    """Each schedule replayed on the virtual clock with every CPU task as long as its median over all rounds of
+    all schedules that split the batch alike (``serial`` and ``shared-ahead`` run the same engine calls), so
+    the schedules differ by their order alone, not by the noise of their rounds."""
+    seconds: dict[tuple[int, str], list[float]] = {}
+    for name, timelines in runs.items():
+        for tl in timelines:
+            for task, (start, end) in tl.cpu.items():
+                seconds.setdefault((PARTS[name], task), []).append(end - start)
+    out = {}
+    for name in runs:
+        cpu, dev = step_tasks(name, layers, costs)
+        out[name] = replay(cpu, dev, {t.name: statistics.median(seconds[(PARTS[name], t.name)]) for t in cpu})
+    return out
 
 
 def halves_bit_identical(shape: PipelineShape, seed: int = 0) -> dict[str, float]:
@@ -292,12 +308,13 @@ def run_pipeline_bench(
     layers = EngineLayers(shape, dtype)
     costs = layer_costs(shape, shape.tokens, device, dtype.itemsize)
     names = SCHEDULES.names()
-    timelines: dict[str, list[tuple[Timeline, Timeline]]] = {n: [] for n in names}
+    timelines: dict[str, list[Timeline]] = {n: [] for n in names}
     for rnd in range(reps + 1):
         for name in names:
-            timeline = run_step(name, layers, costs)
+            timeline = run_schedule(*step_tasks(name, layers, costs))
             if rnd:
                 timelines[name].append(timeline)
+    replayed = replay_medians(layers, costs, timelines)
     diffs = halves_bit_identical(shape)
     identical = all(d == 0.0 for d in diffs.values())
     records: list[dict[str, Any]] = []
@@ -319,12 +336,13 @@ def run_pipeline_bench(
                 "device_tflops": device.tflops,
                 "link_gbs": device.link_gbs,
                 "launch_us": device.launch_us,
-                "wall_ms": 1e3 * statistics.median(t.wall_s for t, _ in tl),
-                "cpu_busy_ms": 1e3 * statistics.median(t.cpu_busy_s for t, _ in tl),
-                "device_busy_ms": 1e3 * statistics.median(t.device_busy_s for t, _ in tl),
-                "hidden_fraction": statistics.median(t.hidden_fraction for t, _ in tl),
-                "replay_wall_ms": 1e3 * statistics.median(r.wall_s for _, r in tl),
-                "replay_hidden_fraction": statistics.median(r.hidden_fraction for _, r in tl),
+                "wall_ms": 1e3 * statistics.median(t.wall_s for t in tl),
+                "cpu_busy_ms": 1e3 * statistics.median(t.cpu_busy_s for t in tl),
+                "device_busy_ms": 1e3 * statistics.median(t.device_busy_s for t in tl),
+                "hidden_fraction": statistics.median(t.hidden_fraction for t in tl),
+                "replay_wall_ms": 1e3 * replayed[name].wall_s,
+                "replay_cpu_ms": 1e3 * replayed[name].cpu_busy_s,
+                "replay_hidden_fraction": replayed[name].hidden_fraction,
                 "rounds": len(tl),
                 "halves_bit_identical_fp32": identical,
             }
@@ -372,9 +390,10 @@ def _print(
     worst = max(diffs, key=lambda k: diffs[k])
     print(
         "\nhidden = device busy time overlapped by CPU busy time / device busy time (forward + backward, medians of "
-        "interleaved rounds). replay = the same tasks on a virtual clock, CPU tasks as long as measured, device "
-        "tasks as modelled, each starting as soon as its queue and dependencies allow: the schedule without this "
-        "machine's thread wake-up latencies (large when other processes share the cores).\n"
+        "interleaved rounds). replay = the same tasks on a virtual clock, each CPU task as long as its median over "
+        "the rounds of every schedule making the same engine calls, device tasks as modelled, each starting as "
+        "soon as its queue and dependencies allow: the schedules' own difference, without this machine's "
+        "thread wake-up latencies and round-to-round noise (large when other processes share the cores).\n"
         f"Engine on two halves vs the whole batch, fp32: {verdict} (largest difference {diffs[worst]:.3g} in "
         f"{worst}).",
         file=out,

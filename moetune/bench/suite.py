@@ -188,8 +188,11 @@ def _train_step(ctx: Context) -> list[dict[str, Any]]:
 
 
 def _pipeline_headline(records: list[dict[str, Any]]) -> str:
+    """Hidden fraction and speed against serial, threaded run (replay on the virtual clock)."""
     return "; ".join(
-        f"{r['schedule']} hides {r['hidden_fraction']:.0%} ({r['vs_serial']:.2f}x serial)" for r in records
+        f"{r['schedule']} hides {r['hidden_fraction']:.0%} ({r['replay_hidden_fraction']:.0%}), "
+        f"{r['vs_serial']:.2f}x ({r['replay_vs_serial']:.2f}x) serial"
+        for r in records
     )
 
 
