@@ -5,11 +5,13 @@ transformers' experts, with the roofline), ``scaling`` (the engine's thread scal
 ``model`` (whole-model forward + backward against transformers), ``train_step`` (full LoRA training steps
 against transformers + PEFT), ``pipeline`` (the CPU/device schedule with a simulated device), and the scripts
 under the source tree's ``bench/`` folder (``formats``, ``overhead``, ``residency``, ``profile_engine``), run as
-subprocesses (skipped, with the reason written down, where moetune is installed without its source tree).
+subprocesses (recorded as failed, naming the missing script, where moetune is installed without its source
+tree).
 
-Sizes: ``tiny`` (seconds: checks that everything runs, what the unit test uses), ``small`` (the default: a few
-minutes on 2 cores), ``full`` (each benchmark's own full preset: hours on small machines). A benchmark that
-fails is recorded with its error and the others still run; the command then exits 1.
+Sizes: ``tiny`` (seconds: checks that everything runs, what the unit test uses), ``small`` (the default:
+meant for minutes on 2 idle cores; 16 measured on a heavily shared 2-core machine), ``full`` (each
+benchmark's own full preset: hours on small machines). A benchmark that fails is recorded with its error and
+the others still run; the command then exits 1.
 
 The output folder gets ``bench-all.json`` (``{"runtime", "size", "command", "benchmarks": [{"name",
 "status", "seconds", "shapes", "headline", "records", "output", "error"}]}``) and ``bench-all.md`` (the

@@ -90,7 +90,7 @@ def add_all_parser(which: argparse._SubParsersAction) -> None:
         help="run every benchmark and write one JSON and one Markdown table with the runtime tuple",
         description="Run every moetune benchmark (engine, scaling, model, train_step, pipeline and the bench/ "
         "scripts) at one size; write bench-all.json and bench-all.md (CPU, ISA, cores, threads, torch/oneDNN "
-        "versions, shapes, git commit) into --out. The default size finishes in a few minutes on 2 cores.",
+        "versions, shapes, git commit) into --out. The default size is meant for minutes on 2 idle cores (16 measured on a heavily shared 2-core machine).",
     )
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="existing folder for the two files")
     p.add_argument(
