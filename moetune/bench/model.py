@@ -30,7 +30,7 @@ from typing import Any, TextIO
 import torch
 
 from moetune.atomic import write_text_atomically
-from moetune.bench.model_worker import VARIANTS
+from moetune.bench.model_worker import VARIANTS, StepShape
 from moetune.bench.report import BUSY_LOAD, Columns, dtype_name, print_row, print_table_head
 from moetune.bench.timing import TimingPolicy
 from moetune.errors import ConfigError, MoetuneError
@@ -53,6 +53,10 @@ class ModelBenchConfig:
     checkpoint: Path | None = None  # an existing checkpoint instead of writing ``shape``
     batch: int = 1
     seq: int = 512
+    lora_rank: int = (
+        0  # 0: experts frozen, the rest trained, no optimizer; r: LoRA training steps (train_step)
+    )
+    accumulation: int = 1  # micro-batches per step
     variants: tuple[str, ...] = tuple(VARIANTS)
     timing: TimingPolicy = field(
         default_factory=lambda: TimingPolicy(warmup=1, reps=3, budget_s=120.0, max_call_s=600.0)
@@ -60,6 +64,23 @@ class ModelBenchConfig:
     threads: int | None = None  # None: physical cores (the engine's default), for every variant
     workdir: Path | None = None  # where the checkpoint is written (a temporary directory inside, removed)
     seed: int = 0
+
+    @property
+    def step_shape(self) -> StepShape:
+        """What each worker's step runs."""
+        return StepShape(self.batch, self.seq, self.lora_rank, self.accumulation, self.seed)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.accumulation * self.batch * self.seq
+
+    def describe_step(self) -> str:
+        """One phrase for the header: what a step trains."""
+        micro = f"{self.accumulation} x " if self.accumulation > 1 else ""
+        tokens = f"{micro}batch {self.batch} x {self.seq} tokens"
+        if self.lora_rank:
+            return f"{tokens}, LoRA r={self.lora_rank} on attention + routed experts, AdamW step"
+        return f"{tokens}, experts frozen, the rest trained"
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` listing every bad field at once."""
@@ -75,9 +96,12 @@ class ModelBenchConfig:
                 ("vocab", s.vocab),
                 ("batch", self.batch),
                 ("seq", self.seq),
+                ("accumulation", self.accumulation),
             )
             if value < 1
         ]
+        if self.lora_rank < 0:
+            problems.append(f"lora_rank must be >= 0 (0: experts frozen, no LoRA); got {self.lora_rank}")
         if s.top_k > s.experts:
             problems.append(f"top_k must be <= experts ({s.experts}); got {s.top_k}")
         unknown = [v for v in self.variants if v not in VARIANTS]
@@ -128,7 +152,7 @@ class _Worker:
         self.note = ""
         cmd = [
             sys.executable, "-m", "moetune.bench.model_worker", name, str(checkpoint), "--threads", str(threads),
-            "--batch", str(config.batch), "--seq", str(config.seq), "--seed", str(config.seed),
+            *config.step_shape.args(),
         ]  # fmt: skip
         self._stderr = log.open("w")
         self.proc = subprocess.Popen(
@@ -180,7 +204,8 @@ def _record(
     variant = VARIANTS[name]
     fwd = statistics.median(s["fwd_s"] for s in steps) if steps else None
     bwd = statistics.median(s["bwd_s"] for s in steps) if steps else None
-    tokens = config.batch * config.seq
+    opt = statistics.median(s["opt_s"] for s in steps) if steps else None
+    cpu = statistics.median(s["cpu_s"] for s in steps) if steps else None
     return {
         "variant": name,
         "impl": variant.impl,
@@ -194,6 +219,9 @@ def _record(
         "vocab": shape.vocab,
         "batch": config.batch,
         "seq": config.seq,
+        "accumulation": config.accumulation,
+        "lora_rank": config.lora_rank,
+        "trainable_params": load.get("trainable"),
         "threads": threads,
         "load_s": load.get("load_s"),
         "rss_after_load_mib": load["rss_after_load"] / MIB if "rss_after_load" in load else None,
@@ -201,7 +229,12 @@ def _record(
         "peak_rss_mib": None if end is None else end["peak_rss"] / MIB,
         "fwd_ms": None if fwd is None else 1e3 * fwd,
         "bwd_ms": None if bwd is None else 1e3 * bwd,
-        "tokens_per_s": None if fwd is None or bwd is None else tokens / (fwd + bwd),
+        "opt_ms": None if opt is None else 1e3 * opt,
+        "cpu_s_per_step": cpu,
+        "step_ms": None if fwd is None or bwd is None or opt is None else 1e3 * (fwd + bwd + opt),
+        "tokens_per_s": None
+        if fwd is None or bwd is None or opt is None
+        else config.tokens_per_step / (fwd + bwd + opt),
         "samples": len(steps),
         "loss": steps[0]["loss"] if steps else None,
         "vs_transformers": None,
@@ -274,11 +307,24 @@ def _run_variants(
     return {w.name: (loads[w.name], steps[w.name], ends[w.name], w.note) for w in workers}
 
 
-def run_model_bench(config: ModelBenchConfig, out: TextIO | None = None) -> list[dict[str, Any]]:
-    """Write (or take) the checkpoint, run every variant, print the table to ``out`` (stdout) and return one
-    record per variant (the keys of ``REQUIRED_KEYS`` and more)."""
+@dataclass(frozen=True)
+class TableStyle:
+    """How a run is printed: the header's name, the columns, and the legend under the table."""
+
+    title: str
+    columns: Columns
+    legend: str
+
+
+def run_model_bench(
+    config: ModelBenchConfig, out: TextIO | None = None, style: TableStyle | None = None
+) -> list[dict[str, Any]]:
+    """Write (or take) the checkpoint, run every variant, print the table to ``out`` (stdout) in ``style``
+    (default: the model benchmark's) and return one record per variant (the keys of ``REQUIRED_KEYS`` and
+    more)."""
     config.validate()
     out = out or sys.stdout
+    style = style or MODEL_STYLE
     threads = config.threads or default_num_threads()
     load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     with tempfile.TemporaryDirectory(prefix="moetune-bench-model-", dir=config.workdir) as tmp:
@@ -286,7 +332,7 @@ def run_model_bench(config: ModelBenchConfig, out: TextIO | None = None) -> list
         if checkpoint is None:
             checkpoint = write_wide_checkpoint(Path(tmp) / "checkpoint", config.shape, seed=config.seed)
         shape = config.shape if config.checkpoint is None else _shape_of(checkpoint)
-        _print_header(out, shape, config, threads, load_avg)
+        _print_header(out, shape, config, threads, load_avg, style)
         results = _run_variants(checkpoint, config, threads, Path(tmp), sys.stderr)
     records = []
     for name, (load, steps, end, note) in results.items():
@@ -296,9 +342,9 @@ def run_model_bench(config: ModelBenchConfig, out: TextIO | None = None) -> list
     by_name = {r["variant"]: r for r in records}
     for rec in records:
         base = by_name.get(f"transformers-{rec['dtype']}")
-        if rec["impl"] == "moetune" and base and base["fwd_ms"] is not None and rec["fwd_ms"] is not None:
-            rec["vs_transformers"] = (base["fwd_ms"] + base["bwd_ms"]) / (rec["fwd_ms"] + rec["bwd_ms"])
-    _print_table(out, records)
+        if rec["impl"] == "moetune" and base and base["step_ms"] is not None and rec["step_ms"] is not None:
+            rec["vs_transformers"] = base["step_ms"] / rec["step_ms"]
+    _print_table(out, records, style)
     return records
 
 
@@ -313,18 +359,30 @@ MODEL_COLUMNS: Columns = (
     ("loss", 9, "loss", "{:.4f}"),
     ("vs hf", 8, "vs_transformers", "{:.2f}x"),
 )
+MODEL_STYLE = TableStyle(
+    "moetune bench model",
+    MODEL_COLUMNS,
+    "fwd/bwd ms: medians of alternated steps (one forward + backward of the LM loss); tokens/s = batch x seq / "
+    "(fwd + bwd); RSS = resident after loading, peak = the process's high-water mark (load and steps); vs hf = "
+    "transformers' step time in the same dtype / moetune's.",
+)
 
 
 def _print_header(
-    out: TextIO, shape: WideShape, config: ModelBenchConfig, threads: int, load: float | None
+    out: TextIO,
+    shape: WideShape,
+    config: ModelBenchConfig,
+    threads: int,
+    load: float | None,
+    style: TableStyle,
 ) -> None:
     from moetune.engine import resolve_compute_dtype
 
     cpu = cpu_info()
     print(
-        f"moetune bench model | {cpu.model} ({', '.join(cpu.isa) or 'no SIMD flags found'}), {threads} threads | "
+        f"{style.title} | {cpu.model} ({', '.join(cpu.isa) or 'no SIMD flags found'}), {threads} threads | "
         f"{shape.layers} layers, H={shape.hidden}, E={shape.experts} x I={shape.intermediate}, top-{shape.top_k}, "
-        f"vocab {shape.vocab} | batch {config.batch} x {config.seq} tokens, experts frozen, the rest trained",
+        f"vocab {shape.vocab} | {config.describe_step()}",
         file=out,
     )
     if resolve_compute_dtype(torch.bfloat16) != torch.bfloat16:
@@ -335,41 +393,62 @@ def _print_header(
         )
     if load is not None and load > BUSY_LOAD:
         print(f"warning: load average {load:.1f} before the run: other processes share the cores", file=out)
-    print_table_head(out, MODEL_COLUMNS)
+    print_table_head(out, style.columns)
 
 
-def _print_table(out: TextIO, records: list[dict[str, Any]]) -> None:
+def _print_table(out: TextIO, records: list[dict[str, Any]], style: TableStyle) -> None:
     for rec in records:
-        print_row(out, rec, MODEL_COLUMNS)
-    print(
-        "\nfwd/bwd ms: medians of alternated steps (one forward + backward of the LM loss); tokens/s = batch x seq"
-        " / (fwd + bwd); RSS = resident after loading, peak = the process's high-water mark (load and steps); "
-        "vs hf = transformers' step time in the same dtype / moetune's.",
-        file=out,
-    )
+        print_row(out, rec, style.columns)
+    print("\n" + style.legend, file=out)
     for rec in records:
         print(f"{rec['variant']}: experts computed by {rec['experts_impl'] or '-'}", file=out)
         if rec["note"]:
             print(f"{rec['variant']}: {rec['note']}", file=out)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python bench/model.py",
-        description="Time training steps and measure peak host memory of a whole MoE model, moetune against "
-        "transformers on the same weights, bf16 and fp32 (docs/benchmarks.md).",
-    )
-    p.add_argument("--quick", action="store_true", help="a small model: 2 layers, H=256, 16 experts, seq 128")
+@dataclass(frozen=True)
+class Preset:
+    """One command built on this runner: its name and help, its full and ``--quick`` configurations, its table."""
+
+    prog: str
+    description: str
+    quick_help: str
+    full: ModelBenchConfig
+    quick: ModelBenchConfig
+    style: TableStyle
+
+
+MODEL_PRESET = Preset(
+    "python bench/model.py",
+    "Time training steps and measure peak host memory of a whole MoE model, moetune against transformers on "
+    "the same weights, bf16 and fp32 (docs/benchmarks.md).",
+    "a small model: 2 layers, H=256, 16 experts, seq 128",
+    ModelBenchConfig(),
+    QUICK,
+    MODEL_STYLE,
+)
+
+
+def parser(preset: Preset) -> argparse.ArgumentParser:
+    """The command line of ``preset``: every field of its configuration can be overridden."""
+    p = argparse.ArgumentParser(prog=preset.prog, description=preset.description)
+    p.add_argument("--quick", action="store_true", help=preset.quick_help)
     p.add_argument("--json", type=Path, metavar="PATH", help="write one JSON record per variant to PATH")
     p.add_argument(
         "--checkpoint", type=Path, help="benchmark this checkpoint instead of writing a random one"
     )
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="variants to run (default: all)")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="variants to run")
     shape = p.add_argument_group("the random checkpoint (defaults: the full benchmark, or --quick's)")
     for name in ("layers", "experts", "top_k", "hidden", "intermediate", "vocab"):
         shape.add_argument(f"--{name.replace('_', '-')}", type=int)
-    p.add_argument("--batch", type=int, help="sequences per step")
+    p.add_argument("--batch", type=int, help="sequences per micro-batch")
     p.add_argument("--seq", type=int, help="tokens per sequence")
+    p.add_argument("--accumulation", type=int, help="micro-batches per step (gradient accumulation)")
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        help="LoRA rank on attention + experts, with an AdamW step (0: experts frozen)",
+    )
     p.add_argument("--reps", type=int, help="timed steps per variant (median reported)")
     p.add_argument("--warmup", type=int, help="untimed steps per variant first")
     p.add_argument("--budget-s", type=float, help="stop a variant's repetitions once they add up to this")
@@ -379,9 +458,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> ModelBenchConfig:
+def config_from_args(args: argparse.Namespace, preset: Preset = MODEL_PRESET) -> ModelBenchConfig:
     """The preset (full or ``--quick``) with every option the user gave applied on top."""
-    config = QUICK if args.quick else ModelBenchConfig()
+    config = preset.quick if args.quick else preset.full
     shape = {
         n: getattr(args, n)
         for n in ("layers", "experts", "top_k", "hidden", "intermediate", "vocab")
@@ -398,6 +477,8 @@ def config_from_args(args: argparse.Namespace) -> ModelBenchConfig:
         "variants": tuple(args.variants) if args.variants else None,
         "batch": args.batch,
         "seq": args.seq,
+        "accumulation": args.accumulation,
+        "lora_rank": args.lora_rank,
         "timing": dataclasses.replace(config.timing, **timing) if timing else None,
         "threads": args.threads,
         "workdir": args.workdir,
@@ -409,14 +490,15 @@ def _write_json(path: Path, records: list[dict[str, Any]]) -> None:
     write_text_atomically(path, json.dumps(records, indent=2) + "\n", durable=False)
 
 
-def main(argv: list[str] | None = None, out: TextIO | None = None) -> int:
-    """``bench/model.py``: parse, run, print, and with ``--json`` write the records. User errors exit 2."""
-    args = _parser().parse_args(argv)
+def main(argv: list[str] | None = None, out: TextIO | None = None, preset: Preset = MODEL_PRESET) -> int:
+    """``bench/model.py`` (or another ``preset``): parse, run, print, and with ``--json`` write the records.
+    User errors exit 2."""
+    args = parser(preset).parse_args(argv)
     try:
-        config = config_from_args(args)
+        config = config_from_args(args, preset)
         if args.json is not None and not args.json.parent.is_dir():
             raise ConfigError(f"--json {args.json}: directory {args.json.parent} does not exist")
-        records = run_model_bench(config, out)
+        records = run_model_bench(config, out, preset.style)
     except (ConfigError, MoetuneError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,8 @@
-"""``moetune bench engine``: the expert engine against a plain autograd loop and transformers' experts module.
+"""``moetune bench engine``: the expert engine against a plain autograd loop and transformers' experts module;
+``moetune bench all``: every benchmark at one size into one JSON and one Markdown table
+(``moetune.bench.suite``).
 
-Parses the options into an ``EngineBenchConfig`` (``--quick`` starts from the small preset; any option given
+``engine`` parses the options into an ``EngineBenchConfig`` (``--quick`` starts from the small preset; any option given
 overrides it), runs ``moetune.bench.engine.run_engine_bench`` and, with ``--json PATH``, writes its records.
 """
 
@@ -78,6 +80,43 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "on this CPU: bfloat16 with AMX-BF16/AVX512-BF16, else float32)",
     )
     p.set_defaults(func=run)
+    add_all_parser(which)
+
+
+def add_all_parser(which: argparse._SubParsersAction) -> None:
+    """Register ``bench all``."""
+    p = which.add_parser(
+        "all",
+        help="run every benchmark and write one JSON and one Markdown table with the runtime tuple",
+        description="Run every moetune benchmark (engine, scaling, model, train_step, pipeline and the bench/ "
+        "scripts) at one size; write bench-all.json and bench-all.md (CPU, ISA, cores, threads, torch/oneDNN "
+        "versions, shapes, git commit) into --out. The default size is meant for minutes on 2 idle cores (16 measured on a heavily shared 2-core machine).",
+    )
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="existing folder for the two files")
+    p.add_argument(
+        "--size",
+        choices=["tiny", "small", "full"],
+        default="small",
+        help="tiny: seconds (a smoke run); small (default): minutes; full: each benchmark's full preset (hours)",
+    )
+    p.add_argument("--only", nargs="+", metavar="NAME", help="run only these benchmarks (default: every one)")
+    p.add_argument("--threads", type=int, help="torch threads (default: physical cores)")
+    p.set_defaults(func=run_all)
+
+
+def run_all(args: argparse.Namespace) -> int:
+    from moetune.bench.suite import run_suite  # here, not at the top: --help stays fast
+
+    argv = ["moetune", "bench", "all", "--out", str(args.out), "--size", args.size]
+    argv += ["--only", *args.only] if args.only else []
+    argv += ["--threads", str(args.threads)] if args.threads else []
+    result = run_suite(args.out, args.size, args.threads, tuple(args.only or ()), " ".join(argv))
+    failed = [b["name"] for b in result["benchmarks"] if b["status"] != "ok"]
+    if failed:
+        print(
+            f"moetune bench all: {len(failed)} failed: {', '.join(failed)} (their errors are in the report)"
+        )
+    return 1 if failed else 0
 
 
 def config_from_args(args: argparse.Namespace) -> EngineBenchConfig:
