@@ -401,16 +401,38 @@ def _idle_runs(steps: list[float], with_grad: dict[int, torch.Tensor]) -> list[s
     return runs
 
 
-def spec_of_config(config: Any) -> ExpertOptimSpec:
+def spec_of_config(config: Any, *, distributed: bool = False) -> ExpertOptimSpec | None:
     """The expert optimizer of a validated ``MoetuneConfig`` (its ``optim`` / ``optim_args`` pass-through keys,
-    transformers' default ``optim`` otherwise, and ``expert_update``); ``ConfigError`` for an unusable one."""
+    transformers' default ``optim`` otherwise, and ``expert_update``); ``ConfigError`` for an unusable one.
+
+    None where the Trainer's own optimizer trains the experts on dense ``.grad`` tensors instead (logged): an
+    ``optim`` that is no AdamW (``sgd``, ``adafactor``, ...), and runs of several processes (``distributed``),
+    whose expert gradients are averaged over the ranks as ``.grad`` (``moetune.train.host_grads``); there a
+    bf16 / 8-bit expert state cannot be had and is refused."""
     from transformers import TrainingArguments
 
     extra = dict(config.training.extra_args)
-    default = TrainingArguments.__dataclass_fields__["optim"].default
-    return ExpertOptimSpec.from_optim(
-        extra.get("optim", default), extra.get("optim_args"), config.finetune.expert_update
+    optim = extra.get("optim", TrainingArguments.__dataclass_fields__["optim"].default)
+    name = str(getattr(optim, "value", optim))
+    if name not in STATE_OF_OPTIM:
+        logger.info(
+            "moetune: optim %s is no AdamW: it trains the routed experts itself, with dense gradients", name
+        )
+        return None
+    spec = ExpertOptimSpec.from_optim(name, extra.get("optim_args"), config.finetune.expert_update)
+    if not distributed:
+        return spec
+    if spec.state != "param" or spec.update is not ExpertUpdate.EXACT:
+        raise ConfigError(
+            f"optim: {name!r} (experts' state {spec.state}, expert_update {spec.update.value}) under several "
+            "processes: full/freeze runs of several processes train the routed experts with the Trainer's own "
+            "AdamW on dense gradients averaged over the ranks; use optim adamw_torch and expert_update exact, "
+            "or train in one process"
+        )
+    logger.info(
+        "moetune: several processes: the Trainer's AdamW trains the routed experts on dense gradients"
     )
+    return None
 
 
 def build_expert_optimizer(

@@ -56,13 +56,14 @@ class MoetuneTrainer(GuardedSteps, AveragesHostGrads, AtomicCheckpoints, LoraExp
     once complete (:class:`~moetune.train.checkpoints.AtomicCheckpoints`) and whose steps a numerical guard can
     stop or skip (:class:`~moetune.train.guards.GuardedSteps`)."""
 
-    expert_optim = ExpertOptimSpec()  # full/freeze: the routed experts' optimizer (the recipe sets the run's)
+    # full/freeze: the routed experts' optimizer (the recipe sets the run's); None: the Trainer's own, dense grads
+    expert_optim: ExpertOptimSpec | None = ExpertOptimSpec()
 
     def create_optimizer(self, model: Any = None) -> Any:
         """Full/freeze with routed experts in full mode: :class:`ExpertAdamW` over the Trainer's own parameter
         groups (weight decay except biases and norms), with ``optim``'s hyperparameters; else the Trainer's."""
         opt_model: Any = self.model if model is None else model
-        if self.optimizer is None and self._layered():
+        if self.optimizer is None and self._layered() and self.expert_optim is not None:
             decay = set(self.get_decay_parameter_names(opt_model))
             named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
             groups = [

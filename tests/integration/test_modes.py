@@ -619,18 +619,35 @@ def test_moetune_train_prints_the_modes_memory(tmp_path, demo_model, capsys) -> 
     assert f"model written to {tmp_path / 'out'}" in out
 
 
-def test_an_optimizer_the_experts_cannot_take_is_refused_before_loading(
-    tmp_path, demo_model, no_heavy_work
-) -> None:
-    from moetune.errors import ConfigError
+def test_an_optim_that_is_no_adamw_trains_the_experts_itself(tmp_path, demo_model) -> None:
+    # sgd: no moetune expert optimizer; the Trainer's SGD updates the routed experts from dense gradients
+    from safetensors.torch import load_file
 
-    with pytest.raises(ConfigError, match="optim: 'sgd'"):
-        _run(
-            tmp_path,
-            demo_model,
-            optim="sgd",
-            max_steps=1,
-            eval_strategy="no",
-            eval_dataset=None,
-            eval_steps=None,
-        )
+    from moetune.layer import CpuExperts
+    from moetune.train.expert_optim import unwrap
+
+    done = _run(
+        tmp_path, demo_model, optim="sgd", max_steps=2, eval_strategy="no", eval_dataset=None, eval_steps=None
+    )
+    assert unwrap(done.trainer.optimizer) is None
+    assert isinstance(getattr(done.trainer.optimizer, "optimizer", done.trainer.optimizer), torch.optim.SGD)
+    experts = [m for m in done.model.modules() if isinstance(m, CpuExperts)]
+    assert experts and all(m.base_grads is None for m in experts)
+    base, trained = (load_file(str(d / "model.safetensors")) for d in (demo_model, tmp_path / "out"))
+    keys = [k for k in base if ".experts." in k]
+    assert keys and all(k in trained for k in keys)
+    assert any(not torch.equal(trained[k].float(), base[k].float()) for k in keys), "the experts did not move"
+
+
+def test_several_processes_refuse_a_low_bit_expert_state() -> None:
+    from moetune.train.expert_optim import spec_of_config
+
+    class _Cfg:  # the two sections spec_of_config reads
+        training = type("T", (), {"extra_args": {"optim": "adamw_8bit"}})()
+        finetune = type("F", (), {"expert_update": "exact"})()
+
+    assert spec_of_config(_Cfg()) is not None
+    with pytest.raises(ConfigError, match="optim: 'adamw_8bit'.*several processes"):
+        spec_of_config(_Cfg(), distributed=True)
+    _Cfg.training.extra_args = {"optim": "adamw_torch"}
+    assert spec_of_config(_Cfg(), distributed=True) is None  # the Trainer's AdamW, dense gradients
