@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from moetune.train.demo import make_demo_model
-from tests.integration import dist_checks
+from tests.integration import dist_checks, test_stages
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = ("-m", "moetune.cli.main", "train")
@@ -21,28 +20,13 @@ STEPS = 3
 
 
 def _config(tmp: Path, stage: str, model: Path, name: str, batch: int) -> Path:
-    """The shipped example for ``stage`` on the tiny model, SGD at a constant rate, in ``tmp/name``."""
-    cfg = yaml.safe_load((ROOT / f"examples/{stage}_lora.yaml").read_text())
-    cfg.pop("warmup_ratio")
+    """``test_stages``' shortened shipped example for ``stage`` in ``tmp/name``, SGD at a constant rate."""
     folder = tmp / name
     folder.mkdir()
-    cfg.update(
-        model_name_or_path=str(model),
-        dataset_dir=str(ROOT / "examples/data"),
-        output_dir=str(folder / "out"),
-        max_steps=STEPS,
-        logging_steps=1,
-        save_steps=STEPS,
-        optim="sgd",
-        learning_rate=0.5,
-        lr_scheduler_type="constant",
-        per_device_train_batch_size=batch,
-        ddp_timeout=120,
+    sgd = {"optim": "sgd", "learning_rate": 0.5, "lr_scheduler_type": "constant", "save_steps": STEPS}
+    return test_stages._example(
+        folder, stage, model, max_steps=STEPS, per_device_train_batch_size=batch, ddp_timeout=120, **sgd
     )
-    cfg["moetune"]["num_threads"] = 1
-    path = folder / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
 
 
 @pytest.mark.slow
