@@ -24,7 +24,10 @@ class Workspace:
         key = (name, dtype)
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype)
+            # a normal tensor even when first asked for under torch.inference_mode: an inference tensor could
+            # not be written again by a later call outside it (generate after an inference-mode evaluation)
+            with torch.inference_mode(False):
+                buf = torch.empty(numel, dtype=dtype)
             self._bufs[key] = buf
         return buf[:numel].view(shape)
 

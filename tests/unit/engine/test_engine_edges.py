@@ -193,3 +193,20 @@ def test_module_stays_on_host_and_optimizer_steps():
         loss.backward()
         opt.step()
     assert all(p.grad is not None for p in mod.parameters())
+
+
+def test_a_forward_under_inference_mode_leaves_the_engine_usable_outside_it():
+    # scratch buffers first made under torch.inference_mode were inference tensors: the next call outside it
+    # (generate after an inference-mode evaluation, then training) failed writing into them
+    layer = make_layer()
+    x, ids, w = make_routing(T=9, E=8, k=2, H=24)
+    mod = build_module(layer)
+    with torch.inference_mode():
+        y_inference = mod(x, ids, w)
+    with torch.no_grad():
+        torch.testing.assert_close(mod(x, ids, w), y_inference, rtol=0, atol=0)
+    x2 = x.clone().requires_grad_(True)
+    y = mod(x2, ids, w)  # and with autograd, on the same module
+    y.sum().backward()
+    torch.testing.assert_close(y.detach(), y_inference, rtol=0, atol=0)
+    assert x2.grad is not None and torch.isfinite(x2.grad).all()
