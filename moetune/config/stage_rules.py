@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from moetune.config.datasets import DataFormat, DatasetSpec, RowKind
 from moetune.config.fields import Problems
-from moetune.config.schema import DataConfig, FinetuneConfig, Stage, TrainingConfig
+from moetune.config.schema import DataConfig, FinetuneConfig, FinetuningType, Stage, TrainingConfig
 
 # the rows each stage reads (moetune.train.stages registers a trainer per stage)
 STAGE_ROWS: dict[Stage, RowKind] = {
@@ -47,6 +47,13 @@ def check_stage(
                 f"only: remove it or change stage",
             )
     kind = STAGE_ROWS[stage]
+    if kind in (RowKind.PAIRED, RowKind.UNPAIRED) and finetune.finetuning_type is not FinetuningType.LORA:
+        problems.add(
+            "finetuning_type",
+            f"got {finetune.finetuning_type.value!r} with stage {stage.value!r}: the reference policy is the model "
+            "with its adapter disabled, so preference stages train LoRA; full/freeze would need a second whole "
+            "copy of the model as the reference. Use finetuning_type lora (LoRA experts and modules_to_save too)",
+        )
     if kind in (RowKind.PAIRED, RowKind.UNPAIRED):
         for key in _NOT_FOR_PREFERENCE:
             if getattr(data, key):

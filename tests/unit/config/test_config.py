@@ -567,3 +567,12 @@ def test_gpu_experts_example_parses(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(root)
     cfg = load_config(Path("examples/demo_gpu_experts.yaml"), check_model_path=False)
     assert cfg.engine.experts.gpu_experts == 2
+
+
+@pytest.mark.parametrize(("stage", "method"), [("dpo", "full"), ("kto", "freeze")])
+def test_preference_stages_train_lora_only(workdir: Path, stage: str, method: str) -> None:
+    # the reference policy is the model with its adapter disabled; a full model has none (it crashed in TRL)
+    text = problems_of(minimal(stage=stage, finetuning_type=method))
+    assert (
+        f"finetuning_type: got '{method}' with stage '{stage}'" in text and "Use finetuning_type lora" in text
+    )
