@@ -401,14 +401,13 @@ def _idle_runs(steps: list[float], with_grad: dict[int, torch.Tensor]) -> list[s
     return runs
 
 
-def spec_of_config(config: Any, *, distributed: bool = False) -> ExpertOptimSpec | None:
+def spec_of_config(config: Any) -> ExpertOptimSpec | None:
     """The expert optimizer of a validated ``MoetuneConfig`` (its ``optim`` / ``optim_args`` pass-through keys,
     transformers' default ``optim`` otherwise, and ``expert_update``); ``ConfigError`` for an unusable one.
 
     None where the Trainer's own optimizer trains the experts on dense ``.grad`` tensors instead (logged): an
-    ``optim`` that is no AdamW (``sgd``, ``adafactor``, ...), and runs of several processes (``distributed``),
-    whose expert gradients are averaged over the ranks as ``.grad`` (``moetune.train.host_grads``); there a
-    bf16 / 8-bit expert state cannot be had and is refused."""
+    ``optim`` that is no AdamW (``sgd``, ``adafactor``, ...). Under several processes the sparse gradients are
+    averaged over the ranks before the step (``moetune.train.host_grads.average_sparse``)."""
     from transformers import TrainingArguments
 
     extra = dict(config.training.extra_args)
@@ -419,20 +418,7 @@ def spec_of_config(config: Any, *, distributed: bool = False) -> ExpertOptimSpec
             "moetune: optim %s is no AdamW: it trains the routed experts itself, with dense gradients", name
         )
         return None
-    spec = ExpertOptimSpec.from_optim(name, extra.get("optim_args"), config.finetune.expert_update)
-    if not distributed:
-        return spec
-    if spec.state != "param" or spec.update is not ExpertUpdate.EXACT:
-        raise ConfigError(
-            f"optim: {name!r} (experts' state {spec.state}, expert_update {spec.update.value}) under several "
-            "processes: full/freeze runs of several processes train the routed experts with the Trainer's own "
-            "AdamW on dense gradients averaged over the ranks; use optim adamw_torch and expert_update exact, "
-            "or train in one process"
-        )
-    logger.info(
-        "moetune: several processes: the Trainer's AdamW trains the routed experts on dense gradients"
-    )
-    return None
+    return ExpertOptimSpec.from_optim(name, extra.get("optim_args"), config.finetune.expert_update)
 
 
 def build_expert_optimizer(

@@ -20,12 +20,16 @@ divided by their number is again DDP's average.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from moetune.layer import CpuExperts
+
+if TYPE_CHECKING:
+    from moetune.train.expert_optim import ExpertLayer
 
 logger = logging.getLogger(__name__)
 
@@ -65,16 +69,51 @@ class HostGrads:
             world,
         )
 
-    def average(self) -> None:
+    def average(self, sparse: Sequence[ExpertLayer] = ()) -> None:
         """Every rank's gradient of each host-trained parameter replaced by the mean over ranks (a rank without
-        one contributes zeros)."""
+        one contributes zeros). The routed experts of ``sparse`` layers (full mode under moetune's expert
+        optimizer) hold their gradients in the layer's buffer instead of ``.grad``: see :func:`average_sparse`."""
         import torch.distributed as dist
 
+        in_buffers = {param for layer in sparse for param in layer.params.values()}
+        for layer in sparse:
+            average_sparse(layer, self.world, self.group)
         for p in self.params:
+            if p in in_buffers:
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.group)
             p.grad.div_(self.world)
+
+
+def average_sparse(layer: ExpertLayer, world: int, group: Any) -> None:
+    """The mean over ranks of one experts module's sparse base gradients (``ExpertGradBuffer``: fp32, only the
+    experts that received rows on this rank). The ranks first agree on the union of their experts with rows
+    (a max over an ``[E]`` mask), then sum ``[U, ...]`` stacks of those experts' gradients (zeros where a rank
+    has none) and divide by ``world``: every rank ends with the same experts holding DDP's average, and the
+    experts no rank routed to stay without a gradient."""
+    import torch.distributed as dist
+
+    held = layer.buffer.grads  # called after the step's last backward: no add() runs concurrently
+    num_experts = next(iter(layer.params.values())).shape[0]
+    mask = torch.zeros(num_experts, dtype=torch.int32)
+    if held:
+        mask[list(held)] = 1
+    dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group)
+    union = mask.nonzero().flatten().tolist()
+    mine = set(held)  # this rank's experts with rows, before the others are added below
+    for name, param in layer.params.items():
+        if not union:
+            break
+        rows = [
+            held[e][name] if e in mine else torch.zeros(param.shape[1:], dtype=torch.float32) for e in union
+        ]
+        stacked = torch.stack(rows)  # [U, ...] fp32
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
+        stacked.div_(world)
+        for i, e in enumerate(union):
+            held.setdefault(e, {})[name] = stacked[i]
 
 
 class AveragesHostGrads:
@@ -88,7 +127,10 @@ class AveragesHostGrads:
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         loss = super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
         if self.host_grads is not None and self.accelerator.sync_gradients:
-            self.host_grads.average()
+            from moetune.train.expert_optim import unwrap
+
+            experts = unwrap(getattr(self, "optimizer", None))
+            self.host_grads.average(experts.layers if experts is not None else [])
         return loss
 
 

@@ -75,10 +75,9 @@ def check_before_load(
     experts = [site.path for site in planned.sites]
     check_mode_planned(planned, cfg.engine.experts, modes)
     if modes.trains_base:  # the experts' optimizer comes from optim / optim_args: refuse an unusable one now
-        from moetune.dist import Ranks
         from moetune.train.expert_optim import spec_of_config
 
-        spec_of_config(cfg, distributed=Ranks.from_env().distributed)
+        spec_of_config(cfg)
     lora = modes.method is FinetuningType.LORA
     targets = resolve_targets(planned.model, cfg.finetune.lora_target, experts)
     resume = resume_checkpoint(cfg)

@@ -174,7 +174,7 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any
     ):  # full/freeze: the routed experts' optimizer (moetune.train.expert_optim)
         from moetune.train.expert_optim import spec_of_config
 
-        trainer.expert_optim = spec_of_config(cfg, distributed=ranks.distributed)
+        trainer.expert_optim = spec_of_config(cfg)
     trainer.remove_callback(PrinterCallback)  # ProgressBar prints the logs
     resume = cfg.training.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=str(resume) if isinstance(resume, Path) else resume)

@@ -107,9 +107,11 @@ class MoetuneTrainer(GuardedSteps, AveragesHostGrads, AtomicCheckpoints, LoraExp
 
     def overlaps_expert_step(self) -> bool:
         """Whether the experts' update may run during the backward of the step's last micro-batch: only when
-        nothing must see every gradient first (clipping's global norm, a guard that may skip the step)."""
+        nothing must see every gradient first (clipping's global norm, a guard that may skip the step, the
+        average over several processes)."""
         skip = self.guard is not None and self.guard.action is DivergenceAction.SKIP
-        return not (self.args.max_grad_norm or 0) > 0 and not skip
+        # several processes: the gradients are averaged over the ranks after the backward (host_grads) first
+        return not (self.args.max_grad_norm or 0) > 0 and not skip and self.host_grads is None
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         experts = self._expert_optimizer()

@@ -637,17 +637,3 @@ def test_an_optim_that_is_no_adamw_trains_the_experts_itself(tmp_path, demo_mode
     keys = [k for k in base if ".experts." in k]
     assert keys and all(k in trained for k in keys)
     assert any(not torch.equal(trained[k].float(), base[k].float()) for k in keys), "the experts did not move"
-
-
-def test_several_processes_refuse_a_low_bit_expert_state() -> None:
-    from moetune.train.expert_optim import spec_of_config
-
-    class _Cfg:  # the two sections spec_of_config reads
-        training = type("T", (), {"extra_args": {"optim": "adamw_8bit"}})()
-        finetune = type("F", (), {"expert_update": "exact"})()
-
-    assert spec_of_config(_Cfg()) is not None
-    with pytest.raises(ConfigError, match="optim: 'adamw_8bit'.*several processes"):
-        spec_of_config(_Cfg(), distributed=True)
-    _Cfg.training.extra_args = {"optim": "adamw_torch"}
-    assert spec_of_config(_Cfg(), distributed=True) is None  # the Trainer's AdamW, dense gradients
