@@ -57,7 +57,8 @@ def _cpuinfo_fields() -> tuple[str, set[str]]:
     return model, flags
 
 
-def _visible_cpus() -> list[int]:
+def visible_cpus() -> list[int]:
+    """The logical CPUs in this process's affinity mask, ascending."""
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
@@ -111,7 +112,7 @@ def read_cores(cpus: list[int], sys_cpu: Path = SYS_CPU, sys_node: Path = SYS_NO
 def cpu_info() -> CpuInfo:
     """The host CPU as this process sees it (cached: topology does not change while we run)."""
     model, flags = _cpuinfo_fields()
-    cpus = _visible_cpus()
+    cpus = visible_cpus()
     cores = read_cores(cpus)
     isa = tuple(name for flag, name in ISA_FLAGS.items() if flag in flags)
     return CpuInfo(

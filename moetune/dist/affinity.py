@@ -24,7 +24,7 @@ import logging
 import os
 from pathlib import Path
 
-from moetune.sysinfo import SYS_CPU, Core, parse_cpu_list, read_cores
+from moetune.sysinfo import SYS_CPU, Core, parse_cpu_list, read_cores, visible_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,11 @@ def rank_cpus(cores: list[Core], local_rank: int, local_world: int) -> list[int]
     if local_world <= len(nodes):
         mine = set(_block(nodes, local_rank, local_world))
         return sorted(cpu for c in cores if c.node in mine for cpu in c.cpus)
-    node = nodes[local_rank * len(nodes) // local_world]
-    on_node = [r for r in range(local_world) if nodes[r * len(nodes) // local_world] == node]
+    def node_of(rank: int) -> int:  # ranks dealt to nodes in contiguous, balanced blocks
+        return nodes[rank * len(nodes) // local_world]
+
+    node = node_of(local_rank)
+    on_node = [r for r in range(local_world) if node_of(r) == node]
     node_cores = [c for c in cores if c.node == node]
     if len(node_cores) >= len(on_node):  # whole cores, siblings together
         return sorted(
@@ -68,7 +71,7 @@ def bind_local_rank(local_rank: int, local_world: int) -> list[int] | None:
     where nothing was pinned (module docstring says when, and each case is logged)."""
     if local_world <= 1 or not hasattr(os, "sched_setaffinity"):
         return None
-    visible = sorted(os.sched_getaffinity(0))
+    visible = visible_cpus()
     online = online_cpus()
     if online is not None and set(visible) != set(online):
         logger.info(

@@ -26,8 +26,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from moetune.layer import CpuExperts
-
 if TYPE_CHECKING:
     from moetune.train.expert_optim import ExpertLayer
 
@@ -36,17 +34,11 @@ logger = logging.getLogger(__name__)
 
 def host_trained(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """``(name, parameter)`` of every trainable parameter the CPU engine computes with (names as in
-    ``model.named_parameters()``): those of ``CpuExperts`` modules and of the PEFT layers wrapped around them."""
-    from peft.tuners.lora import LoraLayer
+    ``model.named_parameters()``): those of the routed experts and their LoRA (``modes.host_modules``)."""
+    from moetune.train.modes import host_modules
 
-    host: set[str] = set()
-    for prefix, module in model.named_modules():
-        engine_side = isinstance(module, CpuExperts) or (
-            isinstance(module, LoraLayer) and isinstance(module.get_base_layer(), CpuExperts)
-        )
-        if engine_side:
-            host.update(f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters())
-    return [(n, p) for n, p in model.named_parameters() if n in host and p.requires_grad]
+    host = {q for m in host_modules(model) for q in m.parameters()}
+    return [(n, p) for n, p in model.named_parameters() if p in host and p.requires_grad]
 
 
 class HostGrads:
@@ -102,10 +94,10 @@ def average_sparse(layer: ExpertLayer, world: int, group: Any) -> None:
         mask[list(held)] = 1
     dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group)
     union = mask.nonzero().flatten().tolist()
+    if not union:
+        return
     mine = set(held)  # this rank's experts with rows, before the others are added below
     for name, param in layer.params.items():
-        if not union:
-            break
         rows = [
             held[e][name] if e in mine else torch.zeros(param.shape[1:], dtype=torch.float32) for e in union
         ]

@@ -319,7 +319,7 @@ def memory_report(model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
     expert_ids = (
         {id(p) for lay in experts.layers for p in lay.params.values()} if experts is not None else set()
     )
-    host_ids = {id(q) for m in _host_modules(model) for q in m.parameters()}
+    host_ids = {id(q) for m in host_modules(model) for q in m.parameters()}
     host = device = host_bytes = device_bytes = 0
     for p in model.parameters():
         if not p.requires_grad:
@@ -353,7 +353,7 @@ def memory_report(model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
     return report
 
 
-def _host_modules(model: nn.Module) -> list[nn.Module]:
+def host_modules(model: nn.Module) -> list[nn.Module]:
     """The modules whose tensors live in host memory whatever the device: routed experts and their LoRA."""
     from moetune.adapters.expert_layer import ExpertsLora
 
