@@ -7,10 +7,17 @@ so a name here selects:
 - the **family check**: a tokenizer whose chat template (or, without one, whose vocabulary) lacks the family's
   marker tokens is an error naming both (``llama3`` on a Qwen tokenizer);
 - the **switches** LLaMA-Factory's template implies: ``enable_thinking`` (``qwen3`` on, ``qwen3_nothink``
-  off) and a ``default_system`` message for conversations without one (``qwen``);
+  off) and a ``default_system`` message for conversations without one (``qwen``, ``ernie``, ``minimax1``,
+  ``moonlight``);
 - a **fallback** Jinja template, written here, for checkpoints that ship no chat template (ChatML for the
-  Qwen names, llama3, llama4, deepseek, deepseek3 and mistral). ``gpt_oss``, ``glm4_moe`` and ``deepseekr1`` have
-  none: their formats (channels, reasoning blocks) need the checkpoint's own template.
+  Qwen names, llama3, llama4, deepseek, deepseek3 and mistral). The other names (``gpt_oss``, ``glm4_moe``,
+  ``glm4_7``, ``deepseekr1``, ``ernie``, ``ernie_nothink``, ``minimax1``, ``olmo``, ``moonlight``) have none: their
+  formats (channels, reasoning blocks, special openers) need the checkpoint's own template.
+
+There is a name for every family moetune trains (README, "Models: what is tested"): Qwen2/3-MoE, Qwen3-VL-MoE and
+Qwen3.5-MoE (the Qwen/ChatML names), Mixtral (``mistral``), OLMoE (``olmo``), DeepSeek-V2 (``deepseek``),
+DeepSeek-V3/R1 (``deepseek3``, ``deepseekr1``), Kimi-K2 (``moonlight``), GLM-4.5 (``glm4_moe``, ``glm4_7``),
+gpt-oss (``gpt_oss``), ERNIE-4.5-MoE (``ernie``, ``ernie_nothink``) and MiniMax (``minimax1``).
 
 The user's own ``enable_thinking`` / ``default_system`` keys win over a name's defaults; a contradiction
 (``qwen3_nothink`` with ``enable_thinking: true``) is reported.
@@ -77,7 +84,10 @@ _DEEPSEEK = (
 )
 
 _QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+_ERNIE_SYSTEM = "<global_setting>\nthink_mode=True\n</global_setting>"
+_MOONSHOT_SYSTEM = "You are a helpful assistant provided by Moonshot-AI."
 _CHATML_MARKERS = ("<|im_start|>", "<|im_end|>")
+_GLM_MARKERS = ("[gMASK]", "<|user|>", "<|assistant|>")  # GLM's templates open with [gMASK]<sop>
 
 NAMED_TEMPLATES: dict[str, NamedTemplate] = {
     "chatml": NamedTemplate("ChatML", _CHATML_MARKERS, fallback=_CHATML),
@@ -113,7 +123,25 @@ NAMED_TEMPLATES: dict[str, NamedTemplate] = {
     "deepseekr1": NamedTemplate("DeepSeek-R1", ("<｜User｜>", "<｜Assistant｜>")),
     "mistral": NamedTemplate("Mistral/Mixtral", ("[INST]", "[/INST]"), fallback=_MISTRAL),
     "gpt_oss": NamedTemplate("gpt-oss (harmony)", ("<|start|>", "<|message|>", "<|channel|>")),
-    "glm4_moe": NamedTemplate("GLM-4-MoE", ("<|user|>", "<|assistant|>")),
+    "glm4_moe": NamedTemplate("GLM-4-MoE", _GLM_MARKERS),
+    "glm4_7": NamedTemplate("GLM-4.7 (GLM-4-MoE)", _GLM_MARKERS),
+    # ERNIE-4.5-MoE: the base/instruct format (plain "User: " / "Assistant: " turns) and the thinking models'
+    # ChatML-like one, whose reasoning switch LLaMA-Factory writes as a default system message
+    "ernie_nothink": NamedTemplate("ERNIE-4.5", ("User: ", "Assistant: "), plain_text=True),
+    "ernie": NamedTemplate("ERNIE-4.5 thinking (ChatML)", _CHATML_MARKERS, default_system=_ERNIE_SYSTEM),
+    "minimax1": NamedTemplate(
+        "MiniMax-Text-01",
+        ("<beginning_of_sentence>", "<end_of_sentence>"),
+        default_system="You are a helpful assistant.",
+    ),
+    # OLMoE-Instruct (Tulu format); its role markers are plain text in OLMo's vocabulary
+    "olmo": NamedTemplate("OLMo/OLMoE (Tulu)", ("<|user|>", "<|assistant|>"), plain_text=True),
+    # Kimi-K2's format, which LLaMA-Factory names after Moonlight
+    "moonlight": NamedTemplate(
+        "Kimi/Moonlight",
+        ("<|im_user|>", "<|im_assistant|>", "<|im_middle|>"),
+        default_system=_MOONSHOT_SYSTEM,
+    ),
 }
 
 # file suffixes read as a Jinja template file rather than a name

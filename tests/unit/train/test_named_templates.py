@@ -171,3 +171,68 @@ def test_builtin_formats_write_llamafactorys_text(name: str, want: str) -> None:
         tok.apply_chat_template(messages, chat_template=NAMED_TEMPLATES[name].fallback, tokenize=False)
         == want
     )
+
+
+# each family moetune trains (moetune.testing.tiny's builders, the README's model table) -> LLaMA-Factory's names
+FAMILY_NAMES = {
+    "qwen3_moe": ("qwen3", "qwen3_nothink"),
+    "qwen2_moe": ("qwen",),
+    "qwen3_vl_moe": ("qwen3_vl", "qwen3_vl_nothink"),
+    "qwen3_5_moe": ("qwen3_5", "qwen3_5_nothink"),
+    "mixtral": ("mistral",),
+    "olmoe": ("olmo",),
+    "deepseek_v2": ("deepseek",),
+    "deepseek_v3": ("deepseek3", "deepseekr1", "moonlight"),  # Kimi-K2 loads as DeepSeek-V3
+    "glm4_moe": ("glm4_moe", "glm4_7"),
+    "gpt_oss": ("gpt_oss",),
+    "ernie4_5_moe": ("ernie", "ernie_nothink"),
+    "minimax": ("minimax1",),
+}
+
+
+def test_every_trained_family_has_its_llamafactory_names() -> None:
+    from moetune.config.chat_templates import NAMED_TEMPLATES
+    from moetune.testing.tiny import TINY_FAMILIES
+
+    assert set(FAMILY_NAMES) == set(TINY_FAMILIES.names())
+    for family, names in FAMILY_NAMES.items():
+        assert set(names) <= set(NAMED_TEMPLATES), family
+
+
+@pytest.mark.parametrize(
+    "name", ["ernie", "ernie_nothink", "minimax1", "olmo", "moonlight", "glm4_7", "glm4_moe"]
+)
+def test_a_name_fits_its_own_family_and_not_another(name: str) -> None:
+    """A chat template holding the name's markers fits it; one of another family (Llama 3's) is refused, naming
+    the marker that is missing."""
+    from moetune.config.chat_templates import NAMED_TEMPLATES, family_problem
+
+    own = "{{ bos_token }}" + "{{ m }}".join(NAMED_TEMPLATES[name].markers)
+    assert family_problem(name, own, set()) is None
+    llama3 = "<|start_header_id|>{{ m['role'] }}<|end_header_id|>{{ m['content'] }}<|eot_id|>"
+    problem = family_problem(name, llama3, set())
+    assert problem is not None and repr(NAMED_TEMPLATES[name].markers[0]) in problem
+
+
+@pytest.mark.parametrize(
+    ("name", "system"),
+    [
+        ("ernie", "<global_setting>\nthink_mode=True\n</global_setting>"),
+        ("minimax1", "You are a helpful assistant."),
+        ("moonlight", "You are a helpful assistant provided by Moonshot-AI."),
+    ],
+)
+def test_names_with_a_default_system_add_it(workdir: Path, name: str, system: str) -> None:
+    """LLaMA-Factory's default system message for the name, when a conversation has none, rendered by the
+    tokenizer's own chat template."""
+    from moetune.config.chat_templates import NAMED_TEMPLATES
+
+    markers = " ".join(NAMED_TEMPLATES[name].markers)
+    tok = word_tokenizer(
+        "{% for m in messages %}" + markers + " {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+    )
+    path = write(workdir / "rows.json", [{"instruction": "hi", "output": "hello"}])
+    example = prepare(tok, path, template=name).train[0]
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
+    want = tok.apply_chat_template([*messages, {"role": "assistant", "content": "hello"}], tokenize=False)
+    assert example["input_ids"] == tok(want, add_special_tokens=False)["input_ids"]
