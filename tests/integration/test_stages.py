@@ -337,3 +337,38 @@ def test_pref_ftx_adds_the_chosen_responses_nll(tmp_path, demo_model) -> None:
     want = math.log(2) + 0.5 * nll / sum(len(c) for c in rows["chosen_ids"])
     assert loss == pytest.approx(want, abs=1e-4)
     assert abs(loss - math.log(2)) > 0.5  # the NLL term is there
+
+
+def test_ipo_is_llamafactorys_length_normalised_loss(tmp_path, demo_model) -> None:
+    """pref_loss ipo: step 1 (policy = reference) logs (1 / (2 beta))^2; step 2's loss equals LLaMA-Factory's IPO
+    computed by hand from the step-1 adapter in stock PEFT and the stock base model, the mean over pairs of
+    ((c - c_ref) / n_c - (r - r_ref) / n_r - 1 / (2 beta))^2 (log-probabilities summed over each response of n
+    tokens); and it fell. One batch holds all 64 pairs, so both steps see the same pairs."""
+    from moetune.train.recipe import run
+
+    beta = 0.1
+    cfg = _example(
+        tmp_path,
+        "dpo",
+        demo_model,
+        max_steps=2,
+        save_steps=1,
+        pref_loss="ipo",
+        per_device_train_batch_size=64,
+    )
+    result = run(load_config(cfg), progress=False)
+    losses = [h["loss"] for h in result.trainer.state.log_history if "loss" in h]
+    assert losses[0] == pytest.approx((1 / (2 * beta)) ** 2, rel=1e-5)  # 25, where sigmoid would log log 2
+    rows = _rows(cfg)
+    assert len(rows) == 64
+    policy, base = _stock(demo_model, tmp_path / "out" / "checkpoint-1"), _stock(demo_model)
+    chosen, rejected = (
+        _log_ratios(policy, base, [(r["prompt_ids"], r[side]) for r in rows])
+        for side in ("chosen_ids", "rejected_ids")
+    )
+    terms = [
+        (c / len(r["chosen_ids"]) - j / len(r["rejected_ids"]) - 1 / (2 * beta)) ** 2
+        for c, j, r in zip(chosen, rejected, rows)
+    ]
+    assert losses[1] == pytest.approx(sum(terms) / len(terms), rel=1e-4)
+    assert losses[1] < losses[0]
