@@ -35,7 +35,8 @@ def _group(reason: str, keys: dict[str, Any]) -> dict[str, Rejected]:
 
 
 _LATER_METHOD = (
-    "this training method is not supported yet; moetune trains LoRA adapters (a later version adds more)"
+    "this training method or LoRA variant is not supported; moetune trains LoRA (use_rslora included), full and "
+    "freeze (finetuning_type), with stages sft, pt, dpo and kto"
 )
 _QUANT = (
     "bitsandbytes/GPTQ quantization does not apply: moetune keeps the routed experts in CPU RAM; choose "
@@ -186,7 +187,11 @@ REJECTED: dict[str, Rejected] = {
     ),
     "tool_format": Rejected("tool-calling formats are not supported yet", None),
     "ignore_pad_token_for_loss": Rejected("moetune never trains on padding", True),
-    "data_shared_file_system": Rejected("moetune runs one process", False),
+    "data_shared_file_system": Rejected(
+        "each moetune process reads and tokenizes the data itself (docs/distributed.md), so there is no shared "
+        "preprocessing to place",
+        False,
+    ),
     "media_dir": Rejected(_MULTIMODAL, None),
     **_group(
         _MULTIMODAL,
