@@ -230,24 +230,15 @@ def test_a_preference_checkpoint_appears_only_when_complete(tmp_path, demo_model
     assert not list(out.glob("tmp-*"))
 
 
-def test_library_path_trains_trl_rows_with_the_adapter_disabled_reference(tmp_path, demo_model) -> None:
-    """load_model -> attach_lora -> MoetuneDPOTrainer on TRL's own conversational rows (TRL tokenizes them):
-    the stock ``DPOTrainer`` would add a copy of the adapter as its reference, which cannot reach the experts."""
-    import datasets
-    from transformers import AutoTokenizer
-    from trl import DPOConfig
-
-    from moetune.adapters import attach_lora
-    from moetune.loading import load_model
-    from moetune.train.stages.trl_trainers import MoetuneDPOTrainer
-
-    rows = json.loads((ROOT / "examples/data/demo_dpo.json").read_text())[:32]
+def _trl_rows(stage: str) -> list[dict]:
+    """The stage's shipped demo data as TRL's own conversational rows (TRL tokenizes them)."""
 
     def turn(role: str, content: str) -> dict:
         return {"role": role, "content": content}
 
-    ds = datasets.Dataset.from_list(
-        [
+    rows = json.loads((ROOT / f"examples/data/demo_{stage}.json").read_text())[:32]
+    if stage == "dpo":
+        return [
             {
                 "prompt": [turn("user", r["conversations"][0]["value"])],
                 "chosen": [turn("assistant", r["chosen"]["value"])],
@@ -255,12 +246,29 @@ def test_library_path_trains_trl_rows_with_the_adapter_disabled_reference(tmp_pa
             }
             for r in rows
         ]
-    )
+    return [{"prompt": r["messages"][:1], "completion": r["messages"][1:], "label": r["label"]} for r in rows]
+
+
+@pytest.mark.parametrize("stage", ["dpo", "kto"])
+def test_library_path_trains_trl_rows_with_the_adapter_disabled_reference(
+    tmp_path, demo_model, stage
+) -> None:
+    """load_model -> attach_lora -> MoetuneDPOTrainer / MoetuneKTOTrainer on TRL's own conversational rows (TRL
+    tokenizes them): the stock trainers would add a copy of the adapter as their reference, which cannot reach
+    the experts."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    from moetune.adapters import attach_lora
+    from moetune.loading import load_model
+    from moetune.train.stages.trl_trainers import PREFERENCE_TRAINERS
+
+    trainer_class, config_class = PREFERENCE_TRAINERS[stage]
     torch.manual_seed(0)
     model = attach_lora(
         load_model(demo_model, device="cpu", dtype="float32", progress=False), rank=4, alpha=8
     )
-    args = DPOConfig(
+    args = config_class(
         str(tmp_path / "out"),
         max_steps=6,
         per_device_train_batch_size=8,
@@ -274,9 +282,11 @@ def test_library_path_trains_trl_rows_with_the_adapter_disabled_reference(tmp_pa
         disable_tqdm=True,
     )
     tok = AutoTokenizer.from_pretrained(demo_model)
-    trainer = MoetuneDPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
+    ds = datasets.Dataset.from_list(_trl_rows(stage))
+    trainer = trainer_class(model=model, args=args, train_dataset=ds, processing_class=tok)
     assert list(model.peft_config) == ["default"] and trainer.ref_model is None
     trainer.train()
+    # step 1: policy = reference (B = 0), margins 0; then the desirable / chosen side rose above the other
     margins = [h["rewards/margins"] for h in trainer.state.log_history if "rewards/margins" in h]
     assert margins[0] == pytest.approx(0.0, abs=1e-5) and max(margins[-3:]) > 0.1, margins
     assert (tmp_path / "out" / "checkpoint-6" / "adapter_model.safetensors").is_file()
