@@ -183,6 +183,15 @@ def _round_trips(summary: dict, trainer: Any, caplog: Any, out: Path) -> None:
         )
 
 
+PASSED_THROUGH = {
+    "optim": "adamw_torch",
+    "adam_beta2": 0.98,
+    "max_grad_norm": 0.5,
+    "lr_scheduler_type": "cosine_with_min_lr",
+    "lr_scheduler_kwargs": {"min_lr_rate": 0.1},
+    "dataloader_pin_memory": False,
+}
+
 # every examples/lf_*.yaml: (its tiny model, keys for the run, extra checks)
 EXAMPLES = {
     "lf_qwen3_lora_sft.yaml": Example("qwen3", {"logging_steps": 1, "learning_rate": 2.0e-5}, _template_name),
@@ -194,7 +203,8 @@ EXAMPLES = {
     "lf_deepseek_v3_int8_lora_sft_kt.yaml": Example("deepseek3", check=_kt_deepseek3_int8),
     "lf_deepseek_v2_lora_sft_kt.yaml": Example("deepseek", check=_kt_old_keys),
     "lf_qwen3_full_sft.yaml": Example("qwen3", check=_full),
-    "lf_qwen3_lora_dpo.yaml": Example("qwen3", check=_round_trips),
+    # TrainingArguments keys LLaMA-Factory users add reach TRL's DPOConfig too (checked on the Trainer's args)
+    "lf_qwen3_lora_dpo.yaml": Example("qwen3", PASSED_THROUGH, _round_trips),
     "lf_deepseek2_lora_dpo_kt.yaml": Example("deepseek", check=_round_trips),
     "lf_qwen3_lora_kto.yaml": Example("qwen3", check=_round_trips),
     "lf_qwen3_lora_pretrain.yaml": Example("qwen3"),

@@ -477,6 +477,13 @@ def test_ktransformers_keys_map_to_engine_options(workdir: Path, caplog: pytest.
     )
     fmt = parse_config(minimal(kt_config={"kt_backend": "auto", "kt_expert_weight_format": "fp8"}))
     assert fmt.engine.experts.expert_format == "fp8_block"
+    # nothing in kt_config is dropped: an unknown setting, one set twice and a .kt tree are each refused
+    text = problems_of(
+        minimal(kt_num_threads=4, kt_config={"kt_num_threads": 4, "kt_turbo": True, "kt_weight_path": "/kt"})
+    )
+    assert "kt_config.kt_num_threads: is also set at the top level; set kt_num_threads once" in text
+    assert "kt_config.kt_turbo: is not a KTransformers setting moetune knows" in text
+    assert "kt_weight_path: got '/kt'; moetune reads routed experts from the checkpoint" in text
 
 
 def test_training_arguments_pass_through_to_transformers(workdir: Path) -> None:
