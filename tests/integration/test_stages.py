@@ -350,13 +350,13 @@ def test_pref_ftx_adds_the_chosen_responses_nll(tmp_path, demo_model) -> None:
 
 
 def test_ipo_is_llamafactorys_length_normalised_loss(tmp_path, demo_model) -> None:
-    """pref_loss ipo: step 1 (policy = reference) logs (1 / (2 beta))^2; step 2's loss equals LLaMA-Factory's IPO
+    """pref_loss ipo with pref_beta: step 1 (policy = reference) logs (1 / (2 beta))^2; step 2's loss equals LLaMA-Factory's IPO
     computed by hand from the step-1 adapter in stock PEFT and the stock base model, the mean over pairs of
     ((c - c_ref) / n_c - (r - r_ref) / n_r - 1 / (2 beta))^2 (log-probabilities summed over each response of n
     tokens); and it fell. One batch holds all 64 pairs, so both steps see the same pairs."""
     from moetune.train.recipe import run
 
-    beta = 0.1
+    beta = 0.25  # not TRL's default 0.1: step 1's value shows pref_beta reached TRL
     cfg = _example(
         tmp_path,
         "dpo",
@@ -364,11 +364,12 @@ def test_ipo_is_llamafactorys_length_normalised_loss(tmp_path, demo_model) -> No
         max_steps=2,
         save_steps=1,
         pref_loss="ipo",
+        pref_beta=beta,
         per_device_train_batch_size=64,
     )
     result = run(load_config(cfg), progress=False)
     losses = [h["loss"] for h in result.trainer.state.log_history if "loss" in h]
-    assert losses[0] == pytest.approx((1 / (2 * beta)) ** 2, rel=1e-5)  # 25, where sigmoid would log log 2
+    assert losses[0] == pytest.approx((1 / (2 * beta)) ** 2, rel=1e-5)  # 4, where sigmoid would log log 2
     rows = _rows(cfg)
     assert len(rows) == 64
     policy, base = _stock(demo_model, tmp_path / "out" / "checkpoint-1"), _stock(demo_model)
