@@ -161,9 +161,15 @@ def _deepspeed(summary: dict, trainer: Any, caplog: Any, out: Path) -> None:
 
 
 def _full(summary: dict, trainer: Any, caplog: Any, out: Path) -> None:
-    assert summary["finetuning_type"] == "full" and (out / "model.safetensors").is_file()
-    assert not (out / "adapter_model.safetensors").exists()
+    """The output is a plain transformers checkpoint of the trained model (the experts in its own layout)."""
+    from transformers import AutoModelForCausalLM
+
+    assert summary["finetuning_type"] == "full" and not (out / "adapter_model.safetensors").exists()
     _deepspeed(summary, trainer, caplog, out)
+    base = Path(summary["config"]["model"]["model_name_or_path"])
+    trained, stock = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32) for p in (out, base))
+    name = "model.layers.2.mlp.experts.down_proj"  # a routed-experts tensor the engine trained on the host
+    assert (trained.state_dict()[name] - stock.state_dict()[name]).abs().max() > 0
 
 
 def _round_trips(summary: dict, trainer: Any, caplog: Any, out: Path) -> None:
@@ -273,3 +279,23 @@ def test_example_trains_through_moetune_train(name, models, tmp_path, monkeypatc
         example.check(summary, trainer, caplog, out)
     if name == "lf_qwen3_lora_sft.yaml":
         assert "learning_rate 2e-05" in printed
+
+
+def test_a_template_name_of_another_family_is_refused_before_the_model_loads(
+    models, tmp_path, monkeypatch, capsys
+) -> None:
+    """The Llama-3 example on a Qwen checkpoint: an error naming both formats, before any weight is read."""
+
+    def forbidden(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the model started loading before the template was checked")
+
+    monkeypatch.setattr("moetune.loading.load_model", forbidden)
+    raw = yaml.safe_load((ROOT / "examples/lf_llama3_lora_sft.yaml").read_text())
+    raw.update(model_name_or_path=str(models("qwen3")), output_dir=str(tmp_path / "out"), max_samples=8)
+    config = tmp_path / "llama3_on_qwen.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(ROOT)
+    assert main(["train", str(config)]) != 0
+    err = capsys.readouterr().err
+    assert "template 'llama3' is the Llama 3 format" in err and "names that fit it: chatml, qwen" in err
+    assert not (tmp_path / "out").exists()
