@@ -186,8 +186,8 @@ def deepspeed_problem(value: Any) -> str | None:
     log.warning(
         "deepspeed: %s (ZeRO stage %s) is not used: the routed experts sit in CPU RAM (moetune's engine), the "
         "rest on one device per process and several processes train under DDP (docs/distributed.md), so ZeRO has "
-        "nothing to shard; bf16 "
-        "follows the `bf16` key",
+        "nothing to shard; to split the routed experts between several processes instead of replicating them, set "
+        "`moetune: {expert_parallel: sharded}`; bf16 follows the `bf16` key",
         where,
         stage,
     )

@@ -517,6 +517,7 @@ def test_deepspeed_is_accepted_unless_it_asks_for_offload(
     with caplog.at_level("WARNING"):
         parse_config(minimal(deepspeed="ds_z3.json"))
     assert "nothing to shard" in caplog.text and "ZeRO stage 3" in caplog.text
+    assert "`moetune: {expert_parallel: sharded}`" in caplog.text  # what moetune does in its place
     offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
     (workdir / "ds_off.json").write_text(json.dumps(offload))
     assert (
