@@ -207,6 +207,46 @@ def test_saved_adapter_reloads_exactly_and_its_stock_part_loads_in_stock_peft(ch
     assert (stock(input_ids=ids).logits - want).abs().max() > 1e-2  # the LoRA experts matter
 
 
+def test_peft_save_pretrained_writes_the_lora_experts_too(checkpoints, tmp_path) -> None:
+    """PEFT's own ``save_pretrained`` (a notebook's, or a Trainer's checkpoint) on a model with LoRA experts writes
+    moetune_lora_experts.safetensors beside the stock pair, with the same adapter_config.json as save_adapter: the
+    folder reloads through load_model(adapter=) to identical logits (before, it lacked the file and reloaded as a
+    model without LoRA experts). A loaded adapter saved again the same way keeps them; a config that outlived its
+    model refuses to save instead of dropping them."""
+    import copy
+    import gc
+
+    import moetune
+    from moetune.adapters import save_adapter
+    from moetune.errors import SaveError
+
+    path = checkpoints["qwen3_moe"]
+    model = _moetune(path)
+    _randomize(model)
+    ids = _ids(4)
+    want = model.eval()(input_ids=ids).logits
+    model.save_pretrained(tmp_path / "peft")
+    save_adapter(model, tmp_path / "moetune")
+    files = sorted(p.name for p in (tmp_path / "peft").iterdir())
+    assert "moetune_lora_experts.safetensors" in files and "adapter_model.safetensors" in files
+    config = {d: json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("peft", "moetune")}
+    assert config["peft"] == config["moetune"]
+    again = moetune.load_model(path, device="cpu", dtype="float32", adapter=tmp_path / "peft", progress=False)
+    assert torch.equal(again(input_ids=ids).logits, want)
+
+    again.save_pretrained(tmp_path / "again")
+    third = moetune.load_model(
+        path, device="cpu", dtype="float32", adapter=tmp_path / "again", progress=False
+    )
+    assert torch.equal(third(input_ids=ids).logits, want)
+
+    orphan = copy.deepcopy(model.peft_config["default"])
+    del model, again, third
+    gc.collect()
+    with pytest.raises(SaveError, match="LoRA experts it saves is gone"):
+        orphan.save_pretrained(str(tmp_path / "orphan"))
+
+
 def test_a_bad_lora_experts_file_is_refused_before_the_model_loads(
     checkpoints, tmp_path, monkeypatch
 ) -> None:
