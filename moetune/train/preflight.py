@@ -49,11 +49,12 @@ _PEFT_PREFIX = "base_model.model."
 
 def check_before_load(
     cfg: MoetuneConfig, dtype: str, modes: ModeSettings, *, write_probe: bool = True
-) -> None:
+) -> Any:
     """Every check of this module, in order, for a model to be loaded in ``dtype`` and trained as ``modes``
     says (``moetune.train.modes``: its checks run on the same meta-device model); raises the first problem's
     ``MoetuneError``. ``write_probe``: whether this process writes the probe file in ``output_dir`` (the main
-    process of a multi-process run only: one writer per file)."""
+    process of a multi-process run only: one writer per file). Returns the load it planned
+    (``moetune.loading.load.PlannedLoad``), for ``load_model(planned=)``: the meta-device model is built once."""
     from moetune.adapters.apply import resolve_targets
     from moetune.loading.load import plan_load
     from moetune.loading.options import LoadOptions
@@ -84,6 +85,7 @@ def check_before_load(
     if resume is not None:
         lora_paths = {*targets.linear, *targets.experts, *targets.routers} if lora else None
         check_resume_checkpoint(resume, cfg, lora_paths)
+    return planned
 
 
 def check_output_dir(out: Path) -> None:

@@ -78,7 +78,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     ranks = _start_ranks(cfg)
     # output_dir, model files, lora_target, resume checkpoint, what the mode asks of the experts: checked before
     # any weight loads
-    check_before_load(cfg, dtype, modes, write_probe=ranks.is_main)
+    planned = check_before_load(cfg, dtype, modes, write_probe=ranks.is_main)
     # an adapter save a crash interrupted in output_dir is finished or removed now, not at the next save
     main_writes(ranks, lambda: recover_adapter(Path(cfg.training.output_dir)))
     tokenizer = load_tokenizer(cfg)
@@ -90,6 +90,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
         experts=_experts_for(cfg, ranks),
         trust_remote_code=cfg.model.trust_remote_code,
         progress=progress,
+        planned=planned,  # the preflight's: planned with the same dtype and expert options (threads aside)
     )
     model.config.use_cache = False  # packed rows need the no-cache mask path; training never uses the cache
     torch.manual_seed(
