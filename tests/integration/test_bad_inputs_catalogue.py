@@ -522,5 +522,6 @@ def test_skip_mode_through_the_recipe_logs_the_loss_unfiltered(tmp_path, demo_mo
     logs = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
     assert logs[3]["skipped_steps"] == 1 and math.isnan(logs[3]["loss"])  # no finite loss in that window
     assert all(math.isfinite(logs[s]["loss"]) and "skipped_steps" not in logs[s] for s in (1, 2, 4))
+    assert summary["final_train_loss"] == logs[4]["loss"] != 0.0  # the last logged loss, never a filtered 0.0
     adapter = load_file(tmp_path / "out" / "adapter_model.safetensors")
     assert all(torch.isfinite(t).all() for t in adapter.values())
