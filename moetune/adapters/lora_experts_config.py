@@ -5,11 +5,13 @@ the LoRA experts' names avoid: ``moetune.adapters.lora_experts``) and then calls
 ``save_pretrained(dir)``. Without more, a model with LoRA experts saved that way (a notebook's
 ``run.model.save_pretrained(dir)``, a Trainer's checkpoint) left a folder without
 ``moetune_lora_experts.safetensors`` that ``moetune.load_model(adapter=dir)`` loaded as a model without LoRA
-experts, silently computing something else. :func:`attach_lora_experts` therefore puts a
-:class:`LoraExpertsConfig` in the place of each live ``LoraConfig`` of the ``PeftModel``: the same dataclass
-fields (the same ``adapter_config.json``, so stock PEFT reads it as before), and a ``save_pretrained`` that first
-writes the model's LoRA experts into the folder (atomically), then the config. This subclasses PEFT's config;
-no PEFT class is changed.
+experts, silently computing something else; and a model without LoRA experts saved that way over a folder that
+held some left the old file beside the new adapter, which then loaded with another adapter's LoRA experts. Every
+``PeftModel`` moetune builds (``adapters.apply.peft_model_with``: ``attach_lora``, ``load_adapter``) and
+:func:`attach_lora_experts` therefore put a :class:`LoraExpertsConfig` in the place of each live ``LoraConfig``:
+the same dataclass fields (the same ``adapter_config.json``, so stock PEFT reads it as before), and a
+``save_pretrained`` that first writes the model's LoRA experts into the folder (atomically), or removes an old
+file when the model has none, then writes the config. This subclasses PEFT's config; no PEFT class is changed.
 
 Stock ``PeftModel.from_pretrained`` on an unmodified transformers model still loads the two stock files only: a
 transformers model has no place for LoRA experts (``docs/architecture.md``); load such a folder with
@@ -35,8 +37,9 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class LoraExpertsConfig(LoraConfig):
-    """A ``LoraConfig`` whose ``save_pretrained`` also writes the LoRA experts of the model it belongs to
-    (module docstring). Made by :func:`carry_lora_experts`; its dataclass fields are ``LoraConfig``'s."""
+    """A ``LoraConfig`` whose ``save_pretrained`` also writes the LoRA experts of the model it belongs to, or
+    removes an old LoRA-experts file when the model has none (module docstring). Made by
+    :func:`carry_lora_experts`; its dataclass fields are ``LoraConfig``'s."""
 
     # set by carry_lora_experts: a weak reference to the model (the config must not keep it alive; deep copies of
     # the config, which PEFT makes, share it). Not annotated, so no dataclass field: never in adapter_config.json
@@ -53,16 +56,22 @@ class LoraExpertsConfig(LoraConfig):
                 "outlived its model), so saving it would drop moetune_lora_experts.safetensors; save with "
                 "moetune.adapters.save_adapter(model, dir) from the model itself"
             )
+        folder = Path(save_directory)
         if spec_of(model) is not None:
-            folder = Path(save_directory)
             folder.mkdir(parents=True, exist_ok=True)
             write_atomically(folder / FILE_NAME, lambda path: write_lora_experts(model, path))
+        elif (folder / FILE_NAME).is_file():  # an earlier adapter's: it never pairs with this one
+            (folder / FILE_NAME).unlink()
+            logger.warning(
+                "moetune: removed %s (an earlier adapter's LoRA experts; this model has none)",
+                folder / FILE_NAME,
+            )
         super().save_pretrained(save_directory, **kwargs)
 
 
 def carry_lora_experts(peft_model: Any, base: nn.Module) -> None:
     """Replace every live ``LoraConfig`` of ``peft_model`` by a :class:`LoraExpertsConfig` (the same field values)
-    that saves ``base``'s LoRA experts; idempotent. A model without PEFT configs (``peft_config``) is left alone."""
+    that saves ``base``'s LoRA experts (or none); idempotent, and run again when LoRA experts are attached. A model without PEFT configs (``peft_config``) is left alone."""
     configs = getattr(peft_model, "peft_config", None)
     if not isinstance(configs, dict):
         return

@@ -291,19 +291,24 @@ def test_a_bad_lora_experts_file_is_refused_before_the_model_loads(
 
 def test_a_new_save_without_lora_experts_removes_the_old_file(checkpoints, tmp_path) -> None:
     """The adapter's files are one commit: saving an adapter without LoRA experts over one with them leaves no
-    stale LoRA-experts file to pair with the new adapter."""
+    stale LoRA-experts file to pair with the new adapter; with save_adapter and with PEFT's own save_pretrained
+    (which before left it, so the folder reloaded with the old adapter's LoRA experts)."""
+    import moetune
     from moetune.adapters import attach_lora, save_adapter
+    from moetune.adapters.lora_experts import lora_experts_of
     from moetune.loading import load_model
 
     path = checkpoints["qwen3_moe"]
-    save_adapter(_moetune(path), tmp_path / "a")
-    assert (tmp_path / "a" / "moetune_lora_experts.safetensors").is_file()
     plain = attach_lora(load_model(path, device="cpu", dtype="float32", progress=False), rank=4, alpha=8)
-    save_adapter(plain, tmp_path / "a")
-    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
-        "adapter_config.json",
-        "adapter_model.safetensors",
-    ]
+    for save in (save_adapter, lambda model, folder: model.save_pretrained(folder)):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        save_adapter(_moetune(path), folder)
+        assert (folder / "moetune_lora_experts.safetensors").is_file()
+        save(plain, folder)
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in folder.iterdir()}
+        assert not (folder / "moetune_lora_experts.safetensors").exists()
+        again = moetune.load_model(path, device="cpu", dtype="float32", adapter=folder, progress=False)
+        assert not lora_experts_of(again)
 
 
 @pytest.fixture(scope="module")
