@@ -139,18 +139,23 @@ def check_finite(tensors: Mapping[str, torch.Tensor], where: Path) -> None:
 
 
 def scan_adapter_values(adapter: AdapterFolder) -> None:
-    """Read the adapter's tensors one at a time (safetensors' lazy reader; one tensor in memory at a time) and
-    refuse NaN/Inf by :func:`check_finite`, before a model is loaded for it."""
-    from safetensors import SafetensorError, safe_open
-
+    """Refuse NaN/Inf in the adapter's files (:func:`scan_file_values`), before a model is loaded for it."""
     files = [adapter.weights_file] + ([adapter.lora_experts_file] if adapter.lora_experts else [])
     for path in files:
-        try:
-            with safe_open(str(path), "pt") as f:
-                for key in list(f.keys()):  # safe_open is not iterable
-                    check_finite({key: f.get_tensor(key)}, path)
-        except SafetensorError as e:
-            raise AdapterError(f"{path} cannot be read ({e}); re-save the adapter") from None
+        scan_file_values(path)
+
+
+def scan_file_values(path: Path) -> None:
+    """Read the safetensors file ``path`` of an adapter one tensor at a time (safetensors' lazy reader: one tensor
+    in memory at a time) and refuse NaN/Inf by :func:`check_finite`; an unreadable file is an ``AdapterError`` too."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            for key in list(f.keys()):  # safe_open is not iterable
+                check_finite({key: f.get_tensor(key)}, path)
+    except SafetensorError as e:
+        raise AdapterError(f"{path} cannot be read ({e}); re-save the adapter") from None
 
 
 def _read_config(path: Path) -> tuple[dict[str, Any], int, float]:

@@ -327,6 +327,14 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def _poison(path: Path) -> None:
+    """One NaN in the first lora_A tensor (the file stays a valid safetensors file of the same size)."""
+    tensors = load_file(path)
+    key = next(k for k in sorted(tensors) if "lora_A" in k)
+    tensors[key].view(-1)[0] = math.nan
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 RESUME_CASES = {
     "optimizer_truncated": (
         lambda c: _truncate(c / "optimizer.pt"),
@@ -348,6 +356,11 @@ RESUME_CASES = {
         lambda c: _truncate(c / "adapter_model.safetensors"),
         {},
         "adapter_model.safetensors is damaged or truncated",
+    ),
+    "adapter_nan": (
+        lambda c: _poison(c / "adapter_model.safetensors"),
+        {},
+        r"adapter_model.safetensors: tensor .*lora_A.weight holds 1 NaN",
     ),
     "adapter_missing": (
         lambda c: (c / "adapter_model.safetensors").unlink(),
