@@ -269,3 +269,28 @@ def test_start_up_builds_the_meta_model_once(tmp_path, demo_model, monkeypatch) 
     assert len(built) == 1
     ids = torch.tensor([[5, 6, 7, 8]])
     torch.testing.assert_close(again(input_ids=ids).logits, peft_model.eval()(input_ids=ids).logits)
+
+
+def test_start_up_removes_what_killed_saves_left(tmp_path, demo_model) -> None:
+    """A kill during a checkpoint save, a full model save or an adapter save leaves staging folders in output_dir;
+    the next ``moetune train`` removes them at start (a checkpoint moved aside is restored) and keeps the rest."""
+    from moetune.train import recipe
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    leftovers = (
+        "tmp-checkpoint-3/checkpoint-3",
+        "tmp-checkpoint-4/replaced",
+        ".model.tmp-x1",
+        ".moetune-adapter.partial",
+    )
+    for leftover in leftovers:
+        (out / leftover).mkdir(parents=True)
+        (out / leftover / "adapter_model.safetensors").write_text("partial")
+    recipe.setup(load_config(_config(tmp_path, demo_model)), progress=False)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [
+        "checkpoint-4",  # moved aside by a replacement the kill interrupted: restored
+        "checkpoint-4/adapter_model.safetensors",
+        "notes.txt",
+    ]

@@ -1,11 +1,13 @@
-"""What a kill during a checkpoint save leaves in output_dir is undone at the next start
-(``moetune.train.checkpoints.recover_checkpoints``): no whole checkpoint is lost, no staging folder stays."""
+"""What a kill during a checkpoint save or a full model save leaves in output_dir is undone at the next start
+(``moetune.train.checkpoints.recover_checkpoints``, ``moetune.train.model_save.recover_model_save``): no whole
+checkpoint is lost, no staging folder stays."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from moetune.train.checkpoints import recover_checkpoints
+from moetune.train.model_save import recover_model_save
 
 
 def _checkpoint(folder: Path, tag: str) -> Path:
@@ -50,3 +52,15 @@ def test_nothing_interrupted_changes_nothing(tmp_path) -> None:
     assert recover_checkpoints(tmp_path) == [] and _tree(tmp_path) == before
     assert (tmp_path / "tmp-notes").is_dir()
     assert recover_checkpoints(tmp_path / "missing") == []
+
+
+def test_an_interrupted_model_save_leaves_no_staging_folder(tmp_path) -> None:
+    (tmp_path / "model.safetensors").write_text("whole")
+    _checkpoint(tmp_path / ".model.tmp-ab12cd", "partial")  # save_model's staging, killed before its renames
+    (tmp_path / ".model.tmp-notes").write_text("a file of that name is not a staging folder")
+    done = recover_model_save(tmp_path)
+    assert _tree(tmp_path) == {
+        "model.safetensors": "whole",
+        ".model.tmp-notes": "a file of that name is not a staging folder",
+    }
+    assert len(done) == 1 and recover_model_save(tmp_path) == [] and recover_model_save(tmp_path / "no") == []
