@@ -20,6 +20,7 @@ transformers model has no place for LoRA experts (``docs/architecture.md``); loa
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import weakref
@@ -44,6 +45,20 @@ class LoraExpertsConfig(LoraConfig):
     # set by carry_lora_experts: a weak reference to the model (the config must not keep it alive; deep copies of
     # the config, which PEFT makes, share it). Not annotated, so no dataclass field: never in adapter_config.json
     _model = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LoraExpertsConfig:
+        # a deep copy of the whole PeftModel (its modules are copied before its peft_config) saves the copy's LoRA
+        # experts, not the original's; a copy of the config alone still belongs to the same model
+        new = copy.copy(self)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key != "_model":
+                setattr(new, key, copy.deepcopy(value, memo))
+        ref = getattr(self, "_model", None)
+        model = ref() if ref is not None else None
+        if model is not None:
+            new._model = weakref.ref(memo.get(id(model), model))  # type: ignore[assignment]
+        return new
 
     def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
         from moetune.adapters.lora_experts import FILE_NAME, spec_of, write_lora_experts

@@ -211,18 +211,20 @@ def test_peft_save_pretrained_writes_the_lora_experts_too(checkpoints, tmp_path)
     """PEFT's own ``save_pretrained`` (a notebook's, or a Trainer's checkpoint) on a model with LoRA experts writes
     moetune_lora_experts.safetensors beside the stock pair, with the same adapter_config.json as save_adapter: the
     folder reloads through load_model(adapter=) to identical logits (before, it lacked the file and reloaded as a
-    model without LoRA experts). A loaded adapter saved again the same way keeps them; a config that outlived its
-    model refuses to save instead of dropping them."""
+    model without LoRA experts). A loaded adapter saved again the same way keeps them, a deep copy of the model
+    saves its own; a config that outlived its model refuses to save instead of dropping them."""
     import copy
     import gc
 
     import moetune
     from moetune.adapters import save_adapter
+    from moetune.adapters.lora_experts import lora_experts_of
     from moetune.errors import SaveError
 
     path = checkpoints["qwen3_moe"]
     model = _moetune(path)
     _randomize(model)
+    twin = copy.deepcopy(model)  # a deep copy saves its own LoRA experts, not the original's (below)
     ids = _ids(4)
     want = model.eval()(input_ids=ids).logits
     model.save_pretrained(tmp_path / "peft")
@@ -240,8 +242,18 @@ def test_peft_save_pretrained_writes_the_lora_experts_too(checkpoints, tmp_path)
     )
     assert torch.equal(third(input_ids=ids).logits, want)
 
+    with torch.no_grad():
+        for module in lora_experts_of(twin).values():
+            module.down_proj.mul_(-1)
+    twin_logits = twin(input_ids=ids).logits
+    twin.save_pretrained(tmp_path / "twin")
+    loaded = moetune.load_model(
+        path, device="cpu", dtype="float32", adapter=tmp_path / "twin", progress=False
+    )
+    assert torch.equal(loaded(input_ids=ids).logits, twin_logits) and not torch.equal(twin_logits, want)
+
     orphan = copy.deepcopy(model.peft_config["default"])
-    del model, again, third
+    del model, again, third, twin, loaded
     gc.collect()
     with pytest.raises(SaveError, match="LoRA experts it saves is gone"):
         orphan.save_pretrained(str(tmp_path / "orphan"))
