@@ -314,6 +314,9 @@ def peft_model_with(
     config.base_model_name_or_path = model.__dict__.get("name_or_path") or None
     peft_model = MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, PeftModel)(model, config)
     to_stock_config(peft_model, "default", weight_entries)
+    from moetune.adapters.lora_experts_config import carry_lora_experts
+
+    carry_lora_experts(peft_model, model)  # PEFT's save_pretrained keeps the LoRA-experts file in step
     return peft_model
 
 

@@ -81,11 +81,15 @@ class AdapterFolder:
         return self.folder / LORA_EXPERTS_NAME
 
 
-def check_adapter_folder(path: str | Path, model_config: Any = None) -> AdapterFolder:
+def check_adapter_folder(
+    path: str | Path, model_config: Any = None, *, meta_model: Any = None
+) -> AdapterFolder:
     """Check the adapter in ``path`` (module docstring) and return it parsed; ``AdapterError`` otherwise.
 
     ``model_config``: the transformers config of the model the adapter is for (``model.config`` of a loaded or
-    PEFT model works), to check names and shapes against; None checks the folder on its own.
+    PEFT model works), to check names and shapes against; None checks the folder on its own. ``meta_model``: that
+    model already built from ``model_config`` with its transformers experts modules (``plan_load``'s), so it is
+    not built again.
     """
     folder = Path(path).expanduser()
     recover_adapter(folder)
@@ -104,7 +108,7 @@ def check_adapter_folder(path: str | Path, model_config: Any = None) -> AdapterF
     tensors = _read_header(folder / WEIGHTS_NAME)
     adapter = AdapterFolder(folder, config, r, alpha, tensors)
     pairs = _pairs(adapter)
-    targets = _model_targets(model_config) if model_config is not None else None
+    targets = _model_targets(model_config, meta_model) if model_config is not None else None
     if targets is not None:
         _check_against_model(adapter, pairs, model_config, targets)
     if adapter.lora_experts_file.is_file():
@@ -135,18 +139,23 @@ def check_finite(tensors: Mapping[str, torch.Tensor], where: Path) -> None:
 
 
 def scan_adapter_values(adapter: AdapterFolder) -> None:
-    """Read the adapter's tensors one at a time (safetensors' lazy reader; one tensor in memory at a time) and
-    refuse NaN/Inf by :func:`check_finite`, before a model is loaded for it."""
-    from safetensors import SafetensorError, safe_open
-
+    """Refuse NaN/Inf in the adapter's files (:func:`scan_file_values`), before a model is loaded for it."""
     files = [adapter.weights_file] + ([adapter.lora_experts_file] if adapter.lora_experts else [])
     for path in files:
-        try:
-            with safe_open(str(path), "pt") as f:
-                for key in list(f.keys()):  # safe_open is not iterable
-                    check_finite({key: f.get_tensor(key)}, path)
-        except SafetensorError as e:
-            raise AdapterError(f"{path} cannot be read ({e}); re-save the adapter") from None
+        scan_file_values(path)
+
+
+def scan_file_values(path: Path) -> None:
+    """Read the safetensors file ``path`` of an adapter one tensor at a time (safetensors' lazy reader: one tensor
+    in memory at a time) and refuse NaN/Inf by :func:`check_finite`; an unreadable file is an ``AdapterError`` too."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            for key in list(f.keys()):  # safe_open is not iterable
+                check_finite({key: f.get_tensor(key)}, path)
+    except SafetensorError as e:
+        raise AdapterError(f"{path} cannot be read ({e}); re-save the adapter") from None
 
 
 def _read_config(path: Path) -> tuple[dict[str, Any], int, float]:
@@ -251,15 +260,18 @@ class _Target:
     experts: int = 1
 
 
-def _model_targets(model_config: Any) -> tuple[dict[str, _Target], dict[str, dict[str, _Target]]]:
-    """(Linear paths -> shapes, experts paths -> {param: shapes}, all module paths) of the model of
-    ``model_config``, built on the meta device (no weight exists or is read)."""
+def _model_targets(
+    model_config: Any, model: Any = None
+) -> tuple[dict[str, _Target], dict[str, dict[str, _Target]]]:
+    """(Linear paths -> shapes, experts paths -> {param: shapes}) of ``model``, the model of ``model_config``
+    on the meta device, built here when None (no weight exists or is read)."""
     import torch
 
     from moetune.arch import find_experts, resolve_arch
     from moetune.loading import hf
 
-    model = hf.empty_model(model_config, torch.float32, "")
+    if model is None:
+        model = hf.empty_model(model_config, torch.float32, "")
     sites = find_experts(model, resolve_arch(model_config.model_type), model_config.model_type)
     experts = {}
     for s in sites:

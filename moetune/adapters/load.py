@@ -2,7 +2,8 @@
 
 Loading knows nothing about adapters; this is where the two meet. The adapter folder is checked before any
 weight is read (``moetune.adapters.check``: files, config, headers, and every tensor's name and shape against
-the model built on the meta device from the checkpoint's config), so a bad adapter costs no model load.
+the model built on the meta device from the checkpoint's config, the one the load then fills), so a bad adapter
+costs no model load.
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ def load_model(
         raise ConfigError(f"adapter_trainable must be True or False; got {adapter_trainable!r}")
     if adapter is None:
         return load_checkpoint(path, device=device, dtype=dtype, **options)
-    from moetune.loading import hf
-    from moetune.loading.checkpoint import Checkpoint
+    from moetune.loading.load import plan_load
+    from moetune.loading.options import LoadOptions
 
     folder = check_adapter_folder(adapter).folder  # the folder alone first: no checkpoint header read for it
-    config = hf.load_config(Checkpoint.open(path), bool(options.get("trust_remote_code", False)))
-    scan_adapter_values(check_adapter_folder(folder, config))
-    model = load_checkpoint(path, device=device, dtype=dtype, **options)
+    # the load planned once: its meta-device model serves the adapter check and becomes the loaded model
+    planned = plan_load(path, LoadOptions.create(device=device, dtype=dtype, **options))
+    scan_adapter_values(check_adapter_folder(folder, planned.model.config, meta_model=planned.model))
+    model = load_checkpoint(path, device=device, dtype=dtype, planned=planned, **options)
     from moetune.adapters.save import load_adapter
 
     return load_adapter(model, folder, is_trainable=adapter_trainable)

@@ -219,6 +219,9 @@ def attach_lora_experts(model: nn.Module, num_experts: int, intermediate_size: i
         block.add_module(CHILD, LoraExperts(spec, switch, device))
         block.register_forward_hook(_add_lora_experts, with_kwargs=True)
         added[path] = getattr(block, CHILD)
+    from moetune.adapters.lora_experts_config import carry_lora_experts
+
+    carry_lora_experts(model, base)  # PEFT's own save_pretrained then writes them too
     count = sum(p.numel() for m in added.values() for p in m.parameters())
     logger.info(
         "moetune: LoRA experts (N=%d, I'=%d) added to %d MoE blocks (%s) on %s: %d trainable parameters",

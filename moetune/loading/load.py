@@ -184,6 +184,7 @@ def load_model(
     *,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype = "bfloat16",
+    planned: PlannedLoad | None = None,
     **options: Any,
 ) -> PreTrainedModel:
     """Load a local Hugging Face MoE checkpoint into its own transformers class, experts on the CPU.
@@ -203,6 +204,10 @@ def load_model(
             ``expert_parallel``: under a process group, ``sharded`` loads only this rank's share of every
             layer's experts, ``moetune.layer.sharded``), and
             ``trust_remote_code`` (see :class:`LoadOptions`).
+        planned: :func:`plan_load`'s result for ``path`` made with the same ``dtype``, expert options and
+            ``trust_remote_code``, when the caller checked it already (``moetune train``'s preflight,
+            ``load_model(adapter=)``): its meta-device model is then built once. The load uses it up (that model
+            becomes the loaded one).
 
     Returns:
         The model's own class (e.g. ``Qwen3MoeForCausalLM``; for a vision-language checkpoint its
@@ -215,7 +220,9 @@ def load_model(
         ArchError: an architecture moetune cannot run (the supported ones are listed).
     """
     opts = LoadOptions.create(device=device, dtype=dtype, **options)
-    planned = plan_load(path, opts)
+    if planned is None:
+        planned = plan_load(path, opts)
+    assert planned.model.dtype == opts.dtype, "planned= is a plan_load of this load's dtype"
     checkpoint, spec, model, sites, plan = (
         planned.checkpoint,
         planned.spec,

@@ -6,7 +6,8 @@ A destination ``DST`` is accepted when it is
 - a finished store (its ``manifest.json`` parses as a store manifest and every other entry is a file the
   manifest lists, or such a file's ``.tmp``): replaced only with ``overwrite``;
 - an unfinished store of an older moetune, which wrote layer by layer into ``DST`` itself: every entry is a
-  store layer file whose safetensors metadata says ``moetune_store`` (or a manifest temporary saying so).
+  store layer file whose safetensors metadata says ``moetune_store`` (or a manifest temporary saying so, or an
+  empty temporary of either, created by a writer killed before it wrote a byte).
 
 Anything else (a file, a folder holding a file moetune did not write, such as a weights backup named
 ``model.safetensors``) is a ``ConfigError`` naming the entries: ``convert`` never deletes a file it did not
@@ -62,10 +63,13 @@ def unfinished_note(root: Path) -> str:
 def written_by_moetune(path: Path) -> bool:
     """Whether ``path`` is a file a moetune store writer produced: a layer file (or its temporary, possibly cut
     short by a kill) whose safetensors header carries the ``moetune_store`` metadata, or a manifest temporary
-    that starts as a manifest does. Reads at most the header."""
+    that starts as a manifest does. Reads at most the header. An empty temporary of such a name counts too: a kill
+    right after the writer created it leaves it so, and it holds nothing to lose."""
     if not path.is_file() or not _STORE_FILE.fullmatch(path.name):
         return False
     try:
+        if path.name.endswith(TMP_SUFFIX) and path.stat().st_size == 0:
+            return True
         with path.open("rb") as f:
             if path.name.startswith(MANIFEST):
                 return b'"moetune_store"' in f.read(64)

@@ -5,7 +5,8 @@ The trainer's own ``_save_checkpoint`` (adapter, optimizer, scheduler, RNG, trai
 place, so a crash mid-save leaves no ``checkpoint-N`` for ``resume_from_checkpoint`` (transformers'
 ``get_last_checkpoint`` matches ``checkpoint-N`` only). With several processes every rank writes its own files
 (``rng_state_R.pth``) into the staging and the main process renames it once all have. transformers 5.24 has no such mechanism of its own: it
-writes into ``checkpoint-N`` file by file.
+writes into ``checkpoint-N`` file by file. What a kill leaves (a ``tmp-checkpoint-N``, possibly holding a
+previous ``checkpoint-N`` moved aside) is undone when ``moetune train`` next starts (:func:`recover_checkpoints`).
 
 :class:`AtomicCheckpoints` is a mixin placed before the trainer class in the bases
 (``class T(AtomicCheckpoints, Trainer)``), so TRL's ``_save_checkpoint`` overrides (model cards) run inside
@@ -14,6 +15,7 @@ the staging as well.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from typing import Any
@@ -21,9 +23,43 @@ from typing import Any
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from moetune.atomic import replace_folder
+from moetune.atomic import recover_folder, replace_folder
+
+logger = logging.getLogger(__name__)
 
 STAGING_PREFIX = "tmp-"  # tmp-checkpoint-N: matched neither by get_last_checkpoint nor by checkpoint rotation
+ASIDE = "replaced"  # inside the staging: a previous checkpoint-N while the new one is renamed into place
+
+
+def recover_checkpoints(output_dir: str | os.PathLike[str]) -> list[str]:
+    """Undo what a kill during a checkpoint save left in ``output_dir``; returns what was done, in words (each
+    also logged by ``atomic.recover_folder``). ``moetune train`` runs it at start, before it looks for a checkpoint
+    to resume from.
+
+    Each ``tmp-checkpoint-N`` is a save that did not finish: its partial ``checkpoint-N`` inside is removed, and a
+    previous ``checkpoint-N`` it had moved aside (a kill between the two renames of ``replace_folder``) is renamed
+    back first, so no whole checkpoint is lost; then the staging folder itself goes (full-size leftovers would
+    otherwise stay until the same step is saved again).
+    """
+    done: list[str] = []
+    root = os.fspath(output_dir)
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:  # no output_dir yet (or not a readable folder: the preflight names that problem)
+        return done
+    prefix = STAGING_PREFIX + PREFIX_CHECKPOINT_DIR + "-"
+    for name in names:
+        staging = os.path.join(root, name)
+        if not (name.startswith(prefix) and os.path.isdir(staging)):
+            continue
+        final = name.removeprefix(STAGING_PREFIX)
+        done += recover_folder(
+            os.path.join(root, final), os.path.join(staging, final), os.path.join(staging, ASIDE)
+        )
+        shutil.rmtree(staging)
+        done.append(f"removed {staging} (an interrupted checkpoint save)")
+        logger.warning("moetune: removed %s (an interrupted checkpoint save)", staging)
+    return done
 
 
 class AtomicCheckpoints:
@@ -57,7 +93,7 @@ class AtomicCheckpoints:
                 if self.state.best_model_checkpoint == staged:  # the best is this one: record its final path
                     self.state.best_model_checkpoint = final
                     self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
-                replace_folder(staged, final, aside=os.path.join(staging, "replaced"))
+                replace_folder(staged, final, aside=os.path.join(staging, ASIDE))
         finally:
             self._staging = None
             if self.args.should_save:

@@ -8,11 +8,13 @@ moetune reads the routed experts itself, so the expert conversions (per-expert `
 gets per-expert keys back, a fused one stays fused.
 
 Files go to a staging folder inside the output folder and are renamed into place, weight shards first, the shard
-index after them and ``config.json`` last, so a folder with a config has every weight file its index names.
+index after them and ``config.json`` last, so a folder with a config has every weight file its index names. A
+staging folder a kill left is removed when ``moetune train`` next starts (:func:`recover_model_save`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -22,7 +24,24 @@ from typing import Any
 
 from moetune.atomic import fsync
 
+logger = logging.getLogger(__name__)
+
 _LAST = ("config.json",)
+STAGING_PREFIX = ".model.tmp-"  # save_model's staging folder inside the output folder
+
+
+def recover_model_save(output_dir: str | Path) -> list[str]:
+    """Remove the staging folders of :func:`save_model` calls a kill interrupted (full-size copies of the model; the
+    files already renamed into place are whole); returns what was done, in words, each also logged. ``moetune
+    train`` runs it at start."""
+    root = Path(output_dir)
+    done = []
+    for path in sorted(root.glob(STAGING_PREFIX + "*")) if root.is_dir() else []:
+        if path.is_dir():
+            shutil.rmtree(path)
+            done.append(f"removed {path} (left by an interrupted save of the model)")
+            logger.warning("moetune: %s", done[-1])
+    return done
 
 
 def _order(path: Path) -> tuple[int, str]:
@@ -56,7 +75,7 @@ def save_model(model: Any, output_dir: str | Path) -> Path:
     _record_base_conversions(model)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(prefix=".model.tmp-", dir=out))
+    staged = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out))
     try:
         model.save_pretrained(staged)
         for path in sorted(staged.iterdir(), key=_order):

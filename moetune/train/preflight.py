@@ -23,7 +23,7 @@ from typing import Any
 
 from moetune.config import MoetuneConfig
 from moetune.config.schema import FinetuningType
-from moetune.errors import CheckpointError, LoadError, MoetuneError, OutputDirError, listing
+from moetune.errors import AdapterError, CheckpointError, LoadError, MoetuneError, OutputDirError, listing
 from moetune.train.guards import checkpoints
 from moetune.train.modes import ModeSettings
 
@@ -49,11 +49,12 @@ _PEFT_PREFIX = "base_model.model."
 
 def check_before_load(
     cfg: MoetuneConfig, dtype: str, modes: ModeSettings, *, write_probe: bool = True
-) -> None:
+) -> Any:
     """Every check of this module, in order, for a model to be loaded in ``dtype`` and trained as ``modes``
     says (``moetune.train.modes``: its checks run on the same meta-device model); raises the first problem's
     ``MoetuneError``. ``write_probe``: whether this process writes the probe file in ``output_dir`` (the main
-    process of a multi-process run only: one writer per file)."""
+    process of a multi-process run only: one writer per file). Returns the load it planned
+    (``moetune.loading.load.PlannedLoad``), for ``load_model(planned=)``: the meta-device model is built once."""
     from moetune.adapters.apply import resolve_targets
     from moetune.loading.load import plan_load
     from moetune.loading.options import LoadOptions
@@ -84,6 +85,7 @@ def check_before_load(
     if resume is not None:
         lora_paths = {*targets.linear, *targets.experts, *targets.routers} if lora else None
         check_resume_checkpoint(resume, cfg, lora_paths)
+    return planned
 
 
 def check_output_dir(out: Path) -> None:
@@ -182,8 +184,8 @@ def resume_checkpoint(cfg: MoetuneConfig) -> Path | None:
 def checkpoint_problems(folder: Path, cfg: MoetuneConfig, targets: set[str] | None) -> list[str]:
     """What is wrong with checkpoint ``folder`` for a run of ``cfg`` whose LoRA goes on module paths ``targets``
     (None: a full/freeze run, no adapter): unreadable files (torch ``.pt``/``.pth``/``.bin`` zip directories, the
-    safetensors header and data size, JSON files), and an adapter whose rank, alpha, rsLoRA or modules differ
-    from the run's."""
+    safetensors header and data size, JSON files), NaN/Inf in the adapter's values, and an adapter whose rank,
+    alpha, rsLoRA or modules differ from the run's."""
     from moetune.tensorfile import read_header
 
     problems = []
@@ -201,6 +203,10 @@ def checkpoint_problems(folder: Path, cfg: MoetuneConfig, targets: set[str] | No
                 json.loads(path.read_text())
         except (zipfile.BadZipFile, LoadError, ValueError, OSError) as err:
             problems.append(f"{path.name} is damaged or truncated ({err})")
+    if (
+        targets is not None
+    ):  # the adapter's values (LoRA-sized, read one tensor at a time): a NaN would resume
+        problems += _non_finite_adapter(folder)
     if problems:
         return problems
     state = json.loads((folder / TRAINER_STATE).read_text())
@@ -230,6 +236,21 @@ def checkpoint_problems(folder: Path, cfg: MoetuneConfig, targets: set[str] | No
             f"{list(ft.lora_target)} selects (modules only in the checkpoint: {listing(extra, inline=True) or 'none'}; "
             f"only in this run: {listing(missing, inline=True) or 'none'})"
         )
+    return problems
+
+
+def _non_finite_adapter(folder: Path) -> list[str]:
+    """The checkpoint's adapter files holding NaN/Inf (``adapters.check.scan_file_values``), one line each."""
+    from moetune.adapters.check import scan_file_values
+    from moetune.adapters.lora_experts import FILE_NAME
+
+    problems = []
+    for path in (folder / ADAPTER_WEIGHTS, folder / FILE_NAME):
+        if path.is_file():
+            try:
+                scan_file_values(path)
+            except AdapterError as err:
+                problems.append(str(err).replace(f"{folder}/", "", 1))
     return problems
 
 

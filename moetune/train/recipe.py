@@ -64,7 +64,9 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     from moetune.adapters.swap import recover_adapter
     from moetune.dist import main_writes
     from moetune.loading import load_model
+    from moetune.train.checkpoints import recover_checkpoints
     from moetune.train.data import prepare_datasets
+    from moetune.train.model_save import recover_model_save
     from moetune.train.modes import ModeSettings, apply_mode
     from moetune.train.preflight import check_before_load, load_tokenizer
     from moetune.train.stages import stage_for
@@ -76,9 +78,15 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     dtype = "bfloat16" if cfg.training.bf16 or cfg.finetune.pure_bf16 else "float32"
     modes = ModeSettings.from_config(cfg.finetune, bf16=cfg.training.bf16)
     ranks = _start_ranks(cfg)
+    # a checkpoint or model save a kill interrupted: removed (a checkpoint it had moved aside restored) before the
+    # preflight looks for the checkpoint to resume from
+    main_writes(
+        ranks,
+        lambda: recover_checkpoints(cfg.training.output_dir) + recover_model_save(cfg.training.output_dir),
+    )
     # output_dir, model files, lora_target, resume checkpoint, what the mode asks of the experts: checked before
     # any weight loads
-    check_before_load(cfg, dtype, modes, write_probe=ranks.is_main)
+    planned = check_before_load(cfg, dtype, modes, write_probe=ranks.is_main)
     # an adapter save a crash interrupted in output_dir is finished or removed now, not at the next save
     main_writes(ranks, lambda: recover_adapter(Path(cfg.training.output_dir)))
     tokenizer = load_tokenizer(cfg)
@@ -90,6 +98,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
         experts=_experts_for(cfg, ranks),
         trust_remote_code=cfg.model.trust_remote_code,
         progress=progress,
+        planned=planned,  # the preflight's: planned with the same dtype and expert options (threads aside)
     )
     model.config.use_cache = False  # packed rows need the no-cache mask path; training never uses the cache
     torch.manual_seed(

@@ -208,6 +208,7 @@ def train_save_kill(tmp: Path, demo_model: Path, seed: int) -> None:
         assert state["global_step"] == int(ckpt.name.split("-")[1])
         assert (ckpt / "optimizer.pt").is_file() and (ckpt / "scheduler.pt").is_file()
     resume = load_config(train_config(tmp, demo_model, resume_from_checkpoint=True))
+    run_dir = out
     if checkpoints[-1].name == f"checkpoint-{STEPS}":  # the kill landed after the last checkpoint
         with pytest.raises(CheckpointError, match=f"--adapter {checkpoints[-1]}"):
             run(resume, progress=False)  # nothing left to train: the error points at the final weights
@@ -216,4 +217,5 @@ def train_save_kill(tmp: Path, demo_model: Path, seed: int) -> None:
         run(resume, progress=False)
         final = json.loads((out / "trainer_state.json").read_text())
         assert final["global_step"] == STEPS, (final["global_step"], [p.name for p in checkpoints])
+    assert not list(run_dir.glob("tmp-*")), "the start of the rerun removes what the killed save left"
     moetune.load_model(demo_model, device="cpu", dtype="float32", progress=False, adapter=out)

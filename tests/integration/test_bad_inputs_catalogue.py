@@ -327,6 +327,14 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def _poison(path: Path) -> None:
+    """One NaN in the first lora_A tensor (the file stays a valid safetensors file of the same size)."""
+    tensors = load_file(path)
+    key = next(k for k in sorted(tensors) if "lora_A" in k)
+    tensors[key].view(-1)[0] = math.nan
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 RESUME_CASES = {
     "optimizer_truncated": (
         lambda c: _truncate(c / "optimizer.pt"),
@@ -348,6 +356,11 @@ RESUME_CASES = {
         lambda c: _truncate(c / "adapter_model.safetensors"),
         {},
         "adapter_model.safetensors is damaged or truncated",
+    ),
+    "adapter_nan": (
+        lambda c: _poison(c / "adapter_model.safetensors"),
+        {},
+        r"adapter_model.safetensors: tensor .*lora_A.weight holds 1 NaN",
     ),
     "adapter_missing": (
         lambda c: (c / "adapter_model.safetensors").unlink(),
@@ -522,5 +535,6 @@ def test_skip_mode_through_the_recipe_logs_the_loss_unfiltered(tmp_path, demo_mo
     logs = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
     assert logs[3]["skipped_steps"] == 1 and math.isnan(logs[3]["loss"])  # no finite loss in that window
     assert all(math.isfinite(logs[s]["loss"]) and "skipped_steps" not in logs[s] for s in (1, 2, 4))
+    assert summary["final_train_loss"] == logs[4]["loss"] != 0.0  # the last logged loss, never a filtered 0.0
     adapter = load_file(tmp_path / "out" / "adapter_model.safetensors")
     assert all(torch.isfinite(t).all() for t in adapter.values())

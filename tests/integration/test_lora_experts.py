@@ -207,6 +207,58 @@ def test_saved_adapter_reloads_exactly_and_its_stock_part_loads_in_stock_peft(ch
     assert (stock(input_ids=ids).logits - want).abs().max() > 1e-2  # the LoRA experts matter
 
 
+def test_peft_save_pretrained_writes_the_lora_experts_too(checkpoints, tmp_path) -> None:
+    """PEFT's own ``save_pretrained`` (a notebook's, or a Trainer's checkpoint) on a model with LoRA experts writes
+    moetune_lora_experts.safetensors beside the stock pair, with the same adapter_config.json as save_adapter: the
+    folder reloads through load_model(adapter=) to identical logits (before, it lacked the file and reloaded as a
+    model without LoRA experts). A loaded adapter saved again the same way keeps them, a deep copy of the model
+    saves its own; a config that outlived its model refuses to save instead of dropping them."""
+    import copy
+    import gc
+
+    import moetune
+    from moetune.adapters import save_adapter
+    from moetune.adapters.lora_experts import lora_experts_of
+    from moetune.errors import SaveError
+
+    path = checkpoints["qwen3_moe"]
+    model = _moetune(path)
+    _randomize(model)
+    twin = copy.deepcopy(model)  # a deep copy saves its own LoRA experts, not the original's (below)
+    ids = _ids(4)
+    want = model.eval()(input_ids=ids).logits
+    model.save_pretrained(tmp_path / "peft")
+    save_adapter(model, tmp_path / "moetune")
+    files = sorted(p.name for p in (tmp_path / "peft").iterdir())
+    assert "moetune_lora_experts.safetensors" in files and "adapter_model.safetensors" in files
+    config = {d: json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("peft", "moetune")}
+    assert config["peft"] == config["moetune"]
+    again = moetune.load_model(path, device="cpu", dtype="float32", adapter=tmp_path / "peft", progress=False)
+    assert torch.equal(again(input_ids=ids).logits, want)
+
+    again.save_pretrained(tmp_path / "again")
+    third = moetune.load_model(
+        path, device="cpu", dtype="float32", adapter=tmp_path / "again", progress=False
+    )
+    assert torch.equal(third(input_ids=ids).logits, want)
+
+    with torch.no_grad():
+        for module in lora_experts_of(twin).values():
+            module.down_proj.mul_(-1)
+    twin_logits = twin(input_ids=ids).logits
+    twin.save_pretrained(tmp_path / "twin")
+    loaded = moetune.load_model(
+        path, device="cpu", dtype="float32", adapter=tmp_path / "twin", progress=False
+    )
+    assert torch.equal(loaded(input_ids=ids).logits, twin_logits) and not torch.equal(twin_logits, want)
+
+    orphan = copy.deepcopy(model.peft_config["default"])
+    del model, again, third, twin, loaded
+    gc.collect()
+    with pytest.raises(SaveError, match="LoRA experts it saves is gone"):
+        orphan.save_pretrained(str(tmp_path / "orphan"))
+
+
 def test_a_bad_lora_experts_file_is_refused_before_the_model_loads(
     checkpoints, tmp_path, monkeypatch
 ) -> None:
@@ -251,19 +303,24 @@ def test_a_bad_lora_experts_file_is_refused_before_the_model_loads(
 
 def test_a_new_save_without_lora_experts_removes_the_old_file(checkpoints, tmp_path) -> None:
     """The adapter's files are one commit: saving an adapter without LoRA experts over one with them leaves no
-    stale LoRA-experts file to pair with the new adapter."""
+    stale LoRA-experts file to pair with the new adapter; with save_adapter and with PEFT's own save_pretrained
+    (which before left it, so the folder reloaded with the old adapter's LoRA experts)."""
+    import moetune
     from moetune.adapters import attach_lora, save_adapter
+    from moetune.adapters.lora_experts import lora_experts_of
     from moetune.loading import load_model
 
     path = checkpoints["qwen3_moe"]
-    save_adapter(_moetune(path), tmp_path / "a")
-    assert (tmp_path / "a" / "moetune_lora_experts.safetensors").is_file()
     plain = attach_lora(load_model(path, device="cpu", dtype="float32", progress=False), rank=4, alpha=8)
-    save_adapter(plain, tmp_path / "a")
-    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
-        "adapter_config.json",
-        "adapter_model.safetensors",
-    ]
+    for save in (save_adapter, lambda model, folder: model.save_pretrained(folder)):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        save_adapter(_moetune(path), folder)
+        assert (folder / "moetune_lora_experts.safetensors").is_file()
+        save(plain, folder)
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in folder.iterdir()}
+        assert not (folder / "moetune_lora_experts.safetensors").exists()
+        again = moetune.load_model(path, device="cpu", dtype="float32", adapter=folder, progress=False)
+        assert not lora_experts_of(again)
 
 
 @pytest.fixture(scope="module")

@@ -244,3 +244,53 @@ def test_gpu_experts_auto_places_after_warmup(tmp_path, demo_model) -> None:
     )
     placed = [m for m in hot.model.modules() if isinstance(m, CpuExperts) and m.hot is not None]
     assert placed and 0 < hot.summary["memory"]["hot_experts_device_gb"] * 2**30 <= 10**6
+
+
+def test_start_up_builds_the_meta_model_once(tmp_path, demo_model, monkeypatch) -> None:
+    """``moetune train``'s preflight plans the load on a meta-device model and ``load_model`` fills that same model;
+    ``moetune.load_model(adapter=)`` checks the adapter against the model it then loads (each built twice before).
+    The resulting model trains: the plan handed over is the one used."""
+    import moetune
+    from moetune.adapters import save_adapter
+    from moetune.loading import hf
+    from moetune.train import recipe
+
+    built = []
+    empty_model = hf.empty_model
+    monkeypatch.setattr(hf, "empty_model", lambda *a, **k: built.append(1) or empty_model(*a, **k))
+    cfg = load_config(_config(tmp_path, demo_model, lora_target="q_proj,experts"))
+    peft_model, _, _ = recipe.setup(cfg, progress=False)
+    assert len(built) == 1
+    save_adapter(peft_model, tmp_path / "a")
+    built.clear()
+    again = moetune.load_model(
+        demo_model, device="cpu", dtype="float32", adapter=tmp_path / "a", progress=False
+    )
+    assert len(built) == 1
+    ids = torch.tensor([[5, 6, 7, 8]])
+    torch.testing.assert_close(again(input_ids=ids).logits, peft_model.eval()(input_ids=ids).logits)
+
+
+def test_start_up_removes_what_killed_saves_left(tmp_path, demo_model) -> None:
+    """A kill during a checkpoint save, a full model save or an adapter save leaves staging folders in output_dir;
+    the next ``moetune train`` removes them at start (a checkpoint moved aside is restored) and keeps the rest."""
+    from moetune.train import recipe
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    leftovers = (
+        "tmp-checkpoint-3/checkpoint-3",
+        "tmp-checkpoint-4/replaced",
+        ".model.tmp-x1",
+        ".moetune-adapter.partial",
+    )
+    for leftover in leftovers:
+        (out / leftover).mkdir(parents=True)
+        (out / leftover / "adapter_model.safetensors").write_text("partial")
+    recipe.setup(load_config(_config(tmp_path, demo_model)), progress=False)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [
+        "checkpoint-4",  # moved aside by a replacement the kill interrupted: restored
+        "checkpoint-4/adapter_model.safetensors",
+        "notes.txt",
+    ]

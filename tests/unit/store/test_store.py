@@ -212,6 +212,22 @@ def test_an_unfinished_store_of_an_older_moetune_is_replaced(tmp_path):
     assert not leftover.exists()
 
 
+@pytest.mark.parametrize("name", [f"{MODULES[2]}.safetensors.tmp", f"{MANIFEST}.tmp"])
+def test_an_empty_temporary_of_an_older_moetune_does_not_block_a_rerun(tmp_path, name):
+    """A writer killed right after creating its temporary leaves it empty: it holds nothing, so it neither blocks
+    a rerun nor needs --overwrite (before, it was 'an entry convert did not write')."""
+    root = _write(tmp_path / "s")
+    for p in root.iterdir():
+        p.unlink()
+    (root / name).write_bytes(b"")
+    ExpertStore.open(_write(root))
+    assert not (root / name).exists()
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "notes.tmp").write_bytes(b"")  # an empty file of another name is still a user's
+    with pytest.raises(ConfigError, match=r"did not write \(notes.tmp\)"):
+        StoreWriter.prepare(tmp_path / "t")
+
+
 # ---- every manifest failure: a LoadError naming the file
 
 

@@ -1,0 +1,66 @@
+"""What a kill during a checkpoint save or a full model save leaves in output_dir is undone at the next start
+(``moetune.train.checkpoints.recover_checkpoints``, ``moetune.train.model_save.recover_model_save``): no whole
+checkpoint is lost, no staging folder stays."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moetune.train.checkpoints import recover_checkpoints
+from moetune.train.model_save import recover_model_save
+
+
+def _checkpoint(folder: Path, tag: str) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "adapter_model.safetensors").write_text(tag)
+    (folder / "optimizer.pt").write_text(tag)
+    return folder
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_an_unfinished_save_is_removed_and_the_checkpoints_kept(tmp_path) -> None:
+    _checkpoint(tmp_path / "checkpoint-2", "2")
+    _checkpoint(tmp_path / "tmp-checkpoint-3" / "checkpoint-3", "partial")  # killed while writing step 3
+    (tmp_path / "adapter_model.safetensors").write_text("final")  # other files of the run stay
+    done = recover_checkpoints(tmp_path)
+    assert _tree(tmp_path) == {
+        "adapter_model.safetensors": "final",
+        "checkpoint-2/adapter_model.safetensors": "2",
+        "checkpoint-2/optimizer.pt": "2",
+    }
+    assert any("tmp-checkpoint-3" in line for line in done)
+
+
+def test_a_kill_between_the_two_renames_restores_the_previous_checkpoint(tmp_path) -> None:
+    """A resumed run re-saving step 4: the old checkpoint-4 was moved aside, the new one not yet renamed in."""
+    _checkpoint(tmp_path / "tmp-checkpoint-4" / "replaced", "old 4")
+    _checkpoint(tmp_path / "tmp-checkpoint-4" / "checkpoint-4", "new 4")
+    recover_checkpoints(tmp_path)
+    assert _tree(tmp_path) == {
+        "checkpoint-4/adapter_model.safetensors": "old 4",
+        "checkpoint-4/optimizer.pt": "old 4",
+    }
+
+
+def test_nothing_interrupted_changes_nothing(tmp_path) -> None:
+    _checkpoint(tmp_path / "checkpoint-1", "1")
+    (tmp_path / "tmp-notes").mkdir()  # not a checkpoint staging folder
+    before = _tree(tmp_path)
+    assert recover_checkpoints(tmp_path) == [] and _tree(tmp_path) == before
+    assert (tmp_path / "tmp-notes").is_dir()
+    assert recover_checkpoints(tmp_path / "missing") == []
+
+
+def test_an_interrupted_model_save_leaves_no_staging_folder(tmp_path) -> None:
+    (tmp_path / "model.safetensors").write_text("whole")
+    _checkpoint(tmp_path / ".model.tmp-ab12cd", "partial")  # save_model's staging, killed before its renames
+    (tmp_path / ".model.tmp-notes").write_text("a file of that name is not a staging folder")
+    done = recover_model_save(tmp_path)
+    assert _tree(tmp_path) == {
+        "model.safetensors": "whole",
+        ".model.tmp-notes": "a file of that name is not a staging folder",
+    }
+    assert len(done) == 1 and recover_model_save(tmp_path) == [] and recover_model_save(tmp_path / "no") == []
