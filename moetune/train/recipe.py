@@ -208,10 +208,13 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
 
     ranks = _start_ranks(cfg)
     out = Path(cfg.training.output_dir)
+    # sharded expert LoRA: every rank sends its rows, the main process writes the whole adapter
+    sharded = getattr(trainer, "sharded_lora", None)
+    whole = sharded.whole_state_dict(trainer.model) if sharded is not None else None
 
     def write_model() -> None:
         if cfg.finetune.finetuning_type is FinetuningType.LORA:
-            save_adapter(trainer.model, out)
+            save_adapter(trainer.model, out, whole)
         else:
             save_model(trainer.model, out)
         tokenizer.save_pretrained(out)

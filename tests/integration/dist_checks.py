@@ -230,16 +230,19 @@ def _sharded_model(model_dir: str) -> None:
     random values on both (B too, so every LoRA gradient is non-zero), gradient checkpointing on the sharded one
     (its recompute repeats the exchange), different token counts per rank, and the first MoE layer routing every
     slot to rank 0's experts (rank 1's engine receives no row there): the logits and the gradients of
-    the input embeddings and of every non-expert LoRA tensor equal the reference's on each rank; the expert
-    LoRA's, summed over the ranks (what DDP's average times world is), equal the reference's summed likewise."""
+    the input embeddings and of every non-expert LoRA tensor equal the reference's on each rank; each rank holds
+    only its experts' LoRA rows (loaded from the whole values), whose gradient equals those rows of the
+    reference's gradient summed over the ranks (every rank's tokens reach the owner)."""
     import torch
     import torch.distributed as dist
 
     from moetune.adapters.apply import attach_lora
+    from moetune.adapters.expert_rows import held_part
     from moetune.dist import failures_end_every_rank, start
     from moetune.layer import CpuExperts
     from moetune.layer.sharded import ShardedExperts
     from moetune.loading import load_model
+    from moetune.train.sharded_lora import held_tensors
 
     ranks = start(cpu=True, timeout_s=60)
     kwargs: dict[str, Any] = dict(device="cpu", dtype="float32", num_threads=1, progress=False)
@@ -262,13 +265,21 @@ def _sharded_model(model_dir: str) -> None:
             model.get_submodule(first.rpartition(".")[0] + ".gate").register_forward_hook(
                 lambda module, args, out: (*out[:2], _fold(out[2], half))
             )
-            peft_model = attach_lora(model, rank=4, alpha=8)
-            gen = torch.Generator().manual_seed(7)
-            with torch.no_grad():
-                for _, p in sorted(peft_model.named_parameters()):
-                    if p.requires_grad:
-                        p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-            models.append(peft_model.train())
+            models.append(attach_lora(model, rank=4, alpha=8).train())
+        gen = torch.Generator().manual_seed(7)
+        values = {}
+        with torch.no_grad():
+            for name, p in sorted(models[0].named_parameters()):
+                if p.requires_grad:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+                    values[name] = p.detach().clone()
+        # the whole values into the sharded model: its expert LoRA layers keep their experts' rows (load pre-hook)
+        loaded = models[1].load_state_dict(values, strict=False)
+        assert not loaded.unexpected_keys, loaded.unexpected_keys
+        held = {t.name: t.rows for t in held_tensors(models[1])[0]}
+        assert held and all(rows.count == half for rows in held.values())
+        for name, rows in held.items():
+            assert torch.equal(models[1].get_parameter(name), held_part(values[name], rows)), name
         models[1].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         runs: list[str] = []  # engine forwards of the sharded model: the recompute's are reused (layer.memo)
         calls: list[str] = []  # its experts modules' calls: the forward's and the recompute's
@@ -297,13 +308,13 @@ def _sharded_model(model_dir: str) -> None:
         )  # once per layer, though checkpointing ran each layer twice
         assert grads[0].keys() == grads[1].keys()
         experts = [n for n in grads[0] if ".experts." in n]
-        assert experts and len(experts) < len(grads[0])
+        assert experts and len(experts) < len(grads[0]) and sorted(experts) == sorted(held)
         for name in grads[0]:
             want, got = grads[0][name], grads[1][name]
             assert want is not None and got is not None, name
-            if name in experts:
+            if name in held:  # the owner's rows hold every rank's tokens' gradient: the reference's summed
                 dist.all_reduce(want)
-                dist.all_reduce(got)
+                want = held_part(want, held[name])
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
         print(
             f"rank {ranks.rank}: the sharded model equals the reference ({len(grads[0])} gradients)",
