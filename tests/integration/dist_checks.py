@@ -18,8 +18,7 @@ from typing import Any
 from tests.integration import test_train
 
 ROOT = Path(__file__).resolve().parents[2]
-# --standalone: a rendezvous on a free local port, so tests running side by side do not collide
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+LAUNCHER = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def env() -> dict[str, str]:
@@ -48,9 +47,32 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node 2 ARGS`` (``-m moetune.cli.main train CFG`` or this module's checks)."""
-    return _run([*TORCHRUN, *args], timeout)
+def torchrun(*args: str, timeout: float = 240, nproc: int = 2) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node NPROC ARGS`` (``-m moetune.cli.main train CFG`` or this module's
+    checks); --standalone: a rendezvous on a free local port, so tests running side by side do not collide."""
+    return _run([*LAUNCHER, "--standalone", "--nproc-per-node", str(nproc), *args], timeout)
+
+
+def nodes(
+    *args: str, nnodes: int = 2, nproc: int = 1, timeout: float = 240
+) -> list[subprocess.CompletedProcess]:
+    """``nnodes`` torchrun invocations on this machine acting as nodes (``--nnodes N --node-rank i``, the static
+    rendezvous of node 0 at 127.0.0.1 on a free port), ``nproc`` processes each, run side by side; their results
+    in node order. Each node's processes see LOCAL_RANK 0 .. nproc-1 and RANK i * nproc + LOCAL_RANK."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    with socket.socket() as sock:  # a free port for node 0's store (released just before torchrun binds it)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    common = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1"]
+    common += ["--master-port", str(port)]
+    with ThreadPoolExecutor(nnodes) as pool:
+        runs = [
+            pool.submit(_run, [*LAUNCHER, *common, "--node-rank", str(i), *args], timeout)
+            for i in range(nnodes)
+        ]
+        return [r.result() for r in runs]
 
 
 def single(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -100,6 +122,32 @@ def _fail_on_rank(config_path: str, failing: str, where: str = "model") -> None:
             experts = [m for m in model.modules() if isinstance(m, CpuExperts)]
             (model if where == "model" else experts[0]).register_forward_hook(hook)
         recipe.train(cfg, model, tokenizer, data)
+
+
+def _train_folded(config_path: str, experts: str) -> None:
+    """``moetune train``'s recipe (setup, train, save) with the first MoE block's router folded to experts
+    ``[0, experts)`` (``_fold``): with sharded experts every slot of that layer goes to the first ranks, and the
+    others' experts receive no token there. The same on one process (the reference) as on several."""
+    import time
+
+    from moetune.config import load_config
+    from moetune.dist import failures_end_every_rank
+    from moetune.layer import CpuExperts
+    from moetune.train import recipe
+
+    cfg = load_config(config_path)
+    ranks = recipe._start_ranks(cfg)
+    start = time.perf_counter()
+    with failures_end_every_rank(ranks):
+        model, tokenizer, data = recipe.setup(cfg, progress=False)
+        sites = sorted(n for n, m in model.named_modules() if isinstance(m, CpuExperts))
+        block = sites[0].split(".experts")[0]
+        model.get_submodule(block + ".gate").register_forward_hook(
+            lambda module, args, out: (*out[:2], _fold(out[2], int(experts)))
+        )
+        trainer = recipe.train(cfg, model, tokenizer, data)
+        recipe.save(cfg, trainer, tokenizer, time.perf_counter() - start)
+    print(f"rank {ranks.rank} of {ranks.world} (local {ranks.local_rank}): trained", flush=True)
 
 
 def _adapter_saves_on_every_rank(folder: str) -> None:
@@ -329,5 +377,6 @@ if __name__ == "__main__":
         "adapter_saves_on_every_rank": _adapter_saves_on_every_rank,
         "sharded_exchange": _sharded_exchange,
         "sharded_model": _sharded_model,
+        "train_folded": _train_folded,
     }
     checks[sys.argv[1]](*sys.argv[2:])
