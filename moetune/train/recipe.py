@@ -63,6 +63,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     from moetune.adapters.apply import LoraSettings
     from moetune.adapters.swap import recover_adapter
     from moetune.dist import main_writes
+    from moetune.dist.group import check_shared_folder
     from moetune.loading import load_model
     from moetune.train.data import prepare_datasets
     from moetune.train.modes import ModeSettings, apply_mode
@@ -79,6 +80,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     # output_dir, model files, lora_target, resume checkpoint, what the mode asks of the experts: checked before
     # any weight loads
     check_before_load(cfg, dtype, modes, write_probe=ranks.is_main)
+    check_shared_folder(ranks, Path(cfg.training.output_dir))  # several nodes: one output_dir seen by all
     # an adapter save a crash interrupted in output_dir is finished or removed now, not at the next save
     main_writes(ranks, lambda: recover_adapter(Path(cfg.training.output_dir)))
     tokenizer = load_tokenizer(cfg)

@@ -54,11 +54,16 @@ def torchrun(*args: str, timeout: float = 240, nproc: int = 2) -> subprocess.Com
 
 
 def nodes(
-    *args: str, nnodes: int = 2, nproc: int = 1, timeout: float = 240
+    *args: str,
+    nnodes: int = 2,
+    nproc: int = 1,
+    timeout: float = 240,
+    node_args: list[tuple[str, ...]] | None = None,
 ) -> list[subprocess.CompletedProcess]:
     """``nnodes`` torchrun invocations on this machine acting as nodes (``--nnodes N --node-rank i``, the static
     rendezvous of node 0 at 127.0.0.1 on a free port), ``nproc`` processes each, run side by side; their results
-    in node order. Each node's processes see LOCAL_RANK 0 .. nproc-1 and RANK i * nproc + LOCAL_RANK."""
+    in node order. Each node's processes see LOCAL_RANK 0 .. nproc-1 and RANK i * nproc + LOCAL_RANK.
+    ``node_args``: node i runs ``node_args[i]`` instead of ``args``."""
     import socket
     from concurrent.futures import ThreadPoolExecutor
 
@@ -69,7 +74,11 @@ def nodes(
     common += ["--master-port", str(port)]
     with ThreadPoolExecutor(nnodes) as pool:
         runs = [
-            pool.submit(_run, [*LAUNCHER, *common, "--node-rank", str(i), *args], timeout)
+            pool.submit(
+                _run,
+                [*LAUNCHER, *common, "--node-rank", str(i), *(node_args[i] if node_args else args)],
+                timeout,
+            )
             for i in range(nnodes)
         ]
         return [r.result() for r in runs]

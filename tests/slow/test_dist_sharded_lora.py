@@ -37,7 +37,7 @@ GLOBAL_BATCH = 4
 
 def _config(tmp: Path, model: Path, name: str, processes: int, **over: Any) -> str:
     per = GLOBAL_BATCH // processes
-    return str(dist_checks.config(tmp, model, name, **ADAMW, per_device_train_batch_size=per, **over))
+    return str(dist_checks.config(tmp, model, name, **{**ADAMW, "per_device_train_batch_size": per, **over}))
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +153,17 @@ def test_two_nodes_equal_one_process(tmp_path, per_node) -> None:
     ]
     ckpt = tmp_path / "nodes/out/checkpoint-4"
     assert {f"rng_state_{r}.pth" for r in range(world)} <= {p.name for p in ckpt.iterdir()}
+
+
+@pytest.mark.slow
+def test_nodes_without_a_shared_output_dir_are_refused(tmp_path) -> None:
+    # node 1 writes to another folder, as a node whose disk is not rank 0's would: refused before the model loads,
+    # the cause printed on both nodes
+    model = make_demo_model(tmp_path / "tiny", ROOT / "examples/data/demo_tokenizer")
+    cfgs = [_config(tmp_path, model, f"node{i}", 2, **SHARDED) for i in range(2)]
+    results = dist_checks.nodes(node_args=[(*CLI, c) for c in cfgs], nnodes=2, nproc=1, timeout=120)
+    assert all(r.returncode != 0 for r in results)
+    cause = "rank 1 failed: DistError: output_dir"
+    assert "does not see the file rank 0 wrote there" in results[1].stderr, results[1].stderr[-4000:]
+    assert f"moetune rank 0: stopping: {cause}" in results[0].stderr, results[0].stderr[-4000:]
+    assert not (tmp_path / "node0/out/adapter_model.safetensors").exists()
