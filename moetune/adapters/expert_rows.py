@@ -66,3 +66,11 @@ def joined(parts: list[torch.Tensor], rows: HeldRows) -> torch.Tensor:
         return torch.cat(parts, dim=0)
     out = parts[0].shape[0]
     return torch.cat([p.view(out, rows.r, -1) for p in parts], dim=2).reshape(out, rows.r * rows.total)
+
+
+def expert_axis(tensor: torch.Tensor, rows: HeldRows) -> torch.Tensor:
+    """A view of a held (or whole) tensor with the experts on their own axis: A ``[count, r, in]`` (axis 0),
+    B ``[out, r, count]`` (axis 2)."""
+    if rows.kind == "A":
+        return tensor.view(-1, rows.r, tensor.shape[1])
+    return tensor.view(tensor.shape[0], rows.r, -1)

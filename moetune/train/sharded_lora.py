@@ -26,17 +26,19 @@ send theirs and keep only their rows).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from moetune.adapters.expert_rows import HeldRows, held_part, joined
+from moetune.adapters.expert_rows import HeldRows, expert_axis, held_part, joined
 from moetune.errors import DistError
 
 logger = logging.getLogger(__name__)
@@ -53,24 +55,29 @@ class HeldTensor:
     rows: HeldRows
 
 
-def held_tensors(model: nn.Module) -> tuple[list[HeldTensor], Any]:
-    """The expert-LoRA weights of ``model`` that hold only this rank's experts' rows, in ``named_modules`` order
-    (the same on every rank), and the exchange group of their experts (None when there are none)."""
+def expert_lora_tensors(model: nn.Module, *, sharded_only: bool = False) -> list[HeldTensor]:
+    """The expert-LoRA weights of ``model`` (``ExpertsLora``'s ``lora_A`` / ``lora_B``) with the rows each holds,
+    in ``named_modules`` order (the same on every rank); ``sharded_only``: those holding a rank's rows only."""
     from moetune.adapters.expert_layer import ExpertsLora
-    from moetune.layer.sharded import ShardedExperts
 
-    out, group = [], None
+    out = []
     for prefix, module in model.named_modules():
-        if not isinstance(module, ExpertsLora) or not isinstance(module.experts, ShardedExperts):
+        if not isinstance(module, ExpertsLora):
             continue
-        group = module.experts.group
         for kind, tensors in (("A", module.lora_A), ("B", module.lora_B)):
             for adapter, linear in tensors.items():
                 rows = module.held_rows(kind, adapter)  # type: ignore[arg-type]
-                if not rows.whole:
+                if not (sharded_only and rows.whole):
                     assert isinstance(linear, nn.Linear)
                     out.append(HeldTensor(f"{prefix}.lora_{kind}.{adapter}.weight", linear.weight, rows))
-    return out, group
+    return out
+
+
+def exchange_group(model: nn.Module) -> Any:
+    """The exchange's process group of ``model``'s sharded experts (None without)."""
+    from moetune.layer.sharded import ShardedExperts
+
+    return next((m.group for m in model.modules() if isinstance(m, ShardedExperts)), None)
 
 
 class ShardedLora:
@@ -94,8 +101,8 @@ class ShardedLora:
     @classmethod
     def of(cls, model: nn.Module) -> ShardedLora | None:
         """``model``'s sharded expert LoRA, or None (replicated experts, one process, no expert LoRA)."""
-        tensors, group = held_tensors(model)
-        return cls(tensors, group) if tensors else None
+        tensors = expert_lora_tensors(model, sharded_only=True)
+        return cls(tensors, exchange_group(model)) if tensors else None
 
     def scale_grads(self) -> None:
         """After the step's last backward: each held row's gradient (every rank's tokens, each rank's loss scaled
@@ -147,70 +154,158 @@ class ShardedLora:
         state.update({k: v for k, v in whole.items() if v is not None})
         return state
 
-    def whole_optimizer_state(self, optimizer: Any) -> dict[int, dict[str, torch.Tensor]] | None:
-        """Every rank calls it: on the main process ``{index in optimizer.state_dict(): {key: whole tensor}}`` for
-        the held weights' state tensors shaped like their rows (AdamW's moments), None elsewhere.
-        ``DistError`` for an optimizer whose state for them has another shape (it cannot be cut by rows)."""
+    @contextmanager
+    def held_state_left_out(self, optimizer: Any) -> Any:
+        """Inside: ``optimizer.state_dict()`` leaves out the held weights' row-shaped state (AdamW's moments; each
+        rank writes its rows to its own file, :meth:`write_rows`), keeping the rest (the step counters)."""
         inner = torch_optimizer(optimizer)
         index = _indices(inner)
-        out: dict[int, dict[str, torch.Tensor]] = {}
+        mine = {index[id(t.param)]: t for t in self.tensors}
+
+        def drop(opt: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+            state = dict(state_dict["state"])
+            for i, t in mine.items():
+                if i in state:
+                    state[i] = {k: v for k, v in state[i].items() if not _row_shaped(v, t.param)}
+            return {**state_dict, "state": state}
+
+        handle = inner.register_state_dict_post_hook(drop)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def write_rows(self, optimizer: Any, folder: str | Path) -> Path:
+        """This rank's held weights' row-shaped optimizer state to ``folder/`` :func:`rows_file` (atomically; every
+        rank writes its own file): tensors ``<weight name>/<state key>``, and in the header where each weight's
+        rows sit (kind, r, first expert, experts, E). ``DistError`` for state of another shape."""
+        from safetensors.torch import save_file
+
+        from moetune.atomic import write_atomically
+
+        inner = torch_optimizer(optimizer)
+        tensors: dict[str, torch.Tensor] = {}
+        rows: dict[str, list[Any]] = {}
         for t in self.tensors:
-            for key, value in sorted(inner.state.get(t.param, {}).items()):
+            for key, value in inner.state.get(t.param, {}).items():
                 if not isinstance(value, torch.Tensor) or value.ndim == 0:
                     continue
-                if value.shape != t.param.shape:
+                if not _row_shaped(value, t.param):
                     raise DistError(
                         f"optimizer {type(inner).__name__}: its state {key!r} of {t.name} has shape "
                         f"{list(value.shape)}, not the parameter's {list(t.param.shape)}; with expert_parallel: "
-                        "sharded the expert LoRA's optimizer state is gathered by rows. Use an optim whose state "
-                        "is shaped like its parameters (adamw_torch, sgd, ...) or expert_parallel: replicated"
+                        "sharded the expert LoRA's optimizer state is saved by rows. Use an optim whose state is "
+                        "shaped like its parameters (adamw_torch, sgd, ...) or expert_parallel: replicated"
                     )
-                whole = self.gather(value, t.rows)
-                if whole is not None:
-                    out.setdefault(index[id(t.param)], {})[key] = whole
-        return out if self.rank == 0 else None
+                tensors[f"{t.name}/{key}"] = value.detach().contiguous()
+            r = t.rows
+            rows[t.name] = [r.kind, r.r, r.first, r.count, r.total]
+        meta = {"format": ROWS_FORMAT, "rows": json.dumps(rows, sort_keys=True)}
+        Path(folder).mkdir(parents=True, exist_ok=True)  # the main process may not have made it yet
+        out = Path(folder) / rows_file(self.rank, self.world)
+        return write_atomically(out, lambda path: save_file(tensors, str(path), metadata=meta))
 
-    @contextmanager
-    def whole_optimizer_saves(self, optimizer: Any) -> Any:
-        """Inside: ``optimizer.state_dict()`` on the main process holds the whole state of the held weights
-        (gathered on entry: every rank enters)."""
-        whole = self.whole_optimizer_state(optimizer)
-        inner = torch_optimizer(optimizer)
 
-        def put(opt: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
-            for i, values in (whole or {}).items():
-                state_dict["state"][i] = {**state_dict["state"][i], **values}
-            return state_dict
+ROWS_FORMAT = "moetune_expert_lora_optimizer_rows/1"
 
-        handle = inner.register_state_dict_post_hook(put)
-        try:
-            yield
-        finally:
-            handle.remove()
 
-    @contextmanager
-    def held_optimizer_loads(self, optimizer: Any) -> Any:
-        """Inside: ``optimizer.load_state_dict`` cuts whole state tensors of the held weights (a checkpoint of
-        any number of processes) to this rank's rows."""
-        inner = torch_optimizer(optimizer)
-        index = _indices(inner)
-        by_index = {index[id(t.param)]: t for t in self.tensors}
+def rows_file(rank: int, world: int) -> str:
+    """The name of rank ``rank``'s file of its expert LoRA rows' optimizer state in a checkpoint."""
+    return f"expert_lora_optimizer-rank{rank}-of-{world}.safetensors"
 
-        def cut(opt: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
-            state = dict(state_dict["state"])
-            for i, t in by_index.items():
-                if i in state:
-                    state[i] = {
-                        k: held_part(v, t.rows) if isinstance(v, torch.Tensor) and t.rows.is_whole(v) else v
-                        for k, v in state[i].items()
-                    }
-            return {**state_dict, "state": state}
 
-        handle = inner.register_load_state_dict_pre_hook(cut)
-        try:
-            yield
-        finally:
-            handle.remove()
+def _row_shaped(value: Any, param: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape == param.shape
+
+
+def _rows_files(checkpoint: str | Path) -> list[Path]:
+    """The rows files of a checkpoint written by sharded ranks (all ``world`` of them; ``LoadError`` if one is
+    missing), in rank order; [] when it has none."""
+    from moetune.errors import LoadError
+
+    found = sorted(Path(checkpoint).glob("expert_lora_optimizer-rank*-of-*.safetensors"))
+    if not found:
+        return []
+    world = int(found[0].stem.rpartition("-of-")[2])
+    want = [Path(checkpoint) / rows_file(r, world) for r in range(world)]
+    if sorted(found) != sorted(want):
+        raise LoadError(
+            f"{checkpoint}: its expert LoRA optimizer rows are split over {world} files, but it holds "
+            f"{[p.name for p in found]}; the checkpoint is incomplete. Resume from another checkpoint"
+        )
+    return want
+
+
+@contextmanager
+def optimizer_rows_loading(optimizer: Any, model: nn.Module, checkpoint: str | Path) -> Any:
+    """Inside: ``optimizer.load_state_dict`` gives each expert-LoRA weight of ``model`` its rows' optimizer state,
+    whatever wrote the checkpoint: cut from the whole tensors of a one-process or replicated ``optimizer.pt``,
+    or put together from the per-rank rows files of a sharded run of any number of processes (the experts'
+    rows this process holds, all of them without sharding). Nothing is changed for other parameters."""
+    from safetensors import safe_open
+
+    from moetune.errors import LoadError
+
+    inner = torch_optimizer(optimizer)
+    index = _indices(inner)
+    tensors = [t for t in expert_lora_tensors(model) if id(t.param) in index]
+    files = _rows_files(checkpoint)
+    saved: list[tuple[Any, dict[str, HeldRows]]] = []
+    for path in files:
+        handle = safe_open(str(path), "pt")
+        meta = handle.metadata() or {}
+        if meta.get("format") != ROWS_FORMAT:
+            raise LoadError(f"{path}: header format {meta.get('format')!r}, expected {ROWS_FORMAT!r}")
+        rows = {name: HeldRows(*values) for name, values in json.loads(meta["rows"]).items()}
+        saved.append((handle, rows))
+
+    def assembled(t: HeldTensor) -> dict[str, torch.Tensor]:
+        """The weight's rows of every saved state key, copied from the files whose experts overlap its own."""
+        out: dict[str, torch.Tensor] = {}
+        covered: dict[str, int] = {}
+        for handle, rows in saved:
+            if t.name not in rows:
+                raise LoadError(
+                    f"{checkpoint}: the expert LoRA optimizer rows do not cover {t.name}; was it written by this model?"
+                )
+            src = rows[t.name]
+            lo, hi = max(src.first, t.rows.first), min(src.first + src.count, t.rows.first + t.rows.count)
+            if lo >= hi:
+                continue
+            for key in handle.keys():  # noqa: SIM118 (safetensors' handle is not iterable)
+                name, _, state_key = key.rpartition("/")
+                if name != t.name:
+                    continue
+                if state_key not in out:
+                    out[state_key] = torch.empty_like(t.param)
+                axis = 2 if t.rows.kind == "B" else 0
+                into = expert_axis(out[state_key], t.rows).narrow(axis, lo - t.rows.first, hi - lo)
+                into.copy_(expert_axis(handle.get_tensor(key), src).narrow(axis, lo - src.first, hi - lo))
+                covered[state_key] = covered.get(state_key, 0) + hi - lo
+        gaps = {k: n for k, n in covered.items() if n != t.rows.count}
+        assert not gaps, (t.name, gaps, t.rows)  # every rank's file is present: their experts cover E once
+        return out
+
+    def fill(opt: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state = dict(state_dict["state"])
+        for t in tensors:
+            i = index[id(t.param)]
+            entry = {
+                k: held_part(v, t.rows)
+                if isinstance(v, torch.Tensor) and not t.rows.whole and t.rows.is_whole(v)
+                else v
+                for k, v in state.get(i, {}).items()
+            }
+            entry.update(assembled(t) if saved else {})
+            if entry:
+                state[i] = entry
+        return {**state_dict, "state": state}
+
+    hook = inner.register_load_state_dict_pre_hook(fill)
+    try:
+        yield
+    finally:
+        hook.remove()
 
 
 def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -259,12 +354,13 @@ class ShardsExpertLora:
         if self.sharded_lora is None:
             super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
             return
-        with self.sharded_lora.whole_optimizer_saves(self.optimizer):
+        with self.sharded_lora.held_state_left_out(self.optimizer):
             super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
+        self.sharded_lora.write_rows(self.optimizer, output_dir)  # every rank its own file, in the staging
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if self.sharded_lora is None or checkpoint is None:
+        if checkpoint is None or (self.sharded_lora is None and not _rows_files(checkpoint)):
             super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
             return
-        with self.sharded_lora.held_optimizer_loads(self.optimizer):
+        with optimizer_rows_loading(self.optimizer, self.model, checkpoint):
             super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]

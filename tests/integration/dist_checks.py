@@ -299,7 +299,7 @@ def _sharded_model(model_dir: str) -> None:
     from moetune.layer import CpuExperts
     from moetune.layer.sharded import ShardedExperts
     from moetune.loading import load_model
-    from moetune.train.sharded_lora import held_tensors
+    from moetune.train.sharded_lora import expert_lora_tensors
 
     ranks = start(cpu=True, timeout_s=60)
     kwargs: dict[str, Any] = dict(device="cpu", dtype="float32", num_threads=1, progress=False)
@@ -333,7 +333,7 @@ def _sharded_model(model_dir: str) -> None:
         # the whole values into the sharded model: its expert LoRA layers keep their experts' rows (load pre-hook)
         loaded = models[1].load_state_dict(values, strict=False)
         assert not loaded.unexpected_keys, loaded.unexpected_keys
-        held = {t.name: t.rows for t in held_tensors(models[1])[0]}
+        held = {t.name: t.rows for t in expert_lora_tensors(models[1], sharded_only=True)}
         assert held and all(rows.count == half for rows in held.values())
         for name, rows in held.items():
             assert torch.equal(models[1].get_parameter(name), held_part(values[name], rows)), name

@@ -1,6 +1,6 @@
 """Sharded expert LoRA (``expert_parallel: sharded``: each rank holds, trains and steps its experts' LoRA rows only)
-against one process over the same global batches, with AdamW (its moments are per row, gathered whole into
-checkpoints and cut again on resume): 2 and 4 processes, sharded and replicated, resuming a 2-process checkpoint
+against one process over the same global batches, with AdamW (the moments of each rank's rows in a file of its
+own in every checkpoint, put together again on resume with any number of processes): 2 and 4 processes, sharded and replicated, resuming a 2-process checkpoint
 in 1 and in 4 processes, uneven routing (the first MoE layer's router folded onto experts 0-3, so in a 4-process
 sharded run ranks 2 and 3 receive no token there), deepseek_v3, and several nodes on this machine (two torchrun
 invocations, ``--nnodes 2``)."""
@@ -83,31 +83,56 @@ def test_two_and_four_processes_and_resumes_equal_one(runs) -> None:
 
 
 @pytest.mark.slow
-def test_sharded_checkpoint_is_one_process_checkpoint(runs) -> None:
-    # the adapter and AdamW's moments gathered whole: the same keys, shapes and values as one process's
+def test_sharded_checkpoint_holds_one_process_state(runs) -> None:
+    # the adapter gathered whole: the same keys, shapes and values as one process's; AdamW's moments of the expert
+    # LoRA in one file per rank (its experts' rows), which put together are one process's moments
     got, want = runs["two"] / "checkpoint-2", runs["one"] / "checkpoint-2"
     a, b = _adapter(got), _adapter(want)
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6, msg=key)
-    for name in ("adapter_config.json",):
-        assert json.loads((got / name).read_text()) == json.loads((want / name).read_text())
+    assert json.loads((got / "adapter_config.json").read_text()) == json.loads(
+        (want / "adapter_config.json").read_text()
+    )
+    files = [load_file(str(got / f"expert_lora_optimizer-rank{r}-of-2.safetensors")) for r in range(2)]
+    assert files[0].keys() == files[1].keys() and files[0]
+    rows: dict[str, Any] = {}
+    for key in files[0]:
+        name, _, state = key.rpartition("/")
+        assert ".experts." in name and state in ("exp_avg", "exp_avg_sq"), key
+        if ".lora_A." in name:  # [E r, in]: rank 0's experts' rows first
+            rows[key] = torch.cat([f[key] for f in files], dim=0)
+        else:  # [out, r E] viewed [out, r, E]: the experts are the last axis
+            out, cols = files[0][key].shape
+            rows[key] = torch.cat([f[key].view(out, 4, cols // 4) for f in files], dim=2).reshape(out, -1)
     opt = [torch.load(f / "optimizer.pt", weights_only=True) for f in (got, want)]
-    assert opt[0]["param_groups"] == opt[1]["param_groups"]
-    assert opt[0]["state"].keys() == opt[1]["state"].keys()
-    whole = 0
+    assert (
+        opt[0]["param_groups"] == opt[1]["param_groups"] and opt[0]["state"].keys() == opt[1]["state"].keys()
+    )
+    moved = set()  # indices whose moments are in the rows files instead of optimizer.pt
     for i, state in opt[1]["state"].items():
-        for key, value in state.items():
-            assert opt[0]["state"][i][key].shape == value.shape, (i, key)
-            torch.testing.assert_close(opt[0]["state"][i][key], value, rtol=1e-4, atol=1e-7, msg=f"{i} {key}")
-            whole += value.ndim == 2 and value.shape[0] != value.shape[1]
-    assert whole  # the moments are there (2-D), not only the step counters
+        mine = opt[0]["state"][i]
+        if "exp_avg" in mine:
+            for key, value in state.items():
+                torch.testing.assert_close(mine[key], value, rtol=1e-4, atol=1e-7, msg=f"{i} {key}")
+            continue
+        moved.add(i)
+        # one process's moments of this weight equal exactly one weight's put-together rows
+        matches = [
+            k
+            for k in rows
+            if k.endswith("/exp_avg")
+            and rows[k].shape == state["exp_avg"].shape
+            and torch.allclose(rows[k], state["exp_avg"], rtol=1e-4, atol=1e-7)
+        ]
+        assert len(matches) == 1, (i, matches)
+        sq = matches[0].replace("/exp_avg", "/exp_avg_sq")
+        torch.testing.assert_close(rows[sq], state["exp_avg_sq"], rtol=1e-4, atol=1e-7)
+    assert len(moved) == len(rows) // 2  # every expert LoRA weight, each once
     # what each rank holds: the main process's summary counts its experts' LoRA rows, half of one process's
-    memory = [json.loads((runs[n] / "run_summary.json").read_text())["memory"] for n in ("two", "one")]
-    params = [
-        json.loads((runs[n] / "run_summary.json").read_text())["routed_experts"] for n in ("two", "one")
-    ]
-    assert params[0]["experts_per_layer"] == "4 of 8"
+    summary = [json.loads((runs[n] / "run_summary.json").read_text()) for n in ("two", "one")]
+    assert summary[0]["routed_experts"]["experts_per_layer"] == "4 of 8"
+    memory = [s["memory"] for s in summary]
     assert memory[0]["trainable_host_params"] * 2 == memory[1]["trainable_host_params"] > 0
     assert memory[0]["trainable_device_params"] == memory[1]["trainable_device_params"]
 
