@@ -13,15 +13,14 @@ experts only (``moetune.adapters.expert_rows``: ``E / world`` of every layer's E
 - **Optimizer state** (AdamW's moments) is created by the optimizer next to each parameter, so it covers the
   rank's rows only.
 
-Saving: every save gathers the rows to the main process (``dist.gather`` over the exchange's gloo group, one tensor
-at a time, rank order) and the main process alone writes, one writer per file: the adapter (checkpoints' and the
-final one) is the whole stock-PEFT adapter one process writes, and the optimizer state in a checkpoint is
-gathered the same way into the ``optimizer.pt`` one process writes (moments of shape ``[E r, in]`` /
-``[out, r E]``). A checkpoint therefore does not depend on the number of processes that wrote it: resuming cuts
-the adapter (``ExpertsLora``'s ``load_state_dict`` pre-hook) and the moments (an optimizer load pre-hook here)
-to the rank's rows, under any number of processes, sharded or replicated, and one process reads it with stock
-code. The price is the whole LoRA and its moments on the main process during a checkpoint save (the other ranks
-send theirs and keep only their rows).
+Saving, one writer per file: the adapter is gathered to the main process (``dist.gather`` over the exchange's gloo
+group, one tensor at a time, rank order) and written by it alone, the whole stock-PEFT adapter one process
+writes (checkpoints' and the final one). The optimizer state is not gathered: the main process's
+``optimizer.pt`` leaves out the held rows' moments and every rank writes its own rows' moments to
+:func:`rows_file` in the checkpoint (as it writes its ``rng_state_R.pth``), so no rank ever holds more than its
+rows. Resuming (:func:`optimizer_rows_loading`) gives each rank its rows whatever wrote the checkpoint: cut from
+a whole ``optimizer.pt`` (one process, replicated) or put together by expert ranges from the rows files of a
+sharded run of any number of processes; the adapter is cut by ``ExpertsLora``'s ``load_state_dict`` pre-hook.
 """
 
 from __future__ import annotations
