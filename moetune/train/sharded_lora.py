@@ -175,34 +175,41 @@ class ShardedLora:
             handle.remove()
 
     def write_rows(self, optimizer: Any, folder: str | Path) -> Path:
-        """This rank's held weights' row-shaped optimizer state to ``folder/`` :func:`rows_file` (atomically; every
-        rank writes its own file): tensors ``<weight name>/<state key>``, and in the header where each weight's
-        rows sit (kind, r, first expert, experts, E). ``DistError`` for state of another shape."""
-        from safetensors.torch import save_file
+        """This rank's held weights' row-shaped optimizer state to ``folder`` (:func:`write_rows_file`)."""
+        return write_rows_file(self.tensors, optimizer, folder, self.rank, self.world)
 
-        from moetune.atomic import write_atomically
 
-        inner = torch_optimizer(optimizer)
-        tensors: dict[str, torch.Tensor] = {}
-        rows: dict[str, list[Any]] = {}
-        for t in self.tensors:
-            for key, value in inner.state.get(t.param, {}).items():
-                if not isinstance(value, torch.Tensor) or value.ndim == 0:
-                    continue
-                if not _row_shaped(value, t.param):
-                    raise DistError(
-                        f"optimizer {type(inner).__name__}: its state {key!r} of {t.name} has shape "
-                        f"{list(value.shape)}, not the parameter's {list(t.param.shape)}; with expert_parallel: "
-                        "sharded the expert LoRA's optimizer state is saved by rows. Use an optim whose state is "
-                        "shaped like its parameters (adamw_torch, sgd, ...) or expert_parallel: replicated"
-                    )
-                tensors[f"{t.name}/{key}"] = value.detach().contiguous()
-            r = t.rows
-            rows[t.name] = [r.kind, r.r, r.first, r.count, r.total]
-        meta = {"format": ROWS_FORMAT, "rows": json.dumps(rows, sort_keys=True)}
-        Path(folder).mkdir(parents=True, exist_ok=True)  # the main process may not have made it yet
-        out = Path(folder) / rows_file(self.rank, self.world)
-        return write_atomically(out, lambda path: save_file(tensors, str(path), metadata=meta))
+def write_rows_file(
+    tensors: list[HeldTensor], optimizer: Any, folder: str | Path, rank: int, world: int
+) -> Path:
+    """The row-shaped optimizer state of ``tensors`` (a rank's held weights) to ``folder/`` :func:`rows_file`
+    (atomically; every rank writes its own file): tensors ``<weight name>/<state key>``, and in the header where
+    each weight's rows sit (kind, r, first expert, experts, E). ``DistError`` for state of another shape."""
+    from safetensors.torch import save_file
+
+    from moetune.atomic import write_atomically
+
+    inner = torch_optimizer(optimizer)
+    saved: dict[str, torch.Tensor] = {}
+    rows: dict[str, list[Any]] = {}
+    for t in tensors:
+        for key, value in inner.state.get(t.param, {}).items():
+            if not isinstance(value, torch.Tensor) or value.ndim == 0:
+                continue
+            if not _row_shaped(value, t.param):
+                raise DistError(
+                    f"optimizer {type(inner).__name__}: its state {key!r} of {t.name} has shape "
+                    f"{list(value.shape)}, not the parameter's {list(t.param.shape)}; with expert_parallel: "
+                    "sharded the expert LoRA's optimizer state is saved by rows. Use an optim whose state is "
+                    "shaped like its parameters (adamw_torch, sgd, ...) or expert_parallel: replicated"
+                )
+            saved[f"{t.name}/{key}"] = value.detach().contiguous()
+        r = t.rows
+        rows[t.name] = [r.kind, r.r, r.first, r.count, r.total]
+    meta = {"format": ROWS_FORMAT, "rows": json.dumps(rows, sort_keys=True)}
+    Path(folder).mkdir(parents=True, exist_ok=True)  # the main process may not have made it yet
+    out = Path(folder) / rows_file(rank, world)
+    return write_atomically(out, lambda path: save_file(saved, str(path), metadata=meta))
 
 
 ROWS_FORMAT = "moetune_expert_lora_optimizer_rows/1"
@@ -235,19 +242,24 @@ def _rows_files(checkpoint: str | Path) -> list[Path]:
     return want
 
 
-@contextmanager
 def optimizer_rows_loading(optimizer: Any, model: nn.Module, checkpoint: str | Path) -> Any:
     """Inside: ``optimizer.load_state_dict`` gives each expert-LoRA weight of ``model`` its rows' optimizer state,
     whatever wrote the checkpoint: cut from the whole tensors of a one-process or replicated ``optimizer.pt``,
     or put together from the per-rank rows files of a sharded run of any number of processes (the experts'
     rows this process holds, all of them without sharding). Nothing is changed for other parameters."""
+    return rows_loading(optimizer, expert_lora_tensors(model), checkpoint)
+
+
+@contextmanager
+def rows_loading(optimizer: Any, tensors: list[HeldTensor], checkpoint: str | Path) -> Any:
+    """:func:`optimizer_rows_loading` for the expert-LoRA weights ``tensors`` (with the rows each holds)."""
     from safetensors import safe_open
 
     from moetune.errors import LoadError
 
     inner = torch_optimizer(optimizer)
     index = _indices(inner)
-    tensors = [t for t in expert_lora_tensors(model) if id(t.param) in index]
+    tensors = [t for t in tensors if id(t.param) in index]
     files = _rows_files(checkpoint)
     saved: list[tuple[Any, dict[str, HeldRows]]] = []
     for path in files:
