@@ -106,6 +106,29 @@ def check(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
+def adapter(folder: Path) -> dict[str, Any]:
+    """The tensors of ``folder/adapter_model.safetensors``."""
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def assert_same_run(got: Path, want: Path) -> None:
+    """Every step's loss of two runs' output folders (a resumed run's log history starts with its checkpoint's;
+    steps 1-4, rel 1e-5) and every final adapter tensor (rtol 1e-4, atol 1e-6)."""
+    import pytest
+    import torch
+
+    got_losses, want_losses = dict(losses(got)), dict(losses(want))
+    assert sorted(got_losses) == [1, 2, 3, 4]
+    for step in got_losses:
+        assert got_losses[step] == pytest.approx(want_losses[step], rel=1e-5, abs=1e-6), (got, step)
+    a, b = adapter(got), adapter(want)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6, msg=f"{got}: {key}")
+
+
 def _fail_on_rank(config_path: str, failing: str, where: str = "model") -> None:
     """``moetune train``'s recipe with a forward hook that raises on rank ``failing`` at its third forward
     (mid-training, while the other rank waits in DDP's all-reduce); ``where="experts"``: the hook is on the first
