@@ -39,10 +39,12 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
+from moetune.adapters.expert_rows import HeldRows, Kind, held_part
 from moetune.adapters.peft_layout import ExpertParamNames, engine_view
 from moetune.engine import ExpertLoRA, lora_scaling
 from moetune.errors import AdapterError
 from moetune.layer import CpuExperts
+from moetune.layer.sharded import ShardedExperts
 
 Projection = Literal["gate_up", "down"]
 INITS = (True, False, "gaussian")  # PEFT's init_lora_weights values that need no base weight
@@ -59,6 +61,8 @@ class ExpertsLora(nn.Module, LoraLayer):
         self.projection = projection  # read by _get_in_out_features during LoraLayer.__init__
         super().__init__()
         LoraLayer.__init__(self, base_layer)
+        # a whole adapter (a file, a checkpoint) loads into a sharded layer's rows: cut to them on the way in
+        self.register_load_state_dict_pre_hook(_held_from_whole)
 
     @property
     def experts(self) -> CpuExperts:
@@ -79,6 +83,23 @@ class ExpertsLora(nn.Module, LoraLayer):
         layout = self.experts.layout
         extra = layout.identity_experts if layout is not None and self.projection == "gate_up" else 0
         return self.num_experts + extra
+
+    @property
+    def held_experts(self) -> tuple[int, int]:
+        """(first, count): the experts whose LoRA rows this layer holds; all ``lora_experts`` of them, or, around
+        a :class:`ShardedExperts` (``expert_parallel: sharded``), this rank's (``moetune.adapters.expert_rows``)."""
+        experts = self.experts
+        if isinstance(experts, ShardedExperts):
+            assert self.lora_experts == experts.num_experts, (
+                "families with extra gate_up rows are not sharded"
+            )
+            return experts.first, experts.owners.per_rank
+        return 0, self.lora_experts
+
+    def held_rows(self, kind: Kind, adapter_name: str) -> HeldRows:
+        """Where adapter ``adapter_name``'s ``lora_A`` (kind A) or ``lora_B`` (kind B) rows sit among the layer's."""
+        first, count = self.held_experts
+        return HeldRows(kind, self.r[adapter_name], first, count, self.lora_experts)
 
     def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
         assert isinstance(module, CpuExperts), type(module)
@@ -118,7 +139,19 @@ class ExpertsLora(nn.Module, LoraLayer):
         self.use_dora[adapter_name] = False
         self.scaling[adapter_name] = lora_scaling(r, lora_alpha, bool(config.use_rslora))
         self.reset_lora_parameters(adapter_name, config.init_lora_weights)
+        self._keep_held_rows(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
+
+    def _keep_held_rows(self, adapter_name: str) -> None:
+        """Sharded experts: keep only this rank's experts' rows of the adapter's tensors, drawn whole first (the
+        same draw as one process makes, so every rank's rows are one process's)."""
+        for kind, linear in (("A", self.lora_A[adapter_name]), ("B", self.lora_B[adapter_name])):
+            rows = self.held_rows(kind, adapter_name)  # type: ignore[arg-type]
+            if rows.whole:
+                return
+            assert isinstance(linear, nn.Linear)
+            linear.weight = nn.Parameter(held_part(linear.weight.data, rows))
+            linear.in_features, linear.out_features = linear.weight.shape[1], linear.weight.shape[0]
 
     def _check_supported(self, config: Any, adapter_name: str) -> None:
         """Raise for LoRA options the engine does not implement (the ones ``ParamWrapper`` refuses too)."""
@@ -170,8 +203,11 @@ class ExpertsLora(nn.Module, LoraLayer):
         for proj, layer in layers.items():
             lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
             assert isinstance(lora_a, nn.Linear) and isinstance(lora_b, nn.Linear)
-            a, b = engine_view(lora_a.weight, lora_b.weight, layer.lora_experts)
-            tensors[f"{proj}_A"], tensors[f"{proj}_B"] = a[: self.num_experts], b[: self.num_experts]
+            held = layer.held_experts[1]
+            a, b = engine_view(lora_a.weight, lora_b.weight, held)
+            # the engine's experts: the first E of lora_experts, or the rank's held experts (ShardedExperts)
+            used = min(held, self.num_experts)
+            tensors[f"{proj}_A"], tensors[f"{proj}_B"] = a[:used], b[:used]
         # the engine keeps gate rows first: an interleaved module's gate_up B is read through the row order, a
         # non-gated module's up B serves both halves
         rows = ExpertParamNames.of(self.experts).engine_rows(tensors["gate_up_B"].shape[1])
@@ -212,6 +248,23 @@ class ExpertsLora(nn.Module, LoraLayer):
 
     def extra_repr(self) -> str:
         return f"projection={self.projection}, in={self.in_features}, out={self.out_features}, E={self.num_experts}"
+
+
+def _held_from_whole(
+    layer: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+) -> None:
+    """``load_state_dict`` pre-hook of an :class:`ExpertsLora`: a whole adapter's tensors (every expert's rows)
+    are cut to the rows this layer holds, so stock PEFT loading (``load_adapter``, ``set_peft_model_state_dict``)
+    fills a sharded layer from the adapter one process writes. Tensors already of the held shape load as they are;
+    any other shape reaches ``load_state_dict``'s own size check."""
+    assert isinstance(layer, ExpertsLora)
+    for kind, tensors in (("A", layer.lora_A), ("B", layer.lora_B)):
+        for name in tensors:
+            key = f"{prefix}lora_{kind}.{name}.weight"
+            rows = layer.held_rows(kind, name)  # type: ignore[arg-type]
+            value = state_dict.get(key)
+            if not rows.whole and isinstance(value, torch.Tensor) and rows.is_whole(value):
+                state_dict[key] = held_part(value, rows)
 
 
 def wrap(experts: CpuExperts) -> ExpertsLora:

@@ -151,6 +151,8 @@ def parse_config(
             "(each rank holds other experts, whose trained weights DDP cannot average). Use finetuning_type lora, "
             "or expert_parallel: replicated",
         )
+    if engine.experts.expert_parallel is ExpertParallel.SHARDED:
+        _check_sharded_training(dict(training.extra_args), problems)
     data = _resolve_template(_resolve_data(data, problems), problems)
     check_stage(finetune, data, training, problems)
     _check_files(model, data, training, problems, check_model_path)
@@ -242,6 +244,32 @@ def _coerce_expert_option(key: str, value: Any) -> Any:
         except ValueError:
             return value  # the check reports it as given
     return value
+
+
+# optimizers whose state for a parameter is not shaped like it (block scales, factored moments, projections): the
+# sharded expert LoRA's state is gathered and cut by rows (moetune.train.sharded_lora), which these cannot be
+_NOT_ROW_STATE = ("8bit", "4bit", "adafactor", "galore", "apollo", "lomo")
+
+
+def _check_sharded_training(extra: dict[str, Any], problems: Problems) -> None:
+    """``expert_parallel: sharded``: each rank holds its experts' LoRA rows and the global main process gathers
+    them for every save (``moetune.train.sharded_lora``), so saves are not per node and the optimizer state
+    must be shaped like its parameters."""
+    if extra.get("save_on_each_node"):
+        problems.add(
+            "save_on_each_node",
+            "is true with expert_parallel: sharded; the expert LoRA rows are gathered to the global main process, "
+            "which alone writes checkpoints and the adapter (put output_dir on a filesystem every node shares). "
+            "Remove save_on_each_node",
+        )
+    optim = str(getattr(extra.get("optim"), "value", extra.get("optim") or ""))
+    if any(mark in optim for mark in _NOT_ROW_STATE):
+        problems.add(
+            "optim",
+            f"is {optim!r} with expert_parallel: sharded; its state is not shaped like the parameters, and the "
+            "sharded expert LoRA's optimizer state is split and gathered by rows. Use adamw_torch, "
+            "adamw_torch_fused or sgd, or expert_parallel: replicated",
+        )
 
 
 def _check_keys(flat: dict[str, Any], engine_raw: Any, problems: Problems) -> dict[str, Any]:

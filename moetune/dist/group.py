@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TypeVar
 
 from moetune.errors import DistError
@@ -155,3 +156,36 @@ def main_writes(ranks: Ranks, write: Callable[[], T]) -> T | None:
     result = write() if ranks.is_main else None
     barrier(ranks)
     return result
+
+
+def check_shared_folder(ranks: Ranks, folder: Path) -> None:
+    """Several nodes (``world`` > ``local_world``): every rank must see what the main process writes in
+    ``folder`` (``output_dir``), since the main process alone writes the checkpoints (every rank's
+    ``rng_state_R.pth`` goes inside them) and every rank reads them on resume. The main process writes a probe
+    named by a random token it sends to every rank; a rank that does not see it raises :class:`DistError` (the
+    watchdog then ends the others). Nothing is checked on one node: its processes share one filesystem."""
+    if ranks.world == ranks.local_world:
+        return
+    import secrets
+
+    import torch.distributed as dist
+
+    token: list[str | None] = [secrets.token_hex(8) if ranks.is_main else None]
+    dist.broadcast_object_list(token, src=0)
+    probe = folder / f".moetune-shared-{token[0]}"
+    if ranks.is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_text(str(token[0]))
+    barrier(ranks)
+    seen = probe.is_file() and probe.read_text() == token[0]
+    barrier(ranks)  # every rank has looked before the probe goes
+    if ranks.is_main:
+        probe.unlink()
+    if not seen:
+        raise DistError(
+            f"output_dir {folder}: rank {ranks.rank} (local rank {ranks.local_rank} on its node) does not see the "
+            "file rank 0 wrote there, so this node does not share rank 0's output_dir. With several nodes the "
+            "global main process (rank 0) writes every checkpoint, adapter and log, every rank's rng_state_R.pth "
+            "goes into its checkpoints and every rank reads them on resume: set output_dir to a folder on a "
+            "filesystem every node mounts at the same path (NFS, Lustre, ...)"
+        )

@@ -9,13 +9,13 @@ the autograd Function, the forward memo, LoRA), the rows come back and the routi
 token's rank, so the router's gradient stays there. Every rank must run the same layers in the same order: each
 call holds collectives on the exchange's group, also with no token at all.
 
-Expert LoRA: the PEFT layers around this module (``moetune.adapters.expert_layer``) size their tensors for the
-layer's E experts (:attr:`num_experts`), exactly as in one process, and pass them with each call; this module
-hands the engine the views of its own experts' rows. The gradient those views receive sums every rank's tokens;
-the other experts' rows get zeros here and their owner's gradient through DDP's average (the Trainer scales each
-rank's loss by the number of ranks, so the average of one owner's sum and zeros elsewhere is exactly one
-process's gradient). The adapter therefore stays whole and equal on every rank: checkpoints, resume with another
-number of ranks and the final adapter are those of a replicated run.
+Expert LoRA: the PEFT layers around this module (``moetune.adapters.expert_layer``) hold only this rank's
+experts' rows (``moetune.adapters.expert_rows``: ``[E / world, r, in]`` / ``[E / world, out, r]`` in the engine
+layout) and pass them with each call. Those rows receive the gradient of every rank's tokens (the exchange
+brings them here), so no other rank has a gradient for them: ``moetune.train.sharded_lora`` keeps them out of
+every all-reduce, divides their gradient by the number of ranks (the Trainer scales each rank's loss by it),
+keeps their optimizer state here and gathers them to the main process for every save, where the adapter is
+the whole one a single process writes.
 
 Activation checkpointing: a recompute runs the layer again, exchange included; every rank recomputes the same
 layers in the same order (the same model, the same backward), so the exchanges pair up. The memo of the owner's
@@ -66,10 +66,12 @@ class ShardedExperts(CpuExperts):
         return self.owners.num_experts
 
     def local_lora(self, lora: ExpertLoRA | None) -> ExpertLoRA | None:
-        """The rows of this rank's experts of a whole layer's LoRA (A ``[E, r, in]``, B ``[E, out, r]``), as
-        views: their gradients flow back into the whole tensors."""
-        if lora is None:
-            return None
+        """This rank's experts' LoRA: as given when it holds their rows only (A ``[E / world, r, in]``, the PEFT
+        layers' case), or the rows of a whole layer's LoRA (A ``[E, r, in]``, B ``[E, out, r]``) as views, whose
+        gradients flow back into the whole tensors."""
+        if lora is None or lora.gate_up_A.shape[0] == self.owners.per_rank:
+            return lora
+        assert lora.gate_up_A.shape[0] == self.owners.num_experts, (lora.gate_up_A.shape, self.owners)
         mine = slice(self.first, self.first + self.owners.per_rank)
         return dataclasses.replace(lora, **{name: getattr(lora, name)[mine] for name in _LORA_FIELDS})
 

@@ -12,9 +12,9 @@ DDP cannot hold a module whose parameters sit on a GPU and on the CPU (NCCL buck
   average DDP forms, before gradient clipping, the numerical guard and the optimizer see them.
 
 The same path runs on the CPU (how the tests run it) and with GPUs, where the default group is
-``cuda:nccl,cpu:gloo`` (:func:`moetune.dist.start`). Sharded experts need nothing else: a rank's copy of a
-non-local expert's LoRA gets no gradient there, its owner's gets every rank's tokens, and the sum over ranks
-divided by their number is again DDP's average.
+``cuda:nccl,cpu:gloo`` (:func:`moetune.dist.start`). Sharded experts' LoRA (each rank holds its experts' rows
+only, which receive every rank's tokens' gradient) is kept out of DDP too but not summed: its gradient is
+divided by the number of ranks (``moetune.train.sharded_lora``).
 """
 
 from __future__ import annotations
@@ -48,8 +48,12 @@ class HostGrads:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
+        from moetune.train.sharded_lora import ShardedLora
+
         named = host_trained(model)
-        self.params = [p for _, p in named]
+        self.sharded = ShardedLora.of(model)  # held rows only: scaled, not summed
+        held = self.sharded.params if self.sharded is not None else set()
+        self.params = [p for _, p in named if p not in held]
         self.world = world
         # a gloo group of their own: their sums never interleave with DDP's buckets on the default group
         self.group = dist.new_group(backend="gloo")
@@ -67,6 +71,8 @@ class HostGrads:
         optimizer) hold their gradients in the layer's buffer instead of ``.grad``: see :func:`average_sparse`."""
         import torch.distributed as dist
 
+        if self.sharded is not None:
+            self.sharded.scale_grads()
         in_buffers = {param for layer in sparse for param in layer.params.values()}
         for layer in sparse:
             average_sparse(layer, self.world, self.group)
@@ -133,4 +139,14 @@ def attach_host_grads(trainer: Any, world: int) -> None:
         raise TypeError(
             f"{type(trainer).__name__} does not mix in AveragesHostGrads; expert gradients would not sync"
         )
+    from moetune.train.sharded_lora import ShardsExpertLora
+
     trainer.host_grads = HostGrads(trainer.model, world)
+    if (
+        trainer.host_grads.sharded is not None
+    ):  # clipping and saves of the held rows (moetune.train.sharded_lora)
+        if not isinstance(trainer, ShardsExpertLora):
+            raise TypeError(
+                f"{type(trainer).__name__} does not mix in ShardsExpertLora; saves would lose rows"
+            )
+        trainer.sharded_lora = trainer.host_grads.sharded

@@ -63,6 +63,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     from moetune.adapters.apply import LoraSettings
     from moetune.adapters.swap import recover_adapter
     from moetune.dist import main_writes
+    from moetune.dist.group import check_shared_folder
     from moetune.loading import load_model
     from moetune.train.checkpoints import recover_checkpoints
     from moetune.train.data import prepare_datasets
@@ -87,6 +88,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     # output_dir, model files, lora_target, resume checkpoint, what the mode asks of the experts: checked before
     # any weight loads
     planned = check_before_load(cfg, dtype, modes, write_probe=ranks.is_main)
+    check_shared_folder(ranks, Path(cfg.training.output_dir))  # several nodes: one output_dir seen by all
     # an adapter save a crash interrupted in output_dir is finished or removed now, not at the next save
     main_writes(ranks, lambda: recover_adapter(Path(cfg.training.output_dir)))
     tokenizer = load_tokenizer(cfg)
@@ -217,10 +219,13 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
 
     ranks = _start_ranks(cfg)
     out = Path(cfg.training.output_dir)
+    # sharded expert LoRA: every rank sends its rows, the main process writes the whole adapter
+    sharded = getattr(trainer, "sharded_lora", None)
+    whole = sharded.whole_state_dict(trainer.model) if sharded is not None else None
 
     def write_model() -> None:
         if cfg.finetune.finetuning_type is FinetuningType.LORA:
-            save_adapter(trainer.model, out)
+            save_adapter(trainer.model, out, whole)
         else:
             save_model(trainer.model, out)
         tokenizer.save_pretrained(out)

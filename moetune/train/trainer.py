@@ -47,11 +47,14 @@ from moetune.train.layered import (
     save_optimizer_by_layer,
 )
 from moetune.train.lora_experts_checkpoints import LoraExpertsCheckpoints
+from moetune.train.sharded_lora import ShardsExpertLora
 
 __all__ = ["STAGING_PREFIX", "MoetuneTrainer", "ProgressBar"]
 
 
-class MoetuneTrainer(GuardedSteps, AveragesHostGrads, AtomicCheckpoints, LoraExpertsCheckpoints, Trainer):
+class MoetuneTrainer(
+    GuardedSteps, AveragesHostGrads, AtomicCheckpoints, LoraExpertsCheckpoints, ShardsExpertLora, Trainer
+):
     """A ``Trainer`` (a subclass; no library class is patched) whose checkpoints are renamed into place only
     once complete (:class:`~moetune.train.checkpoints.AtomicCheckpoints`) and whose steps a numerical guard can
     stop or skip (:class:`~moetune.train.guards.GuardedSteps`)."""

@@ -18,8 +18,7 @@ from typing import Any
 from tests.integration import test_train
 
 ROOT = Path(__file__).resolve().parents[2]
-# --standalone: a rendezvous on a free local port, so tests running side by side do not collide
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+LAUNCHER = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def env() -> dict[str, str]:
@@ -48,9 +47,41 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node 2 ARGS`` (``-m moetune.cli.main train CFG`` or this module's checks)."""
-    return _run([*TORCHRUN, *args], timeout)
+def torchrun(*args: str, timeout: float = 240, nproc: int = 2) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node NPROC ARGS`` (``-m moetune.cli.main train CFG`` or this module's
+    checks); --standalone: a rendezvous on a free local port, so tests running side by side do not collide."""
+    return _run([*LAUNCHER, "--standalone", "--nproc-per-node", str(nproc), *args], timeout)
+
+
+def nodes(
+    *args: str,
+    nnodes: int = 2,
+    nproc: int = 1,
+    timeout: float = 240,
+    node_args: list[tuple[str, ...]] | None = None,
+) -> list[subprocess.CompletedProcess]:
+    """``nnodes`` torchrun invocations on this machine acting as nodes (``--nnodes N --node-rank i``, the static
+    rendezvous of node 0 at 127.0.0.1 on a free port), ``nproc`` processes each, run side by side; their results
+    in node order. Each node's processes see LOCAL_RANK 0 .. nproc-1 and RANK i * nproc + LOCAL_RANK.
+    ``node_args``: node i runs ``node_args[i]`` instead of ``args``."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    with socket.socket() as sock:  # a free port for node 0's store (released just before torchrun binds it)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    common = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1"]
+    common += ["--master-port", str(port)]
+    with ThreadPoolExecutor(nnodes) as pool:
+        runs = [
+            pool.submit(
+                _run,
+                [*LAUNCHER, *common, "--node-rank", str(i), *(node_args[i] if node_args else args)],
+                timeout,
+            )
+            for i in range(nnodes)
+        ]
+        return [r.result() for r in runs]
 
 
 def single(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -73,6 +104,29 @@ def losses(out: Path) -> list[tuple[int, float]]:
 
 def check(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+def adapter(folder: Path) -> dict[str, Any]:
+    """The tensors of ``folder/adapter_model.safetensors``."""
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def assert_same_run(got: Path, want: Path) -> None:
+    """Every step's loss of two runs' output folders (a resumed run's log history starts with its checkpoint's;
+    steps 1-4, rel 1e-5) and every final adapter tensor (rtol 1e-4, atol 1e-6)."""
+    import pytest
+    import torch
+
+    got_losses, want_losses = dict(losses(got)), dict(losses(want))
+    assert sorted(got_losses) == [1, 2, 3, 4]
+    for step in got_losses:
+        assert got_losses[step] == pytest.approx(want_losses[step], rel=1e-5, abs=1e-6), (got, step)
+    a, b = adapter(got), adapter(want)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6, msg=f"{got}: {key}")
 
 
 def _fail_on_rank(config_path: str, failing: str, where: str = "model") -> None:
@@ -100,6 +154,32 @@ def _fail_on_rank(config_path: str, failing: str, where: str = "model") -> None:
             experts = [m for m in model.modules() if isinstance(m, CpuExperts)]
             (model if where == "model" else experts[0]).register_forward_hook(hook)
         recipe.train(cfg, model, tokenizer, data)
+
+
+def _train_folded(config_path: str, experts: str) -> None:
+    """``moetune train``'s recipe (setup, train, save) with the first MoE block's router folded to experts
+    ``[0, experts)`` (``_fold``): with sharded experts every slot of that layer goes to the first ranks, and the
+    others' experts receive no token there. The same on one process (the reference) as on several."""
+    import time
+
+    from moetune.config import load_config
+    from moetune.dist import failures_end_every_rank
+    from moetune.layer import CpuExperts
+    from moetune.train import recipe
+
+    cfg = load_config(config_path)
+    ranks = recipe._start_ranks(cfg)
+    start = time.perf_counter()
+    with failures_end_every_rank(ranks):
+        model, tokenizer, data = recipe.setup(cfg, progress=False)
+        sites = sorted(n for n, m in model.named_modules() if isinstance(m, CpuExperts))
+        block = sites[0].split(".experts")[0]
+        model.get_submodule(block + ".gate").register_forward_hook(
+            lambda module, args, out: (*out[:2], _fold(out[2], int(experts)))
+        )
+        trainer = recipe.train(cfg, model, tokenizer, data)
+        recipe.save(cfg, trainer, tokenizer, time.perf_counter() - start)
+    print(f"rank {ranks.rank} of {ranks.world} (local {ranks.local_rank}): trained", flush=True)
 
 
 def _adapter_saves_on_every_rank(folder: str) -> None:
@@ -230,16 +310,19 @@ def _sharded_model(model_dir: str) -> None:
     random values on both (B too, so every LoRA gradient is non-zero), gradient checkpointing on the sharded one
     (its recompute repeats the exchange), different token counts per rank, and the first MoE layer routing every
     slot to rank 0's experts (rank 1's engine receives no row there): the logits and the gradients of
-    the input embeddings and of every non-expert LoRA tensor equal the reference's on each rank; the expert
-    LoRA's, summed over the ranks (what DDP's average times world is), equal the reference's summed likewise."""
+    the input embeddings and of every non-expert LoRA tensor equal the reference's on each rank; each rank holds
+    only its experts' LoRA rows (loaded from the whole values), whose gradient equals those rows of the
+    reference's gradient summed over the ranks (every rank's tokens reach the owner)."""
     import torch
     import torch.distributed as dist
 
     from moetune.adapters.apply import attach_lora
+    from moetune.adapters.expert_rows import held_part
     from moetune.dist import failures_end_every_rank, start
     from moetune.layer import CpuExperts
     from moetune.layer.sharded import ShardedExperts
     from moetune.loading import load_model
+    from moetune.train.sharded_lora import expert_lora_tensors
 
     ranks = start(cpu=True, timeout_s=60)
     kwargs: dict[str, Any] = dict(device="cpu", dtype="float32", num_threads=1, progress=False)
@@ -262,13 +345,21 @@ def _sharded_model(model_dir: str) -> None:
             model.get_submodule(first.rpartition(".")[0] + ".gate").register_forward_hook(
                 lambda module, args, out: (*out[:2], _fold(out[2], half))
             )
-            peft_model = attach_lora(model, rank=4, alpha=8)
-            gen = torch.Generator().manual_seed(7)
-            with torch.no_grad():
-                for _, p in sorted(peft_model.named_parameters()):
-                    if p.requires_grad:
-                        p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-            models.append(peft_model.train())
+            models.append(attach_lora(model, rank=4, alpha=8).train())
+        gen = torch.Generator().manual_seed(7)
+        values = {}
+        with torch.no_grad():
+            for name, p in sorted(models[0].named_parameters()):
+                if p.requires_grad:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+                    values[name] = p.detach().clone()
+        # the whole values into the sharded model: its expert LoRA layers keep their experts' rows (load pre-hook)
+        loaded = models[1].load_state_dict(values, strict=False)
+        assert not loaded.unexpected_keys, loaded.unexpected_keys
+        held = {t.name: t.rows for t in expert_lora_tensors(models[1], sharded_only=True)}
+        assert held and all(rows.count == half for rows in held.values())
+        for name, rows in held.items():
+            assert torch.equal(models[1].get_parameter(name), held_part(values[name], rows)), name
         models[1].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         runs: list[str] = []  # engine forwards of the sharded model: the recompute's are reused (layer.memo)
         calls: list[str] = []  # its experts modules' calls: the forward's and the recompute's
@@ -297,13 +388,13 @@ def _sharded_model(model_dir: str) -> None:
         )  # once per layer, though checkpointing ran each layer twice
         assert grads[0].keys() == grads[1].keys()
         experts = [n for n in grads[0] if ".experts." in n]
-        assert experts and len(experts) < len(grads[0])
+        assert experts and len(experts) < len(grads[0]) and sorted(experts) == sorted(held)
         for name in grads[0]:
             want, got = grads[0][name], grads[1][name]
             assert want is not None and got is not None, name
-            if name in experts:
+            if name in held:  # the owner's rows hold every rank's tokens' gradient: the reference's summed
                 dist.all_reduce(want)
-                dist.all_reduce(got)
+                want = held_part(want, held[name])
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
         print(
             f"rank {ranks.rank}: the sharded model equals the reference ({len(grads[0])} gradients)",
@@ -318,5 +409,6 @@ if __name__ == "__main__":
         "adapter_saves_on_every_rank": _adapter_saves_on_every_rank,
         "sharded_exchange": _sharded_exchange,
         "sharded_model": _sharded_model,
+        "train_folded": _train_folded,
     }
     checks[sys.argv[1]](*sys.argv[2:])

@@ -55,26 +55,10 @@ def runs(request, tmp_path_factory) -> dict[str, Path]:
     return four_runs(tmp_path_factory.mktemp(request.param), **MODES[request.param])
 
 
-def _adapter(folder: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(folder / "adapter_model.safetensors"))
-
-
-def _assert_same_run(got: Path, want: Path) -> None:
-    """Every step's loss (a resumed run's log history starts with its checkpoint's) and the final adapter."""
-    got_losses, want_losses = dict(dist_checks.losses(got)), dict(dist_checks.losses(want))
-    assert sorted(got_losses) == [1, 2, 3, 4]
-    for step in got_losses:
-        assert got_losses[step] == pytest.approx(want_losses[step], rel=1e-5, abs=1e-6), step
-    a, b = _adapter(got), _adapter(want)
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6, msg=key)
-
-
 @pytest.mark.slow
 def test_two_processes_equal_one(runs, request) -> None:
-    _assert_same_run(runs["two"], runs["one"])
-    adapter = _adapter(runs["two"])
+    dist_checks.assert_same_run(runs["two"], runs["one"])
+    adapter = dist_checks.adapter(runs["two"])
     experts = [k for k in adapter if ".experts." in k and "lora_B" in k]
     assert experts and all(adapter[k].abs().max() > 0 for k in experts)  # expert LoRA was trained
     config = [json.loads((runs[n] / "adapter_config.json").read_text()) for n in ("two", "one")]
@@ -109,7 +93,7 @@ def test_resume_with_another_number_of_processes(runs) -> None:
     for resumed in ("two_to_one", "one_to_two"):
         state = json.loads((runs[resumed] / "trainer_state.json").read_text())
         assert state["global_step"] == 4
-        _assert_same_run(runs[resumed], runs["one"])
+        dist_checks.assert_same_run(runs[resumed], runs["one"])
 
 
 @pytest.mark.slow
@@ -124,8 +108,8 @@ def test_two_processes_equal_one_deepseek_v3(tmp_path, mode) -> None:
     two = dist_checks.config(tmp_path, model, "two", **steps, **MODES[mode], per_device_train_batch_size=2)
     dist_checks.check(dist_checks.single(*CLI, str(one)))
     dist_checks.check(dist_checks.torchrun(*CLI, str(two)))
-    _assert_same_run(tmp_path / "two/out", tmp_path / "one/out")
-    adapter = _adapter(tmp_path / "two/out")
+    dist_checks.assert_same_run(tmp_path / "two/out", tmp_path / "one/out")
+    adapter = dist_checks.adapter(tmp_path / "two/out")
     assert any(".experts." in k and adapter[k].abs().max() > 0 for k in adapter if "lora_B" in k)
 
 

@@ -34,6 +34,7 @@ from moetune.train.data import PreparedData
 from moetune.train.guards import GuardedSteps
 from moetune.train.host_grads import AveragesHostGrads
 from moetune.train.lora_experts_checkpoints import LoraExpertsCheckpoints
+from moetune.train.sharded_lora import ShardsExpertLora
 
 DPO_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 KTO_COLUMNS = ("prompt_ids", "completion_ids", "label")
@@ -75,6 +76,7 @@ class MoetuneDPOTrainer(
     AtomicCheckpoints,
     LoraExpertsCheckpoints,
     AdapterDisabledReference,
+    ShardsExpertLora,
     DPOTrainer,
 ):
     """TRL's ``DPOTrainer`` for a moetune ``PeftModel``: the reference is the model with its adapters disabled,
@@ -92,6 +94,7 @@ class MoetuneKTOTrainer(
     AtomicCheckpoints,
     LoraExpertsCheckpoints,
     AdapterDisabledReference,
+    ShardsExpertLora,
     KTOTrainer,
 ):
     """TRL's ``KTOTrainer`` for a moetune ``PeftModel``: the reference is the model with its adapters disabled,

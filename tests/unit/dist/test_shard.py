@@ -42,6 +42,13 @@ def test_option_values_and_conflicts(tmp_path) -> None:
         )
     cfg = parse_config(_raw(tmp_path, moetune={"expert_parallel": "sharded"}), check_model_path=False)
     assert cfg.engine.experts.expert_parallel is ExpertParallel.SHARDED
+    # the sharded expert LoRA is gathered by rows to the global main process: no per-node saves, row-shaped state
+    sharded = {"moetune": {"expert_parallel": "sharded"}}
+    with pytest.raises(ConfigError, match=r"optim: is 'adamw_8bit' with expert_parallel: sharded"):
+        parse_config(_raw(tmp_path, optim="adamw_8bit", **sharded), check_model_path=False)
+    with pytest.raises(ConfigError, match=r"save_on_each_node: is true with expert_parallel: sharded"):
+        parse_config(_raw(tmp_path, save_on_each_node=True, **sharded), check_model_path=False)
+    parse_config(_raw(tmp_path, optim="adamw_8bit", save_on_each_node=True), check_model_path=False)  # replicated
 
 
 def test_which_experts_a_rank_holds() -> None:
