@@ -60,24 +60,31 @@ def adapter_config(peft_model: Any) -> dict[str, Any]:
     return config
 
 
-def adapter_state(peft_model: Any) -> dict[str, torch.Tensor]:
-    """Every LoRA tensor under its stock PEFT key (``get_peft_model_state_dict``), on the CPU, contiguous."""
+def adapter_state(
+    peft_model: Any, state_dict: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """Every LoRA tensor under its stock PEFT key (``get_peft_model_state_dict``), on the CPU, contiguous;
+    ``state_dict``: the model's whole state dict to take them from (FSDP2's gathered one), else the live model's."""
     from peft import get_peft_model_state_dict
 
-    return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+    state = get_peft_model_state_dict(peft_model, state_dict=state_dict)
+    return {k: v.detach().cpu().contiguous() for k, v in state.items()}
 
 
-def save_adapter(peft_model: Any, output_dir: str | Path) -> Path:
+def save_adapter(
+    peft_model: Any, output_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None
+) -> Path:
     """Write ``peft_model``'s LoRA to ``output_dir`` as a stock PEFT adapter, atomically; returns the folder.
 
     Files already in ``output_dir`` other than the adapter's are kept (a Trainer checkpoint folder holds
     optimizer and scheduler state next to it); the adapter's files, its LoRA experts' included, are replaced
-    together (``moetune.adapters.swap``).
+    together (``moetune.adapters.swap``). ``state_dict``: the model's whole state dict (FSDP2 gathers it on the
+    main process: ``moetune.train.fsdp.full_state_dict``), else the live tensors are read.
     """
     from safetensors.torch import save_file
 
     out = Path(output_dir)
-    state = adapter_state(peft_model)
+    state = adapter_state(peft_model, state_dict)
     config = json.dumps(adapter_config(peft_model), indent=2, sort_keys=True) + "\n"
     extras = (
         {LORA_EXPERTS_FILE: lambda path: write_lora_experts(peft_model, path)} if spec_of(peft_model) else {}

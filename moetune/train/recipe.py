@@ -65,6 +65,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     from moetune.dist import main_writes
     from moetune.loading import load_model
     from moetune.train.data import prepare_datasets
+    from moetune.train.fsdp import check_fsdp
     from moetune.train.modes import ModeSettings, apply_mode
     from moetune.train.preflight import check_before_load, load_tokenizer
     from moetune.train.stages import stage_for
@@ -76,6 +77,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     dtype = "bfloat16" if cfg.training.bf16 or cfg.finetune.pure_bf16 else "float32"
     modes = ModeSettings.from_config(cfg.finetune, bf16=cfg.training.bf16)
     ranks = _start_ranks(cfg)
+    check_fsdp(cfg, ranks.world)  # FSDP2 settings and the resume checkpoint's kind, before any weight loads
     # output_dir, model files, lora_target, resume checkpoint, what the mode asks of the experts: checked before
     # any weight loads
     check_before_load(cfg, dtype, modes, write_probe=ranks.is_main)
@@ -142,6 +144,7 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any
     """Run the stage's training loop (resuming when the config says so); returns the trainer."""
     from transformers import PrinterCallback
 
+    from moetune.train.fsdp import unsharded
     from moetune.train.guards import NumericalGuard, attach_guard
     from moetune.train.outputs import TrainerLog
     from moetune.train.stages import stage_for
@@ -162,13 +165,19 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any
 
         assert experts.gpu_experts_budget is not None  # the config check requires it with auto
         callbacks.append(HotExpertsAuto(experts.gpu_experts_budget, experts.gpu_experts_warmup))
-    trainer = stage_for(cfg).build_trainer(cfg, peft_model, tokenizer, data, args, callbacks)
-    attach_guard(trainer, NumericalGuard(cfg.training.on_divergence, _vocab_size(peft_model)))
     ranks = _start_ranks(cfg)
+    trainer = stage_for(cfg).build_trainer(
+        cfg, peft_model, tokenizer, data, unsharded(args, ranks.world), callbacks
+    )
+    attach_guard(trainer, NumericalGuard(cfg.training.on_divergence, _vocab_size(peft_model)))
     if ranks.distributed:  # what the CPU engine trains is averaged outside DDP (moetune.train.host_grads)
         from moetune.train.host_grads import attach_host_grads
 
         attach_host_grads(trainer, ranks.world)
+        from moetune.train.fsdp import attach_fsdp, fsdp_requested
+
+        if fsdp_requested(trainer):  # the dense part sharded (FSDP2; checked in setup), the experts not
+            attach_fsdp(trainer)
     if hasattr(
         trainer, "expert_optim"
     ):  # full/freeze: the routed experts' optimizer (moetune.train.expert_optim)
@@ -194,6 +203,7 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
     from moetune.adapters.save import save_adapter
     from moetune.dist import main_writes
     from moetune.dist.shard import experts_held
+    from moetune.train.fsdp import dense_memory, full_state_dict
     from moetune.train.model_save import save_model
     from moetune.train.modes import memory_report
     from moetune.train.outputs import (
@@ -208,10 +218,11 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
 
     ranks = _start_ranks(cfg)
     out = Path(cfg.training.output_dir)
+    gathered = full_state_dict(trainer)  # FSDP2: every rank takes part, the main process gets every tensor
 
     def write_model() -> None:
         if cfg.finetune.finetuning_type is FinetuningType.LORA:
-            save_adapter(trainer.model, out)
+            save_adapter(trainer.model, out, state_dict=gathered)
         else:
             save_model(trainer.model, out)
         tokenizer.save_pretrained(out)
@@ -243,6 +254,7 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
         "finetuning_type": cfg.finetune.finetuning_type.value,
         "routed_experts": experts_held(trainer.model),  # this rank's: with expert_parallel sharded, its share
         "memory": memory_report(trainer.model, trainer.optimizer),
+        "dense_part": dense_memory(trainer.model),  # this rank's: with fsdp, its shard of the dense weights
         "loss_curve": str(curve) if curve else None,
         "config": cfg.summary(),
     }
