@@ -61,11 +61,17 @@ def fsdp_plugin(cfg: Any, world: int) -> Any:
     from accelerate.utils import FullyShardedDataParallelPlugin
     from transformers import TrainingArguments
 
-    if kwargs.get("fsdp"):
-        plugin_args = TrainingArguments(**kwargs).fsdp_plugin_args
-        plugin = FullyShardedDataParallelPlugin(**plugin_args)
-    else:
-        plugin = FullyShardedDataParallelPlugin()  # reads accelerate's FSDP_* variables, as accelerate does
+    plugin_args = TrainingArguments(**kwargs).fsdp_plugin_args if kwargs.get("fsdp") else {}
+    version = int(
+        plugin_args.get("fsdp_version", os.environ.get("FSDP_VERSION", 1 if not plugin_args else 2))
+    )
+    if version != 2:  # checked first: accelerate refuses to build an FSDP1 plugin on the CPU
+        raise ConfigError(
+            f"{where}: fsdp_version {version}: moetune shards the dense part with FSDP2 only; set fsdp_config: "
+            "{fsdp_version: 2} (transformers' default; in an accelerate config, fsdp_version: 2)"
+        )
+    # no arguments: the plugin reads accelerate's FSDP_* variables, as accelerate does
+    plugin = FullyShardedDataParallelPlugin(**plugin_args)
     problems = _plugin_problems(plugin)
     if cfg.finetune.finetuning_type.value != "lora":
         problems.append(
@@ -94,11 +100,6 @@ def _plugin_problems(plugin: Any) -> list[str]:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     problems = []
-    if plugin.fsdp_version != 2:
-        problems.append(
-            f"fsdp_version {plugin.fsdp_version}: moetune shards the dense part with FSDP2 only; set "
-            "fsdp_config: {fsdp_version: 2} (transformers' default)"
-        )
     if isinstance(plugin.cpu_offload, CPUOffloadPolicy) or plugin.cpu_offload is True:
         problems.append(
             "offload / cpu_offload / offload_params: the routed experts already live in host RAM (moetune's "
