@@ -140,8 +140,9 @@ def _check_requires(cfg: MoetuneConfig, packages: tuple[str, ...]) -> None:
         )
 
 
-def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any:
-    """Run the stage's training loop (resuming when the config says so); returns the trainer."""
+def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any, extra_callbacks: tuple = ()) -> Any:
+    """Run the stage's training loop (resuming when the config says so); returns the trainer. ``extra_callbacks``:
+    more ``TrainerCallback``s (a benchmark's timers: bench/dist.py)."""
     from transformers import PrinterCallback
 
     from moetune.train.fsdp import unsharded
@@ -158,7 +159,7 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any
         disable_tqdm=True,  # ProgressBar replaces the Trainer's bar
         logging_nan_inf_filter=False,  # a NaN loss is logged as NaN; NumericalGuard stops or skips that step
     )
-    callbacks = [ProgressBar(), TrainerLog()]
+    callbacks = [ProgressBar(), TrainerLog(), *extra_callbacks]
     experts = cfg.engine.experts
     if experts.gpu_experts == "auto":  # the hot experts are chosen from the routing of the first steps
         from moetune.train.hot_auto import HotExpertsAuto
