@@ -195,6 +195,7 @@ def main() -> None:
         _worker(args)
         return
 
+    from moetune.bench.dist_step import bench_model
     from moetune.sysinfo import cpu_info
     from moetune.testing.tiny import save_tiny_model
 
@@ -209,21 +210,10 @@ def main() -> None:
         f"layer: E={args.experts} H={args.hidden} I={args.inter} k={args.top_k}, LoRA r={args.rank}, fp32, "
         f"{args.tokens} tokens per step over all ranks; {args.layers} MoE layers loaded"
     )
-    options = [
-        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "model", "warm")
-    ]
+    layer_keys = ("experts", "hidden", "inter", "top_k", "tokens", "layers", "rank", "reps", "procs")
+    options = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in layer_keys]
     with tempfile.TemporaryDirectory() as tmp:
-        model = save_tiny_model(
-            "qwen3_moe",
-            Path(tmp) / "m",
-            tokenizer=False,
-            hidden_size=args.hidden,
-            moe_intermediate_size=args.inter,
-            num_experts=args.experts,
-            num_experts_per_tok=args.top_k,
-            num_hidden_layers=args.layers,
-            mlp_only_layers=[],
-        )
+        model = bench_model(args, Path(tmp) / "m")
         warm = save_tiny_model("qwen3_moe", Path(tmp) / "warm", tokenizer=False, num_experts=args.experts)
         me = [str(Path(__file__).resolve()), *options, f"--model={model}", f"--warm={warm}"]
         torchrun = [

@@ -136,11 +136,28 @@ def _config(tmp: Path, model: Path, procs: int, args: Any) -> Path:
     return path
 
 
+def bench_model(args: Any, path: Path, **config: Any) -> Path:
+    """bench/dist.py's Qwen3-MoE (fp32, random, no tokenizer) of ``args``' sizes, every layer MoE, written to
+    ``path``; ``config``: further config fields (the vocabulary of a tokenizer)."""
+    from moetune.testing.tiny import save_tiny_model
+
+    return save_tiny_model(
+        "qwen3_moe",
+        path,
+        tokenizer=False,
+        hidden_size=args.hidden,
+        moe_intermediate_size=args.inter,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        num_hidden_layers=args.layers,
+        mlp_only_layers=[],
+        **config,
+    )
+
+
 def run(args: Any) -> dict[int, list[dict[str, Any]]]:
     """Every process count of ``args.procs_list``: each rank's :meth:`StepWindows.result` (and its CPUs)."""
     from transformers import AutoTokenizer
-
-    from moetune.testing.tiny import save_tiny_model
 
     procs_list = [int(p) for p in str(args.procs_list).split(",")]
     bad = [p for p in procs_list if p < 1 or args.global_batch % p]
@@ -150,20 +167,13 @@ def run(args: Any) -> dict[int, list[dict[str, Any]]]:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         tokenizer = AutoTokenizer.from_pretrained(str(ROOT / "examples/data/demo_tokenizer"))
-        model = save_tiny_model(
-            "qwen3_moe",
+        model = bench_model(
+            args,
             tmp / "model",
-            tokenizer=False,
             vocab_size=len(tokenizer),
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
-            hidden_size=args.hidden,
-            moe_intermediate_size=args.inter,
-            num_experts=args.experts,
-            num_experts_per_tok=args.top_k,
-            num_hidden_layers=args.layers,
-            mlp_only_layers=[],
         )
         tokenizer.save_pretrained(model)
         for procs in procs_list:
