@@ -120,3 +120,18 @@ def test_deepspeed_zero3_runs_as_fsdp2_deepseek_v3(tmp_path) -> None:
     dist_checks.check(dist_checks.torchrun(*CLI, str(two)))
     _assert_same_run(tmp_path / "two/out", tmp_path / "one/out")
     assert _summary(tmp_path / "two/out")["dense_part"]["sharding"] == "fsdp2"
+
+
+@pytest.mark.slow
+def test_fsdp_with_sharded_experts(tmp_path) -> None:
+    # each rank half of the dense part (FSDP2) and half of every layer's experts (the exchange's own gloo group)
+    model = make_demo_model(tmp_path / "tiny", ROOT / "examples/data/demo_tokenizer")
+    sharded = {"moetune": {"device": "cpu", "num_threads": 1, "expert_parallel": "sharded"}}
+    one = dist_checks.config(tmp_path, model, "one", **SGD)
+    two = dist_checks.config(tmp_path, model, "two", **SGD, **FSDP, **sharded)
+    dist_checks.check(dist_checks.single(*CLI, str(one)))
+    dist_checks.check(dist_checks.torchrun(*CLI, str(two)))
+    _assert_same_run(tmp_path / "two/out", tmp_path / "one/out")
+    summary = _summary(tmp_path / "two/out")
+    assert summary["dense_part"]["sharding"] == "fsdp2"
+    assert summary["routed_experts"]["experts_per_layer"] == "4 of 8"
