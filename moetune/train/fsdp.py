@@ -54,17 +54,18 @@ def fsdp_plugin(cfg: Any, world: int) -> Any:
     from moetune.config import training_arguments_kwargs
 
     kwargs = training_arguments_kwargs(cfg)
-    from_env = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    if not kwargs.get("fsdp") and not from_env:
+    if not kwargs.get("fsdp") and not _accelerate_fsdp():
         return None
     where = "fsdp / fsdp_config" if kwargs.get("fsdp") else "accelerate's FSDP config (ACCELERATE_USE_FSDP)"
     from accelerate.utils import FullyShardedDataParallelPlugin
     from transformers import TrainingArguments
 
-    plugin_args = TrainingArguments(**kwargs).fsdp_plugin_args if kwargs.get("fsdp") else {}
-    version = int(
-        plugin_args.get("fsdp_version", os.environ.get("FSDP_VERSION", 1 if not plugin_args else 2))
-    )
+    if kwargs.get("fsdp"):
+        plugin_args = TrainingArguments(**kwargs).fsdp_plugin_args
+        version = int(plugin_args["fsdp_version"])
+    else:  # accelerate launch's FSDP: its FSDP_* variables, FSDP_VERSION absent meaning 1 (accelerate's default)
+        plugin_args = {}
+        version = int(os.environ.get("FSDP_VERSION", "1"))
     if version != 2:  # checked first: accelerate refuses to build an FSDP1 plugin on the CPU
         raise ConfigError(
             f"{where}: fsdp_version {version}: moetune shards the dense part with FSDP2 only; set fsdp_config: "
@@ -202,7 +203,13 @@ def check_fsdp(cfg: Any, world: int) -> None:
 
 def fsdp_requested(trainer: Any) -> bool:
     """Whether the run asks for FSDP: ``fsdp`` in the Trainer's arguments or accelerate's FSDP launch config."""
-    return bool(trainer.args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    return bool(trainer.args.fsdp) or _accelerate_fsdp()
+
+
+def _accelerate_fsdp() -> bool:
+    """``accelerate launch`` was asked for FSDP (``--use_fsdp`` or ``distributed_type: FSDP``): the variable it
+    sets for the processes it starts, read at the edge as accelerate reads it."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
 def dense_memory(model: Any) -> dict[str, Any]:

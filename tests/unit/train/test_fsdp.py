@@ -16,6 +16,12 @@ from moetune.train.fsdp import fsdp_plugin, resume_problem, unsharded
 from tests.unit.config.test_config import minimal, workdir  # noqa: F401  (workdir: a fixture)
 
 
+@pytest.fixture(autouse=True)
+def _restore_fsdp_variable(monkeypatch) -> None:
+    # TrainingArguments with fsdp writes FSDP_CPU_RAM_EFFICIENT_LOADING into os.environ: put back after each test
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
+
+
 def _plugin_error(world: int = 2, **keys) -> str:
     with pytest.raises(ConfigError) as info:
         fsdp_plugin(parse_config(minimal(**keys)), world)
@@ -107,3 +113,22 @@ def test_resume_only_the_same_kind_of_checkpoint(tmp_path: Path) -> None:
     assert resume_problem(fsdp_ckpt, fsdp=True) is None and resume_problem(ddp_ckpt, fsdp=False) is None
     assert "written under FSDP" in str(resume_problem(fsdp_ckpt, fsdp=False))
     assert "written without FSDP" in str(resume_problem(ddp_ckpt, fsdp=True))
+
+
+@pytest.mark.usefixtures("workdir")
+def test_accelerate_launch_fsdp_variables(monkeypatch) -> None:
+    # what `accelerate launch --use_fsdp ...` hands its processes; accelerate's CLI defaults are refused by name
+    cfg = parse_config(minimal())
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.delenv("FSDP_VERSION", raising=False)
+    with pytest.raises(ConfigError, match="ACCELERATE_USE_FSDP.*fsdp_version 1"):
+        fsdp_plugin(cfg, 2)
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    monkeypatch.setenv("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT")
+    with pytest.raises(ConfigError) as info:
+        fsdp_plugin(cfg, 2)
+    assert "cpu_ram_efficient_loading" in str(info.value) and "state_dict_type" in str(info.value)
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
+    monkeypatch.setenv("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")
+    assert fsdp_plugin(cfg, 2).fsdp_version == 2
