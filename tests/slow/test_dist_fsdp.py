@@ -135,3 +135,14 @@ def test_fsdp_with_sharded_experts(tmp_path) -> None:
     summary = _summary(tmp_path / "two/out")
     assert summary["dense_part"]["sharding"] == "fsdp2"
     assert summary["routed_experts"]["experts_per_layer"] == "4 of 8"
+
+
+@pytest.mark.slow
+def test_routed_experts_stay_out_of_fsdp(tmp_path) -> None:
+    # on the CPU a wrapped expert LoRA would still compute the same numbers (FSDP gathers it before each layer and
+    # averages its gradient as host_grads does), so where each tensor ends up is checked directly
+    model = make_demo_model(tmp_path / "tiny", ROOT / "examples/data/demo_tokenizer")
+    cfg = dist_checks.config(tmp_path, model, "two", **{**SGD, **FSDP, "max_steps": 1, "save_steps": 1})
+    result = dist_checks.torchrun("tests/slow/fsdp_placement.py", str(cfg))
+    dist_checks.check(result)
+    assert result.stdout.count("placement ok") == 2
