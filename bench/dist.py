@@ -2,6 +2,11 @@
 
     python bench/dist.py [--experts 16 --hidden 1024 --inter 512 --top-k 4 --tokens 1024 --layers 2 --rank 8
                           --reps 5 --procs 2]
+    python bench/dist.py --whole-step [--procs-list 1,2,4] [--fsdp] [--global-batch 4 --seq 256] [sizes as above]
+
+``--whole-step``: a whole training step through ``moetune train``'s library path over 1, 2 and 4 processes, each
+pinned to its cores, with tokens/s, time in and bytes handed to collectives per step, and the scaling model's
+table (``moetune.bench.dist_step``; docs/distributed.md). Without it, the MoE layer alone:
 
 A Qwen3-MoE checkpoint with experts of that size (fp32, random) is written to a temporary folder and loaded with
 ``moetune.load_model`` by each configuration, in fresh processes (``torchrun --standalone`` for several):
@@ -160,15 +165,37 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8, help="expert LoRA rank")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--procs", type=int, default=2)
+    parser.add_argument(
+        "--whole-step",
+        action="store_true",
+        help="a whole training step (moetune train's library path) over --procs-list processes instead of the layer",
+    )
+    parser.add_argument("--procs-list", default="1,2,4", help="--whole-step: process counts")
+    parser.add_argument("--fsdp", action="store_true", help="--whole-step: the dense part under FSDP2")
+    parser.add_argument(
+        "--global-batch", type=int, default=4, help="--whole-step: packed rows per step (all ranks)"
+    )
+    parser.add_argument("--seq", type=int, default=256, help="--whole-step: tokens per packed row")
+    parser.add_argument("--warmup", type=int, default=2, help="--whole-step: steps not timed")
+    parser.add_argument("--timed", type=int, default=3, help="--whole-step: steps timed (tokens/s)")
+    parser.add_argument("--profiled", type=int, default=2, help="--whole-step: steps profiled (collectives)")
+    parser.add_argument("--step-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--step-out", help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=["single", "replicated", "sharded"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--warm", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.step_worker:
+        from moetune.bench.dist_step import worker
+
+        worker(args.step_worker, args.step_out, args.warmup, args.timed, args.profiled)
+        return
     if args.worker:
         args.mode = args.worker
         _worker(args)
         return
 
+    from moetune.bench.dist_step import bench_model
     from moetune.sysinfo import cpu_info
     from moetune.testing.tiny import save_tiny_model
 
@@ -176,25 +203,17 @@ def main() -> None:
     print(
         f"CPU: {cpu.model}; ISA: {', '.join(cpu.isa) or 'none of note'}; {cpu.physical_cores} physical cores"
     )
+    if args.whole_step:
+        _whole_step(args)
+        return
     print(
         f"layer: E={args.experts} H={args.hidden} I={args.inter} k={args.top_k}, LoRA r={args.rank}, fp32, "
         f"{args.tokens} tokens per step over all ranks; {args.layers} MoE layers loaded"
     )
-    options = [
-        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "model", "warm")
-    ]
+    layer_keys = ("experts", "hidden", "inter", "top_k", "tokens", "layers", "rank", "reps", "procs")
+    options = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in layer_keys]
     with tempfile.TemporaryDirectory() as tmp:
-        model = save_tiny_model(
-            "qwen3_moe",
-            Path(tmp) / "m",
-            tokenizer=False,
-            hidden_size=args.hidden,
-            moe_intermediate_size=args.inter,
-            num_experts=args.experts,
-            num_experts_per_tok=args.top_k,
-            num_hidden_layers=args.layers,
-            mlp_only_layers=[],
-        )
+        model = bench_model(args, Path(tmp) / "m")
         warm = save_tiny_model("qwen3_moe", Path(tmp) / "warm", tokenizer=False, num_experts=args.experts)
         me = [str(Path(__file__).resolve()), *options, f"--model={model}", f"--warm={warm}"]
         torchrun = [
@@ -220,6 +239,26 @@ def main() -> None:
             f"{'/'.join(format(r['engine_bytes'] / 1e6, '.0f') for r in ranks):>15} "
             f"{'/'.join(format(r['held_bytes'] / 1e6, '.0f') for r in ranks):>16} {ranks[0]['threads']}"
         )
+
+
+def _whole_step(args: argparse.Namespace) -> None:
+    from moetune.bench.dist_step import LINKS, measured_costs, print_table, run, scaling_table
+
+    print(
+        f"whole step: qwen3_moe E={args.experts} H={args.hidden} I={args.inter} k={args.top_k}, "
+        f"{args.layers} MoE layers, LoRA r=8 on every target (experts included), AdamW, fp32; "
+        f"{args.global_batch} packed rows of {args.seq} tokens per step over all ranks; dense part "
+        f"{'FSDP2' if args.fsdp else 'DDP'}, experts replicated"
+    )
+    results = run(args)
+    print_table(results)
+    costs = measured_costs(results, args)
+    tokens = args.global_batch * args.seq
+    print(
+        f"\nscaling model (moetune.bench.dist_step.expected_step) from these costs: {costs.s_per_token * 1e3:.3f} "
+        f"ms/token, all-reduce {costs.allreduce_bytes / 1e6:.2f} MB/step, {tokens} tokens/step, sharded experts:"
+    )
+    print(scaling_table(costs, tokens, LINKS, (2, 4, 8, 16)))
 
 
 if __name__ == "__main__":

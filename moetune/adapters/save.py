@@ -78,8 +78,9 @@ def save_adapter(
 
     Files already in ``output_dir`` other than the adapter's are kept (a Trainer checkpoint folder holds
     optimizer and scheduler state next to it); the adapter's files, its LoRA experts' included, are replaced
-    together (``moetune.adapters.swap``). ``state_dict``: the model's state dict to take the LoRA from (with
-    ``expert_parallel: sharded``, ``moetune.train.sharded_lora`` gathers the expert LoRA's rows into it).
+    together (``moetune.adapters.swap``). ``state_dict``: the model's whole state dict to take the LoRA from
+    (FSDP2 gathers it on the main process: ``moetune.train.fsdp.full_state_dict``; with ``expert_parallel:
+    sharded``, ``moetune.train.sharded_lora`` puts the expert LoRA's rows together in it), else the live tensors.
     """
     from safetensors.torch import save_file
 

@@ -8,9 +8,11 @@ set) before anything loads. Fields moetune sets itself are refused with the key 
 only matter with several processes (``ddp_*``) are accepted with one logged line: they take effect when moetune
 is launched as several processes (torchrun / accelerate launch: docs/distributed.md).
 
-``deepspeed: CONFIG.json`` is accepted and not used: the routed experts live in moetune's CPU engines and several
-processes train data-parallel under DDP (docs/distributed.md), so ZeRO has nothing to shard; a line says so. Settings in the JSON that ask for something moetune does not do (ZeRO offload, fp16) are
-refused, naming the setting and what moetune does instead.
+``deepspeed: CONFIG.json`` is read as the FSDP2 setting that shards the dense part the same way (ZeRO-3 -> FSDP2
+full shard, ZeRO-2 -> FSDP2 without resharding after forward, stages 0-1 -> DDP; ``moetune.train.fsdp``), one line
+says so; the routed experts live in moetune's CPU engines and are not sharded. Settings in the JSON that ask for
+something moetune does not do (ZeRO offload, fp16) are refused, naming the setting and what moetune does
+instead.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ def passthrough(key: str, value: Any, problems: Problems) -> Any:
         return None
     if key in MULTI_PROCESS:
         log.info("%s: %r takes effect when moetune is launched as several processes", key, value)
+    if key == "fsdp" and isinstance(value, bool):  # transformers' `fsdp: true`; false asks for nothing
+        return value or None
     tp = _fields()[key]
     simple = _simple(tp)
     if simple is None or value is None:
@@ -151,8 +155,45 @@ def scheduler_problem(name: str, kwargs: Mapping[str, Any]) -> str | None:
     return None
 
 
+# ZeRO stage -> the FSDP2 setting that shards the same (transformers' fsdp / fsdp_config); stages 0-1: DDP
+ZERO_AS_FSDP: dict[int, dict[str, Any]] = {
+    3: {"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": True}},  # parameters sharded
+    2: {
+        "fsdp": True,
+        "fsdp_config": {"version": 2, "reshard_after_forward": False},
+    },  # kept gathered fwd->bwd
+}
+
+
+def deepspeed_as_fsdp(value: Any, problems: Problems) -> dict[str, Any]:
+    """A ``deepspeed`` JSON config read as the FSDP2 setting of the dense part (``ZERO_AS_FSDP``: ZeRO-3 ->
+    ``fsdp`` full shard, ZeRO-2 -> FSDP2 without resharding after forward, else DDP), one line logged; refused
+    settings go to ``problems``."""
+    message = deepspeed_problem(value)
+    if message is not None:
+        problems.add("deepspeed", message)
+        return {}
+    stage = _zero_stage(value)
+    as_fsdp = ZERO_AS_FSDP.get(stage, {})
+    log.warning(
+        "deepspeed: ZeRO stage %s is run as %s over several processes (the routed experts sit in CPU RAM, "
+        "moetune's engine, and are not sharded; docs/distributed.md); bf16 follows the `bf16` key",
+        stage,
+        f"FSDP2 (fsdp_config {as_fsdp['fsdp_config']})" if as_fsdp else "DDP",
+    )
+    return dict(as_fsdp)
+
+
+def _zero_stage(value: Any) -> int:
+    config = (
+        dict(value) if isinstance(value, Mapping) else json.loads(Path(str(value)).expanduser().read_text())
+    )
+    zero = config.get("zero_optimization") or {}
+    return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+
+
 def deepspeed_problem(value: Any) -> str | None:
-    """Read a ``deepspeed`` JSON config: None (accepted, one line logged) or why it is refused."""
+    """Read a ``deepspeed`` JSON config: None (accepted) or why it is refused."""
     if isinstance(value, Mapping):
         config, where = dict(value), "the deepspeed mapping"
     else:
@@ -182,13 +223,6 @@ def deepspeed_problem(value: Any) -> str | None:
         return (
             f"{where} enables fp16: moetune trains in bf16 or fp32 (set bf16: true); set fp16.enabled to auto"
         )
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    log.warning(
-        "deepspeed: %s (ZeRO stage %s) is not used: the routed experts sit in CPU RAM (moetune's engine), the "
-        "rest on one device per process and several processes train under DDP (docs/distributed.md), so ZeRO has "
-        "nothing to shard; to split the routed experts between several processes instead of replicating them, set "
-        "`moetune: {expert_parallel: sharded}`; bf16 follows the `bf16` key",
-        where,
-        stage,
-    )
+    if isinstance(zero, dict) and str(zero.get("stage", 0)) not in ("0", "1", "2", "3"):
+        return f"{where} sets zero_optimization.stage {zero.get('stage')!r}; ZeRO stages are 0, 1, 2 and 3"
     return None

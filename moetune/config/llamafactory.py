@@ -48,10 +48,6 @@ _KERNELS = (
 _INFER = "generation/inference settings do not apply to `moetune train`"
 _MULTIMODAL = "multimodal training is not supported"
 _HUB = "moetune reads local models and datasets only; download them first and give local paths"
-_DIST = (
-    "moetune's multi-process runs (torchrun / accelerate launch) are DDP with the routed experts replicated on "
-    "every rank; FSDP does not apply (docs/distributed.md)"
-)
 _PREF = (
     "this preference-training option has no equivalent in TRL's DPOTrainer/KTOTrainer, which moetune's dpo and "
     "kto stages run; supported: pref_beta, pref_ftx, pref_loss (sigmoid, hinge, ipo), kto_chosen_weight, "
@@ -60,7 +56,6 @@ _PREF = (
 
 REJECTED: dict[str, Rejected] = {
     # distribution
-    **_group(_DIST, {"fsdp": None, "fsdp_config": None}),
     # quantization of the base model
     **_group(
         _QUANT,

@@ -22,7 +22,7 @@ from moetune.config.experts import ExpertOptions, ExpertParallel, expert_option_
 from moetune.config.fields import Problems, coerce, parse_section, yaml_fields
 from moetune.config.hf_args import (
     check_training_arguments,
-    deepspeed_problem,
+    deepspeed_as_fsdp,
     is_training_argument,
     passthrough,
     scheduler_problem,
@@ -133,9 +133,10 @@ def parse_config(
         engine_raw = dict(engine_raw)
         origins = translate_kt(flat, engine_raw, problems)
     translate_lora_expert_keys(flat, problems)
-    if "deepspeed" in flat and (message := deepspeed_problem(flat.pop("deepspeed"))) is not None:
-        problems.add("deepspeed", message)
-    extra = _check_keys(flat, engine_raw, problems)
+    as_fsdp = deepspeed_as_fsdp(flat.pop("deepspeed"), problems) if "deepspeed" in flat else {}
+    if as_fsdp and ("fsdp" in flat or "fsdp_config" in flat):
+        problems.add("deepspeed", "is given with fsdp / fsdp_config; both ask for FSDP2: keep one of them")
+    extra = {**as_fsdp, **_check_keys(flat, engine_raw, problems)}
 
     model, finetune, data, training = (parse_section(cls, flat, problems) for cls in FLAT_SECTIONS)
     training = dataclasses.replace(training, extra_args=tuple(extra.items()))

@@ -55,6 +55,7 @@ class Ranks:
         """The launcher's variables (``os.environ`` unless ``env``); ``Ranks()`` when no launcher set them."""
         env = os.environ if env is None else env
         if "WORLD_SIZE" not in env:
+            _refuse_lone_accelerate_cpu_process(env)
             return cls()
         values = {}
         for name in _LAUNCHER_VARS:
@@ -72,6 +73,26 @@ class Ranks:
                 f"RANK={ranks.rank} with WORLD_SIZE={ranks.world}: RANK must be in [0, WORLD_SIZE)"
             )
         return ranks
+
+
+# the process-count variables of MPI launchers: accelerate's simple launcher runs several CPU processes only
+# under mpirun (--mpirun_hostfile)
+_MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def _refuse_lone_accelerate_cpu_process(env: Mapping[str, str]) -> None:
+    """``accelerate launch --cpu --num_processes N`` without MPI starts ONE process (accelerate's simple launcher:
+    every multi-process launcher is skipped under ``--cpu``), which sets MASTER_ADDR for N > 1 but no
+    WORLD_SIZE: refused, naming the command that starts N processes, instead of training alone."""
+    from_accelerate_cpu = env.get("ACCELERATE_USE_CPU", "").lower() == "true" and "MASTER_ADDR" in env
+    if from_accelerate_cpu and not any(name in env for name in _MPI_SIZE_VARS):
+        raise DistError(
+            "accelerate launch --cpu started this as a single process (with --cpu, accelerate runs several "
+            "processes only through mpirun: --mpirun_hostfile). Launch without --cpu: `accelerate launch "
+            "--multi_gpu --num_processes N $(which moetune) train CFG.yaml` (torchrun underneath; `moetune: "
+            "{device: cpu}` keeps the model on the CPU) or `torchrun --nproc-per-node N $(which moetune) train "
+            "CFG.yaml` (docs/distributed.md)"
+        )
 
 
 _started: Ranks | None = None

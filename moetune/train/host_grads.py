@@ -57,7 +57,16 @@ class HostGrads:
         self.world = world
         # a gloo group of their own: their sums never interleave with DDP's buckets on the default group
         self.group = dist.new_group(backend="gloo")
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in named])
+        ignored = {n for n, _ in named}
+        if not any(p.requires_grad for n, p in model.named_parameters() if n not in ignored):
+            from moetune.errors import DistError
+
+            raise DistError(
+                f"every trainable tensor ({len(named)}) is trained by the CPU engine and averaged by moetune over "
+                f"{world} processes, so DDP has none left and refuses the model; train a dense module too (a dense "
+                "lora_target such as q_proj, or freeze_trainable_modules beyond the experts) or train in one process"
+            )
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(ignored))
         logger.info(
             "moetune: %d host-trained tensors (%.1f M values) averaged over %d ranks outside DDP",
             len(self.params),

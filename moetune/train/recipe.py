@@ -67,6 +67,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     from moetune.loading import load_model
     from moetune.train.checkpoints import recover_checkpoints
     from moetune.train.data import prepare_datasets
+    from moetune.train.fsdp import check_fsdp
     from moetune.train.model_save import recover_model_save
     from moetune.train.modes import ModeSettings, apply_mode
     from moetune.train.preflight import check_before_load, load_tokenizer
@@ -85,9 +86,10 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
         ranks,
         lambda: recover_checkpoints(cfg.training.output_dir) + recover_model_save(cfg.training.output_dir),
     )
+    check_fsdp(cfg, ranks.world)  # FSDP2 settings and the resume checkpoint's kind, before any weight loads
     # output_dir, model files, lora_target, resume checkpoint, what the mode asks of the experts: checked before
     # any weight loads
-    planned = check_before_load(cfg, dtype, modes, write_probe=ranks.is_main)
+    planned = check_before_load(cfg, dtype, modes, write_probe=ranks.is_main, world=ranks.world)
     check_shared_folder(ranks, Path(cfg.training.output_dir))  # several nodes: one output_dir seen by all
     # an adapter save a crash interrupted in output_dir is finished or removed now, not at the next save
     main_writes(ranks, lambda: recover_adapter(Path(cfg.training.output_dir)))
@@ -149,10 +151,12 @@ def _check_requires(cfg: MoetuneConfig, packages: tuple[str, ...]) -> None:
         )
 
 
-def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any:
-    """Run the stage's training loop (resuming when the config says so); returns the trainer."""
+def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any, extra_callbacks: tuple = ()) -> Any:
+    """Run the stage's training loop (resuming when the config says so); returns the trainer. ``extra_callbacks``:
+    more ``TrainerCallback``s (a benchmark's timers: bench/dist.py)."""
     from transformers import PrinterCallback
 
+    from moetune.train.fsdp import unsharded
     from moetune.train.guards import NumericalGuard, attach_guard
     from moetune.train.outputs import TrainerLog
     from moetune.train.stages import stage_for
@@ -166,20 +170,26 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any) -> Any
         disable_tqdm=True,  # ProgressBar replaces the Trainer's bar
         logging_nan_inf_filter=False,  # a NaN loss is logged as NaN; NumericalGuard stops or skips that step
     )
-    callbacks = [ProgressBar(), TrainerLog()]
+    callbacks = [ProgressBar(), TrainerLog(), *extra_callbacks]
     experts = cfg.engine.experts
     if experts.gpu_experts == "auto":  # the hot experts are chosen from the routing of the first steps
         from moetune.train.hot_auto import HotExpertsAuto
 
         assert experts.gpu_experts_budget is not None  # the config check requires it with auto
         callbacks.append(HotExpertsAuto(experts.gpu_experts_budget, experts.gpu_experts_warmup))
-    trainer = stage_for(cfg).build_trainer(cfg, peft_model, tokenizer, data, args, callbacks)
-    attach_guard(trainer, NumericalGuard(cfg.training.on_divergence, _vocab_size(peft_model)))
     ranks = _start_ranks(cfg)
+    trainer = stage_for(cfg).build_trainer(
+        cfg, peft_model, tokenizer, data, unsharded(args, ranks.world), callbacks
+    )
+    attach_guard(trainer, NumericalGuard(cfg.training.on_divergence, _vocab_size(peft_model)))
     if ranks.distributed:  # what the CPU engine trains is averaged outside DDP (moetune.train.host_grads)
         from moetune.train.host_grads import attach_host_grads
 
         attach_host_grads(trainer, ranks.world)
+        from moetune.train.fsdp import attach_fsdp, fsdp_requested
+
+        if fsdp_requested(trainer):  # the dense part sharded (FSDP2; checked in setup), the experts not
+            attach_fsdp(trainer)
     if hasattr(
         trainer, "expert_optim"
     ):  # full/freeze: the routed experts' optimizer (moetune.train.expert_optim)
@@ -205,6 +215,7 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
     from moetune.adapters.save import save_adapter
     from moetune.dist import main_writes
     from moetune.dist.shard import experts_held
+    from moetune.train.fsdp import dense_memory, full_state_dict
     from moetune.train.model_save import save_model
     from moetune.train.modes import memory_report
     from moetune.train.outputs import (
@@ -219,13 +230,15 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
 
     ranks = _start_ranks(cfg)
     out = Path(cfg.training.output_dir)
-    # sharded expert LoRA: every rank sends its rows, the main process writes the whole adapter
+    # FSDP2 gathers the dense part on the main process; sharded expert LoRA: every rank sends its rows, the main
+    # process writes the whole adapter (both are collectives: every rank calls them)
+    gathered = full_state_dict(trainer)
     sharded = getattr(trainer, "sharded_lora", None)
-    whole = sharded.whole_state_dict(trainer.model) if sharded is not None else None
+    whole = sharded.whole_state_dict(trainer.model, gathered) if sharded is not None else gathered
 
     def write_model() -> None:
         if cfg.finetune.finetuning_type is FinetuningType.LORA:
-            save_adapter(trainer.model, out, whole)
+            save_adapter(trainer.model, out, state_dict=whole)
         else:
             save_model(trainer.model, out)
         tokenizer.save_pretrained(out)
@@ -257,6 +270,7 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
         "finetuning_type": cfg.finetune.finetuning_type.value,
         "routed_experts": experts_held(trainer.model),  # this rank's: with expert_parallel sharded, its share
         "memory": memory_report(trainer.model, trainer.optimizer),
+        "dense_part": dense_memory(trainer.model),  # this rank's: with fsdp, its shard of the dense weights
         "loss_curve": str(curve) if curve else None,
         "config": cfg.summary(),
     }

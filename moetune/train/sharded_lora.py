@@ -142,13 +142,16 @@ class ShardedLora:
         dist.gather(local, parts, group_dst=0, group=self.group)
         return joined(parts, rows) if parts is not None else None
 
-    def whole_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        """Every rank calls it: on the main process ``model.state_dict()`` with each held weight replaced by the
-        whole one (what one process's state dict holds), None elsewhere."""
+    def whole_state_dict(
+        self, model: nn.Module, base: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor] | None:
+        """Every rank calls it: on the main process ``base`` (FSDP2's gathered state dict) or else
+        ``model.state_dict()``, with each held weight replaced by the whole one (what one process's state dict
+        holds), None elsewhere."""
         whole = {t.name: self.gather(t.param, t.rows) for t in self.tensors}
         if self.rank != 0:
             return None
-        state = model.state_dict()
+        state = dict(base) if base is not None else model.state_dict()
         assert set(whole) <= set(state), sorted(set(whole) - set(state))[:4]
         state.update({k: v for k, v in whole.items() if v is not None})
         return state
@@ -355,10 +358,8 @@ class ShardsExpertLora:
         return super()._get_grad_norm(model, grad_norm=grad_norm)  # type: ignore[misc]
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        if (
-            self.sharded_lora is not None and state_dict is None
-        ):  # every rank sends its rows; the main one writes
-            state_dict = self.sharded_lora.whole_state_dict(self.model)
+        if self.sharded_lora is not None:  # every rank sends its rows (into FSDP2's gathered dict, if any)
+            state_dict = self.sharded_lora.whole_state_dict(self.model, state_dict or None)
         super()._save(output_dir, state_dict)  # type: ignore[misc]
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
