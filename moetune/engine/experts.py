@@ -202,6 +202,13 @@ class ExpertEngine:
         assert lora is not None
         return LoraPass(lora, self.compute_dtype, seed)
 
+    def _sum_rows(self, g: torch.Tensor, inp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A base weight's gradient ``g [n, D_out]^T @ inp [n, D_in]`` -> ``[D_out, D_in]`` in ``dtype``, summed over
+        row pieces (``engine.shapes``) where the compute dtype asks for them."""
+        out = torch.empty((g.shape[1], inp.shape[1]), dtype=dtype)
+        self.gemm.split.mm_t(g, inp, out)
+        return out
+
     def _bias(self, proj: Projection, e: int) -> torch.Tensor | None:
         """Expert e's bias of ``proj`` (``[2I]`` or ``[H]``) in the compute dtype, or None."""
         bias = self.gate_up_bias if proj == "gate_up" else self.down_bias
@@ -419,7 +426,7 @@ class ExpertEngine:
                 gw_sorted[s0:s1] += g_e @ b2
             mine: dict[str, torch.Tensor] | None = None
             if base_g is not None:  # only this expert's slices: experts without rows get no tensor at all
-                mine = base_g.by_expert[e] = {"down": (g_e.t() @ (h_e * w_e)).to(gdt)}
+                mine = base_g.by_expert[e] = {"down": self._sum_rows(g_e, h_e * w_e, gdt)}
                 if self.down_bias is not None:
                     mine["down_bias"] = (g_e * w_e).sum(0).to(gdt)
             gh_e.mul_(w_e)
@@ -434,7 +441,7 @@ class ExpertEngine:
             self.gemm.matmul_w("gate_up", e, ggu, gxs_e, accumulate=lora_pass is not None)
             if mine is not None:
                 assert xs_e is not None
-                mine["gate_up"] = (ggu.t() @ xs_e).to(gdt)
+                mine["gate_up"] = self._sum_rows(ggu, xs_e, gdt)
                 if self.gate_up_bias is not None:
                     mine["gate_up_bias"] = ggu.sum(0).to(gdt)
 

@@ -28,6 +28,7 @@ import torch
 
 from moetune.engine.formats import ExpertFormat
 from moetune.engine.formats.base import Projection
+from moetune.engine.shapes import RowSplit
 from moetune.engine.workspace import thread_workspace
 from moetune.sysinfo import CpuInfo, cpu_info
 
@@ -104,6 +105,7 @@ class BlockedGemm:
         self.path = path or resolve_gemm_path(weights, compute_dtype)
         # fp32/fp64 partial sums lose nothing, so backward may sum block by block (see matmul_w)
         self.exact_sums = compute_dtype in (torch.float32, torch.float64)
+        self.split = RowSplit.for_dtype(compute_dtype)  # row counts from a fixed set (``engine.shapes``)
 
     def row_blocks(self, proj: Projection, e: int, n: int, whole: bool = False) -> Iterator[Block]:
         """Expert e's ``proj`` matrix ``[D_out, D_in]`` as ``(r0, r1, W, scale)`` blocks in the compute dtype:
@@ -153,16 +155,18 @@ class BlockedGemm:
             dst = out[:, r0:r1]
             if n > SMALL_ROWS:  # weights themselves (scaled codes only come with few rows)
                 assert scale is None
-                dst.addmm_(inp, w.t()) if accumulate else torch.mm(inp, w.t(), out=dst)
+                self.split.mm(inp, w.t(), dst, beta=1.0 if accumulate else 0.0)
                 continue
-            tmp = thread_workspace().get("wt_tmp", (r1 - r0, n), inp.dtype)
-            res = torch.mm(w, inp.t(), out=tmp).t()  # [n, R]
-            if scale is None:
-                dst.add_(res) if accumulate else dst.copy_(res)
-            elif accumulate:
-                dst.addcmul_(res, scale)
-            else:
-                torch.mul(res, scale, out=dst)
+            for c0, c1 in self.split.chunks(n):
+                tmp = thread_workspace().get("wt_tmp", (r1 - r0, c1 - c0), inp.dtype)
+                res = torch.mm(w, inp[c0:c1].t(), out=tmp).t()  # [c, R]
+                d = dst[c0:c1]
+                if scale is None:
+                    d.add_(res) if accumulate else d.copy_(res)
+                elif accumulate:
+                    d.addcmul_(res, scale)
+                else:
+                    torch.mul(res, scale, out=d)
 
     def matmul_w(
         self, proj: Projection, e: int, grad: torch.Tensor, out: torch.Tensor, accumulate: bool = False
@@ -180,7 +184,4 @@ class BlockedGemm:
             g = grad[:, r0:r1]
             if scale is not None:
                 g = torch.mul(g, scale, out=thread_workspace().get("w_scaled_grad", (n, r1 - r0), grad.dtype))
-            if r0 == 0 and not accumulate:
-                torch.mm(g, w, out=out)
-            else:
-                out.addmm_(g, w)
+            self.split.mm(g, w, out, beta=0.0 if r0 == 0 and not accumulate else 1.0)
