@@ -92,20 +92,26 @@ class BlockedGemm:
         weights: the layer's expert weights in any registered format.
         compute_dtype: the dtype the GEMMs run in (``resolve_compute_dtype``).
         path: how weights reach the GEMMs (default: ``resolve_gemm_path`` on this machine).
+        split: whether GEMMs split their rows into fixed sizes (default: ``RowSplit.for_dtype``).
 
     Tile buffers and the transposed small-n result are the calling thread's scratch (``thread_workspace``), so
     experts may be multiplied in parallel threads.
     """
 
     def __init__(
-        self, weights: ExpertFormat, compute_dtype: torch.dtype, path: GemmPath | None = None
+        self,
+        weights: ExpertFormat,
+        compute_dtype: torch.dtype,
+        path: GemmPath | None = None,
+        split: RowSplit | None = None,
     ) -> None:
         self.weights = weights
         self.compute_dtype = compute_dtype
         self.path = path or resolve_gemm_path(weights, compute_dtype)
         # fp32/fp64 partial sums lose nothing, so backward may sum block by block (see matmul_w)
         self.exact_sums = compute_dtype in (torch.float32, torch.float64)
-        self.split = RowSplit.for_dtype(compute_dtype)  # row counts from a fixed set (``engine.shapes``)
+        # row counts from a fixed set (``engine.shapes``); default: where the compute dtype needs it
+        self.split = split if split is not None else RowSplit.for_dtype(compute_dtype)
 
     def row_blocks(self, proj: Projection, e: int, n: int, whole: bool = False) -> Iterator[Block]:
         """Expert e's ``proj`` matrix ``[D_out, D_in]`` as ``(r0, r1, W, scale)`` blocks in the compute dtype:

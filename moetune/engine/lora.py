@@ -171,11 +171,14 @@ class LoraPass:
     are the projection's (gate_up: H -> 2I, down: I -> H).
     """
 
-    def __init__(self, lora: ExpertLoRA, compute_dtype: torch.dtype, seed: int | None) -> None:
+    def __init__(
+        self, lora: ExpertLoRA, compute_dtype: torch.dtype, seed: int | None, split: RowSplit | None = None
+    ) -> None:
         self.lora = lora
         self.rank = lora.rank
         self.seed = seed
-        self.split = RowSplit.for_dtype(compute_dtype)  # row counts from a fixed set (``engine.shapes``)
+        # row counts from a fixed set (``engine.shapes``); default: where the compute dtype needs it
+        self.split = split if split is not None else RowSplit.for_dtype(compute_dtype)
         a1, b1, a2, b2 = (t.detach() for t in lora.tensors())
         if lora.gate_up_rows is not None:  # into the engine's gate-rows-first order
             b1 = b1.index_select(1, lora.gate_up_rows)

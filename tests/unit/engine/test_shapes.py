@@ -140,3 +140,20 @@ def test_bf16_gemm_shapes_stay_in_a_fixed_set_whatever_the_routing(mode):
         assert rec.dims, "no GEMM was recorded"
         assert rec.dims <= allowed, sorted(rec.dims - allowed)
     assert seen_counts - allowed  # the routings did produce row counts outside the set
+
+
+def test_split_rows_false_gives_whole_row_gemms_with_the_same_results():
+    """``EngineOptions(split_rows=False)`` (the benchmarks' A/B) multiplies each expert's rows whole: the recorder
+    sees the routing's own row counts, and the results agree with the split engine to bf16 rounding."""
+    layer = make_layer(E=4, H=72, I=40, r=4)
+    x, ids, w = make_routing(T=61, E=4, k=2, H=72, seed=0)
+    x, w, gy = x.bfloat16(), w.bfloat16(), torch.randn(61, 72)
+    counts = set(torch.bincount(ids.reshape(-1), minlength=4).tolist())
+    whole = build_module(layer, dtype=torch.bfloat16, split_rows=False)
+    with _GemmShapes() as rec:
+        y_whole, g_whole = run_module(whole, x, ids, w, gy)
+    assert counts - set(CHUNK_SIZES) <= rec.dims
+    y, grads = run_module(build_module(layer, dtype=torch.bfloat16), x, ids, w, gy)
+    assert rel_err(y, y_whole) < BF16_TOL
+    for name in grads:
+        assert rel_err(grads[name], g_whole[name]) < BF16_TOL, name
