@@ -28,7 +28,7 @@ import torch
 
 from moetune.engine.formats import ExpertFormat
 from moetune.engine.formats.base import Projection
-from moetune.engine.shapes import RowSplit
+from moetune.engine.shapes import RowSplit, padded_rows
 from moetune.engine.workspace import thread_workspace
 from moetune.sysinfo import CpuInfo, cpu_info
 
@@ -163,10 +163,11 @@ class BlockedGemm:
                 assert scale is None
                 self.split.mm(inp, w.t(), dst, beta=1.0 if accumulate else 0.0)
                 continue
-            for c0, c1 in self.split.chunks(n):
-                tmp = thread_workspace().get("wt_tmp", (r1 - r0, c1 - c0), inp.dtype)
-                res = torch.mm(w, inp[c0:c1].t(), out=tmp).t()  # [c, R]
-                d = dst[c0:c1]
+            for piece in self.split.pieces(n):
+                c0, c1, rows = piece
+                tmp = thread_workspace().get("wt_tmp", (r1 - r0, rows), inp.dtype)
+                torch.mm(w, padded_rows(inp, piece, "split_a").t(), out=tmp)
+                res, d = tmp[:, : c1 - c0].t(), dst[c0:c1]  # [c, R]: the piece's real rows
                 if scale is None:
                     d.add_(res) if accumulate else d.copy_(res)
                 elif accumulate:

@@ -8,11 +8,15 @@ building the kernel took about 1 ms (``ONEDNN_VERBOSE=all``: ``create:cache_miss
 slower than the same GEMMs with repeated shapes (``docs/performance.md``, "GEMM shapes"). A fixed set of row
 counts keeps the set of shapes small enough to stay cached.
 
-``row_chunks(n)`` splits n greedily into sizes from ``CHUNK_SIZES`` (multiples of 64 up to 512, then 48,
-32, 16, then 1-15): at most ``n // 512 + 3`` pieces, 26 sizes per GEMM form. Row-wise products (``out = a @ b``
-with n rows) are exact per row whatever the split. Products that sum over the rows (``a^T @ b``, the LoRA and
-base gradients) add the pieces' products in the output's dtype (fp32 for gradients): each piece rounded to
-the compute dtype once, summed in fp32.
+``row_pieces(n)`` cuts n into at most ``n // 512 + 2`` pieces whose GEMMs run on sizes from ``PIECE_SIZES``
+(1-16, 32, 48, 64, then multiples of 64 up to 512: 27 sizes per GEMM form): pieces of 512 rows, then one of a
+multiple of 64, then the tail. A tail of 17-63 rows runs padded to the next multiple of 16 (its rows copied
+into zero-padded scratch, the result's real rows copied back): padding at most 15 rows costs less than
+another pass over the expert's weights, which a further piece would read again (a GEMM with tens of rows is
+bound by reading its weights). Row-wise products (``out = a @ b``) are exact per row whatever the pieces,
+and zero rows add nothing to products that sum over the rows (``a^T @ b``, the LoRA and base gradients), which
+add their pieces' products in the output's dtype (fp32 for gradients): each piece rounded to the compute
+dtype once, summed in fp32.
 
 fp32 and fp64 GEMMs run through BLAS (no per-shape kernels), so they are never split (``RowSplit.for_dtype``)
 and keep their results bit for bit.
@@ -25,29 +29,55 @@ from dataclasses import dataclass
 
 import torch
 
-# 512 rows: larger pieces gained <= 10% on the layer shapes measured (H = 512 to 2048, AMX bf16), while every
-# extra size is one more cached kernel per GEMM form; 64-row steps above 64, 16-row steps below (an AMX tile is
-# 16 rows), and the tail exact.
-CHUNK_SIZES: tuple[int, ...] = (*range(512, 0, -64), 48, 32, 16, *range(15, 0, -1))
+from moetune.engine.workspace import thread_workspace
 
-Chunks = tuple[tuple[int, int], ...]
+# 512 rows: larger pieces gained <= 10% on the layer shapes measured (H = 512 to 2048, AMX bf16), while every
+# extra size is one more cached kernel per GEMM form; 64-row steps above 64, 16-row steps up to 64 (an AMX
+# tile is 16 rows), exact below 16.
+PIECE_SIZES: tuple[int, ...] = (*range(512, 64, -64), 64, 48, 32, *range(16, 0, -1))
+
+Piece = tuple[int, int, int]  # r0, r1, rows the GEMM runs on (> r1 - r0: padded with zero rows)
+Pieces = tuple[Piece, ...]
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
 
 
 @functools.lru_cache(maxsize=4096)
-def row_chunks(n: int) -> Chunks:
-    """``(r0, r1)`` pieces covering ``[0, n)`` in order, each of a size in ``CHUNK_SIZES`` (largest first)."""
-    out: list[tuple[int, int]] = []
+def row_pieces(n: int) -> Pieces:
+    """``(r0, r1, rows)`` pieces covering ``[0, n)`` in order, ``rows`` in ``PIECE_SIZES`` (see the module
+    docstring)."""
+    out: list[Piece] = []
     r0 = 0
-    while r0 < n:
-        size = next(s for s in CHUNK_SIZES if s <= n - r0)
-        out.append((r0, r0 + size))
+    while n - r0 >= 512:
+        out.append((r0, r0 + 512, 512))
+        r0 += 512
+    if n - r0 > 64:
+        size = (n - r0) // 64 * 64
+        out.append((r0, r0 + size, size))
         r0 += size
+    if n > r0:
+        tail = n - r0
+        out.append((r0, n, tail if tail <= 16 else _round_up(tail, 16)))
     return tuple(out)
+
+
+def padded_rows(t: torch.Tensor, piece: Piece, name: str) -> torch.Tensor:
+    """Rows ``r0:r1`` of ``t [n, D]``: a view, or (padded piece) a copy in the calling thread's scratch ``name``
+    ``[rows, D]`` whose extra rows are zero."""
+    r0, r1, rows = piece
+    if rows == r1 - r0:
+        return t[r0:r1]
+    buf = thread_workspace().get(name, (rows, t.shape[1]), t.dtype)
+    buf[: r1 - r0].copy_(t[r0:r1])
+    buf[r1 - r0 :].zero_()
+    return buf
 
 
 @dataclass(frozen=True)
 class RowSplit:
-    """Whether one engine's GEMMs split their rows (``row_chunks``) or run whole; resolved once per engine."""
+    """Whether one engine's GEMMs split their rows (``row_pieces``) or run whole; resolved once per engine."""
 
     enabled: bool
 
@@ -56,26 +86,37 @@ class RowSplit:
         """Split where torch runs the GEMMs through oneDNN's per-shape kernels: bf16 and fp16."""
         return RowSplit(compute_dtype in (torch.bfloat16, torch.float16))
 
-    def chunks(self, n: int) -> Chunks:
-        """The pieces of n rows: ``row_chunks(n)``, or the whole when not splitting."""
-        return row_chunks(n) if self.enabled and n > 0 else ((0, n),)
+    def pieces(self, n: int) -> Pieces:
+        """The pieces of n rows: ``row_pieces(n)``, or the whole when not splitting."""
+        return row_pieces(n) if self.enabled and n > 0 else ((0, n, n),)
 
     def mm(
         self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, beta: float = 0.0, alpha: float = 1.0
     ) -> None:
         """out ``[n, D]`` = beta * out + alpha * a ``[n, K]`` @ b ``[K, D]``, piece by piece of the n rows.
 
-        beta 0 ignores out's old contents (NaN included), as ``addmm_`` does."""
+        beta 0 ignores out's old contents (NaN included), as ``addmm_`` does. A padded piece runs on scratch
+        rows (out's rows copied in first when beta is not 0, so the sum is still formed inside the GEMM)."""
         plain = beta == 0.0 and alpha == 1.0
-        for r0, r1 in self.chunks(a.shape[0]):
-            if plain:
-                torch.mm(a[r0:r1], b, out=out[r0:r1])
+        for piece in self.pieces(a.shape[0]):
+            r0, r1, rows = piece
+            a_p = padded_rows(a, piece, "split_a")
+            if rows == r1 - r0:
+                o = out[r0:r1]
             else:
-                out[r0:r1].addmm_(a[r0:r1], b, beta=beta, alpha=alpha)
+                o = thread_workspace().get("split_out", (rows, out.shape[1]), out.dtype)
+                if beta != 0.0:
+                    o[: r1 - r0].copy_(out[r0:r1])  # the padding rows' old contents only reach padding rows
+            if plain:
+                torch.mm(a_p, b, out=o)
+            else:
+                o.addmm_(a_p, b, beta=beta, alpha=alpha)
+            if rows != r1 - r0:
+                out[r0:r1].copy_(o[: r1 - r0])
 
     def mm_t(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         """out ``[P, D]`` (any dtype, may be a transposed view) = a ``[n, P]``^T @ b ``[n, D]``: the pieces' products
-        in the compute dtype, written then added into out."""
-        for i, (r0, r1) in enumerate(self.chunks(a.shape[0])):
-            part = a[r0:r1].t() @ b[r0:r1]
+        in the compute dtype (padding rows are zero in both), written then added into out."""
+        for i, piece in enumerate(self.pieces(a.shape[0])):
+            part = padded_rows(a, piece, "split_a").t() @ padded_rows(b, piece, "split_b")
             out.copy_(part) if i == 0 else out.add_(part)

@@ -8,21 +8,22 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetune.engine.lora import dropout_mask
-from moetune.engine.shapes import CHUNK_SIZES, RowSplit, row_chunks
+from moetune.engine.shapes import PIECE_SIZES, RowSplit, row_pieces
 from tests.unit.engine_cases import build_module, make_layer, make_routing, rel_err, run_module, run_reference
 
 # bf16 products of K <= 64 terms rounded once: unit roundoff 2^-8 (3.9e-3) on the inputs and the output
 BF16_TOL = 2e-2
 
 
-def test_row_chunks_cover_n_in_order_with_bounded_sizes_and_count():
-    sizes = set(CHUNK_SIZES)
+def test_row_pieces_cover_n_in_order_with_bounded_sizes_and_count():
+    sizes = set(PIECE_SIZES)
     for n in range(1, 2100):
-        pieces = row_chunks(n)
+        pieces = row_pieces(n)
         assert pieces[0][0] == 0 and pieces[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
-        assert all(r1 - r0 in sizes for r0, r1 in pieces)
-        assert len(pieces) <= n // 512 + 3, (n, pieces)
+        assert all(rows in sizes and 0 <= rows - (r1 - r0) < 16 for r0, r1, rows in pieces), (n, pieces)
+        assert len(pieces) <= n // 512 + 2, (n, pieces)
+    assert row_pieces(37) == ((0, 37, 48),)  # one padded GEMM, not 32 + 5 rows reading the weights twice
     assert (
         len(sizes) <= 32
     )  # the bound that keeps every GEMM form's shapes inside oneDNN's 1,024-kernel cache
@@ -32,7 +33,7 @@ def test_only_onednn_dtypes_split():
     assert RowSplit.for_dtype(torch.bfloat16).enabled and RowSplit.for_dtype(torch.float16).enabled
     for dtype in (torch.float32, torch.float64):
         split = RowSplit.for_dtype(dtype)
-        assert not split.enabled and split.chunks(777) == ((0, 777),)
+        assert not split.enabled and split.pieces(777) == ((0, 777, 777),)
 
 
 @pytest.mark.parametrize("n", [1, 17, 300, 1100])
@@ -78,7 +79,7 @@ def test_bf16_engine_with_split_rows_within_bound(mode):
     bf16-rounded weights (bound as in test_engine_reference: 8-bit mantissas through ~4 rounded stages)."""
     layer, x, ids, w = _many_rows_case(mode)
     counts = torch.bincount(ids.reshape(-1), minlength=4)
-    assert all(len(row_chunks(int(c))) >= 2 for c in counts)
+    assert all(len(row_pieces(int(c))) >= 2 for c in counts)
     full = mode.startswith("full")
     gy = torch.randn(x.shape[0], 64, dtype=torch.float64)
     y, grads = run_module(build_module(layer, dtype=torch.bfloat16, full=full), x, ids, w, gy)
@@ -130,7 +131,7 @@ def test_bf16_gemm_shapes_stay_in_a_fixed_set_whatever_the_routing(mode):
     split every new row count was a new shape, and a rebuilt kernel: ~1 ms per call.)"""
     layer = make_layer(E=4, H=72, I=40, r=4, lora="lora" in mode)
     mod = build_module(layer, dtype=torch.bfloat16, full=mode.startswith("full"))
-    allowed = set(CHUNK_SIZES) | {72, 40, 80, 4}
+    allowed = set(PIECE_SIZES) | {72, 40, 80, 4}
     seen_counts = set()
     for seed in range(3):
         x, ids, w = make_routing(T=61 + 30 * seed, E=4, k=2, H=72, seed=seed)
@@ -152,7 +153,7 @@ def test_split_rows_false_gives_whole_row_gemms_with_the_same_results():
     whole = build_module(layer, dtype=torch.bfloat16, split_rows=False)
     with _GemmShapes() as rec:
         y_whole, g_whole = run_module(whole, x, ids, w, gy)
-    assert counts - set(CHUNK_SIZES) <= rec.dims
+    assert counts - set(PIECE_SIZES) <= rec.dims
     y, grads = run_module(build_module(layer, dtype=torch.bfloat16), x, ids, w, gy)
     assert rel_err(y, y_whole) < BF16_TOL
     for name in grads:
