@@ -8,12 +8,14 @@ building the kernel took about 1 ms (``ONEDNN_VERBOSE=all``: ``create:cache_miss
 slower than the same GEMMs with repeated shapes (``docs/performance.md``, "GEMM shapes"). A fixed set of row
 counts keeps the set of shapes small enough to stay cached.
 
-``row_pieces(n)`` cuts n into at most ``n // 512 + 2`` pieces whose GEMMs run on sizes from ``PIECE_SIZES``
-(1-16, 32, 48, 64, then multiples of 64 up to 512: 27 sizes per GEMM form): pieces of 512 rows, then one of a
-multiple of 64, then the tail. A tail of 17-63 rows runs padded to the next multiple of 16 (its rows copied
-into zero-padded scratch, the result's real rows copied back): padding at most 15 rows costs less than
-another pass over the expert's weights, which a further piece would read again (a GEMM with tens of rows is
-bound by reading its weights). Row-wise products (``out = a @ b``) are exact per row whatever the pieces,
+``row_pieces(n)`` cuts n into ``ceil(n / 512)`` pieces whose GEMMs run on sizes from ``PIECE_SIZES`` (1-16,
+32, 48, 64, then multiples of 32 up to 512: 33 sizes per GEMM form): pieces of 512 rows, then the tail, which
+runs padded to the next size (its rows copied into zero-padded scratch, the result's real rows copied back):
+at most 15 rows of padding for a tail of 17-64 rows, 31 for a longer one. Padding costs less than cutting
+the tail into exact pieces, each of which reads the expert's weights again (a GEMM with tens of rows is bound
+by reading its weights): measured with ``bench/gemm_shapes.py`` (E = 32, lora, fresh routing), pieces of
+64-row multiples + 16-row multiples + the rest ran at 0.82x (T = 128) and 0.93x (T = 512) of whole-row GEMMs,
+one padded tail at 1.09x and 1.31x. Row-wise products (``out = a @ b``) are exact per row whatever the pieces,
 and zero rows add nothing to products that sum over the rows (``a^T @ b``, the LoRA and base gradients), which
 add their pieces' products in the output's dtype (fp32 for gradients): each piece rounded to the compute
 dtype once, summed in fp32.
@@ -32,9 +34,9 @@ import torch
 from moetune.engine.workspace import thread_workspace
 
 # 512 rows: larger pieces gained <= 10% on the layer shapes measured (H = 512 to 2048, AMX bf16), while every
-# extra size is one more cached kernel per GEMM form; 64-row steps above 64, 16-row steps up to 64 (an AMX
+# extra size is one more cached kernel per GEMM form; 32-row steps above 64, 16-row steps up to 64 (an AMX
 # tile is 16 rows), exact below 16.
-PIECE_SIZES: tuple[int, ...] = (*range(512, 64, -64), 64, 48, 32, *range(16, 0, -1))
+PIECE_SIZES: tuple[int, ...] = (*range(512, 64, -32), 64, 48, 32, *range(16, 0, -1))
 
 Piece = tuple[int, int, int]  # r0, r1, rows the GEMM runs on (> r1 - r0: padded with zero rows)
 Pieces = tuple[Piece, ...]
@@ -53,13 +55,9 @@ def row_pieces(n: int) -> Pieces:
     while n - r0 >= 512:
         out.append((r0, r0 + 512, 512))
         r0 += 512
-    if n - r0 > 64:
-        size = (n - r0) // 64 * 64
-        out.append((r0, r0 + size, size))
-        r0 += size
     if n > r0:
         tail = n - r0
-        out.append((r0, n, tail if tail <= 16 else _round_up(tail, 16)))
+        out.append((r0, n, tail if tail <= 16 else _round_up(tail, 16 if tail <= 64 else 32)))
     return tuple(out)
 
 
