@@ -37,6 +37,13 @@ def main() -> None:
     p.add_argument("--routing", choices=["fresh", "fixed"], default="fresh")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=["split", "whole"],
+        default=["split", "whole"],
+        help="one alone, to count its kernel builds: ONEDNN_VERBOSE=all ... | grep -c create:cache_miss",
+    )
     args = p.parse_args()
     threads = set_engine_threads(args.threads)
     cpu = cpu_info()
@@ -53,8 +60,8 @@ def main() -> None:
         for mode in args.modes:
             lora = weights.lora if mode == "lora" else None
             engines = {
-                "split": ExpertEngine(dense, lora=lora, options=EngineOptions(split_rows=True)),
-                "whole": ExpertEngine(dense, lora=lora, options=EngineOptions(split_rows=False)),
+                name: ExpertEngine(dense, lora=lora, options=EngineOptions(split_rows=name == "split"))
+                for name in args.variants
             }
             for t in args.tokens:
                 cpu_ms: dict[str, list[float]] = {name: [] for name in engines}
@@ -70,14 +77,13 @@ def main() -> None:
                             cpu_ms[name].append((time.process_time() - c0) * 1e3)
                             wall_ms[name].append((time.perf_counter() - w0) * 1e3)
                 med = {name: statistics.median(v) for name, v in cpu_ms.items()}
-                span = {name: f"{min(v):.0f}-{max(v):.0f}" for name, v in cpu_ms.items()}
-                wall = {name: statistics.median(v) for name, v in wall_ms.items()}
+                cells = {name: f"{med[name]:.0f} ({min(v):.0f}-{max(v):.0f})" for name, v in cpu_ms.items()}
+                wall = {name: f"{statistics.median(v):.0f}" for name, v in wall_ms.items()}
+                ratio = f"{med['whole'] / med['split']:.2f}x" if len(med) == 2 else "-"
                 case = f"E{e}-T{t}-{mode}"
-                s_cell = f"{med['split']:.0f} ({span['split']})"
-                w_cell = f"{med['whole']:.0f} ({span['whole']})"
-                walls = f"{wall['split']:.0f} / {wall['whole']:.0f}"
                 print(
-                    f"{case:<22}{s_cell:>22}{w_cell:>22}{med['whole'] / med['split']:>12.2f}x{walls:>24}",
+                    f"{case:<22}{cells.get('split', '-'):>22}{cells.get('whole', '-'):>22}{ratio:>13}"
+                    f"{' / '.join(wall.get(n, '-') for n in ('split', 'whole')):>24}",
                     flush=True,
                 )
 
