@@ -41,6 +41,7 @@ from moetune.engine.routing import (
     to_slots,
     validate_routing,
 )
+from moetune.engine.shapes import RowSplit
 from moetune.engine.threads import MIN_POOL_EXPERT_PARAMS, expert_pool, split_threads
 from moetune.engine.workspace import Workspace, thread_workspace
 from moetune.errors import EngineError, EngineStateError, NonFiniteError
@@ -159,7 +160,9 @@ class ExpertEngine:
         self._id = next(_engine_ids)
         self._forwards = 0
         self.ws = Workspace()
-        self.gemm = BlockedGemm(weights, self.compute_dtype)
+        split = self.options.split_rows
+        self.split = RowSplit.for_dtype(self.compute_dtype) if split is None else RowSplit(split)
+        self.gemm = BlockedGemm(weights, self.compute_dtype, split=self.split)
         if self.options.expert_workers is not None and self.options.expert_workers < 1:
             raise EngineError(f"expert_workers must be >= 1 or None; got {self.options.expert_workers}")
 
@@ -171,7 +174,7 @@ class ExpertEngine:
 
     @weights.setter
     def weights(self, weights: ExpertFormat) -> None:
-        self.gemm = BlockedGemm(weights, self.compute_dtype)
+        self.gemm = BlockedGemm(weights, self.compute_dtype, split=self.split)
 
     @property
     def mode(self) -> TrainMode:
@@ -200,7 +203,14 @@ class ExpertEngine:
         if not plan.lora:
             return None
         assert lora is not None
-        return LoraPass(lora, self.compute_dtype, seed)
+        return LoraPass(lora, self.compute_dtype, seed, self.split)
+
+    def _sum_rows(self, g: torch.Tensor, inp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A base weight's gradient ``g [n, D_out]^T @ inp [n, D_in]`` -> ``[D_out, D_in]`` in ``dtype``, summed over
+        row pieces (``engine.shapes``) where the compute dtype asks for them."""
+        out = torch.empty((g.shape[1], inp.shape[1]), dtype=dtype)
+        self.split.mm_t(g, inp, out)
+        return out
 
     def _bias(self, proj: Projection, e: int) -> torch.Tensor | None:
         """Expert e's bias of ``proj`` (``[2I]`` or ``[H]``) in the compute dtype, or None."""
@@ -419,7 +429,7 @@ class ExpertEngine:
                 gw_sorted[s0:s1] += g_e @ b2
             mine: dict[str, torch.Tensor] | None = None
             if base_g is not None:  # only this expert's slices: experts without rows get no tensor at all
-                mine = base_g.by_expert[e] = {"down": (g_e.t() @ (h_e * w_e)).to(gdt)}
+                mine = base_g.by_expert[e] = {"down": self._sum_rows(g_e, h_e * w_e, gdt)}
                 if self.down_bias is not None:
                     mine["down_bias"] = (g_e * w_e).sum(0).to(gdt)
             gh_e.mul_(w_e)
@@ -434,7 +444,7 @@ class ExpertEngine:
             self.gemm.matmul_w("gate_up", e, ggu, gxs_e, accumulate=lora_pass is not None)
             if mine is not None:
                 assert xs_e is not None
-                mine["gate_up"] = (ggu.t() @ xs_e).to(gdt)
+                mine["gate_up"] = self._sum_rows(ggu, xs_e, gdt)
                 if self.gate_up_bias is not None:
                     mine["gate_up_bias"] = ggu.sum(0).to(gdt)
 

@@ -28,6 +28,7 @@ import torch
 
 from moetune.engine.formats import ExpertFormat
 from moetune.engine.formats.base import Projection
+from moetune.engine.shapes import RowSplit, padded_rows
 from moetune.engine.workspace import thread_workspace
 from moetune.sysinfo import CpuInfo, cpu_info
 
@@ -91,19 +92,26 @@ class BlockedGemm:
         weights: the layer's expert weights in any registered format.
         compute_dtype: the dtype the GEMMs run in (``resolve_compute_dtype``).
         path: how weights reach the GEMMs (default: ``resolve_gemm_path`` on this machine).
+        split: whether GEMMs split their rows into fixed sizes (default: ``RowSplit.for_dtype``).
 
     Tile buffers and the transposed small-n result are the calling thread's scratch (``thread_workspace``), so
     experts may be multiplied in parallel threads.
     """
 
     def __init__(
-        self, weights: ExpertFormat, compute_dtype: torch.dtype, path: GemmPath | None = None
+        self,
+        weights: ExpertFormat,
+        compute_dtype: torch.dtype,
+        path: GemmPath | None = None,
+        split: RowSplit | None = None,
     ) -> None:
         self.weights = weights
         self.compute_dtype = compute_dtype
         self.path = path or resolve_gemm_path(weights, compute_dtype)
         # fp32/fp64 partial sums lose nothing, so backward may sum block by block (see matmul_w)
         self.exact_sums = compute_dtype in (torch.float32, torch.float64)
+        # row counts from a fixed set (``engine.shapes``); default: where the compute dtype needs it
+        self.split = split if split is not None else RowSplit.for_dtype(compute_dtype)
 
     def row_blocks(self, proj: Projection, e: int, n: int, whole: bool = False) -> Iterator[Block]:
         """Expert e's ``proj`` matrix ``[D_out, D_in]`` as ``(r0, r1, W, scale)`` blocks in the compute dtype:
@@ -153,16 +161,19 @@ class BlockedGemm:
             dst = out[:, r0:r1]
             if n > SMALL_ROWS:  # weights themselves (scaled codes only come with few rows)
                 assert scale is None
-                dst.addmm_(inp, w.t()) if accumulate else torch.mm(inp, w.t(), out=dst)
+                self.split.mm(inp, w.t(), dst, beta=1.0 if accumulate else 0.0)
                 continue
-            tmp = thread_workspace().get("wt_tmp", (r1 - r0, n), inp.dtype)
-            res = torch.mm(w, inp.t(), out=tmp).t()  # [n, R]
-            if scale is None:
-                dst.add_(res) if accumulate else dst.copy_(res)
-            elif accumulate:
-                dst.addcmul_(res, scale)
-            else:
-                torch.mul(res, scale, out=dst)
+            for piece in self.split.pieces(n):
+                c0, c1, rows = piece
+                tmp = thread_workspace().get("wt_tmp", (r1 - r0, rows), inp.dtype)
+                torch.mm(w, padded_rows(inp, piece, "split_a").t(), out=tmp)
+                res, d = tmp[:, : c1 - c0].t(), dst[c0:c1]  # [c, R]: the piece's real rows
+                if scale is None:
+                    d.add_(res) if accumulate else d.copy_(res)
+                elif accumulate:
+                    d.addcmul_(res, scale)
+                else:
+                    torch.mul(res, scale, out=d)
 
     def matmul_w(
         self, proj: Projection, e: int, grad: torch.Tensor, out: torch.Tensor, accumulate: bool = False
@@ -180,7 +191,4 @@ class BlockedGemm:
             g = grad[:, r0:r1]
             if scale is not None:
                 g = torch.mul(g, scale, out=thread_workspace().get("w_scaled_grad", (n, r1 - r0), grad.dtype))
-            if r0 == 0 and not accumulate:
-                torch.mm(g, w, out=out)
-            else:
-                out.addmm_(g, w)
+            self.split.mm(g, w, out, beta=0.0 if r0 == 0 and not accumulate else 1.0)

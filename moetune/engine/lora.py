@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from moetune.engine.formats.base import Projection
+from moetune.engine.shapes import RowSplit
 from moetune.errors import ConfigError, EngineError
 
 LORA_NAMES = ("gate_up_A", "gate_up_B", "down_A", "down_B")
@@ -170,10 +171,14 @@ class LoraPass:
     are the projection's (gate_up: H -> 2I, down: I -> H).
     """
 
-    def __init__(self, lora: ExpertLoRA, compute_dtype: torch.dtype, seed: int | None) -> None:
+    def __init__(
+        self, lora: ExpertLoRA, compute_dtype: torch.dtype, seed: int | None, split: RowSplit | None = None
+    ) -> None:
         self.lora = lora
         self.rank = lora.rank
         self.seed = seed
+        # row counts from a fixed set (``engine.shapes``); default: where the compute dtype needs it
+        self.split = split if split is not None else RowSplit.for_dtype(compute_dtype)
         a1, b1, a2, b2 = (t.detach() for t in lora.tensors())
         if lora.gate_up_rows is not None:  # into the engine's gate-rows-first order
             b1 = b1.index_select(1, lora.gate_up_rows)
@@ -199,8 +204,8 @@ class LoraPass:
         a, b = self._ab[proj]
         mask = self._mask(proj, e, inp)
         dropped = inp if mask is None else inp * mask
-        torch.mm(dropped, a[e].t(), out=a_out)
-        out.addmm_(a_out, b[e].t(), beta=0, alpha=self.lora.scaling)  # beta 0: out's old values are ignored
+        self.split.mm(dropped, a[e].t(), a_out)
+        self.split.mm(a_out, b[e].t(), out, alpha=self.lora.scaling)  # beta 0: out's old values are ignored
 
     def backward(
         self,
@@ -224,21 +229,27 @@ class LoraPass:
         """
         s = self.lora.scaling
         a, b = self._ab[proj]
-        gb = g_out @ b[e]  # [n, r]
+        n, split = g_out.shape[0], self.split
+        gb = g_out.new_empty((n, self.rank))  # [n, r]
+        split.mm(g_out, b[e], gb)
         mask = self._mask(proj, e, inp)
         dropped = inp if mask is None else inp * mask
         if mask is None:
-            g_in.addmm_(gb, a[e], beta=0, alpha=s)  # beta 0: g_in's old values are ignored
+            split.mm(gb, a[e], g_in, alpha=s)  # beta 0: g_in's old values are ignored
         else:  # the mask applies to the gradient flowing back into the input too
-            torch.mul(gb @ a[e], mask, out=g_in).mul_(s)
+            split.mm(gb, a[e], g_in)
+            g_in.mul_(mask).mul_(s)
         if a_proj is None:
-            a_proj = dropped @ a[e].t()
+            a_proj = inp.new_empty((n, self.rank))
+            split.mm(dropped, a[e].t(), a_proj)
         if w_e is not None:
             gb = gb * w_e
             a_proj = a_proj * w_e
-        grads[f"{proj}_A"][e].copy_(gb.t() @ dropped).mul_(s)
+        split.mm_t(gb, dropped, grads[f"{proj}_A"][e])
+        grads[f"{proj}_A"][e].mul_(s)
         # (a^T g)^T, not g^T a: MKL runs the [r, n] x [n, D] form ~9x faster than [D, n] x [n, r] here
-        grads[f"{proj}_B"][e].copy_((a_proj.t() @ g_out).t()).mul_(s)
+        split.mm_t(a_proj, g_out, grads[f"{proj}_B"][e].t())
+        grads[f"{proj}_B"][e].mul_(s)
 
     def zero_grads(self) -> dict[str, torch.Tensor]:
         """Zeroed grads shaped like the four tensors in the engine's order (gate_up_B ``[E, 2I, r]``), keyed by
