@@ -15,7 +15,7 @@ import torch
 
 from moetune.train.demo import make_demo_model
 from tests.integration import dist_checks
-from tests.slow.test_dist_train import CLI, SGD, _adapter, _assert_same_run
+from tests.slow.test_dist_train import CLI, SGD
 
 ROOT = Path(__file__).resolve().parents[2]
 # AdamW: the FSDP checkpoint's optimizer state (optimizer.bin) must come back for the resumed run to match;
@@ -48,8 +48,8 @@ def _summary(out: Path) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_fsdp_equals_one_process(runs) -> None:
-    _assert_same_run(runs["fsdp"], runs["one"])
-    adapter = _adapter(runs["fsdp"])
+    dist_checks.assert_same_run(runs["fsdp"], runs["one"])
+    adapter = dist_checks.adapter(runs["fsdp"])
     assert any(".experts." in k and adapter[k].abs().max() > 0 for k in adapter if "lora_B" in k)
     configs = [json.loads((runs[n] / "adapter_config.json").read_text()) for n in ("fsdp", "one")]
     assert configs[0] == configs[1]
@@ -82,7 +82,7 @@ def test_resume_fsdp_checkpoint(runs) -> None:
     got, want = dict(dist_checks.losses(runs["resumed"])), dict(dist_checks.losses(runs["fsdp"]))
     assert sorted(got) == [1, 2, 3, 4]
     assert all(got[s] == pytest.approx(want[s], rel=1e-6) for s in got)
-    a, b = _adapter(runs["resumed"]), _adapter(runs["fsdp"])
+    a, b = dist_checks.adapter(runs["resumed"]), dist_checks.adapter(runs["fsdp"])
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-7, msg=key)
 
@@ -118,7 +118,7 @@ def test_deepspeed_zero3_runs_as_fsdp2_deepseek_v3(tmp_path) -> None:
     )
     dist_checks.check(dist_checks.single(*CLI, str(one)))
     dist_checks.check(dist_checks.torchrun(*CLI, str(two)))
-    _assert_same_run(tmp_path / "two/out", tmp_path / "one/out")
+    dist_checks.assert_same_run(tmp_path / "two/out", tmp_path / "one/out")
     assert _summary(tmp_path / "two/out")["dense_part"]["sharding"] == "fsdp2"
 
 
@@ -131,7 +131,7 @@ def test_fsdp_with_sharded_experts(tmp_path) -> None:
     two = dist_checks.config(tmp_path, model, "two", **SGD, **FSDP, **sharded)
     dist_checks.check(dist_checks.single(*CLI, str(one)))
     dist_checks.check(dist_checks.torchrun(*CLI, str(two)))
-    _assert_same_run(tmp_path / "two/out", tmp_path / "one/out")
+    dist_checks.assert_same_run(tmp_path / "two/out", tmp_path / "one/out")
     summary = _summary(tmp_path / "two/out")
     assert summary["dense_part"]["sharding"] == "fsdp2"
     assert summary["routed_experts"]["experts_per_layer"] == "4 of 8"
