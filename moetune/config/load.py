@@ -133,7 +133,8 @@ def parse_config(
         engine_raw = dict(engine_raw)
         origins = translate_kt(flat, engine_raw, problems)
     translate_lora_expert_keys(flat, problems)
-    as_fsdp = deepspeed_as_fsdp(flat.pop("deepspeed"), problems) if "deepspeed" in flat else {}
+    lora = str(flat.get("finetuning_type", "lora")).lower() == "lora"
+    as_fsdp = deepspeed_as_fsdp(flat.pop("deepspeed"), problems, lora=lora) if "deepspeed" in flat else {}
     if as_fsdp and ("fsdp" in flat or "fsdp_config" in flat):
         problems.add("deepspeed", "is given with fsdp / fsdp_config; both ask for FSDP2: keep one of them")
     extra = {**as_fsdp, **_check_keys(flat, engine_raw, problems)}

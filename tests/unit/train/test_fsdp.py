@@ -96,6 +96,18 @@ def test_deepspeed_zero_stage_maps_to_fsdp2_or_ddp(caplog, stage, reshard) -> No
         assert "as FSDP2" in caplog.text
 
 
+@pytest.mark.parametrize("finetuning_type", ["full", "freeze"])
+@pytest.mark.usefixtures("workdir")
+def test_deepspeed_zero3_with_full_or_freeze_runs_ddp(caplog, finetuning_type) -> None:
+    """LLaMA-Factory's full-SFT examples name ds_z3_config.json: moetune's FSDP2 is for LoRA runs, so the
+    dense part then trains under DDP (said in the line), not refused as an explicit fsdp key is."""
+    Path("ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    with caplog.at_level(logging.WARNING):
+        cfg = parse_config(minimal(deepspeed="ds.json", finetuning_type=finetuning_type))
+    assert "fsdp" not in training_arguments_kwargs(cfg) and fsdp_plugin(cfg, 2) is None
+    assert "as DDP (full/freeze training" in caplog.text
+
+
 @pytest.mark.usefixtures("workdir")
 def test_deepspeed_with_fsdp_refused() -> None:
     Path("ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
