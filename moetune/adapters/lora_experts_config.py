@@ -60,6 +60,14 @@ class LoraExpertsConfig(LoraConfig):
             new._model = weakref.ref(memo.get(id(model), model))  # type: ignore[assignment]
         return new
 
+    def to_dict(self) -> dict[str, Any]:
+        """``LoraConfig``'s, with ``target_modules`` sorted: PEFT holds them as a set, whose order follows each
+        process's string hashing, so two runs (or ranks) would write the same adapter's config differently."""
+        values = super().to_dict()
+        if isinstance(values.get("target_modules"), (set, list, tuple)):
+            values["target_modules"] = sorted(values["target_modules"])
+        return values
+
     def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
         from moetune.adapters.lora_experts import FILE_NAME, spec_of, write_lora_experts
 

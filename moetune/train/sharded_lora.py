@@ -113,19 +113,26 @@ class ShardedLora:
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         """torch's ``clip_grad_norm_`` over ``parameters`` (every rank's own and replicated ones) with the held
-        rows' squares summed over the ranks: the norm and the clip of one process. Returns the norm (fp32, CPU)."""
+        rows' squares summed over the ranks, and those of FSDP2's shards (``DTensor`` gradients: each rank's local
+        shard) too: the norm and the clip of one process. Returns the norm (fp32, CPU)."""
         import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
 
         mine = [t.param.grad for t in self.tensors if t.param.grad is not None]
         rest = [p.grad for p in parameters if p.grad is not None and p not in self.params]
-        held = torch.zeros(
-            (), dtype=torch.float64
-        )  # fp64 sums of squares: the order of the sums does not show
+        # fp64 sums of squares: the order of the sums does not show
+        held = torch.zeros((), dtype=torch.float64)
         for g in mine:
             held += g.double().square().sum()
+        for g in rest:
+            if isinstance(
+                g, DTensor
+            ):  # a shard of the dense part: FSDP2 shards over every rank, as held rows are
+                held += g.to_local().detach().double().square().sum().cpu()
         dist.all_reduce(held, op=dist.ReduceOp.SUM, group=self.group)
         for g in rest:
-            held += g.detach().double().square().sum().cpu()
+            if not isinstance(g, DTensor):  # the same on every rank: counted once
+                held += g.detach().double().square().sum().cpu()
         norm = held.sqrt().float()
         coef = max_norm / (float(norm) + _EPS) if max_norm < math.inf else 1.0
         if coef < 1.0:

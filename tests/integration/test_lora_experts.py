@@ -233,6 +233,8 @@ def test_peft_save_pretrained_writes_the_lora_experts_too(checkpoints, tmp_path)
     assert "moetune_lora_experts.safetensors" in files and "adapter_model.safetensors" in files
     config = {d: json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("peft", "moetune")}
     assert config["peft"] == config["moetune"]
+    # in a fixed order whatever the process's string hashing (PEFT holds them as a set)
+    assert config["peft"]["target_modules"] == sorted(config["peft"]["target_modules"])
     again = moetune.load_model(path, device="cpu", dtype="float32", adapter=tmp_path / "peft", progress=False)
     assert torch.equal(again(input_ids=ids).logits, want)
 
