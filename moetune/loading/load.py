@@ -90,9 +90,10 @@ def layer_summary(paths: list[str]) -> str:
 
 
 def shard_slices(shard: ExpertShard | None, planned: PlannedLoad) -> list[range] | None:
-    """The experts of each planned layer this rank reads (None: every expert); ``ConfigError`` naming
-    ``expert_parallel`` for what sharding does not run (a family calling its experts otherwise, a quantized
-    checkpoint, E not divisible by the number of processes), from headers, before any tensor is read."""
+    """The experts of each planned layer this rank reads (None: every expert), from float and quantized
+    checkpoints alike (``stream_experts`` reads only their tensors or slices); ``ConfigError`` naming
+    ``expert_parallel`` for what sharding does not run (a family calling its experts otherwise, E not divisible
+    by the number of processes), from headers, before any tensor is read."""
     if shard is None:
         return None
     if planned.spec.call not in SHARDED_MODULES:
@@ -101,13 +102,10 @@ def shard_slices(shard: ExpertShard | None, planned: PlannedLoad) -> list[range]
             f"{', '.join(c.value for c in SHARDED_MODULES)}; {planned.spec.name} calls them as "
             f"{planned.spec.call.value}. Use expert_parallel: replicated for this model"
         )
-    quantized = [layer.site.path for layer in planned.plan.layers if layer.method is not None]
-    if quantized:
-        raise ConfigError(
-            f"expert_parallel: sharded reads float checkpoints only for now; {planned.checkpoint.path} stores "
-            f"{layer_summary(quantized)} quantized. Use expert_parallel: replicated, or a bf16 checkpoint "
-            "(expert_format int8/int4/fp8 then quantizes each rank's experts as they are read)"
-        )
+    """The experts of each planned layer this rank reads (None: every expert), from float and quantized
+    checkpoints alike (``stream_experts`` reads only their tensors or slices); ``ConfigError`` naming
+    ``expert_parallel`` for what sharding does not run (a family calling its experts otherwise, E not divisible
+    by the number of processes), from headers, before any tensor is read."""
     for layer in planned.plan.layers:
         shard.owners(layer.site.layout.num_experts, layer.site.path)  # raises where E does not split evenly
     return [shard.experts(layer.site.layout.num_experts) for layer in planned.plan.layers]
