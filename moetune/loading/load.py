@@ -316,7 +316,11 @@ def load_model(
         type(model).__name__,
         spec.name,
         len(sites),
-        format_bytes(plan.nbytes),
+        format_bytes(
+            plan.nbytes
+            if slices is None
+            else sum(layer.read_nbytes(mine) for layer, mine in zip(plan.layers, slices, strict=True))
+        ),
         ", ".join(sorted({str(f) for f in planned.formats}))
         if store is None
         else f"{store.manifest.format} from {store.root}, {opts.experts.expert_residency.value} residency",

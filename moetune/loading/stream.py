@@ -223,7 +223,7 @@ def stream_experts(
 
     A tqdm bar counts layers and shows the read rate (checkpoint bytes per second).
     """
-    total = sum(layer.nbytes for layer in layers)
+    total = sum(layer.read_nbytes(None if experts is None else experts[j]) for j, layer in enumerate(layers))
     bar = LayerProgress(len(layers), total, "moetune: routed experts", progress)
     spare: _LayerBuffers | None = None
     with ShardReader(checkpoint, [layer.files for layer in layers]) as reader, bar:
@@ -231,5 +231,5 @@ def stream_experts(
             mine = None if experts is None else experts[step]
             engine, spare = build_engine(layer, reader, dtype, options, choice, spare, mine)
             reader.done(step)
-            bar.advance(layer.nbytes)
+            bar.advance(layer.read_nbytes(mine))
             yield layer, engine

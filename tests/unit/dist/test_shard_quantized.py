@@ -121,6 +121,7 @@ def test_a_rank_reads_and_holds_only_its_experts(checkpoints, name, world) -> No
             _assert_holds_slice(mine, whole, held, native)
             assert mine.weights.nbytes * world == whole.weights.nbytes
             read = sum(n for *_, n in reads)
+            assert read == layer.read_nbytes(held)  # what the progress bar and the load's log count
             assert read * world == sum(n for *_, n in whole_reads)  # experts of equal size: a share each
             read_by_ranks += read
         # together the ranks read what one process reads, and that is every expert tensor's bytes
