@@ -102,10 +102,6 @@ def shard_slices(shard: ExpertShard | None, planned: PlannedLoad) -> list[range]
             f"{', '.join(c.value for c in SHARDED_MODULES)}; {planned.spec.name} calls them as "
             f"{planned.spec.call.value}. Use expert_parallel: replicated for this model"
         )
-    """The experts of each planned layer this rank reads (None: every expert), from float and quantized
-    checkpoints alike (``stream_experts`` reads only their tensors or slices); ``ConfigError`` naming
-    ``expert_parallel`` for what sharding does not run (a family calling its experts otherwise, E not divisible
-    by the number of processes), from headers, before any tensor is read."""
     for layer in planned.plan.layers:
         shard.owners(layer.site.layout.num_experts, layer.site.path)  # raises where E does not split evenly
     return [shard.experts(layer.site.layout.num_experts) for layer in planned.plan.layers]
