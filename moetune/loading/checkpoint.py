@@ -11,6 +11,7 @@ last tensor has been read, so a streamed checkpoint never keeps every shard mapp
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -142,8 +143,10 @@ class ShardReader:
             self._open[name] = safe_open(str(self._ckpt.file_path(name)), framework="pt")
         return self._open[name]
 
-    def read(self, info: TensorInfo, index: int | None = None) -> torch.Tensor:
-        """Tensor ``info``, or its ``index``-th slice along dim 0, read into fresh memory with plain file reads.
+    def read(self, info: TensorInfo, index: int | range | None = None) -> torch.Tensor:
+        """Tensor ``info``, its ``index``-th slice along dim 0 (``info.shape[1:]``), or for a range its rows
+        ``index`` along dim 0 (``[len(index), *info.shape[1:]]``, one contiguous read), into fresh memory with
+        plain file reads.
 
         Not through a memory mapping: the pages of a mapped shard count in the process's resident size until
         the shard is unmapped, so streaming experts through ``safe_open`` held up to two whole shards on top
@@ -152,10 +155,17 @@ class ShardReader:
         """
         if info.file not in self._fds:
             self._fds[info.file] = os.open(self._ckpt.file_path(info.file), os.O_RDONLY)
-        shape = info.shape if index is None else info.shape[1:]
-        out = torch.empty(shape, dtype=TORCH_DTYPES[info.dtype])
+        dtype = TORCH_DTYPES[info.dtype]
+        if index is None:
+            shape, first = info.shape, 0
+        elif isinstance(index, int):
+            shape, first = info.shape[1:], index
+        else:
+            assert index.step == 1 and 0 <= index.start <= index.stop <= info.shape[0], (info.key, index)
+            shape, first = (len(index), *info.shape[1:]), index.start
+        out = torch.empty(shape, dtype=dtype)
         buf = out.reshape(-1).view(torch.uint8).numpy().data  # a memoryview of out's bytes
-        offset = info.offset + (0 if index is None else index * len(buf))
+        offset = info.offset + first * math.prod(info.shape[1:]) * dtype.itemsize
         got = 0
         while got < len(buf):
             n = os.preadv(self._fds[info.file], [buf[got:]], offset + got)

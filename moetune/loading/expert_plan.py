@@ -99,6 +99,19 @@ class LayerPlan:
     def nbytes(self) -> int:
         return sum(t.nbytes for s in self.sources for t in s.stored)
 
+    def read_nbytes(self, experts: range | None) -> int:
+        """The checkpoint bytes a load of ``experts`` reads (None: every expert, ``nbytes``): the per-expert
+        tensors of those experts, and their share of every fused or stacked tensor (its experts are of equal
+        size)."""
+        if experts is None:
+            return self.nbytes
+        e = self.site.layout.num_experts
+        return sum(
+            t.nbytes * len(experts) // e if s.expert is None else t.nbytes * (s.expert in experts)
+            for s in self.sources
+            for t in s.stored
+        )
+
     @property
     def float_dtype(self) -> torch.dtype:
         """The widest float dtype the checkpoint stores this layer's expert tensors in (quantized: fp32)."""

@@ -90,9 +90,10 @@ def layer_summary(paths: list[str]) -> str:
 
 
 def shard_slices(shard: ExpertShard | None, planned: PlannedLoad) -> list[range] | None:
-    """The experts of each planned layer this rank reads (None: every expert); ``ConfigError`` naming
-    ``expert_parallel`` for what sharding does not run (a family calling its experts otherwise, a quantized
-    checkpoint, E not divisible by the number of processes), from headers, before any tensor is read."""
+    """The experts of each planned layer this rank reads (None: every expert), from float and quantized
+    checkpoints alike (``stream_experts`` reads only their tensors or slices); ``ConfigError`` naming
+    ``expert_parallel`` for what sharding does not run (a family calling its experts otherwise, E not divisible
+    by the number of processes), from headers, before any tensor is read."""
     if shard is None:
         return None
     if planned.spec.call not in SHARDED_MODULES:
@@ -100,13 +101,6 @@ def shard_slices(shard: ExpertShard | None, planned: PlannedLoad) -> list[range]
             f"expert_parallel: sharded runs families whose block calls its experts as "
             f"{', '.join(c.value for c in SHARDED_MODULES)}; {planned.spec.name} calls them as "
             f"{planned.spec.call.value}. Use expert_parallel: replicated for this model"
-        )
-    quantized = [layer.site.path for layer in planned.plan.layers if layer.method is not None]
-    if quantized:
-        raise ConfigError(
-            f"expert_parallel: sharded reads float checkpoints only for now; {planned.checkpoint.path} stores "
-            f"{layer_summary(quantized)} quantized. Use expert_parallel: replicated, or a bf16 checkpoint "
-            "(expert_format int8/int4/fp8 then quantizes each rank's experts as they are read)"
         )
     for layer in planned.plan.layers:
         shard.owners(layer.site.layout.num_experts, layer.site.path)  # raises where E does not split evenly
@@ -318,7 +312,11 @@ def load_model(
         type(model).__name__,
         spec.name,
         len(sites),
-        format_bytes(plan.nbytes),
+        format_bytes(
+            plan.nbytes
+            if slices is None
+            else sum(layer.read_nbytes(mine) for layer, mine in zip(plan.layers, slices, strict=True))
+        ),
         ", ".join(sorted({str(f) for f in planned.formats}))
         if store is None
         else f"{store.manifest.format} from {store.root}, {opts.experts.expert_residency.value} residency",

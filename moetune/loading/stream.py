@@ -18,6 +18,10 @@ The layer's ``ExpertFormatChoice`` (``LoadOptions.layer_format``) then decides w
   blocks and scale bytes into ``Mxfp4Experts``), no float round trip, its fused biases (gpt-oss) read in the
   load dtype; for another format that layer is dequantized (``dequantize``, one layer) and, for
   int8/int4/fp8, quantized again.
+
+Under ``expert_parallel: sharded`` a rank asks for its experts only (``experts``): in every layout and every
+format above, the other experts' per-expert tensors (codes and scales alike) are never read, fused and stacked
+tensors are read at its experts' slices only, and the engine holds its ``E / world`` experts.
 """
 
 from __future__ import annotations
@@ -102,26 +106,29 @@ def _fill(buffers: _LayerBuffers, source: ExpertSource, reader: ShardReader) -> 
             buffers.put_fused(source.role, e, w, source.swapped, source.interleaved)
 
 
-def read_quantized(layer: LayerPlan, reader: ShardReader) -> ExpertFormat:
-    """A quantized layer's expert matrices as stored, in its method's native format
-    (``QuantMethod.read_experts``: its weights by role, per-expert ones in expert order)."""
+def read_quantized(layer: LayerPlan, reader: ShardReader, experts: range) -> ExpertFormat:
+    """Experts ``experts`` (global ids, consecutive) of a quantized layer as stored, in its method's native
+    format (``QuantMethod.read_experts``: its weights by role, per-expert ones of ``experts`` only, in expert
+    order; fused ones whole, of which the method reads ``experts``' slices)."""
     assert layer.method is not None, "a quantized layer carries its method"
     by_role: dict[str, list[QuantizedWeight]] = {}
     for source in sorted(layer.sources, key=lambda s: (s.role, -1 if s.expert is None else s.expert)):
-        if source.quantized is not None:
+        if source.quantized is not None and (source.expert is None or source.expert in experts):
             by_role.setdefault(source.role, []).append(source.quantized)
-    return layer.method.read_experts(by_role, layer.site.layout, reader)
+    assert all(len(by_role[r]) == len(experts) for r in ROLES if r in by_role), "one weight per expert"
+    return layer.method.read_experts(by_role, layer.site.layout, reader, experts)
 
 
 def read_biases(
-    layer: LayerPlan, reader: ShardReader, dtype: torch.dtype
+    layer: LayerPlan, reader: ShardReader, dtype: torch.dtype, experts: range
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """A quantized layer's fused float biases: gate_up ``[E, 2I]`` (gate columns first) and down ``[E, H]`` in
-    ``dtype``; None where the checkpoint has none (per-expert layers)."""
+    """A quantized layer's fused float biases of ``experts`` (their rows only): gate_up ``[e, 2I]`` (gate
+    columns first) and down ``[e, H]`` in ``dtype``, ``e = len(experts)``; None where the checkpoint has none
+    (per-expert layers)."""
     out: dict[str, torch.Tensor] = {}
     for source in layer.sources:
         if source.role in (GATE_UP_BIAS, DOWN_BIAS):
-            t = reader.read(source.info).to(dtype)  # [E, 2I] / [E, H]: small
+            t = reader.read(source.info, experts).to(dtype)  # [e, 2I] / [e, H]: small, one read
             if source.role == GATE_UP_BIAS and layer.site.layout.interleaved:
                 t = torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
             out[source.role] = t
@@ -144,8 +151,8 @@ def build_engine(
     """The engine of one experts module in format ``choice``, read from ``reader``; dense weights and biases
     in ``dtype``. ``spare``: dense buffers a previous layer no longer needs, reused when their layout fits.
     ``experts``: read and hold only these experts (global ids, consecutive; ``expert_parallel: sharded``), the
-    engine's expert 0 being the first of them; a quantized layer is always read whole (the loader refuses
-    sharding it first).
+    engine's expert 0 being the first of them; the other experts' per-expert tensors are never read, and fused
+    or stacked tensors only at these experts' slices (float and quantized checkpoints alike).
 
     Quantized formats are quantized from the checkpoint's own float precision (``LayerPlan.float_dtype``, as
     ``moetune convert`` does, so both give the same engines), or, for a quantized layer held in another
@@ -153,13 +160,13 @@ def build_engine(
     the next layer may reuse (None when the engine holds them).
     """
     lay = layer.site.layout
+    held = range(lay.num_experts) if experts is None else experts
     weights: ExpertFormat
     biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # per-expert checkpoints: none
     stored: ExpertFormat | None = None
     if layer.method is not None:
-        assert experts is None, "sharded loading reads float checkpoints (refused before the load)"
-        stored = read_quantized(layer, reader)
-        biases = read_biases(layer, reader, dtype)
+        stored = read_quantized(layer, reader, held)
+        biases = read_biases(layer, reader, dtype, held)
         read = {**stored.state_tensors(), "gate_up_bias": biases[0], "down_bias": biases[1]}
     else:
         read_dtype = dtype if choice.keeps_input else layer.float_dtype
@@ -167,9 +174,9 @@ def build_engine(
             spare is not None
             and spare.layout == lay
             and spare.gate_up.dtype == read_dtype
-            and spare.experts == (range(lay.num_experts) if experts is None else experts)
+            and spare.experts == held
         )
-        buffers = spare if spare is not None and fits else _LayerBuffers(lay, read_dtype, experts)
+        buffers = spare if spare is not None and fits else _LayerBuffers(lay, read_dtype, held)
         for source in layer.sources:
             _fill(buffers, source, reader)
         read = {
@@ -179,7 +186,7 @@ def build_engine(
             "down_bias": buffers.down_bias,
         }
     # as read, before any quantization can hide a NaN
-    check_finite_layer(layer, read, 0 if experts is None else experts.start)
+    check_finite_layer(layer, read, held.start)
     if stored is not None and layer.method is not None:
         weights = stored if choice == layer.method.native else choice.from_dense(*stored.dequantize(dtype))
     else:
@@ -216,7 +223,7 @@ def stream_experts(
 
     A tqdm bar counts layers and shows the read rate (checkpoint bytes per second).
     """
-    total = sum(layer.nbytes for layer in layers)
+    total = sum(layer.read_nbytes(None if experts is None else experts[j]) for j, layer in enumerate(layers))
     bar = LayerProgress(len(layers), total, "moetune: routed experts", progress)
     spare: _LayerBuffers | None = None
     with ShardReader(checkpoint, [layer.files for layer in layers]) as reader, bar:
@@ -224,5 +231,5 @@ def stream_experts(
             mine = None if experts is None else experts[step]
             engine, spare = build_engine(layer, reader, dtype, options, choice, spare, mine)
             reader.done(step)
-            bar.advance(layer.nbytes)
+            bar.advance(layer.read_nbytes(mine))
             yield layer, engine

@@ -14,7 +14,9 @@ is ``quant.checkpoint_quantization``, which also checks the method's ``model_typ
    builds that view.
 3. ``read_experts``: one layer's routed experts, by role (``ROLES`` per expert, or the fused tensor names;
    which ones a method reads, ``expert_problem`` says at planning), into the engine format the method
-   holds them in as stored (``native``): the checkpoint's codes and scales, never a float round trip.
+   holds them in as stored (``native``): the checkpoint's codes and scales, never a float round trip. Only
+   the experts asked for are read (a rank's share under ``expert_parallel: sharded``): the per-expert
+   weights of the others are not passed in, and a fused tensor is read one asked-for expert slice at a time.
 4. ``dequantize``: any other quantized weight (attention, dense MLPs ...) to fp32 ``[O, D]``; it reaches
    transformers' loader as a plain tensor (``Dequantized``), so the torch model is a float one. A method
    whose weights are routed experts' only (``experts_only``) has its other weights refused at planning.
@@ -124,11 +126,17 @@ class QuantMethod(ABC):
 
     @abstractmethod
     def read_experts(
-        self, weights: Mapping[str, Sequence[QuantizedWeight]], layout: ExpertsLayout, reader: ShardReader
+        self,
+        weights: Mapping[str, Sequence[QuantizedWeight]],
+        layout: ExpertsLayout,
+        reader: ShardReader,
+        experts: range,
     ) -> ExpertFormat:
-        """One layer's experts in ``native``'s format. ``weights`` maps each role ``expert_problem`` accepted to
-        its weights: per expert, ``gate``/``up`` ``[I, H]`` and ``down`` ``[H, I]``, E of each in expert order;
-        fused, ``gate_up_proj`` and ``down_proj``, one each."""
+        """Experts ``experts`` (global ids, consecutive: every expert of the layer, or a rank's share) of one
+        layer in ``native``'s format, ``experts.start`` at index 0. ``weights`` maps each role
+        ``expert_problem`` accepted to its weights: per expert, ``gate``/``up`` ``[I, H]`` and ``down``
+        ``[H, I]``, those of ``experts`` only, in expert order; fused, ``gate_up_proj`` and ``down_proj``, one
+        each, of which only the slices of ``experts`` may be read."""
 
     @abstractmethod
     def dequantize(self, weight: QuantizedWeight, reader: ShardReader) -> torch.Tensor:
@@ -164,16 +172,25 @@ def logical_tensors(checkpoint: Checkpoint, weights: Mapping[str, QuantizedWeigh
 
 class LazyTensors(Sequence[torch.Tensor], Generic[T]):
     """``load(items[i])`` on indexing, so a consumer walking the sequence (``from_per_expert``) holds one
-    tensor read from the checkpoint at a time."""
+    tensor read from the checkpoint at a time. The last one read is kept until the next index is asked for
+    (``from_per_expert`` reads item 0's shape before it copies item 0, which is then not read twice), except
+    the final item's, so that nothing stays held once the consumer has walked the sequence."""
 
     def __init__(self, items: Sequence[T], load: Callable[[T], torch.Tensor]) -> None:
         self.items, self.load = items, load
+        self._last: tuple[int, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i):  # type: ignore[override]  # int indices only: from_per_expert's use
-        return self.load(self.items[i])
+        if self._last is not None and self._last[0] == i:
+            return self._last[1]
+        self._last = None  # the previous tensor is released before the next is read
+        out = self.load(self.items[i])
+        if i != len(self.items) - 1:
+            self._last = (i, out)
+        return out
 
 
 class Dequantized:

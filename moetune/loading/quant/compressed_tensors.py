@@ -301,8 +301,15 @@ class CompressedInt4(QuantMethod):
         return reader.read(weight.parts["packed"])
 
     def read_experts(
-        self, weights: Mapping[str, Sequence[QuantizedWeight]], layout: ExpertsLayout, reader: ShardReader
+        self,
+        weights: Mapping[str, Sequence[QuantizedWeight]],
+        layout: ExpertsLayout,
+        reader: ShardReader,
+        experts: range,
     ) -> Int4Experts:
+        """Per expert (``weights`` holds those of ``experts`` only), its packed codes re-packed (``repack``) and
+        its bf16 group scales as stored, one matrix at a time, into ``Int4Experts``' stacked tensors."""
+
         def codes(w: QuantizedWeight) -> torch.Tensor:
             return repack(self._packed(w, reader))
 

@@ -129,10 +129,15 @@ class Fp8Method(QuantMethod):
         return ExpertFormatChoice("fp8_block")
 
     def read_experts(
-        self, weights: Mapping[str, Sequence[QuantizedWeight]], layout: ExpertsLayout, reader: ShardReader
+        self,
+        weights: Mapping[str, Sequence[QuantizedWeight]],
+        layout: ExpertsLayout,
+        reader: ShardReader,
+        experts: range,
     ) -> Fp8BlockExperts:
-        """gate/up/down ``[out, in]`` e4m3fn per expert with their block scales, copied one matrix at a time
-        into ``Fp8BlockExperts``' stacked tensors (bf16/fp16 scales widened to fp32: exact)."""
+        """gate/up/down ``[out, in]`` e4m3fn per expert (``weights`` holds those of ``experts`` only) with their
+        block scales, copied one matrix at a time into ``Fp8BlockExperts``' stacked tensors (bf16/fp16 scales
+        widened to fp32: exact)."""
 
         def codes(w: QuantizedWeight) -> torch.Tensor:
             return reader.read(w.parts["weight"])

@@ -17,9 +17,10 @@ keep the run-time interleaving (gate at even rows, up at odd), as its bias does.
 plan as the fused float tensor ``<stem>`` (``experts.gate_up_proj`` / ``experts.down_proj``) of the shape
 transformers' dequantization gives, ``[E, D, O]``: the run-time one. The biases are float tensors and load
 as such. ``expert_problem`` checks the blocks against the experts module; ``read_experts`` copies blocks and
-scale bytes, one expert slice at a time, into ``Mxfp4Experts`` (gate_up's rows moved into gate rows, then up
-rows), never dequantizing: peak beyond the engine, one expert's blocks. transformers reads MXFP4 for gpt-oss's
-routed experts only, and so does moetune (``model_types``, ``experts_only``).
+scale bytes, one expert slice at a time (only the experts asked for: a rank's share under
+``expert_parallel: sharded``), into ``Mxfp4Experts`` (gate_up's rows moved into gate rows, then up rows), never
+dequantizing: peak beyond the engine, one expert's blocks. transformers reads MXFP4 for gpt-oss's routed
+experts only, and so does moetune (``model_types``, ``experts_only``).
 """
 
 from __future__ import annotations
@@ -166,12 +167,17 @@ class Mxfp4Method(QuantMethod):
         return None
 
     def read_experts(
-        self, weights: Mapping[str, Sequence[QuantizedWeight]], layout: ExpertsLayout, reader: ShardReader
+        self,
+        weights: Mapping[str, Sequence[QuantizedWeight]],
+        layout: ExpertsLayout,
+        reader: ShardReader,
+        experts: range,
     ) -> Mxfp4Experts:
-        """The blocks and scale bytes as shipped, one expert slice at a time, into ``Mxfp4Experts``: gate_up
-        ``[E, 2I, H/2]`` / ``[E, 2I, H/32]`` (interleaved rows moved to gate rows, then up rows), down
-        ``[E, H, I/2]`` / ``[E, H, I/32]``."""
-        e, h, i = layout.num_experts, layout.hidden_size, layout.intermediate_size
+        """The blocks and scale bytes as shipped, one slice of ``experts`` at a time (the fused tensors' other
+        slices are never read), into ``Mxfp4Experts`` of ``e = len(experts)`` experts: gate_up ``[e, 2I, H/2]`` /
+        ``[e, 2I, H/32]`` (interleaved rows moved to gate rows, then up rows), down ``[e, H, I/2]`` /
+        ``[e, H, I/32]``."""
+        e, h, i = len(experts), layout.hidden_size, layout.intermediate_size
         dest = {
             GATE_UP: (
                 torch.empty(e, 2 * i, h // 2, dtype=torch.uint8),
@@ -186,9 +192,9 @@ class Mxfp4Method(QuantMethod):
             (weight,) = weights[name]
             # expert by expert, its blocks then its scales: reading all blocks first left 1.031x the shipped
             # bytes resident after the load (tests/slow/test_mxfp4_memory.py), this order 1.008x
-            for x in range(e):
+            for x, expert in enumerate(experts):
                 for part, target in zip((weight.parts["blocks"], weight.parts["scales"]), targets):
-                    t = reader.read(part, x).view(target.shape[1:])  # [O, D/2] bytes or [O, D/32] scales
+                    t = reader.read(part, expert).view(target.shape[1:])  # [O, D/2] bytes or [O, D/32] scales
                     if name == GATE_UP and layout.interleaved:
                         target[x, :i], target[x, i:] = t[0::2], t[1::2]
                     else:

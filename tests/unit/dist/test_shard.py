@@ -1,6 +1,7 @@
 """``expert_parallel`` in one process: the option's checks, which experts a rank holds, and loading only them
 (``stream_experts(..., experts=...)``) against the whole engine's slice, for per-expert and fused checkpoint
-layouts; what sharding does not run is refused from headers, before any expert is read."""
+layouts (quantized checkpoints: ``test_shard_quantized.py``); what sharding does not run is refused from
+headers, before any expert is read."""
 
 from __future__ import annotations
 
@@ -107,6 +108,6 @@ def test_refused_before_any_expert_is_read(tmp_path) -> None:
     planned = plan_load(save_tiny_model("qwen3_moe", tmp_path / "q", tokenizer=False), opts)
     with pytest.raises(ConfigError, match="E = 8 experts and 3 processes were launched"):
         shard_slices(ExpertShard(0, 3, None), planned)
-    fp8 = plan_load(save_fp8_checkpoint("deepseek_v3", tmp_path / "fp8"), opts)
-    with pytest.raises(ConfigError, match="expert_parallel: sharded reads float checkpoints only"):
-        shard_slices(ExpertShard(0, 2, None), fp8)
+    fp8 = plan_load(save_fp8_checkpoint("deepseek_v3", tmp_path / "fp8"), opts)  # quantized: the same check
+    with pytest.raises(ConfigError, match="E = 8 experts and 3 processes were launched"):
+        shard_slices(ExpertShard(0, 3, None), fp8)
