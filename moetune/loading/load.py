@@ -263,6 +263,7 @@ def load_model(
                 opts.experts.expert_residency,
                 opts.experts.expert_residency_budget,
                 progress=opts.progress,
+                experts=slices,
             ),
         )
     )
