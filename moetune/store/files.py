@@ -198,6 +198,11 @@ class ExpertStore:
             for k, info in tensors.items()
             if not info.shape or info.shape[0] != layer.num_experts
         ]
+        if stored.experts_sha256 is not None and len(stored.experts_sha256) != layer.num_experts:
+            problems.append(
+                f"'experts_sha256' lists {len(stored.experts_sha256)} hashes, the manifest says "
+                f"{layer.num_experts} experts (one hash each)"
+            )
         if problems:
             raise LoadError(f"{path} does not match {MANIFEST}: {'; '.join(problems)}")
 
