@@ -310,16 +310,23 @@ def expert_option_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
             if not auto and values.get(name) is not None and name not in bad
         ]
     if values.get("expert_parallel") == ExpertParallel.SHARDED and "expert_parallel" not in bad:
-        problems += [
-            (
-                "expert_parallel",
-                f"is 'sharded' but {name} is set ({values[name]!r}); sharded experts are read from a Hugging Face "
-                f"checkpoint into engines without hot experts for now. Remove {name}, or use expert_parallel: "
-                "replicated",
+        if values.get("gpu_experts"):
+            problems.append(
+                (
+                    "expert_parallel",
+                    f"is 'sharded' but gpu_experts is set ({values['gpu_experts']!r}); sharded experts are held "
+                    "in engines without hot experts for now. Remove gpu_experts, or use expert_parallel: replicated",
+                )
             )
-            for name in ("expert_path", "gpu_experts")
-            if values.get(name)
-        ]
+        if values.get("expert_path") and values.get("expert_residency") == ExpertResidency.DISK:
+            problems.append(
+                (
+                    "expert_parallel",
+                    "is 'sharded' with expert_residency 'disk'; disk residency pages whole layer files, a rank "
+                    "of sharded experts reads only its own experts from the store. Use expert_residency: ram "
+                    "(each rank then holds E / processes experts per layer), or expert_parallel: replicated",
+                )
+            )
     residency = values.get("expert_residency", ExpertResidency.RAM)
     if "expert_residency" not in bad:
         disk = ExpertResidency(residency) is ExpertResidency.DISK

@@ -35,7 +35,7 @@ from moetune.layer.overlap import attach_shared_ahead
 from moetune.layer.sharded import SHARDED_MODULES
 from moetune.loading import hf
 from moetune.loading.checkpoint import Checkpoint
-from moetune.loading.expert_plan import ExpertPlan, plan_experts
+from moetune.loading.expert_plan import ExpertPlan, LayerPlan, plan_experts
 from moetune.loading.hf import KeyTarget
 from moetune.loading.options import ExpertFormatChoice, LoadOptions
 from moetune.loading.quant import (
@@ -48,6 +48,7 @@ from moetune.loading.quant import (
 from moetune.loading.stream import stream_experts
 from moetune.progress import format_bytes
 from moetune.store.engines import open_store, store_engines
+from moetune.store.files import ExpertStore
 from moetune.store.manifest import SourceIdentity
 
 if TYPE_CHECKING:
@@ -105,6 +106,19 @@ def shard_slices(shard: ExpertShard | None, planned: PlannedLoad) -> list[range]
     for layer in planned.plan.layers:
         shard.owners(layer.site.layout.num_experts, layer.site.path)  # raises where E does not split evenly
     return [shard.experts(layer.site.layout.num_experts) for layer in planned.plan.layers]
+
+
+def _read_nbytes(layers: list[LayerPlan], slices: list[range] | None, store: ExpertStore | None) -> int:
+    """Bytes of routed experts this process read: of the checkpoint, or of the store (``expert_path``), for
+    every expert or this rank's ``slices``."""
+    shares: list[range | None] = [None] * len(layers) if slices is None else list(slices)
+    if store is not None:
+        return sum(
+            store.share_nbytes(layer.site.path, mine) for layer, mine in zip(layers, shares, strict=True)
+        )
+    return sum(
+        layer.nbytes if mine is None else layer.read_nbytes(mine) for layer, mine in zip(layers, shares)
+    )
 
 
 def experts_module(
@@ -263,6 +277,7 @@ def load_model(
                 opts.experts.expert_residency,
                 opts.experts.expert_residency_budget,
                 progress=opts.progress,
+                experts=slices,
             ),
         )
     )
@@ -312,11 +327,7 @@ def load_model(
         type(model).__name__,
         spec.name,
         len(sites),
-        format_bytes(
-            plan.nbytes
-            if slices is None
-            else sum(layer.read_nbytes(mine) for layer, mine in zip(plan.layers, slices, strict=True))
-        ),
+        format_bytes(_read_nbytes(plan.layers, slices, store)),
         ", ".join(sorted({str(f) for f in planned.formats}))
         if store is None
         else f"{store.manifest.format} from {store.root}, {opts.experts.expert_residency.value} residency",

@@ -58,12 +58,23 @@ def store_engines(
     budget: int | None = None,
     *,
     progress: bool = True,
+    experts: list[range] | None = None,
 ) -> Iterator[ExpertEngine]:
     """Yield one engine per site, in order, over ``store``'s files (checked with ``check_model`` before).
 
     Biases are copied in ``dtype``; the expert weights stay as stored (views of the mappings).
     ``ConfigError`` before anything is read if a disk ``budget`` cannot hold the two largest layers.
+    ``experts``: per site, the experts this rank holds (``expert_parallel: sharded``; ``ram`` residency only):
+    each engine holds those experts' rows and only their bytes are read (verified against the manifest's
+    per-expert hashes). None: every expert.
     """
+    if experts is not None and residency is ExpertResidency.DISK:
+        raise ConfigError(  # config checks refuse it first; here for library callers
+            "expert_residency: disk pages whole layer files; with expert_parallel: sharded use "
+            "expert_residency: ram (each rank maps and reads only its experts' bytes)"
+        )
+    shares: list[range | None] = [None] * len(sites) if experts is None else list(experts)
+    assert len(shares) == len(sites), "one range of experts per site"
     window = None
     if residency is ExpertResidency.DISK:
         largest = sorted(store.layer_resident_bytes(site.path) for site in sites)[-2:]
@@ -74,14 +85,16 @@ def store_engines(
                 f"set it to at least {sum(largest)}"
             )
         window = ResidencyWindow(sum(largest) if budget is None else budget)
-    total = sum(store.layer_nbytes(site.path) for site in sites)
+    total = sum(store.share_nbytes(site.path, share) for site, share in zip(sites, shares))
     with LayerProgress(len(sites), total, "moetune: routed experts (store)", progress) as bar:
-        for site in sites:
+        for site, share in zip(sites, shares):
             path, lay = site.path, site.layout
             mapped = store.map_layer(path)
-            if window is None:
+            if share is not None:
+                store.verify_share(mapped, share)  # the rank's bytes only, brought in by the hashing
+            elif window is None:
                 store.verify_mapped(mapped)  # the pass that brings the pages in
-            fmt, gate_up_bias, down_bias = store.build(path, mapped)
+            fmt, gate_up_bias, down_bias = store.build(path, mapped, share)
             if window is not None:
                 fmt = PagedExperts(fmt, window, StorePages(store, mapped))
                 mapped.release()  # whatever building touched (fp8's NaN scan): paged in when used
@@ -94,5 +107,5 @@ def store_engines(
                 options=options,
                 name=path,
             )
-            bar.advance(store.layer_nbytes(path))
+            bar.advance(store.share_nbytes(path, share))
             yield engine

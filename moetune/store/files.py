@@ -18,11 +18,19 @@ at every load. So each file is hashed in the pass that reads it anyway, before i
 ``disk`` residency hashes each file the first time the prefetcher reads it, during the first training step.
 An altered byte then fails that load or that step with a ``LoadError`` naming the file. ``verify()`` checks
 everything up front.
+
+A rank of ``expert_parallel: sharded`` holds experts ``[r E/w, (r+1) E/w)`` of every layer: every tensor of a
+layer's file leads with the expert dimension (``_check_file``), so its share is one contiguous byte range per
+tensor, and ``build(..., experts)`` takes views of those ranges only. It verifies them against the manifest's
+per-expert hashes (``experts_sha256``, which hash nothing but that expert's bytes); the other experts' bytes
+are never read. A store written before those hashes existed is used unverified, with a warning per file.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -41,6 +49,23 @@ from moetune.tensorfile import read_header
 
 BIASES = ("gate_up_bias", "down_bias")  # [E, 2I], [E, H]: stored next to the format's tensors, in float
 _READ_CHUNK = 64 << 20
+
+logger = logging.getLogger(__name__)
+
+
+def experts_sha256(tensors: Mapping[str, torch.Tensor], experts: range) -> list[str]:
+    """One hex SHA-256 per expert ``e`` in ``experts``: the bytes of ``tensors[k][e]`` for every tensor ``k``
+    (all ``[E, ...]``, contiguous) in sorted key order. Reads those bytes only (a mapping's other pages stay
+    untouched)."""
+    names = sorted(tensors)
+    out = []
+    for e in experts:
+        h = hashlib.sha256()
+        for k in names:
+            row = tensors[k][e].contiguous()  # a view already (rows of a contiguous [E, ...]): no copy
+            h.update((ctypes.c_ubyte * (row.numel() * row.element_size())).from_address(row.data_ptr()))
+        out.append(h.hexdigest())
+    return out
 
 
 def file_sha256(path: Path) -> str:
@@ -103,7 +128,8 @@ class StoreWriter:
         final = self.staging / f"{module}{SUFFIX}"
         metadata = {"moetune_store": "1", "module": module, "format": fmt.name}
         write_atomically(final, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
-        self.files[final.name] = StoredFile(final.stat().st_size, file_sha256(final))
+        per_expert = tuple(experts_sha256(tensors, range(fmt.num_experts)))
+        self.files[final.name] = StoredFile(final.stat().st_size, file_sha256(final), per_expert)
         e, h, i = fmt.num_experts, fmt.hidden_size, fmt.intermediate_size
         self.layers.append(StoredLayer(module, final.name, e, h, i, gate_up_bias is not None))
 
@@ -172,6 +198,11 @@ class ExpertStore:
             for k, info in tensors.items()
             if not info.shape or info.shape[0] != layer.num_experts
         ]
+        if stored.experts_sha256 is not None and len(stored.experts_sha256) != layer.num_experts:
+            problems.append(
+                f"'experts_sha256' lists {len(stored.experts_sha256)} hashes, the manifest says "
+                f"{layer.num_experts} experts (one hash each)"
+            )
         if problems:
             raise LoadError(f"{path} does not match {MANIFEST}: {'; '.join(problems)}")
 
@@ -236,25 +267,84 @@ class ExpertStore:
         return MappedFile(self.root / self.layers[module].file)
 
     def build(
-        self, module: str, mapped: MappedFile
+        self, module: str, mapped: MappedFile, experts: range | None = None
     ) -> tuple[ExpertFormat, torch.Tensor | None, torch.Tensor | None]:
-        """The layer's format over views of ``mapped`` (no copy), and its biases (views, or None)."""
-        tensors: Mapping[str, torch.Tensor] = mapped.tensors
+        """The layer's format over views of ``mapped`` (no copy), and its biases (views, or None); with
+        ``experts`` (a rank's share), of those experts' rows only."""
+        tensors = self.share(mapped, experts)
         weights = {k: t for k, t in tensors.items() if k not in BIASES}
         try:
             fmt = FORMATS.get(self.manifest.format).from_state_tensors(weights, **self.manifest.params)
         except EngineError as e:
             raise LoadError(f"{mapped.path} does not hold valid {self.manifest.format} experts: {e}") from e
-        if (fmt.num_experts, fmt.hidden_size, fmt.intermediate_size) != self._sizes(module):
+        got = (fmt.num_experts, fmt.hidden_size, fmt.intermediate_size)
+        if got != self._sizes(module, experts):
             raise LoadError(
-                f"{mapped.path}: its tensors hold (E, H, I) = "
-                f"{(fmt.num_experts, fmt.hidden_size, fmt.intermediate_size)}, the manifest says {self._sizes(module)}"
+                f"{mapped.path}: its tensors hold (E, H, I) = {got}, the manifest says {self._sizes(module, experts)}"
             )
         return fmt, tensors.get(BIASES[0]), tensors.get(BIASES[1])
 
-    def _sizes(self, module: str) -> tuple[int, int, int]:
+    def _sizes(self, module: str, experts: range | None = None) -> tuple[int, int, int]:
         layer = self.layers[module]
-        return layer.num_experts, layer.hidden_size, layer.intermediate_size
+        e = layer.num_experts if experts is None else len(experts)
+        return e, layer.hidden_size, layer.intermediate_size
+
+    def _check_share(self, module: str, experts: range) -> None:
+        e = self.layers[module].num_experts
+        if experts.step != 1 or not 0 <= experts.start < experts.stop <= e:
+            raise LoadError(
+                f"{self.root / self.layers[module].file}: experts {experts} are not a run of {module}'s "
+                f"{e} experts"
+            )
+
+    def share(self, mapped: MappedFile, experts: range | None) -> dict[str, torch.Tensor]:
+        """``mapped``'s tensors (views), or with ``experts`` their rows ``[experts.start, experts.stop)``:
+        contiguous views of one byte range each (nothing read)."""
+        if experts is None:
+            return dict(mapped.tensors)
+        self._check_share(self._module_of(mapped), experts)
+        return {k: t[experts.start : experts.stop] for k, t in mapped.tensors.items()}
+
+    def share_nbytes(self, module: str, experts: range | None) -> int:
+        """Bytes of ``module``'s tensors for ``experts`` (None: its whole file), from the header."""
+        if experts is None:
+            return self.layer_nbytes(module)
+        self._check_share(module, experts)
+        infos = read_header(self.root / self.layers[module].file)
+        return sum(info.nbytes // self.layers[module].num_experts for info in infos.values()) * len(experts)
+
+    def _module_of(self, mapped: MappedFile) -> str:
+        return next(m for m, layer in self.layers.items() if layer.file == mapped.path.name)
+
+    def verify_share(self, mapped: MappedFile, experts: range) -> None:
+        """Check experts ``experts`` of ``mapped`` against the manifest's per-expert hashes, reading only their
+        bytes (which brings their pages in); a store without them: a warning, and their pages brought in."""
+        module = self._module_of(mapped)
+        tensors = self.share(mapped, experts)
+        want = self.manifest.files[mapped.path.name].experts_sha256
+        if want is None:
+            logger.warning(
+                "moetune: %s has no per-expert SHA-256 in %s (a store written by an older moetune): experts "
+                "%d-%d of %s are used unverified; convert again (moetune convert SRC %s --overwrite) to verify "
+                "them with expert_parallel: sharded",
+                mapped.path,
+                MANIFEST,
+                experts.start,
+                experts.stop - 1,
+                module,
+                self.root,
+            )
+            for t in tensors.values():
+                mapped.populate(t)
+            return
+        got = experts_sha256(tensors, range(len(experts)))
+        bad = [e for e, g, w in zip(experts, got, want[experts.start : experts.stop]) if g != w]
+        if bad:
+            raise LoadError(
+                f"{mapped.path} was altered after conversion: the bytes of expert(s) {bad} of {module} do not "
+                f"match their SHA-256 in {self.root / MANIFEST}. Convert the checkpoint again (moetune convert "
+                "SRC DST --overwrite)"
+            )
 
     def is_verified(self, mapped: MappedFile) -> bool:
         return mapped.path.name in self._verified

@@ -7,8 +7,13 @@
       "source": {"path": ..., "config_sha256": ..., "files": [[name, size], ...], "fingerprint": ...},
       "layers": [{"module": "model.layers.0.mlp.experts", "file": "model.layers.0.mlp.experts.safetensors",
                   "num_experts": 8, "hidden_size": 64, "intermediate_size": 24, "bias": false}, ...],
-      "files": {"model.layers.0.mlp.experts.safetensors": {"size": ..., "sha256": ...}, ...}
+      "files": {"model.layers.0.mlp.experts.safetensors": {"size": ..., "sha256": ...,
+                "experts_sha256": [...]}, ...}
     }
+
+``experts_sha256`` (one per expert: ``moetune.store.files.experts_sha256``) lets a rank of ``expert_parallel:
+sharded`` verify the experts it holds without reading the others; stores written before it have none (the
+field is optional, the version unchanged: an older moetune ignores it).
 
 The source identity ties a store to the checkpoint it came from, cheaply: the SHA-256 of config.json's
 content (keys sorted; ``transformers_version`` and ``_name_or_path``, which re-saving changes, left out),
@@ -102,7 +107,8 @@ class StoredLayer:
 @dataclass(frozen=True)
 class StoredFile:
     size: int
-    sha256: str
+    sha256: str  # the whole file
+    experts_sha256: tuple[str, ...] | None = None  # per expert (``store.files.experts_sha256``); None: older
 
 
 @dataclass(frozen=True)
@@ -125,7 +131,9 @@ class Manifest:
             "params": self.params,
             "source": asdict(self.source),
             "layers": [asdict(layer) for layer in self.layers],
-            "files": {name: asdict(f) for name, f in self.files.items()},
+            "files": {
+                name: {k: v for k, v in asdict(f).items() if v is not None} for name, f in self.files.items()
+            },
         }
         return json.dumps(body, indent=1) + "\n"
 
@@ -166,7 +174,13 @@ class Manifest:
             )
             field = "files"
             files = {
-                _typed(n, str): StoredFile(_typed(f["size"], int), _typed(f["sha256"], str))
+                _typed(n, str): StoredFile(
+                    _typed(f["size"], int),
+                    _typed(f["sha256"], str),
+                    None
+                    if f.get("experts_sha256") is None
+                    else tuple(_typed(h, str) for h in _typed(f["experts_sha256"], list)),
+                )
                 for n, f in raw[field].items()
             }
             field = "model_type/format/params"

@@ -82,14 +82,21 @@ class MappedFile:
             h.update(view[off : off + HASH_CHUNK])
         return h.hexdigest()
 
-    def populate(self) -> None:
-        """Fault every page in now (from the page cache or the disk), so the engine's reads do not wait."""
-        if self.nbytes == 0:
+    def populate(self, view: torch.Tensor | None = None) -> None:
+        """Fault every page in now (from the page cache or the disk), so the engine's reads do not wait; with
+        ``view`` (one of ``tensors`` or a contiguous part of one), only the pages holding its bytes."""
+        start, end = 0, self.nbytes
+        if view is not None:
+            start = view.data_ptr() - self.address
+            end = start + view.numel() * view.element_size()
+            assert 0 <= start <= end <= self.nbytes and view.is_contiguous(), "not a view of this mapping"
+            start -= start % mmap.PAGESIZE  # madvise takes a page-aligned address
+        if end == start:
             return
-        if _libc.madvise(self.address, self.nbytes, _MADV_POPULATE_READ) == 0:
+        if _libc.madvise(self.address + start, end - start, _MADV_POPULATE_READ) == 0:
             return
         # older kernels: touch one byte per page (a C loop inside bytes(); holds the GIL while it faults)
-        bytes(memoryview(self._bytes())[:: mmap.PAGESIZE])
+        bytes(memoryview(self._bytes())[start : end : mmap.PAGESIZE])
 
     def release(self) -> None:
         """Drop the file's pages from this process and from the page cache; the next touch re-reads them."""

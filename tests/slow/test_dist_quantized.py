@@ -70,3 +70,40 @@ def test_two_sharded_processes_equal_one_on_a_quantized_checkpoint(tmp_path, nam
     assert held[1]["experts_per_layer"] == "8 of 8"
     assert held[1]["engines_gb"] == pytest.approx(shipped / 2**30, abs=1e-6)
     assert held[0]["engines_gb"] == pytest.approx(shipped / 2**31, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_two_sharded_processes_equal_one_on_a_store(tmp_path) -> None:
+    # the FP8 DeepSeek-V3 converted to an int8 store (``moetune convert``): each rank maps and reads its 4 of the 8
+    # experts of every layer file (verified by their per-expert hashes); one process reads the whole store
+    from moetune.loading.convert import convert_checkpoint
+
+    model = quantized_demo_model("deepseek_v3_fp8", tmp_path / "model")
+    store = tmp_path / "store"
+    manifest = convert_checkpoint(model, store, "int8", num_threads=1, progress=False)
+    options = {"device": "cpu", "num_threads": 1, "expert_path": str(store)}
+    one = dist_checks.config(tmp_path, model, "one", **SGD, moetune=options)
+    two = dist_checks.config(
+        tmp_path,
+        model,
+        "two",
+        **SGD,
+        moetune={**options, "expert_parallel": "sharded"},
+        per_device_train_batch_size=2,
+    )
+    dist_checks.check(dist_checks.single(*CLI, str(one)))
+    dist_checks.check(dist_checks.torchrun(*CLI, str(two)))
+    dist_checks.assert_same_run(tmp_path / "two/out", tmp_path / "one/out")
+    held = [
+        json.loads((tmp_path / n / "out/run_summary.json").read_text())["routed_experts"]
+        for n in ("two", "one")
+    ]
+    assert held[0]["expert_parallel"] == "sharded" and held[0]["experts_per_layer"] == "4 of 8"
+    assert held[1]["experts_per_layer"] == "8 of 8"
+    # the experts came from the store: the FP8 checkpoint's own experts (held as shipped) train otherwise
+    plain = dist_checks.config(tmp_path, model, "plain", **SGD)
+    dist_checks.check(dist_checks.single(*CLI, str(plain)))
+    assert dist_checks.losses(tmp_path / "plain/out")[1:] != dist_checks.losses(tmp_path / "one/out")[1:]
+    # int8 codes [E, 2I, H] + [E, H, I] and their scales: the store's layer files less their headers, half a rank
+    assert held[0]["engines_gb"] == pytest.approx(held[1]["engines_gb"] / 2, abs=1e-6)
+    assert held[1]["engines_gb"] * 2**30 <= sum(f.size for f in manifest.files.values())

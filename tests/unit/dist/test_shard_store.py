@@ -1,0 +1,202 @@
+"""``expert_parallel: sharded`` over moetune's own stores (``expert_path``, written by ``moetune convert``): a
+rank's engine holds exactly the bytes of the whole store engine's experts ``[r E/w, (r+1) E/w)`` (every store
+format, biases included), and the rank read nothing else of the store's files.
+
+"Nothing else read" is shown three ways: the whole-file passes (``MappedFile.sha256``, whole-file ``populate``)
+never run, every range the rank brings in lies inside its experts' bytes, and a copy of the store whose other
+experts' bytes are overwritten with garbage loads the same engine without complaint; one altered byte inside
+the rank's share fails its per-expert hash, naming the file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetune.dist.shard import ExpertShard
+from moetune.engine import ExpertEngine
+from moetune.errors import ConfigError, LoadError
+from moetune.loading.convert import convert_checkpoint
+from moetune.loading.load import PlannedLoad, plan_load, shard_slices
+from moetune.loading.options import LoadOptions
+from moetune.store import ExpertStore, store_engines
+from moetune.store.manifest import MANIFEST
+from moetune.store.mapped import MappedFile
+from moetune.tensorfile import read_header
+from moetune.testing.tiny import save_tiny_model
+from tests.unit.dist.test_shard_quantized import _assert_holds_slice
+
+# store label -> (tiny family, convert's expert_format, the engine format held); I = 32 for int4/mxfp4 groups
+STORES = {
+    "int8": ("qwen3_moe", "int8", "int8"),
+    "int4": ("qwen3_moe", "int4", "int4"),
+    "fp8_block": ("qwen3_moe", "fp8", "fp8_block"),
+    "mxfp4": ("qwen3_moe", "mxfp4", "mxfp4"),
+    "bf16": ("qwen3_moe", "bf16", "dense"),
+    "int8_biases": ("gpt_oss", "int8", "int8"),  # fused gate_up / down biases stored beside the weights
+}
+OVERRIDES = {"qwen3_moe": {"moe_intermediate_size": 32}, "gpt_oss": {"intermediate_size": 32}}
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    root = tmp_path_factory.mktemp("stores")
+    sources = {
+        family: save_tiny_model(family, root / family, tokenizer=False, **OVERRIDES[family])
+        for family in {family for family, *_ in STORES.values()}
+    }
+    out = {}
+    for label, (family, fmt, _) in STORES.items():
+        group = 32 if fmt == "int4" else None  # divides H = 64 and I = 32
+        convert_checkpoint(sources[family], root / label, fmt, int4_group_size=group, num_threads=1, progress=False)
+        out[label] = (sources[family], root / label)
+    return out
+
+
+def _planned(src: Path) -> tuple[PlannedLoad, LoadOptions]:
+    opts = LoadOptions.create(device="cpu", dtype="float32", progress=False)
+    return plan_load(src, opts), opts
+
+
+def _engines(store: Path, planned: PlannedLoad, opts: LoadOptions, share: list[range] | None) -> list[ExpertEngine]:
+    sites = [layer.site for layer in planned.plan.layers]
+    return list(store_engines(ExpertStore.open(store), sites, opts.dtype, opts.engine, progress=False, experts=share))
+
+
+def _share_spans(path: Path, num_experts: int, held: range) -> list[tuple[int, int]]:
+    """Byte ranges ``[start, end)`` of ``path`` holding experts ``held`` (every tensor leads with E)."""
+    spans = []
+    for info in read_header(path).values():
+        per = info.nbytes // num_experts
+        spans.append((info.offset + held.start * per, info.offset + held.stop * per))
+    return spans
+
+
+def _scramble_others(store: Path, planned: PlannedLoad, held: list[range]) -> None:
+    """Overwrite every expert byte outside ``held`` in the store's layer files with 0xA5 (the manifest kept)."""
+    manifest = json.loads((store / MANIFEST).read_text())
+    files = {layer["module"]: store / layer["file"] for layer in manifest["layers"]}
+    for layer, share in zip(planned.plan.layers, held):
+        path, e = files[layer.site.path], layer.site.layout.num_experts
+        data = bytearray(path.read_bytes())
+        for info in read_header(path).values():
+            per = info.nbytes // e
+            for j in [*range(share.start), *range(share.stop, e)]:
+                start = info.offset + j * per
+                data[start : start + per] = b"\xa5" * per
+        path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("label", list(STORES))
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_reads_and_holds_only_its_experts_of_a_store(stores, label, world, tmp_path, monkeypatch) -> None:
+    src, store = stores[label]
+    planned, opts = _planned(src)
+    native = STORES[label][2]
+    whole = _engines(store, planned, opts, None)
+    assert all(engine.weights.name == native for engine in whole)
+    if label == "int8_biases":
+        assert all(engine.gate_up_bias is not None and engine.down_bias is not None for engine in whole)
+
+    populated: list[tuple[Path, int, int]] = []
+    real_populate = MappedFile.populate
+
+    def recording_populate(self: MappedFile, view: torch.Tensor | None = None) -> None:
+        assert view is not None, f"{self.path} brought in whole"
+        start = view.data_ptr() - self.address
+        populated.append((self.path, start, start + view.numel() * view.element_size()))
+        real_populate(self, view)
+
+    def no_whole_hash(self: MappedFile) -> str:
+        raise AssertionError(f"{self.path} hashed whole by a rank")
+
+    for r in range(world):
+        held = shard_slices(ExpertShard(r, world, None), planned)
+        assert held is not None
+        layer_files = {layer.module: store / layer.file for layer in ExpertStore.open(store).manifest.layers}
+        # the rank's share, from the store as written
+        with monkeypatch.context() as m:
+            m.setattr(MappedFile, "sha256", no_whole_hash)
+            mine = _engines(store, planned, opts, held)
+        for engine, full, share in zip(mine, whole, held):
+            assert share == range(r * full.num_experts // world, (r + 1) * full.num_experts // world)
+            _assert_holds_slice(engine, full, share, native)
+            assert engine.weights.nbytes * world == full.weights.nbytes
+
+        # from a copy whose other experts are garbage: the same bytes, and every page brought in is the rank's
+        scrambled = tmp_path / f"rank{r}"
+        shutil.copytree(store, scrambled)
+        _scramble_others(scrambled, planned, held)
+        populated.clear()
+        with monkeypatch.context() as m:
+            m.setattr(MappedFile, "sha256", no_whole_hash)
+            m.setattr(MappedFile, "populate", recording_populate)
+            manifest = json.loads((scrambled / MANIFEST).read_text())
+            for f in manifest["files"].values():  # an older store: no per-expert hashes, pages populated
+                del f["experts_sha256"]
+            (scrambled / MANIFEST).write_text(json.dumps(manifest))
+            old = _engines(scrambled, planned, opts, held)
+        assert populated
+        for path, start, end in populated:
+            layer = next(layer for layer in planned.plan.layers if scrambled / layer_files[layer.site.path].name == path)
+            share = held[planned.plan.layers.index(layer)]
+            spans = _share_spans(path, layer.site.layout.num_experts, share)
+            assert any(s <= start and end <= e for s, e in spans), (path, start, end, spans)
+        for engine, full, share in zip(old, whole, held):
+            _assert_holds_slice(engine, full, share, native)
+        shutil.copy(store / MANIFEST, scrambled / MANIFEST)  # per-expert hashes back: the rank's verify
+        for engine, full, share in zip(_engines(scrambled, planned, opts, held), whole, held):
+            _assert_holds_slice(engine, full, share, native)
+        with pytest.raises(LoadError, match="was altered after conversion"):  # the whole file no longer matches
+            ExpertStore.open(scrambled).verify()
+
+
+def test_an_altered_byte_in_a_share_fails_its_hash_and_an_older_store_warns(stores, tmp_path, caplog) -> None:
+    src, store = stores["int8"]
+    planned, opts = _planned(src)
+    held = shard_slices(ExpertShard(1, 2, None), planned)
+    assert held is not None
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    first = ExpertStore.open(copy).manifest.layers[0]
+    path = copy / first.file
+    start, _ = _share_spans(path, first.num_experts, held[0])[0]
+    data = bytearray(path.read_bytes())
+    data[start + 3] ^= 0x01
+    path.write_bytes(bytes(data))
+    e0 = held[0].start
+    with pytest.raises(LoadError, match=rf"{first.file}.*expert\(s\) \[{e0}\] of {first.module}"):
+        _engines(copy, planned, opts, held)
+    # rank 0 does not hold that expert: it loads, unaware of the altered byte
+    assert len(_engines(copy, planned, opts, shard_slices(ExpertShard(0, 2, None), planned))) == len(held)
+
+    manifest = json.loads((store / MANIFEST).read_text())
+    for f in manifest["files"].values():
+        del f["experts_sha256"]
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="moetune.store.files"):
+        _engines(copy, planned, opts, held)
+    assert f"{path} has no per-expert SHA-256" in caplog.text and "used unverified" in caplog.text
+
+
+def test_config_accepts_a_sharded_store_in_ram_and_refuses_disk_residency() -> None:
+    opts = LoadOptions.create(expert_parallel="sharded", expert_path="/s")
+    assert opts.experts.expert_path == Path("/s")
+    with pytest.raises(ConfigError, match="'sharded' with expert_residency 'disk'"):
+        LoadOptions.create(expert_parallel="sharded", expert_path="/s", expert_residency="disk")
+
+
+def test_a_manifest_with_the_wrong_number_of_expert_hashes_is_refused(stores, tmp_path) -> None:
+    _, store = stores["int8"]
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    name = next(iter(manifest["files"]))
+    manifest["files"][name]["experts_sha256"].pop()
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(LoadError, match=rf"{name} does not match {MANIFEST}: 'experts_sha256' lists 7 hashes"):
+        ExpertStore.open(copy)
