@@ -133,13 +133,19 @@ def parse_config(
         engine_raw = dict(engine_raw)
         origins = translate_kt(flat, engine_raw, problems)
     translate_lora_expert_keys(flat, problems)
-    lora = str(flat.get("finetuning_type", "lora")).lower() == "lora"
-    as_fsdp = deepspeed_as_fsdp(flat.pop("deepspeed"), problems, lora=lora) if "deepspeed" in flat else {}
-    if as_fsdp and ("fsdp" in flat or "fsdp_config" in flat):
-        problems.add("deepspeed", "is given with fsdp / fsdp_config; both ask for FSDP2: keep one of them")
-    extra = {**as_fsdp, **_check_keys(flat, engine_raw, problems)}
+    deepspeed = flat.pop("deepspeed", None)
+    fsdp_given = "fsdp" in flat or "fsdp_config" in flat
+    extra = _check_keys(flat, engine_raw, problems)
 
     model, finetune, data, training = (parse_section(cls, flat, problems) for cls in FLAT_SECTIONS)
+    if deepspeed is not None:  # read as FSDP2 or DDP, by the parsed finetuning_type
+        lora = finetune.finetuning_type is FinetuningType.LORA
+        as_fsdp = deepspeed_as_fsdp(deepspeed, problems, lora=lora)
+        if as_fsdp and fsdp_given:
+            problems.add(
+                "deepspeed", "is given with fsdp / fsdp_config; both ask for FSDP2: keep one of them"
+            )
+        extra = {**as_fsdp, **extra}
     training = dataclasses.replace(training, extra_args=tuple(extra.items()))
     engine = _parse_engine(engine_raw if isinstance(engine_raw, Mapping) else {}, problems, origins)
     _check_cross_fields(finetune, data, training, problems)
