@@ -44,7 +44,7 @@ from moetune.adapters.peft_layout import ExpertParamNames, engine_view
 from moetune.engine import ExpertLoRA, lora_scaling
 from moetune.errors import AdapterError
 from moetune.layer import CpuExperts
-from moetune.layer.sharded import ShardedExperts
+from moetune.layer.sharded import ShardedExperts, check_sharded_expert_lora
 
 Projection = Literal["gate_up", "down"]
 INITS = (True, False, "gaussian")  # PEFT's init_lora_weights values that need no base weight
@@ -90,9 +90,8 @@ class ExpertsLora(nn.Module, LoraLayer):
         a :class:`ShardedExperts` (``expert_parallel: sharded``), this rank's (``moetune.adapters.expert_rows``)."""
         experts = self.experts
         if isinstance(experts, ShardedExperts):
-            assert self.lora_experts == experts.num_experts, (
-                "families with extra gate_up rows are not sharded"
-            )
+            if self.lora_experts != experts.num_experts:
+                check_sharded_expert_lora(experts.engine.name, self.lora_experts - experts.num_experts)
             return experts.first, experts.owners.per_rank
         return 0, self.lora_experts
 

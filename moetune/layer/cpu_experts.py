@@ -17,7 +17,7 @@ whose ``get_peft_model_state_dict`` / ``PeftModel.save_pretrained`` only pick Lo
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -314,8 +314,9 @@ class PrescaledDenseExperts(CpuExperts):
     there, ``up^T (act(0) * grad)``, is zero too for act(0) = 0 (SiLU, GELU, ReLU).
     """
 
-    def __init__(self, engine: ExpertEngine, layout: ExpertsLayout | None = None) -> None:
-        super().__init__(engine, layout)
+    def __init__(self, engine: ExpertEngine, layout: ExpertsLayout | None = None, **shard: Any) -> None:
+        # shard: ShardedExperts' keywords where this call form is combined with it (moetune.layer.sharded)
+        super().__init__(engine, layout, **shard)
         assert engine.gate_up_bias is None and engine.down_bias is None, (
             "zero rows map to zero only without biases"
         )
@@ -325,13 +326,12 @@ class PrescaledDenseExperts(CpuExperts):
     ) -> torch.Tensor:
         """routed_in ``[E*T, H]`` (any device) -> ``[E*T, H]``; ``lora`` as in :meth:`CpuExperts.forward`."""
         rows, h = routed_in.shape
-        tokens = rows // self.engine.num_experts
+        tokens = rows // self.num_experts  # E of the layer (ShardedExperts: over every rank)
         active = (
             routed_in.ne(0).any(dim=-1).nonzero().squeeze(1)
         )  # [N]: a device sync, as transformers' loops
         out = routed_in.new_zeros(rows, h)
-        if active.numel() == 0:
-            return out
+        # also with N = 0: the engine computes no row, and a sharded module still joins its layer's exchange
         expert = torch.div(active, tokens, rounding_mode="floor").unsqueeze(1)  # [N, 1]
         ones = torch.ones(active.numel(), 1, dtype=routed_in.dtype, device=routed_in.device)  # [N, 1]
         y = super().forward(routed_in.index_select(0, active), expert, ones, lora=lora)
@@ -356,12 +356,11 @@ class IdentityExperts(CpuExperts):
     ) -> torch.Tensor:
         """hidden_states ``[T, H]``, top_k_index ``[T, k]``, top_k_weights ``[T, k]`` -> ``[T, H]``; ``lora`` as in
         :meth:`CpuExperts.forward`."""
-        real = top_k_index < self.engine.num_experts  # [T, k]
+        real = top_k_index < self.num_experts  # [T, k]; E of the layer (ShardedExperts: over every rank)
         identity = (top_k_weights * ~real).sum(dim=-1, keepdim=True).to(hidden_states.dtype)  # [T, 1]
         out = identity * hidden_states
         token, slot = real.nonzero(as_tuple=True)  # [N] each: a device sync, as transformers' own loop
-        if token.numel() == 0:
-            return out
+        # also with N = 0: the engine computes no row, and a sharded module still joins its layer's exchange
         y = super().forward(
             hidden_states.index_select(0, token),
             top_k_index[token, slot].unsqueeze(1),

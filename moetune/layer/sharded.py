@@ -34,7 +34,14 @@ import torch
 from moetune.arch.spec import ExpertsCall
 from moetune.dist.exchange import ExpertOwners, sharded_experts
 from moetune.engine import ExpertEngine, ExpertLoRA
-from moetune.layer.cpu_experts import CpuExperts
+from moetune.errors import ConfigError
+from moetune.layer.cpu_experts import (
+    BatchedExperts,
+    CpuExperts,
+    IdentityExperts,
+    PostNormExperts,
+    PrescaledDenseExperts,
+)
 
 if TYPE_CHECKING:
     from moetune.arch.detect import ExpertsLayout
@@ -101,6 +108,55 @@ class ShardedExperts(CpuExperts):
         return f"experts {self.first}-{last} of {self.owners.num_experts} (rank {self.rank}), {super().extra_repr()}"
 
 
-SHARDED_MODULES: dict[ExpertsCall, type[ShardedExperts]] = {ExpertsCall.TOPK: ShardedExperts}
+# its forward takes Llama 4's call (routed_in), not the TOPK one, as PrescaledDenseExperts over CpuExperts
+class ShardedPrescaledDenseExperts(PrescaledDenseExperts, ShardedExperts):  # type: ignore[misc]
+    """Llama 4's call, ``experts(routed_in [E*T, H]) -> [E*T, H]``, on a rank holding a shard: each non-zero row
+    (token t pre-scaled for expert e, e global) goes to e's owner as a row of its own with weight 1, as
+    :class:`PrescaledDenseExperts` hands them to the engine in one process; the zero rows stay zero here."""
+
+
+class ShardedIdentityExperts(IdentityExperts, ShardedExperts):
+    """LongCat-Flash's call on a rank holding a shard: the zero-computation experts' share (ids ``>= E``, the token
+    itself times its weights) is computed by the token's own rank, with no exchange (no rank owns them); only the
+    slots of routed experts travel to their owners (:class:`IdentityExperts`)."""
+
+
+class ShardedPostNormExperts(PostNormExperts, ShardedExperts):
+    """Muse Spark's call on a rank holding a shard: every (token, slot) row travels to its expert's owner with
+    weight 1 and comes back unweighted; the ``post_expert_norm`` and the routing weight apply on the token's rank
+    (:class:`PostNormExperts`), where the norm is a device module of the model like any other."""
+
+
+class ShardedBatchedExperts(BatchedExperts, ShardedExperts):
+    """DBRX's call, ``experts(hidden [B, S, H], top_k_index [B*S, k], top_k_weights [B*S, k]) -> [B, S, H]``, on a
+    rank holding a shard: the tokens are flattened, exchanged as in the TOPK call and the shape restored."""
+
+
+SHARDED_MODULES: dict[ExpertsCall, type[ShardedExperts]] = {
+    ExpertsCall.TOPK: ShardedExperts,
+    ExpertsCall.PRESCALED_DENSE: ShardedPrescaledDenseExperts,
+    ExpertsCall.TOPK_WITH_IDENTITY: ShardedIdentityExperts,
+    ExpertsCall.TOPK_POST_NORM: ShardedPostNormExperts,
+    ExpertsCall.TOPK_BATCHED: ShardedBatchedExperts,
+}
 """The module of a rank holding a shard of a layer's experts, by how the family's block calls its experts
-(``ArchSpec.call``); the families calling them otherwise are refused with ``expert_parallel: sharded``."""
+(``ArchSpec.call``): each call form's module of one process (``moetune.layer.EXPERTS_MODULES``) over
+:class:`ShardedExperts`, whose ``forward`` the form's own arithmetic calls where one process calls the engine
+(Python's method order: the form's class, then ``ShardedExperts``, then ``CpuExperts``)."""
+
+
+def check_sharded_expert_lora(where: str, identity_experts: int) -> None:
+    """``ConfigError`` for expert LoRA on sharded experts where the layer's gate_up LoRA has rows no rank owns:
+    stock PEFT sizes it by the E routed plus the Z zero-computation experts (LongCat-Flash's ``[E + Z, 2I, H]``
+    parameter), and sharded expert LoRA splits rows of E experts evenly over the ranks
+    (``moetune.adapters.expert_rows``), which leaves the Z unused rows, which the saved adapter must still
+    hold, without a rank to keep and gather them. Called before the load (``moetune.train.preflight``) and where
+    a LoRA layer is created on a sharded module."""
+    if identity_experts:
+        raise ConfigError(
+            f"expert_parallel: sharded with LoRA on the routed experts: {where} also has {identity_experts} "
+            "zero-computation experts, whose gate_up LoRA rows stock PEFT keeps after the routed experts' and no "
+            "rank owns; sharded expert LoRA does not place them. Leave the experts out of lora_target (LongCat-"
+            "Flash's attention and dense layers train with sharded experts, e.g. lora_target: q_b_proj,o_proj), "
+            "or use expert_parallel: replicated"
+        )

@@ -29,7 +29,7 @@ from moetune.config.experts import AUTO, hot_sets
 from moetune.dist.shard import ExpertShard, expert_shard
 from moetune.engine import ExpertEngine
 from moetune.engine.threads import set_engine_threads
-from moetune.errors import ConfigError, LoadError
+from moetune.errors import LoadError
 from moetune.layer import EXPERTS_MODULES, CpuExperts
 from moetune.layer.overlap import attach_shared_ahead
 from moetune.layer.sharded import SHARDED_MODULES
@@ -93,16 +93,10 @@ def layer_summary(paths: list[str]) -> str:
 def shard_slices(shard: ExpertShard | None, planned: PlannedLoad) -> list[range] | None:
     """The experts of each planned layer this rank reads (None: every expert), from float and quantized
     checkpoints alike (``stream_experts`` reads only their tensors or slices); ``ConfigError`` naming
-    ``expert_parallel`` for what sharding does not run (a family calling its experts otherwise, E not divisible
-    by the number of processes), from headers, before any tensor is read."""
+    ``expert_parallel`` where E is not divisible by the number of processes, from headers, before any tensor is
+    read. Every call form has its sharded module (``SHARDED_MODULES``)."""
     if shard is None:
         return None
-    if planned.spec.call not in SHARDED_MODULES:
-        raise ConfigError(
-            f"expert_parallel: sharded runs families whose block calls its experts as "
-            f"{', '.join(c.value for c in SHARDED_MODULES)}; {planned.spec.name} calls them as "
-            f"{planned.spec.call.value}. Use expert_parallel: replicated for this model"
-        )
     for layer in planned.plan.layers:
         shard.owners(layer.site.layout.num_experts, layer.site.path)  # raises where E does not split evenly
     return [shard.experts(layer.site.layout.num_experts) for layer in planned.plan.layers]
@@ -125,7 +119,7 @@ def experts_module(
     planned: PlannedLoad, engine: ExpertEngine, site: ExpertsSite, shard: ExpertShard | None
 ) -> CpuExperts:
     """The module that takes ``site``'s place: the family's (``EXPERTS_MODULES``), or with a shard of the
-    experts the sharded one (``SHARDED_MODULES``, checked by :func:`shard_slices`)."""
+    experts the sharded one of the same call form (``SHARDED_MODULES``)."""
     if shard is None:
         return EXPERTS_MODULES[planned.spec.call](engine, layout=site.layout)
     owners = shard.owners(site.layout.num_experts, site.path)

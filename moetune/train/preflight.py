@@ -57,6 +57,8 @@ def check_before_load(
     process of a multi-process run only: one writer per file); ``world``: the number of processes. Returns the load it planned
     (``moetune.loading.load.PlannedLoad``), for ``load_model(planned=)``: the meta-device model is built once."""
     from moetune.adapters.apply import resolve_targets
+    from moetune.config.experts import ExpertParallel
+    from moetune.layer.sharded import check_sharded_expert_lora
     from moetune.loading.load import plan_load
     from moetune.loading.options import LoadOptions
     from moetune.train.modes import check_mode_planned
@@ -84,6 +86,16 @@ def check_before_load(
     targets = resolve_targets(planned.model, cfg.finetune.lora_target, experts)
     if lora and world > 1:
         check_something_for_ddp(targets, cfg.finetune.additional_target, world)
+    if (
+        lora
+        and world > 1
+        and targets.experts
+        and cfg.engine.experts.expert_parallel is ExpertParallel.SHARDED
+    ):
+        for (
+            site
+        ) in planned.sites:  # LongCat-Flash's zero-computation experts' LoRA rows (moetune.layer.sharded)
+            check_sharded_expert_lora(site.path, site.layout.identity_experts)
     resume = resume_checkpoint(cfg)
     if resume is not None:
         lora_paths = {*targets.linear, *targets.experts, *targets.routers} if lora else None

@@ -3,6 +3,8 @@ every expert computed in one process (float64, tolerance 1e-12)."""
 
 from __future__ import annotations
 
+import pytest
+
 from moetune.testing.tiny import save_tiny_model
 from tests.integration import dist_checks
 
@@ -19,6 +21,42 @@ def test_sharded_model_equals_one_process(tmp_path) -> None:
     # per rank, gradient checkpointing's recompute repeating the exchange
     model = save_tiny_model("qwen3_moe", tmp_path / "tiny", tokenizer=False)
     result = dist_checks.torchrun("tests/integration/dist_checks.py", "sharded_model", str(model), timeout=90)
+    dist_checks.check(result)
+    for rank in (0, 1):
+        assert f"rank {rank}: the sharded model equals the reference" in result.stdout
+
+
+# every other call form (moetune.arch.spec.ExpertsCall) -> lora_target: the routed experts with attention where
+# expert LoRA runs sharded; attention only on DBRX (its flat experts take no expert LoRA) and LongCat-Flash (its
+# zero-computation experts' LoRA rows are not sharded: moetune.layer.sharded.check_sharded_expert_lora)
+CALL_FORMS = {
+    "llama4": "q_proj,v_proj,experts",  # PRESCALED_DENSE
+    "dbrx": "Wqkv,out_proj",  # TOPK_BATCHED
+    "longcat_flash": "q_b_proj,o_proj",  # TOPK_WITH_IDENTITY
+    "muse_spark": "q_proj,v_proj,experts",  # TOPK_POST_NORM
+}
+
+
+SLOW_FORMS = ("longcat_flash",)  # its survey model takes about 30 s here (the others 10-15 s)
+
+
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_FORMS else f for f in CALL_FORMS]
+)
+def test_sharded_call_forms_equal_one_process(tmp_path, family) -> None:
+    # the family's own call form on a shard: loss, logits and every LoRA gradient as with every expert in one
+    # process (the sharded expert rows' gradients summed over the ranks), rank 1's experts idle in one layer
+    from moetune.testing.families import survey_config
+    from moetune.testing.survey import _random_model
+
+    config = survey_config(family)
+    if family == "llama4":  # its text model: transformers 5.24's Llama4ForConditionalGeneration.forward reads
+        config = config.get_text_config()  # image_outputs off the text model's output, which has none
+    path = tmp_path / family
+    _random_model(config, seed=0).save_pretrained(path)
+    result = dist_checks.torchrun(
+        "tests/integration/dist_checks.py", "sharded_model", str(path), CALL_FORMS[family], timeout=120
+    )
     dist_checks.check(result)
     for rank in (0, 1):
         assert f"rank {rank}: the sharded model equals the reference" in result.stdout
