@@ -86,15 +86,9 @@ def check_before_load(
     targets = resolve_targets(planned.model, cfg.finetune.lora_target, experts)
     if lora and world > 1:
         check_something_for_ddp(targets, cfg.finetune.additional_target, world)
-    if (
-        lora
-        and world > 1
-        and targets.experts
-        and cfg.engine.experts.expert_parallel is ExpertParallel.SHARDED
-    ):
-        for (
-            site
-        ) in planned.sites:  # LongCat-Flash's zero-computation experts' LoRA rows (moetune.layer.sharded)
+    sharded = cfg.engine.experts.expert_parallel is ExpertParallel.SHARDED
+    if lora and world > 1 and sharded and targets.experts:
+        for site in planned.sites:  # LongCat-Flash's zero-computation experts (moetune.layer.sharded)
             check_sharded_expert_lora(site.path, site.layout.identity_experts)
     resume = resume_checkpoint(cfg)
     if resume is not None:

@@ -75,3 +75,28 @@ def test_longcat_identity_experts_call():
     assert rel_err(got, want) < 1e-12
     for a, b in zip(_grads(got, x, w), _grads(want, x, w)):
         assert rel_err(a, b) < 1e-12
+
+
+def test_no_routed_slot_at_all():
+    # every slot a zero-computation expert, or Llama 4's routed_in all zero: the engine is called with no row
+    # (a sharded module must still join its layer's exchange) and the result is transformers' own
+    from transformers import LongcatFlashConfig
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
+
+    config = LongcatFlashConfig(
+        hidden_size=H, expert_ffn_hidden_size=I, n_routed_experts=E, zero_expert_num=3, hidden_act="silu"
+    )
+    theirs = LongcatFlashExperts(config).double()
+    _randomize(theirs)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(T, H, generator=gen, dtype=torch.float64, requires_grad=True)
+    ids = torch.stack([torch.randperm(3, generator=gen)[:K] + E for _ in range(T)])
+    w = torch.rand(T, K, generator=gen, dtype=torch.float64, requires_grad=True)
+    engine = ExpertEngine(DenseExperts(theirs.gate_up_proj.detach()[:E], theirs.down_proj.detach()))
+    want, got = theirs(x, ids, w), IdentityExperts(engine)(x, ids, w)
+    assert rel_err(got, want) < 1e-12
+    for a, b in zip(_grads(got, x, w), _grads(want, x, w)):
+        assert rel_err(a, b) < 1e-12
+    routed_in = torch.zeros(E * T, H, dtype=torch.float64, requires_grad=True)
+    out = PrescaledDenseExperts(engine)(routed_in)
+    assert out.shape == (E * T, H) and not out.any()
