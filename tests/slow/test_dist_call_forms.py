@@ -13,17 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.integration import dist_checks
+from tests.slow.test_dist_sharded_lora import ADAMW, CLI  # AdamW with adam_epsilon 1e-3: see there
 
 ROOT = Path(__file__).resolve().parents[2]
-CLI = ("-m", "moetune.cli.main", "train")
-ADAMW = {  # as tests/slow/test_dist_sharded_lora.py: adam_epsilon 1e-3 keeps summation-order noise in tolerance
-    "optim": "adamw_torch",
-    "learning_rate": 1e-2,
-    "adam_epsilon": 1e-3,
-    "lr_scheduler_type": "constant",
-    "max_steps": 4,
-    "save_steps": 2,
-}
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ scores or weights included) agree to rounding.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moetune.engine import DenseExperts, ExpertEngine
@@ -53,7 +54,9 @@ def test_llama4_prescaled_dense_call():
         assert rel_err(a, b) < 1e-12
 
 
-def test_longcat_identity_experts_call():
+def _longcat() -> tuple[torch.nn.Module, ExpertEngine]:
+    """transformers' LongCat-Flash experts module (E routed, 3 zero-computation experts) and an engine of its
+    weights."""
     from transformers import LongcatFlashConfig
     from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
 
@@ -62,41 +65,31 @@ def test_longcat_identity_experts_call():
     )
     theirs = LongcatFlashExperts(config).double()
     _randomize(theirs)
+    gate_up = theirs.gate_up_proj.detach()[:E]  # rows E.. belong to the identity experts and are never used
+    return theirs, ExpertEngine(DenseExperts(gate_up, theirs.down_proj.detach()))
+
+
+@pytest.mark.parametrize("identity_only", [False, True])
+def test_longcat_identity_experts_call(identity_only):
+    # identity_only: every slot a zero-computation expert; the engine is then called with no row (a sharded
+    # module must still join its layer's exchange) and the result is still transformers' own
+    theirs, engine = _longcat()
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(T, H, generator=gen, dtype=torch.float64, requires_grad=True)
-    ids = torch.stack([torch.randperm(E + 3, generator=gen)[:K] for _ in range(T)])
+    first = E if identity_only else 0
+    ids = torch.stack([torch.randperm(E + 3 - first, generator=gen)[:K] + first for _ in range(T)])
     ids[0] = torch.tensor([E, E + 1])  # a token with identity experts only
     w = torch.rand(T, K, generator=gen, dtype=torch.float64, requires_grad=True)
-    assert (ids >= E).any() and (ids < E).any()
+    assert (ids >= E).any() and (ids < E).any() != identity_only
 
-    gate_up = theirs.gate_up_proj.detach()[:E]  # rows E.. belong to the identity experts and are never used
-    ours = IdentityExperts(ExpertEngine(DenseExperts(gate_up, theirs.down_proj.detach())))
-    want, got = theirs(x, ids, w), ours(x, ids, w)
-    assert rel_err(got, want) < 1e-12
-    for a, b in zip(_grads(got, x, w), _grads(want, x, w)):
-        assert rel_err(a, b) < 1e-12
-
-
-def test_no_routed_slot_at_all():
-    # every slot a zero-computation expert, or Llama 4's routed_in all zero: the engine is called with no row
-    # (a sharded module must still join its layer's exchange) and the result is transformers' own
-    from transformers import LongcatFlashConfig
-    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
-
-    config = LongcatFlashConfig(
-        hidden_size=H, expert_ffn_hidden_size=I, n_routed_experts=E, zero_expert_num=3, hidden_act="silu"
-    )
-    theirs = LongcatFlashExperts(config).double()
-    _randomize(theirs)
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(T, H, generator=gen, dtype=torch.float64, requires_grad=True)
-    ids = torch.stack([torch.randperm(3, generator=gen)[:K] + E for _ in range(T)])
-    w = torch.rand(T, K, generator=gen, dtype=torch.float64, requires_grad=True)
-    engine = ExpertEngine(DenseExperts(theirs.gate_up_proj.detach()[:E], theirs.down_proj.detach()))
     want, got = theirs(x, ids, w), IdentityExperts(engine)(x, ids, w)
     assert rel_err(got, want) < 1e-12
     for a, b in zip(_grads(got, x, w), _grads(want, x, w)):
         assert rel_err(a, b) < 1e-12
+
+
+def test_llama4_no_routed_row():
+    # routed_in all zero: the engine is called with no row (as above) and every row stays zero
     routed_in = torch.zeros(E * T, H, dtype=torch.float64, requires_grad=True)
-    out = PrescaledDenseExperts(engine)(routed_in)
+    out = PrescaledDenseExperts(_longcat()[1])(routed_in)
     assert out.shape == (E * T, H) and not out.any()
