@@ -5,7 +5,8 @@
 with ``FFN_j(x) = x`` for those. ``LongcatFlashExperts`` has no ``use_experts_implementation`` flags (its layout
 is gate_up ``[E + Z, 2I, H]``, gate block first, down ``[E, H, I]``, no biases; the Z extra gate_up rows are
 never used) and keeps Z in ``zero_expert_num``. moetune's ``IdentityExperts`` computes the identity share on
-the device and the E routed experts in the engine; checkpoint tensors of the unused rows are not read.
+the device and the E routed experts in the engine; checkpoint tensors of the unused rows are not read. With
+``expert_parallel: sharded`` the identity share stays on the token's rank and only routed slots are exchanged.
 """
 
 from moetune.arch.spec import ArchSpec, ExpertsCall, LayoutFlags, Routing, register

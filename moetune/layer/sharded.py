@@ -9,6 +9,11 @@ the autograd Function, the forward memo, LoRA), the rows come back and the routi
 token's rank, so the router's gradient stays there. Every rank must run the same layers in the same order: each
 call holds collectives on the exchange's group, also with no token at all.
 
+Other call forms (``ExpertsCall``: Llama 4's pre-scaled dense rows, DBRX's ``[B, S, H]``, LongCat-Flash's
+zero-computation experts, Muse Spark's per-expert norm) each have one module: the family's module of one process
+over :class:`ShardedExperts` (``SHARDED_MODULES``). The family's arithmetic runs on the token's rank as in one
+process, and where it calls the engine, ``super().forward`` now reaches the exchange.
+
 Expert LoRA: the PEFT layers around this module (``moetune.adapters.expert_layer``) hold only this rank's
 experts' rows (``moetune.adapters.expert_rows``: ``[E / world, r, in]`` / ``[E / world, out, r]`` in the engine
 layout) and pass them with each call. Those rows receive the gradient of every rank's tokens (the exchange

@@ -1,5 +1,6 @@
 """Sharded experts over two processes (gloo): tokens exchanged with all_to_all, forward and backward, against
-every expert computed in one process (float64, tolerance 1e-12)."""
+every expert computed in one process (the exchange in float64, tolerance 1e-12; models in float32, for every way a
+family calls its experts)."""
 
 from __future__ import annotations
 
