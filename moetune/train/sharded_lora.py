@@ -146,14 +146,26 @@ class ShardedLora:
                 g.mul_(coef)
         return norm
 
-    def gather(self, local: torch.Tensor, rows: HeldRows) -> torch.Tensor | None:
-        """Every rank's ``local`` held part -> the whole tensor on the main process (None elsewhere)."""
+    def gather(
+        self, local: torch.Tensor, rows: HeldRows, buffer: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Every rank's ``local`` held part -> the whole tensor on the main process (None elsewhere). ``buffer``
+        (main process): a flat tensor of ``local``'s dtype and at least twice the whole's elements, which holds
+        the parts and the whole instead of new tensors (the whole is then valid until the buffer is reused)."""
         import torch.distributed as dist
 
         local = local.detach().contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.world)] if self.rank == 0 else None
+        n = local.numel()
+        parts = None
+        if self.rank == 0:
+            parts = [
+                torch.empty_like(local) if buffer is None else buffer[q * n : (q + 1) * n].view_as(local)
+                for q in range(self.world)
+            ]
         dist.gather(local, parts, group_dst=0, group=self.group)
-        return joined(parts, rows) if parts is not None else None
+        if parts is None:
+            return None
+        return joined(parts, rows, None if buffer is None else buffer[self.world * n : 2 * self.world * n])
 
     def gathered_adapter(
         self, model: nn.Module, base: dict[str, torch.Tensor] | None = None
@@ -364,7 +376,7 @@ class GatheredAdapter:
     adapter file reaches it, and dropped once written, so the main process holds one weight (a layer's A or B)
     beyond its own rows instead of the whole expert LoRA. Main process: ``state_dict`` (placeholders for the held
     weights) and ``fetch`` for the writer (``moetune.adapters.save.write_adapter_weights``), called in file
-    order; the other ranks call ``send`` (the same gathers, in the same order) and go on. A gather in another
+    order, each gathered into one buffer reused for every weight (2 x the largest weight); the other ranks call ``send`` (the same gathers, in the same order) and go on. A gather in another
     order than the file's is an internal error (``AssertionError``), never a silent mismatch."""
 
     def __init__(
@@ -377,6 +389,15 @@ class GatheredAdapter:
         self.lora, self.order, self.placeholders = lora, order, placeholders
         self.state_dict = state_dict
         self._next = 0
+        # main process: one buffer for the parts and the whole of the largest weight, reused for every weight, so
+        # what the save adds is that and no more (new tensors each time would leave the allocator's heap grown)
+        self._buffer: torch.Tensor | None = None
+        if state_dict is not None and order:
+            largest = max(order, key=lambda t: t.param.numel())
+            self._buffer = largest.param.new_empty(2 * lora.world * largest.param.numel())
+            assert all(t.param.dtype == largest.param.dtype for t in order), (
+                "expert LoRA weights share a dtype"
+            )
 
     def fetch(self, placeholder: torch.Tensor) -> torch.Tensor:
         """Main process, from the writer: the whole weight ``placeholder`` stands for (the next in file order)."""
@@ -385,7 +406,9 @@ class GatheredAdapter:
         )
         t = self.order[self._next]
         self._next += 1
-        whole = self.lora.gather(t.param, t.rows)
+        whole = self.lora.gather(
+            t.param, t.rows, self._buffer
+        )  # valid until the next fetch reuses the buffer
         assert whole is not None
         return whole
 
@@ -396,8 +419,10 @@ class GatheredAdapter:
             self.lora.gather(t.param, t.rows)
 
     def check_written(self) -> None:
-        """Main process, after the write: every held weight was gathered (else the ranks' gathers would not pair)."""
+        """Main process, after the write: every held weight was gathered (else the ranks' gathers would not pair);
+        the buffer is released."""
         assert self._next == len(self.order), (self._next, len(self.order))
+        self._buffer = None
 
 
 class ShardsExpertLora:
