@@ -373,11 +373,12 @@ def _indices(optimizer: torch.optim.Optimizer) -> dict[int, int]:
 
 class GatheredAdapter:
     """One adapter save with sharded expert LoRA: every held weight is gathered whole to the main process when the
-    adapter file reaches it, and dropped once written, so the main process holds one weight (a layer's A or B)
-    beyond its own rows instead of the whole expert LoRA. Main process: ``state_dict`` (placeholders for the held
-    weights) and ``fetch`` for the writer (``moetune.adapters.save.write_adapter_weights``), called in file
-    order, each gathered into one buffer reused for every weight (2 x the largest weight); the other ranks call ``send`` (the same gathers, in the same order) and go on. A gather in another
-    order than the file's is an internal error (``AssertionError``), never a silent mismatch."""
+    adapter file reaches it and dropped once written, so the main process holds one weight (a layer's A or B)
+    beyond its own rows instead of the whole expert LoRA. Main process: ``state_dict`` (placeholders for the
+    held weights) and ``fetch`` for the writer (``moetune.adapters.save.write_adapter_weights``), called in file
+    order, each weight gathered into one buffer reused for all of them (twice the largest weight); the other
+    ranks call ``send`` (the same gathers, in the same order) and go on. A gather in another order than the
+    file's is an internal error (``AssertionError``), never a silent mismatch."""
 
     def __init__(
         self,
@@ -406,9 +407,8 @@ class GatheredAdapter:
         )
         t = self.order[self._next]
         self._next += 1
-        whole = self.lora.gather(
-            t.param, t.rows, self._buffer
-        )  # valid until the next fetch reuses the buffer
+        # a view of the buffer: valid until the next fetch, by which time the writer has written it
+        whole = self.lora.gather(t.param, t.rows, self._buffer)
         assert whole is not None
         return whole
 
