@@ -27,7 +27,7 @@ from moetune.loading.convert import convert_checkpoint
 from moetune.loading.load import PlannedLoad, plan_load, shard_slices
 from moetune.loading.options import LoadOptions
 from moetune.store import ExpertStore, store_engines
-from moetune.store.manifest import MANIFEST
+from moetune.store.manifest import MANIFEST, StoredLayer
 from moetune.store.mapped import MappedFile
 from moetune.tensorfile import read_header
 from moetune.testing.tiny import save_tiny_model
@@ -167,10 +167,21 @@ def test_a_rank_reads_and_holds_only_its_experts_of_a_store(
         shutil.copy(store / MANIFEST, scrambled / MANIFEST)  # per-expert hashes back: the rank's verify
         for engine, full, share in zip(_engines(scrambled, planned, opts, held), whole, held):
             _assert_holds_slice(engine, full, share, native)
-        with pytest.raises(
-            LoadError, match="was altered after conversion"
-        ):  # the whole file no longer matches
+        # the whole file no longer matches
+        with pytest.raises(LoadError, match="was altered after conversion"):
             ExpertStore.open(scrambled).verify()
+
+
+def _flip_a_byte_of(store: Path, copy: Path, share: range, at: int) -> tuple[Path, StoredLayer]:
+    """A copy of ``store`` with byte ``at`` of ``share``'s rows of the first tensor of the first layer flipped."""
+    shutil.copytree(store, copy)
+    first = ExpertStore.open(copy).manifest.layers[0]
+    path = copy / first.file
+    start, _ = _share_spans(path, first.num_experts, share)[0]
+    data = bytearray(path.read_bytes())
+    data[start + at] ^= 0x01
+    path.write_bytes(bytes(data))
+    return copy, first
 
 
 def test_an_altered_byte_in_a_share_fails_its_hash_and_an_older_store_warns(stores, tmp_path, caplog) -> None:
@@ -178,14 +189,8 @@ def test_an_altered_byte_in_a_share_fails_its_hash_and_an_older_store_warns(stor
     planned, opts = _planned(src)
     held = shard_slices(ExpertShard(1, 2, None), planned)
     assert held is not None
-    copy = tmp_path / "store"
-    shutil.copytree(store, copy)
-    first = ExpertStore.open(copy).manifest.layers[0]
+    copy, first = _flip_a_byte_of(store, tmp_path / "store", held[0], 3)
     path = copy / first.file
-    start, _ = _share_spans(path, first.num_experts, held[0])[0]
-    data = bytearray(path.read_bytes())
-    data[start + 3] ^= 0x01
-    path.write_bytes(bytes(data))
     e0 = held[0].start
     with pytest.raises(LoadError, match=rf"{first.file}.*expert\(s\) \[{e0}\] of {first.module}"):
         _engines(copy, planned, opts, held)
@@ -309,9 +314,8 @@ def test_a_rank_pages_only_its_experts_from_disk(stores, label, tmp_path, monkey
                 end,
                 spans,
             )
-        with pytest.raises(
-            LoadError, match="was altered after conversion"
-        ):  # the whole file no longer matches
+        # the whole file no longer matches
+        with pytest.raises(LoadError, match="was altered after conversion"):
             ExpertStore.open(scrambled).verify()
 
 
@@ -321,14 +325,7 @@ def test_disk_residency_checks_a_share_when_it_pages_it_in_and_budgets_per_rank(
     sites = [layer.site for layer in planned.plan.layers]
     held = shard_slices(ExpertShard(1, 2, None), planned)
     assert held is not None
-    copy = tmp_path / "store"
-    shutil.copytree(store, copy)
-    first = ExpertStore.open(copy).manifest.layers[0]
-    path = copy / first.file
-    start, _ = _share_spans(path, first.num_experts, held[0])[0]
-    data = bytearray(path.read_bytes())
-    data[start + 5] ^= 0x01
-    path.write_bytes(bytes(data))
+    copy, first = _flip_a_byte_of(store, tmp_path / "store", held[0], 5)
     opened = ExpertStore.open(copy)
     # loading reads nothing of the weights: the altered byte surfaces when the layer is paged in
     paged = list(
