@@ -1,18 +1,22 @@
-"""safetensors files read from their headers: dtype codes, tensor names, shapes and byte ranges.
+"""safetensors files read from their headers (dtype codes, tensor names, shapes and byte ranges), and written
+tensor by tensor (:func:`write_streamed`).
 
-Shared by checkpoint loading (``moetune.loading``) and the pre-quantized store (``moetune.store``).
+Shared by checkpoint loading (``moetune.loading``), the pre-quantized store (``moetune.store``) and the adapter
+writer (``moetune.adapters.save``).
 """
 
 from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
-from moetune.errors import LoadError
+from moetune.errors import LoadError, MoetuneError
 
 # safetensors dtype codes ``ShardReader.read`` reads into torch tensors
 TORCH_DTYPES = {
@@ -73,3 +77,83 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             key, path.name, meta["dtype"], tuple(meta["shape"]), end - begin, 8 + size + begin
         )
     return out
+
+
+# safetensors' codes of torch dtypes, in the order its writer lays data out: the largest code first, as its Rust
+# ``Dtype`` enum orders them (``save_file`` sorts by dtype, descending, then by name)
+_WRITE_ORDER = (
+    (torch.uint64, "U64"),
+    (torch.int64, "I64"),
+    (torch.float64, "F64"),
+    (torch.float32, "F32"),
+    (torch.uint32, "U32"),
+    (torch.int32, "I32"),
+    (torch.bfloat16, "BF16"),
+    (torch.float16, "F16"),
+    (torch.uint16, "U16"),
+    (torch.int16, "I16"),
+    (torch.float8_e4m3fn, "F8_E4M3"),
+    (torch.float8_e5m2, "F8_E5M2"),
+    (torch.int8, "I8"),
+    (torch.uint8, "U8"),
+    (torch.bool, "BOOL"),
+)
+_CODES = {dtype: (rank, code) for rank, (dtype, code) in enumerate(_WRITE_ORDER)}
+
+
+def layout(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[str]]:
+    """The header (8-byte length, JSON padded with spaces to a multiple of 8) and the data order of a
+    safetensors file holding ``tensors``, laid out as ``safetensors.torch.save_file`` lays it out; only each
+    tensor's dtype and shape are read (``meta`` tensors will do)."""
+    unknown = sorted({str(t.dtype) for t in tensors.values() if t.dtype not in _CODES})
+    if unknown:
+        raise MoetuneError(f"safetensors cannot hold dtype(s) {unknown}; it holds {[str(d) for d in _CODES]}")
+    order = sorted(tensors, key=lambda k: (_CODES[tensors[k].dtype][0], k))
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for key in order:
+        t = tensors[key]
+        end = offset + t.numel() * t.element_size()
+        header[key] = {"dtype": _CODES[t.dtype][1], "shape": list(t.shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, order
+
+
+def write_streamed(
+    path: Path,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    fetch: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """Write ``tensors`` to ``path`` as one safetensors file (the layout of ``save_file``, so stock readers see
+    the same file), one tensor at a time: the header first, from the dtypes and shapes alone, then each tensor's
+    bytes in the data order. A ``meta`` tensor stands for one produced only when its turn comes:
+    ``fetch(placeholder)`` returns it (same dtype and shape; e.g. gathered from other processes), and it is
+    dropped once written, so at most one such tensor is held at a time. Not atomic by itself: write into a
+    temporary file and rename (``moetune.atomic.write_atomically``)."""
+    header, order = layout(tensors, metadata)
+    with path.open("wb") as f:
+        f.write(header)
+        for key in order:  # the produced tensor is an argument only: dropped when its bytes are written
+            _write_bytes(f, _produced(key, tensors[key], fetch))
+
+
+def _produced(
+    key: str, t: torch.Tensor, fetch: Callable[[torch.Tensor], torch.Tensor] | None
+) -> torch.Tensor:
+    if not t.is_meta:
+        return t
+    assert fetch is not None, f"{key} is a placeholder and no fetch was given"
+    got = fetch(t)
+    assert (got.dtype, got.shape) == (t.dtype, t.shape), (key, got.dtype, got.shape, t.shape)
+    return got
+
+
+def _write_bytes(f: BinaryIO, t: torch.Tensor) -> None:
+    """``t``'s own bytes (a view, no copy when it is contiguous on the CPU)."""
+    if t.numel():
+        f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)

@@ -60,12 +60,15 @@ def held_part(whole: torch.Tensor, rows: HeldRows) -> torch.Tensor:
     )
 
 
-def joined(parts: list[torch.Tensor], rows: HeldRows) -> torch.Tensor:
-    """Every rank's held part (rank order, equal counts, together all E experts) -> the whole tensor."""
+def joined(parts: list[torch.Tensor], rows: HeldRows, into: torch.Tensor | None = None) -> torch.Tensor:
+    """Every rank's held part (rank order, equal counts, together all E experts) -> the whole tensor; ``into``: a
+    contiguous tensor of the whole's number of elements and dtype to write it into (a reused buffer)."""
+    shape = rows.whole_shape(parts[0].shape)
     if rows.kind == "A":
-        return torch.cat(parts, dim=0)
+        return torch.cat(parts, dim=0, out=None if into is None else into.view(shape))
     out = parts[0].shape[0]
-    return torch.cat([p.view(out, rows.r, -1) for p in parts], dim=2).reshape(out, rows.r * rows.total)
+    whole = None if into is None else into.view(out, rows.r, rows.total)
+    return torch.cat([p.view(out, rows.r, -1) for p in parts], dim=2, out=whole).reshape(shape)
 
 
 def expert_axis(tensor: torch.Tensor, rows: HeldRows) -> torch.Tensor:

@@ -27,7 +27,7 @@ adapter's values into one that is already attached.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ from moetune.adapters.peft_layout import ExpertParamNames
 from moetune.adapters.swap import CONFIG_NAME, save_pair
 from moetune.errors import AdapterError
 from moetune.layer import CpuExperts
+from moetune.tensorfile import write_streamed
 
 
 def adapter_config(peft_model: Any) -> dict[str, Any]:
@@ -64,33 +65,49 @@ def adapter_state(
     peft_model: Any, state_dict: dict[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
     """Every LoRA tensor under its stock PEFT key (``get_peft_model_state_dict``), on the CPU, contiguous; taken
-    from ``state_dict`` (the model's, e.g. with sharded expert LoRA gathered whole) when given."""
+    from ``state_dict`` (the model's, e.g. FSDP2's gathered one) when given. ``meta`` tensors in it (placeholders
+    of tensors produced while the file is written: :func:`write_adapter_weights`) are kept as they are."""
     from peft import get_peft_model_state_dict
 
     state = get_peft_model_state_dict(peft_model, state_dict=state_dict)
-    return {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    return {k: v if v.is_meta else v.detach().cpu().contiguous() for k, v in state.items()}
+
+
+def write_adapter_weights(
+    peft_model: Any,
+    path: Path,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    fetch: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """``adapter_model.safetensors`` of ``peft_model`` at ``path`` (not atomic: callers write a temporary file),
+    what ``PeftModel.save_pretrained`` writes (``save_file``'s layout, metadata ``{"format": "pt"}``), streamed
+    tensor by tensor (``moetune.tensorfile.write_streamed``): a ``meta`` tensor of ``state_dict`` is produced by
+    ``fetch(placeholder)`` when its turn comes and dropped once written (with ``expert_parallel: sharded``, one
+    expert-LoRA weight gathered from every rank: ``moetune.train.sharded_lora.GatheredAdapter``)."""
+    write_streamed(path, adapter_state(peft_model, state_dict), {"format": "pt"}, fetch)
 
 
 def save_adapter(
-    peft_model: Any, output_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None
+    peft_model: Any,
+    output_dir: str | Path,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    fetch: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Path:
     """Write ``peft_model``'s LoRA to ``output_dir`` as a stock PEFT adapter, atomically; returns the folder.
 
     Files already in ``output_dir`` other than the adapter's are kept (a Trainer checkpoint folder holds
     optimizer and scheduler state next to it); the adapter's files, its LoRA experts' included, are replaced
     together (``moetune.adapters.swap``). ``state_dict``: the model's whole state dict to take the LoRA from
-    (FSDP2 gathers it on the main process: ``moetune.train.fsdp.full_state_dict``; with ``expert_parallel:
-    sharded``, ``moetune.train.sharded_lora`` puts the expert LoRA's rows together in it), else the live tensors.
+    (FSDP2 gathers it on the main process: ``moetune.train.fsdp.full_state_dict``), else the live tensors;
+    ``fetch``: for its ``meta`` placeholders, as :func:`write_adapter_weights` (with ``expert_parallel: sharded``
+    the expert LoRA, gathered weight by weight while the file is written).
     """
-    from safetensors.torch import save_file
-
     out = Path(output_dir)
-    state = adapter_state(peft_model, state_dict)
     config = json.dumps(adapter_config(peft_model), indent=2, sort_keys=True) + "\n"
     extras = (
         {LORA_EXPERTS_FILE: lambda path: write_lora_experts(peft_model, path)} if spec_of(peft_model) else {}
     )
-    save_pair(out, config, lambda path: save_file(state, str(path), metadata={"format": "pt"}), extras)
+    save_pair(out, config, lambda path: write_adapter_weights(peft_model, path, state_dict, fetch), extras)
     return out
 
 

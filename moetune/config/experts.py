@@ -92,7 +92,8 @@ class ExpertOptions:
         expert_path: a store written by ``moetune convert`` to take the routed experts from.
         expert_residency: with ``expert_path``: ``ram`` or ``disk`` (paged layer by layer).
         expert_residency_budget: disk only: bytes (an int or a size such as ``"64GB"``); None: the two
-            largest layers' files.
+            largest layers' files (with ``expert_parallel: sharded``: this process's experts of them; the
+            budget is per process).
         activation_policy: ``retain`` (forward keeps what backward needs) or ``recompute``.
         num_threads: CPU threads of the expert engine (None: the physical cores visible to the process);
             ``load_model`` and ``moetune convert`` size torch's process-wide intra-op pool to it once
@@ -309,24 +310,15 @@ def expert_option_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
             for name in GPU_AUTO_OPTIONS
             if not auto and values.get(name) is not None and name not in bad
         ]
-    if values.get("expert_parallel") == ExpertParallel.SHARDED and "expert_parallel" not in bad:
-        if values.get("gpu_experts"):
-            problems.append(
-                (
-                    "expert_parallel",
-                    f"is 'sharded' but gpu_experts is set ({values['gpu_experts']!r}); sharded experts are held "
-                    "in engines without hot experts for now. Remove gpu_experts, or use expert_parallel: replicated",
-                )
+    sharded = values.get("expert_parallel") == ExpertParallel.SHARDED and "expert_parallel" not in bad
+    if sharded and values.get("gpu_experts"):
+        problems.append(
+            (
+                "expert_parallel",
+                f"is 'sharded' but gpu_experts is set ({values['gpu_experts']!r}); sharded experts are held "
+                "in engines without hot experts for now. Remove gpu_experts, or use expert_parallel: replicated",
             )
-        if values.get("expert_path") and values.get("expert_residency") == ExpertResidency.DISK:
-            problems.append(
-                (
-                    "expert_parallel",
-                    "is 'sharded' with expert_residency 'disk'; disk residency pages whole layer files, a rank "
-                    "of sharded experts reads only its own experts from the store. Use expert_residency: ram "
-                    "(each rank then holds E / processes experts per layer), or expert_parallel: replicated",
-                )
-            )
+        )
     residency = values.get("expert_residency", ExpertResidency.RAM)
     if "expert_residency" not in bad:
         disk = ExpertResidency(residency) is ExpertResidency.DISK

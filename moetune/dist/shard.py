@@ -71,15 +71,26 @@ def expert_shard(parallel: ExpertParallel) -> ExpertShard | None:
 def experts_held(model: Any) -> dict[str, Any]:
     """What this rank holds of the routed experts, for the run summary: ``expert_parallel`` (``sharded`` when its
     experts modules hold a shard, else ``replicated``), the experts per MoE layer (``"4 of 8"``, the first
-    layer's) and the bytes of every engine's weights, in GiB."""
+    layer's) and the bytes of every engine's weights, in GiB; with ``expert_residency: disk`` also what its
+    residency window did (``disk_residency``: its budget and the most it held, in GiB, its hits and misses)."""
+    from moetune.engine.residency import PagedExperts
     from moetune.layer import CpuExperts
     from moetune.layer.sharded import ShardedExperts
 
     modules = [m for m in model.modules() if isinstance(m, CpuExperts)]
     sharded = any(isinstance(m, ShardedExperts) for m in modules)
     first = modules[0] if modules else None
-    return {
+    held: dict[str, Any] = {
         "expert_parallel": (ExpertParallel.SHARDED if sharded else ExpertParallel.REPLICATED).value,
         "experts_per_layer": f"{first.engine.num_experts} of {first.num_experts}" if first is not None else None,
         "engines_gb": round(sum(m.engine.weights.nbytes for m in modules) / 2**30, 6),
     }
+    if first is not None and isinstance(first.engine.weights, PagedExperts):  # one window serves every layer
+        window = first.engine.weights.window
+        held["disk_residency"] = {
+            "budget_gb": round(window.budget / 2**30, 6),
+            "peak_gb": round(window.stats.peak_bytes / 2**30, 6),
+            "hits": window.stats.hits,
+            "misses": window.stats.misses,
+        }
+    return held

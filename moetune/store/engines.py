@@ -9,6 +9,11 @@
   Every layer is wrapped in ``PagedExperts`` under one ``ResidencyWindow`` of ``expert_residency_budget``
   bytes (default: the least that works, the two largest layers' files): the layer computing and the one
   prefetched. Each file is hashed the first time the prefetcher reads it.
+
+With ``expert_parallel: sharded`` a rank's layer is its experts' rows of each file (one byte range per tensor):
+``ram`` maps the file and reads those ranges only; ``disk`` pages those ranges only (``StorePages`` over the
+share), and the budget and its default count the rank's shares (per process, so a node's ranks together
+hold up to their budgets' sum). Either way the rank's rows are checked against their per-expert hashes.
 """
 
 from __future__ import annotations
@@ -64,24 +69,23 @@ def store_engines(
 
     Biases are copied in ``dtype``; the expert weights stay as stored (views of the mappings).
     ``ConfigError`` before anything is read if a disk ``budget`` cannot hold the two largest layers.
-    ``experts``: per site, the experts this rank holds (``expert_parallel: sharded``; ``ram`` residency only):
-    each engine holds those experts' rows and only their bytes are read (verified against the manifest's
-    per-expert hashes). None: every expert.
+    ``experts``: per site, the experts this rank holds (``expert_parallel: sharded``): each engine holds those
+    experts' rows and only their bytes are read (verified against the manifest's per-expert hashes: while
+    loading in ``ram`` residency, at the first page-in in ``disk`` residency, whose window and ``budget`` then
+    count this rank's shares, not whole files). None: every expert.
     """
-    if experts is not None and residency is ExpertResidency.DISK:
-        raise ConfigError(  # config checks refuse it first; here for library callers
-            "expert_residency: disk pages whole layer files; with expert_parallel: sharded use "
-            "expert_residency: ram (each rank maps and reads only its experts' bytes)"
-        )
     shares: list[range | None] = [None] * len(sites) if experts is None else list(experts)
     assert len(shares) == len(sites), "one range of experts per site"
     window = None
     if residency is ExpertResidency.DISK:
-        largest = sorted(store.layer_resident_bytes(site.path) for site in sites)[-2:]
+        largest = sorted(store.share_resident_bytes(site.path, share) for site, share in zip(sites, shares))[
+            -2:
+        ]
         if budget is not None and budget < sum(largest):
+            whose = "" if experts is None else " (this process's experts of them: expert_parallel sharded)"
             raise ConfigError(
-                f"expert_residency_budget {budget} bytes cannot hold the two largest layers of {store.root} "
-                f"({' + '.join(map(str, largest))} bytes: the layer computing and the one prefetched); "
+                f"expert_residency_budget {budget} bytes cannot hold the two largest layers of {store.root}"
+                f"{whose} ({' + '.join(map(str, largest))} bytes: the layer computing and the one prefetched); "
                 f"set it to at least {sum(largest)}"
             )
         window = ResidencyWindow(sum(largest) if budget is None else budget)
@@ -90,20 +94,22 @@ def store_engines(
         for site, share in zip(sites, shares):
             path, lay = site.path, site.layout
             mapped = store.map_layer(path)
-            if share is not None:
+            if window is None and share is not None:
                 store.verify_share(mapped, share)  # the rank's bytes only, brought in by the hashing
             elif window is None:
                 store.verify_mapped(mapped)  # the pass that brings the pages in
             fmt, gate_up_bias, down_bias = store.build(path, mapped, share)
+            # biases are small: owned copies, so no engine tensor but the paged weights maps the store
+            biases = [None if b is None else b.to(dtype, copy=True) for b in (gate_up_bias, down_bias)]
             if window is not None:
-                fmt = PagedExperts(fmt, window, StorePages(store, mapped))
-                mapped.release()  # whatever building touched (fp8's NaN scan): paged in when used
+                pages = StorePages(store, mapped, share)
+                fmt = PagedExperts(fmt, window, pages)
+                pages.release()  # whatever building touched (fp8's NaN scan, the biases): paged in when used
             engine = ExpertEngine(
                 fmt,
                 activation=get_activation(lay.activation, **dict(lay.activation_kwargs)),
-                # biases are small: owned copies, so no engine tensor but the paged weights maps the store
-                gate_up_bias=None if gate_up_bias is None else gate_up_bias.to(dtype, copy=True),
-                down_bias=None if down_bias is None else down_bias.to(dtype, copy=True),
+                gate_up_bias=biases[0],
+                down_bias=biases[1],
                 options=options,
                 name=path,
             )

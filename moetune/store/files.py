@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import mmap
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -152,7 +153,7 @@ class ExpertStore:
         self.root = root
         self.manifest = manifest
         self.layers = {layer.module: layer for layer in manifest.layers}
-        self._verified: set[str] = set()
+        self._verified: set[tuple[str, range | None]] = set()  # (file, share): checked already
 
     @classmethod
     def open(cls, path: str | Path) -> ExpertStore:
@@ -307,18 +308,45 @@ class ExpertStore:
 
     def share_nbytes(self, module: str, experts: range | None) -> int:
         """Bytes of ``module``'s tensors for ``experts`` (None: its whole file), from the header."""
+        return sum(end - start for start, end in self._share_spans(module, experts))
+
+    def share_resident_bytes(self, module: str, experts: range | None) -> int:
+        """Memory ``module``'s share occupies when its pages are resident: the whole pages under each tensor's
+        rows of ``experts`` (None: the whole file's pages), pages two tensors share counted once."""
         if experts is None:
-            return self.layer_nbytes(module)
+            return self.layer_resident_bytes(module)
+        total, last = 0, 0
+        for start, end in sorted(self._share_spans(module, experts)):
+            start, end = max(start - start % mmap.PAGESIZE, last), page_rounded(end)
+            total += max(end - start, 0)
+            last = max(last, end)
+        return total
+
+    def _share_spans(self, module: str, experts: range | None) -> list[tuple[int, int]]:
+        """Byte ranges ``[start, end)`` of ``module``'s file holding ``experts``' rows, one per tensor (every
+        tensor leads with E); None: the whole file."""
+        if experts is None:
+            return [(0, self.layer_nbytes(module))]
         self._check_share(module, experts)
-        infos = read_header(self.root / self.layers[module].file)
-        return sum(info.nbytes // self.layers[module].num_experts for info in infos.values()) * len(experts)
+        e = self.layers[module].num_experts
+        return [
+            (
+                info.offset + experts.start * (info.nbytes // e),
+                info.offset + experts.stop * (info.nbytes // e),
+            )
+            for info in read_header(self.root / self.layers[module].file).values()
+        ]
 
     def _module_of(self, mapped: MappedFile) -> str:
         return next(m for m, layer in self.layers.items() if layer.file == mapped.path.name)
 
     def verify_share(self, mapped: MappedFile, experts: range) -> None:
-        """Check experts ``experts`` of ``mapped`` against the manifest's per-expert hashes, reading only their
-        bytes (which brings their pages in); a store without them: a warning, and their pages brought in."""
+        """Check experts ``experts`` of ``mapped`` against the manifest's per-expert hashes, once, reading only
+        their bytes (which brings their pages in); a store without them: a warning (once), and their pages
+        brought in."""
+        key = (mapped.path.name, experts)
+        if key in self._verified:
+            return
         module = self._module_of(mapped)
         tensors = self.share(mapped, experts)
         want = self.manifest.files[mapped.path.name].experts_sha256
@@ -336,6 +364,7 @@ class ExpertStore:
             )
             for t in tensors.values():
                 mapped.populate(t)
+            self._verified.add(key)  # nothing to check: warned once
             return
         got = experts_sha256(tensors, range(len(experts)))
         bad = [e for e, g, w in zip(experts, got, want[experts.start : experts.stop]) if g != w]
@@ -345,23 +374,25 @@ class ExpertStore:
                 f"match their SHA-256 in {self.root / MANIFEST}. Convert the checkpoint again (moetune convert "
                 "SRC DST --overwrite)"
             )
+        self._verified.add(key)
 
-    def is_verified(self, mapped: MappedFile) -> bool:
-        return mapped.path.name in self._verified
+    def is_verified(self, mapped: MappedFile, experts: range | None = None) -> bool:
+        """Whether ``mapped`` (or its experts ``experts``) was checked already."""
+        return (mapped.path.name, experts) in self._verified
 
     def verify_mapped(self, mapped: MappedFile) -> None:
         """SHA-256 of ``mapped`` (read through the mapping, which populates it) against the manifest, once."""
-        name = mapped.path.name
-        if name in self._verified:
+        key = (mapped.path.name, None)
+        if key in self._verified:
             return
-        want = self.manifest.files[name].sha256
+        want = self.manifest.files[mapped.path.name].sha256
         got = mapped.sha256()
         if got != want:
             raise LoadError(
                 f"{mapped.path} was altered after conversion: its SHA-256 is {got}, the manifest says {want}. "
                 "Convert the checkpoint again (moetune convert SRC DST --overwrite)"
             )
-        self._verified.add(name)
+        self._verified.add(key)
 
     def verify(self) -> None:
         """Hash every file now (one full read of the store)."""
@@ -370,18 +401,29 @@ class ExpertStore:
 
 
 class StorePages:
-    """One layer file as a ``Pageable`` for disk residency: the first ``warm`` verifies it (SHA-256 through
-    the mapping, which also brings its pages in), later ones only populate it."""
+    """One layer file as a ``Pageable`` for disk residency, or with ``experts`` (a rank of ``expert_parallel:
+    sharded``) only those experts' rows of it. The first ``warm`` verifies what it covers (the file's SHA-256, or
+    the experts' own hashes, read through the mapping, which also brings the pages in); later ones only
+    populate it. ``release`` drops the pages again (of the share only from the page cache)."""
 
-    def __init__(self, store: ExpertStore, mapped: MappedFile) -> None:
-        self.store, self.mapped = store, mapped
-        self.nbytes = page_rounded(mapped.nbytes)  # what it occupies resident
+    def __init__(self, store: ExpertStore, mapped: MappedFile, experts: range | None = None) -> None:
+        self.store, self.mapped, self.experts = store, mapped, experts
+        module = store._module_of(mapped)
+        # the views of the share (nothing read); None: the whole file
+        self.views = None if experts is None else list(store.share(mapped, experts).values())
+        self.nbytes = store.share_resident_bytes(module, experts)  # what it occupies resident
 
     def warm(self) -> None:
-        if self.store.is_verified(self.mapped):
+        if not self.store.is_verified(self.mapped, self.experts):
+            if self.experts is None:
+                self.store.verify_mapped(self.mapped)
+            else:
+                self.store.verify_share(self.mapped, self.experts)
+        elif self.views is None:
             self.mapped.populate()
         else:
-            self.store.verify_mapped(self.mapped)
+            for view in self.views:
+                self.mapped.populate(view)
 
     def release(self) -> None:
-        self.mapped.release()
+        self.mapped.release(self.views)

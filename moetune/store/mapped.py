@@ -9,7 +9,9 @@ the kernel may drop and re-read them. Each tensor is a view at its byte offset i
 Residency is managed per file: ``populate`` faults every page in ahead of use (``MADV_POPULATE_READ``; a
 page-by-page read where the kernel lacks it), ``release`` drops the pages from the process
 (``MADV_DONTNEED``) and from the page cache (``POSIX_FADV_DONTNEED``), so a released file costs no memory
-until it is touched again. ``sha256`` hashes the bytes through the mapping (hashlib releases the GIL, so a
+until it is touched again. Both take views instead of the whole file (a rank's experts of a store layer,
+``expert_parallel: sharded``): ``populate`` then brings in only the pages under those views, ``release`` drops
+only their pages from the page cache (the file's other bytes are other ranks' business). ``sha256`` hashes the bytes through the mapping (hashlib releases the GIL, so a
 background thread can hash while the engine computes), which also populates it.
 """
 
@@ -82,15 +84,19 @@ class MappedFile:
             h.update(view[off : off + HASH_CHUNK])
         return h.hexdigest()
 
+    def span(self, view: torch.Tensor) -> tuple[int, int]:
+        """The whole pages ``[start, end)`` of the file holding ``view`` (one of ``tensors`` or a contiguous
+        part of one): what bringing it in or releasing it touches."""
+        start = view.data_ptr() - self.address
+        end = start + view.numel() * view.element_size()
+        assert 0 <= start <= end <= self.nbytes and view.is_contiguous(), "not a view of this mapping"
+        return start - start % mmap.PAGESIZE, page_rounded(end)  # madvise takes a page-aligned address
+
     def populate(self, view: torch.Tensor | None = None) -> None:
         """Fault every page in now (from the page cache or the disk), so the engine's reads do not wait; with
         ``view`` (one of ``tensors`` or a contiguous part of one), only the pages holding its bytes."""
-        start, end = 0, self.nbytes
-        if view is not None:
-            start = view.data_ptr() - self.address
-            end = start + view.numel() * view.element_size()
-            assert 0 <= start <= end <= self.nbytes and view.is_contiguous(), "not a view of this mapping"
-            start -= start % mmap.PAGESIZE  # madvise takes a page-aligned address
+        start, end = (0, self.nbytes) if view is None else self.span(view)
+        end = min(end, self.nbytes)  # the byte loop below reads no further than the file
         if end == start:
             return
         if _libc.madvise(self.address + start, end - start, _MADV_POPULATE_READ) == 0:
@@ -98,15 +104,22 @@ class MappedFile:
         # older kernels: touch one byte per page (a C loop inside bytes(); holds the GIL while it faults)
         bytes(memoryview(self._bytes())[start : end : mmap.PAGESIZE])
 
-    def release(self) -> None:
-        """Drop the file's pages from this process and from the page cache; the next touch re-reads them."""
+    def release(self, views: list[torch.Tensor] | None = None) -> None:
+        """Drop the file's pages from this process and from the page cache; the next touch re-reads them.
+
+        With ``views`` (a rank's experts), the page cache keeps the rest of the file (other ranks on this host
+        map the same file) and drops the pages under ``views``; this process still drops every page of its
+        mapping, so pages the kernel mapped around the views (its read-around) do not stay resident."""
         if self.nbytes == 0:
             return
-        if _libc.madvise(self.address, self.nbytes, _MADV_DONTNEED) != 0:
+        if _libc.madvise(self.address, page_rounded(self.nbytes), _MADV_DONTNEED) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"madvise(MADV_DONTNEED) of {self.path}: {os.strerror(err)}")
+        # fadvise's length 0 means "to the end of the file": the whole file, and never for an empty view
+        spans = [(0, 0)] if views is None else [s for s in map(self.span, views) if s[1] > s[0]]
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            for start, end in spans:
+                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)

@@ -230,15 +230,20 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
 
     ranks = _start_ranks(cfg)
     out = Path(cfg.training.output_dir)
-    # FSDP2 gathers the dense part on the main process; sharded expert LoRA: every rank sends its rows, the main
-    # process writes the whole adapter (both are collectives: every rank calls them)
+    # FSDP2 gathers the dense part on the main process; sharded expert LoRA: every rank sends its rows, weight by
+    # weight as the main process writes the whole adapter (both are collectives: every rank calls them)
     gathered = full_state_dict(trainer)
     sharded = getattr(trainer, "sharded_lora", None)
-    whole = sharded.whole_state_dict(trainer.model, gathered) if sharded is not None else gathered
+    streamed = sharded.gathered_adapter(trainer.model, gathered) if sharded is not None else None
+    if streamed is not None and not ranks.is_main:
+        streamed.send()
 
     def write_model() -> None:
-        if cfg.finetune.finetuning_type is FinetuningType.LORA:
-            save_adapter(trainer.model, out, state_dict=whole)
+        if cfg.finetune.finetuning_type is FinetuningType.LORA and streamed is not None:
+            save_adapter(trainer.model, out, state_dict=streamed.state_dict, fetch=streamed.fetch)
+            streamed.check_written()
+        elif cfg.finetune.finetuning_type is FinetuningType.LORA:
+            save_adapter(trainer.model, out, state_dict=gathered)
         else:
             save_model(trainer.model, out)
         tokenizer.save_pretrained(out)

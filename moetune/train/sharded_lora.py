@@ -15,7 +15,10 @@ experts only (``moetune.adapters.expert_rows``: ``E / world`` of every layer's E
 
 Saving, one writer per file: the adapter is gathered to the main process (``dist.gather`` over the exchange's gloo
 group, one tensor at a time, rank order) and written by it alone, the whole stock-PEFT adapter one process
-writes (checkpoints' and the final one). The optimizer state is not gathered: the main process's
+writes (checkpoints' and the final one). It is gathered as it is written (:class:`GatheredAdapter`): the file's
+header first, from the known shapes, then each tensor's bytes, a held weight gathered when its turn comes and
+dropped once written, so the main process holds one layer's weight beyond its own rows, never the whole expert
+LoRA. The optimizer state is not gathered: the main process's
 ``optimizer.pt`` leaves out the held rows' moments and every rank writes its own rows' moments to
 :func:`rows_file` in the checkpoint (as it writes its ``rng_state_R.pth``), so no rank ever holds more than its
 rows. Resuming (:func:`optimizer_rows_loading`) gives each rank its rows whatever wrote the checkpoint: cut from
@@ -38,6 +41,9 @@ import torch
 from torch import nn
 
 from moetune.adapters.expert_rows import HeldRows, expert_axis, held_part, joined
+from moetune.adapters.save import write_adapter_weights
+from moetune.adapters.swap import WEIGHTS_NAME
+from moetune.atomic import write_atomically
 from moetune.errors import DistError
 
 logger = logging.getLogger(__name__)
@@ -140,28 +146,53 @@ class ShardedLora:
                 g.mul_(coef)
         return norm
 
-    def gather(self, local: torch.Tensor, rows: HeldRows) -> torch.Tensor | None:
-        """Every rank's ``local`` held part -> the whole tensor on the main process (None elsewhere)."""
+    def gather(
+        self, local: torch.Tensor, rows: HeldRows, buffer: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Every rank's ``local`` held part -> the whole tensor on the main process (None elsewhere). ``buffer``
+        (main process): a flat tensor of ``local``'s dtype and at least twice the whole's elements, which holds
+        the parts and the whole instead of new tensors (the whole is then valid until the buffer is reused)."""
         import torch.distributed as dist
 
         local = local.detach().contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.world)] if self.rank == 0 else None
+        n = local.numel()
+        parts = None
+        if self.rank == 0:
+            parts = [
+                torch.empty_like(local) if buffer is None else buffer[q * n : (q + 1) * n].view_as(local)
+                for q in range(self.world)
+            ]
         dist.gather(local, parts, group_dst=0, group=self.group)
-        return joined(parts, rows) if parts is not None else None
-
-    def whole_state_dict(
-        self, model: nn.Module, base: dict[str, torch.Tensor] | None = None
-    ) -> dict[str, torch.Tensor] | None:
-        """Every rank calls it: on the main process ``base`` (FSDP2's gathered state dict) or else
-        ``model.state_dict()``, with each held weight replaced by the whole one (what one process's state dict
-        holds), None elsewhere."""
-        whole = {t.name: self.gather(t.param, t.rows) for t in self.tensors}
-        if self.rank != 0:
+        if parts is None:
             return None
-        state = dict(base) if base is not None else model.state_dict()
-        assert set(whole) <= set(state), sorted(set(whole) - set(state))[:4]
-        state.update({k: v for k, v in whole.items() if v is not None})
-        return state
+        return joined(parts, rows, None if buffer is None else buffer[self.world * n : 2 * self.world * n])
+
+    def gathered_adapter(
+        self, model: nn.Module, base: dict[str, torch.Tensor] | None = None
+    ) -> GatheredAdapter:
+        """Every rank calls it before an adapter is written: the held weights in the order the adapter file lays
+        them out (the same on every rank), to be gathered one at a time while the main process writes
+        (:class:`GatheredAdapter`); on the main process the state dict to write from, ``base`` (FSDP2's gathered
+        state dict) or else ``model.state_dict()``, each held weight in it a ``meta`` placeholder of the whole
+        tensor's shape."""
+        from moetune.adapters.save import adapter_state
+        from moetune.tensorfile import layout
+
+        placeholders = {
+            t.name: torch.empty(t.rows.whole_shape(t.param.shape), dtype=t.param.dtype, device="meta")
+            for t in self.tensors
+        }
+        by_id = {id(placeholders[t.name]): t for t in self.tensors}
+        # the adapter's keys of the held weights, laid out as in the whole file (the order is by dtype and key)
+        adapter = adapter_state(model, placeholders)
+        order = [by_id[id(adapter[key])] for key in layout(adapter)[1]]
+        assert len(order) == len(self.tensors), "every held weight is in the adapter once"
+        state = None
+        if self.rank == 0:
+            state = dict(base) if base is not None else model.state_dict()
+            assert set(placeholders) <= set(state), sorted(set(placeholders) - set(state))[:4]
+            state.update(placeholders)
+        return GatheredAdapter(self, order, [placeholders[t.name] for t in order], state)
 
     @contextmanager
     def held_state_left_out(self, optimizer: Any) -> Any:
@@ -196,8 +227,6 @@ def write_rows_file(
     (atomically; every rank writes its own file): tensors ``<weight name>/<state key>``, and in the header where
     each weight's rows sit (kind, r, first expert, experts, E). ``DistError`` for state of another shape."""
     from safetensors.torch import save_file
-
-    from moetune.atomic import write_atomically
 
     inner = torch_optimizer(optimizer)
     saved: dict[str, torch.Tensor] = {}
@@ -342,6 +371,60 @@ def _indices(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     return {id(p): i for i, p in enumerate(params)}
 
 
+class GatheredAdapter:
+    """One adapter save with sharded expert LoRA: every held weight is gathered whole to the main process when the
+    adapter file reaches it and dropped once written, so the main process holds one weight (a layer's A or B)
+    beyond its own rows instead of the whole expert LoRA. Main process: ``state_dict`` (placeholders for the
+    held weights) and ``fetch`` for the writer (``moetune.adapters.save.write_adapter_weights``), called in file
+    order, each weight gathered into one buffer reused for all of them (twice the largest weight); the other
+    ranks call ``send`` (the same gathers, in the same order) and go on. A gather in another order than the
+    file's is an internal error (``AssertionError``), never a silent mismatch."""
+
+    def __init__(
+        self,
+        lora: ShardedLora,
+        order: list[HeldTensor],
+        placeholders: list[torch.Tensor],
+        state_dict: dict[str, torch.Tensor] | None,
+    ) -> None:
+        self.lora, self.order, self.placeholders = lora, order, placeholders
+        self.state_dict = state_dict
+        self._next = 0
+        # main process: one buffer for the parts and the whole of the largest weight, reused for every weight, so
+        # what the save adds is that and no more (new tensors each time would leave the allocator's heap grown)
+        self._buffer: torch.Tensor | None = None
+        if state_dict is not None and order:
+            largest = max(order, key=lambda t: t.param.numel())
+            self._buffer = largest.param.new_empty(2 * lora.world * largest.param.numel())
+            assert all(t.param.dtype == largest.param.dtype for t in order), (
+                "expert LoRA weights share a dtype"
+            )
+
+    def fetch(self, placeholder: torch.Tensor) -> torch.Tensor:
+        """Main process, from the writer: the whole weight ``placeholder`` stands for (the next in file order)."""
+        assert self._next < len(self.order) and placeholder is self.placeholders[self._next], (
+            "the adapter writer asked for the held weights in another order than the file's"
+        )
+        t = self.order[self._next]
+        self._next += 1
+        # a view of the buffer: valid until the next fetch, by which time the writer has written it
+        whole = self.lora.gather(t.param, t.rows, self._buffer)
+        assert whole is not None
+        return whole
+
+    def send(self) -> None:
+        """A rank other than the main one: its rows of every held weight, in file order."""
+        assert self.lora.rank != 0
+        for t in self.order:
+            self.lora.gather(t.param, t.rows)
+
+    def check_written(self) -> None:
+        """Main process, after the write: every held weight was gathered (else the ranks' gathers would not pair);
+        the buffer is released."""
+        assert self._next == len(self.order), (self._next, len(self.order))
+        self._buffer = None
+
+
 class ShardsExpertLora:
     """Mixin for a transformers ``Trainer`` subclass (before the Trainer in the bases): with ``sharded_lora`` set
     (``host_grads.attach_host_grads``), clipping and the logged norm are one process's, and the adapter and the
@@ -365,9 +448,25 @@ class ShardsExpertLora:
         return super()._get_grad_norm(model, grad_norm=grad_norm)  # type: ignore[misc]
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        if self.sharded_lora is not None:  # every rank sends its rows (into FSDP2's gathered dict, if any)
-            state_dict = self.sharded_lora.whole_state_dict(self.model, state_dict or None)
-        super()._save(output_dir, state_dict)  # type: ignore[misc]
+        if self.sharded_lora is None:
+            super()._save(output_dir, state_dict)  # type: ignore[misc]
+            return
+        # every rank sends its rows (into FSDP2's gathered dict, if any) as the main process writes the adapter
+        gathered = self.sharded_lora.gathered_adapter(self.model, state_dict or None)
+        if gathered.state_dict is None:
+            gathered.send()
+            super()._save(output_dir, None)  # type: ignore[misc]  # returns: the main process writes
+            return
+        # the Trainer's save (PEFT's save_pretrained: the adapter's config, its model card; the tokenizer, the
+        # training arguments) with no LoRA tensor, then the adapter's weights streamed in the place of PEFT's
+        # empty file, atomically (inside the checkpoint's staging folder as well)
+        super()._save(output_dir, {})  # type: ignore[misc]
+        out = Path(output_dir if output_dir is not None else self.args.output_dir) / WEIGHTS_NAME
+        write_atomically(
+            out,
+            lambda tmp: write_adapter_weights(self.model, tmp, gathered.state_dict, gathered.fetch),
+        )
+        gathered.check_written()
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.sharded_lora is None:

@@ -73,15 +73,18 @@ def test_two_sharded_processes_equal_one_on_a_quantized_checkpoint(tmp_path, nam
 
 
 @pytest.mark.slow
-def test_two_sharded_processes_equal_one_on_a_store(tmp_path) -> None:
+@pytest.mark.parametrize("residency", ["ram", "disk"])
+def test_two_sharded_processes_equal_one_on_a_store(tmp_path, residency) -> None:
     # the FP8 DeepSeek-V3 converted to an int8 store (``moetune convert``): each rank maps and reads its 4 of the 8
-    # experts of every layer file (verified by their per-expert hashes); one process reads the whole store
+    # experts of every layer file (verified by their per-expert hashes); one process reads the whole store. In
+    # ``disk`` residency each rank pages its experts' byte ranges in and out within its own budget (the default:
+    # two of its shares), one process whole files
     from moetune.loading.convert import convert_checkpoint
 
     model = quantized_demo_model("deepseek_v3_fp8", tmp_path / "model")
     store = tmp_path / "store"
     manifest = convert_checkpoint(model, store, "int8", num_threads=1, progress=False)
-    options = {"device": "cpu", "num_threads": 1, "expert_path": str(store)}
+    options = {"device": "cpu", "num_threads": 1, "expert_path": str(store), "expert_residency": residency}
     one = dist_checks.config(tmp_path, model, "one", **SGD, moetune=options)
     two = dist_checks.config(
         tmp_path,
@@ -100,6 +103,16 @@ def test_two_sharded_processes_equal_one_on_a_store(tmp_path) -> None:
     ]
     assert held[0]["expert_parallel"] == "sharded" and held[0]["experts_per_layer"] == "4 of 8"
     assert held[1]["experts_per_layer"] == "8 of 8"
+    if (
+        residency == "disk"
+    ):  # each rank paged its share within its budget: two of its shares, each tensor's rows
+        paged = [
+            h["disk_residency"] for h in held
+        ]  # page-rounded (so here, tiny layers, more than half of one's)
+        assert paged[0]["budget_gb"] < paged[1]["budget_gb"]
+        assert all(0 < p["peak_gb"] <= p["budget_gb"] and p["hits"] + p["misses"] > 0 for p in paged)
+    else:
+        assert all("disk_residency" not in h for h in held)
     # the experts came from the store: the FP8 checkpoint's own experts (held as shipped) train otherwise
     plain = dist_checks.config(tmp_path, model, "plain", **SGD)
     dist_checks.check(dist_checks.single(*CLI, str(plain)))

@@ -37,3 +37,8 @@ def test_held_rows_are_the_engine_view_of_the_rank_experts(world) -> None:
     # every rank's rows, in rank order, are the whole tensors again (exactly: only indexing)
     assert torch.equal(joined(parts_a, HeldRows("A", R, 0, per, E)), lora_a)
     assert torch.equal(joined(parts_b, HeldRows("B", R, 0, per, E)), lora_b)
+    # the same written into a reused buffer (the adapter save's), which it then views
+    for parts, kind, whole in ((parts_a, "A", lora_a), (parts_b, "B", lora_b)):
+        buffer = torch.full((whole.numel() + 5,), float("nan"))
+        got = joined(parts, HeldRows(kind, R, 0, per, E), buffer[: whole.numel()])
+        assert torch.equal(got, whole) and got.data_ptr() == buffer.data_ptr()

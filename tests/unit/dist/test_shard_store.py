@@ -11,24 +11,28 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from moetune.config.experts import ExpertResidency
 from moetune.dist.shard import ExpertShard
 from moetune.engine import ExpertEngine
+from moetune.engine.residency import PagedExperts
 from moetune.errors import ConfigError, LoadError
 from moetune.loading.convert import convert_checkpoint
 from moetune.loading.load import PlannedLoad, plan_load, shard_slices
 from moetune.loading.options import LoadOptions
 from moetune.store import ExpertStore, store_engines
-from moetune.store.manifest import MANIFEST
+from moetune.store.manifest import MANIFEST, StoredLayer
 from moetune.store.mapped import MappedFile
 from moetune.tensorfile import read_header
 from moetune.testing.tiny import save_tiny_model
 from tests.unit.dist.test_shard_quantized import _assert_holds_slice
+from tests.unit.engine_cases import make_routing
 
 # store label -> (tiny family, convert's expert_format, the engine format held); I = 32 for int4/mxfp4 groups
 STORES = {
@@ -52,7 +56,9 @@ def stores(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     out = {}
     for label, (family, fmt, _) in STORES.items():
         group = 32 if fmt == "int4" else None  # divides H = 64 and I = 32
-        convert_checkpoint(sources[family], root / label, fmt, int4_group_size=group, num_threads=1, progress=False)
+        convert_checkpoint(
+            sources[family], root / label, fmt, int4_group_size=group, num_threads=1, progress=False
+        )
         out[label] = (sources[family], root / label)
     return out
 
@@ -62,9 +68,13 @@ def _planned(src: Path) -> tuple[PlannedLoad, LoadOptions]:
     return plan_load(src, opts), opts
 
 
-def _engines(store: Path, planned: PlannedLoad, opts: LoadOptions, share: list[range] | None) -> list[ExpertEngine]:
+def _engines(
+    store: Path, planned: PlannedLoad, opts: LoadOptions, share: list[range] | None
+) -> list[ExpertEngine]:
     sites = [layer.site for layer in planned.plan.layers]
-    return list(store_engines(ExpertStore.open(store), sites, opts.dtype, opts.engine, progress=False, experts=share))
+    return list(
+        store_engines(ExpertStore.open(store), sites, opts.dtype, opts.engine, progress=False, experts=share)
+    )
 
 
 def _share_spans(path: Path, num_experts: int, held: range) -> list[tuple[int, int]]:
@@ -93,7 +103,9 @@ def _scramble_others(store: Path, planned: PlannedLoad, held: list[range]) -> No
 
 @pytest.mark.parametrize("label", list(STORES))
 @pytest.mark.parametrize("world", [2, 4])
-def test_a_rank_reads_and_holds_only_its_experts_of_a_store(stores, label, world, tmp_path, monkeypatch) -> None:
+def test_a_rank_reads_and_holds_only_its_experts_of_a_store(
+    stores, label, world, tmp_path, monkeypatch
+) -> None:
     src, store = stores[label]
     planned, opts = _planned(src)
     native = STORES[label][2]
@@ -142,7 +154,11 @@ def test_a_rank_reads_and_holds_only_its_experts_of_a_store(stores, label, world
             old = _engines(scrambled, planned, opts, held)
         assert populated
         for path, start, end in populated:
-            layer = next(layer for layer in planned.plan.layers if scrambled / layer_files[layer.site.path].name == path)
+            layer = next(
+                layer
+                for layer in planned.plan.layers
+                if scrambled / layer_files[layer.site.path].name == path
+            )
             share = held[planned.plan.layers.index(layer)]
             spans = _share_spans(path, layer.site.layout.num_experts, share)
             assert any(s <= start and end <= e for s, e in spans), (path, start, end, spans)
@@ -151,8 +167,21 @@ def test_a_rank_reads_and_holds_only_its_experts_of_a_store(stores, label, world
         shutil.copy(store / MANIFEST, scrambled / MANIFEST)  # per-expert hashes back: the rank's verify
         for engine, full, share in zip(_engines(scrambled, planned, opts, held), whole, held):
             _assert_holds_slice(engine, full, share, native)
-        with pytest.raises(LoadError, match="was altered after conversion"):  # the whole file no longer matches
+        # the whole file no longer matches
+        with pytest.raises(LoadError, match="was altered after conversion"):
             ExpertStore.open(scrambled).verify()
+
+
+def _flip_a_byte_of(store: Path, copy: Path, share: range, at: int) -> tuple[Path, StoredLayer]:
+    """A copy of ``store`` with byte ``at`` of ``share``'s rows of the first tensor of the first layer flipped."""
+    shutil.copytree(store, copy)
+    first = ExpertStore.open(copy).manifest.layers[0]
+    path = copy / first.file
+    start, _ = _share_spans(path, first.num_experts, share)[0]
+    data = bytearray(path.read_bytes())
+    data[start + at] ^= 0x01
+    path.write_bytes(bytes(data))
+    return copy, first
 
 
 def test_an_altered_byte_in_a_share_fails_its_hash_and_an_older_store_warns(stores, tmp_path, caplog) -> None:
@@ -160,14 +189,8 @@ def test_an_altered_byte_in_a_share_fails_its_hash_and_an_older_store_warns(stor
     planned, opts = _planned(src)
     held = shard_slices(ExpertShard(1, 2, None), planned)
     assert held is not None
-    copy = tmp_path / "store"
-    shutil.copytree(store, copy)
-    first = ExpertStore.open(copy).manifest.layers[0]
+    copy, first = _flip_a_byte_of(store, tmp_path / "store", held[0], 3)
     path = copy / first.file
-    start, _ = _share_spans(path, first.num_experts, held[0])[0]
-    data = bytearray(path.read_bytes())
-    data[start + 3] ^= 0x01
-    path.write_bytes(bytes(data))
     e0 = held[0].start
     with pytest.raises(LoadError, match=rf"{first.file}.*expert\(s\) \[{e0}\] of {first.module}"):
         _engines(copy, planned, opts, held)
@@ -183,11 +206,174 @@ def test_an_altered_byte_in_a_share_fails_its_hash_and_an_older_store_warns(stor
     assert f"{path} has no per-expert SHA-256" in caplog.text and "used unverified" in caplog.text
 
 
-def test_config_accepts_a_sharded_store_in_ram_and_refuses_disk_residency() -> None:
+def test_config_accepts_a_sharded_store_in_ram_and_on_disk() -> None:
     opts = LoadOptions.create(expert_parallel="sharded", expert_path="/s")
     assert opts.experts.expert_path == Path("/s")
-    with pytest.raises(ConfigError, match="'sharded' with expert_residency 'disk'"):
-        LoadOptions.create(expert_parallel="sharded", expert_path="/s", expert_residency="disk")
+    disk = LoadOptions.create(expert_parallel="sharded", expert_path="/s", expert_residency="disk")
+    assert disk.experts.expert_residency is ExpertResidency.DISK
+
+
+def _run(engines: list[ExpertEngine], seed: int) -> list[torch.Tensor]:
+    """Every layer forward, then backward, as a model runs them (routing to the engine's own experts):
+    outputs, input and routing-weight gradients."""
+    first = engines[0]
+    x, ids, w = make_routing(
+        T=12, E=first.num_experts, k=2, H=first.hidden_size, dtype=torch.float32, seed=seed
+    )
+    saved = []
+    for engine in engines:
+        x, s = engine.forward(x, ids, w)
+        saved.append(s)
+    out, grad = [x], torch.ones_like(x)
+    for engine, s in zip(reversed(engines), reversed(saved)):
+        grads = engine.backward(s, grad)
+        grad = grads.x
+        out += [grads.x, grads.topk_weights]
+    return out
+
+
+@pytest.mark.parametrize("label", ["int8", "fp8_block", "int8_biases"])
+def test_a_rank_pages_only_its_experts_from_disk(stores, label, tmp_path, monkeypatch, one_thread) -> None:
+    """``expert_residency: disk`` with a rank's share: the paged engines hold the whole engine's rows of the rank's
+    experts byte for byte and compute what the rank's engines in RAM compute, bit for bit; the pager brings in
+    and releases nothing but ranges inside the rank's experts' bytes, never hashes a file whole, and a copy of the
+    store whose other experts' bytes are garbage pages the same engines (verified by their per-expert hashes)."""
+    src, store = stores[label]
+    planned, opts = _planned(src)
+    native = STORES[label][2]
+    sites = [layer.site for layer in planned.plan.layers]
+    whole = _engines(store, planned, opts, None)
+    touched: list[tuple[str, Path, int, int]] = []
+    real_populate, real_release = MappedFile.populate, MappedFile.release
+
+    def recording_populate(self: MappedFile, view: torch.Tensor | None = None) -> None:
+        assert view is not None, f"{self.path} brought in whole"
+        touched.append(("populate", self.path, *self.span(view)))
+        real_populate(self, view)
+
+    def recording_release(self: MappedFile, views: list[torch.Tensor] | None = None) -> None:
+        assert views is not None, f"{self.path} dropped from the page cache whole"
+        touched.extend(("release", self.path, *self.span(v)) for v in views)
+        real_release(self, views)
+
+    def no_whole_hash(self: MappedFile) -> str:
+        raise AssertionError(f"{self.path} hashed whole by a rank")
+
+    world = 2
+    for r in range(world):
+        held = shard_slices(ExpertShard(r, world, None), planned)
+        assert held is not None
+        ram = _engines(store, planned, opts, held)
+        scrambled = tmp_path / f"rank{r}"
+        shutil.copytree(store, scrambled)
+        _scramble_others(scrambled, planned, held)
+        files = {
+            layer.module: scrambled / layer.file for layer in ExpertStore.open(scrambled).manifest.layers
+        }
+        touched.clear()
+        with monkeypatch.context() as m:
+            m.setattr(MappedFile, "sha256", no_whole_hash)
+            m.setattr(MappedFile, "populate", recording_populate)
+            m.setattr(MappedFile, "release", recording_release)
+            opened = ExpertStore.open(scrambled)
+            paged = list(
+                store_engines(
+                    opened, sites, opts.dtype, opts.engine, ExpertResidency.DISK, progress=False, experts=held
+                )
+            )
+            for engine, full, share in zip(paged, whole, held):
+                assert isinstance(engine.weights, PagedExperts)
+                _assert_holds_slice(engine, full, share, native)
+            window = paged[0].weights.window
+            # the default budget: the two largest of this rank's shares (page-rounded), not whole files
+            shares = sorted(opened.share_resident_bytes(s.path, h) for s, h in zip(sites, held))
+            assert (
+                window.budget
+                == sum(shares[-2:])
+                < 2 * max(opened.layer_resident_bytes(s.path) for s in sites)
+            )
+            for seed in (1, 2):  # closing releases every layer: the second pass pages them in again, unhashed
+                got = _run(paged, seed)
+                want = _run(ram, seed)
+                assert all(torch.equal(a, b) for a, b in zip(got, want))
+                window.close()
+        assert window.stats.misses >= 1 and window.stats.hits >= 1
+        assert {kind for kind, *_ in touched} == {"populate", "release"}
+        for kind, path, start, end in touched:
+            module = next(mod for mod, f in files.items() if f == path)
+            share = held[[s.path for s in sites].index(module)]
+            spans = _share_spans(path, opened.layers[module].num_experts, share)
+            # whole pages around one of the rank's tensor rows
+            assert any(
+                s - s % mmap.PAGESIZE <= start and end <= -(-e // mmap.PAGESIZE) * mmap.PAGESIZE
+                for s, e in spans
+            ), (
+                kind,
+                path,
+                start,
+                end,
+                spans,
+            )
+        # the whole file no longer matches
+        with pytest.raises(LoadError, match="was altered after conversion"):
+            ExpertStore.open(scrambled).verify()
+
+
+def test_disk_residency_checks_a_share_when_it_pages_it_in_and_budgets_per_rank(stores, tmp_path) -> None:
+    src, store = stores["int8"]
+    planned, opts = _planned(src)
+    sites = [layer.site for layer in planned.plan.layers]
+    held = shard_slices(ExpertShard(1, 2, None), planned)
+    assert held is not None
+    copy, first = _flip_a_byte_of(store, tmp_path / "store", held[0], 5)
+    opened = ExpertStore.open(copy)
+    # loading reads nothing of the weights: the altered byte surfaces when the layer is paged in
+    paged = list(
+        store_engines(
+            opened, sites, opts.dtype, opts.engine, ExpertResidency.DISK, progress=False, experts=held
+        )
+    )
+    e0 = held[0].start
+    with pytest.raises(LoadError, match=rf"{first.file}.*expert\(s\) \[{e0}\] of {first.module}"):
+        _run(paged, 1)
+    paged[0].weights.window.close()
+    # rank 0 does not hold that expert: it pages its share in without complaint
+    mine = shard_slices(ExpertShard(0, 2, None), planned)
+    rank0 = list(
+        store_engines(
+            opened, sites, opts.dtype, opts.engine, ExpertResidency.DISK, progress=False, experts=mine
+        )
+    )
+    _run(rank0, 1)
+    rank0[0].weights.window.close()
+
+    # a budget under two of this rank's shares is refused naming them; one holding them (less than two whole
+    # layers) is accepted
+    need = sum(sorted(opened.share_resident_bytes(s.path, h) for s, h in zip(sites, held))[-2:])
+    whole = sum(sorted(opened.layer_resident_bytes(s.path) for s in sites)[-2:])
+    assert need < whole
+    with pytest.raises(
+        ConfigError,
+        match=rf"expert_residency_budget {need - 1} bytes .*this process's experts.*at least {need}",
+    ):
+        next(
+            store_engines(
+                opened,
+                sites,
+                opts.dtype,
+                opts.engine,
+                ExpertResidency.DISK,
+                need - 1,
+                progress=False,
+                experts=held,
+            )
+        )
+    engines = list(
+        store_engines(
+            opened, sites, opts.dtype, opts.engine, ExpertResidency.DISK, need, progress=False, experts=mine
+        )
+    )
+    assert engines[0].weights.window.budget == need
 
 
 def test_a_manifest_with_the_wrong_number_of_expert_hashes_is_refused(stores, tmp_path) -> None:
@@ -198,5 +384,7 @@ def test_a_manifest_with_the_wrong_number_of_expert_hashes_is_refused(stores, tm
     name = next(iter(manifest["files"]))
     manifest["files"][name]["experts_sha256"].pop()
     (copy / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(LoadError, match=rf"{name} does not match {MANIFEST}: 'experts_sha256' lists 7 hashes"):
+    with pytest.raises(
+        LoadError, match=rf"{name} does not match {MANIFEST}: 'experts_sha256' lists 7 hashes"
+    ):
         ExpertStore.open(copy)
