@@ -74,13 +74,6 @@ def fsdp_plugin(cfg: Any, world: int) -> Any:
     # no arguments: the plugin reads accelerate's FSDP_* variables, as accelerate does
     plugin = FullyShardedDataParallelPlugin(**plugin_args)
     problems = _plugin_problems(plugin)
-    if cfg.finetune.finetuning_type.value != "lora":
-        problems.append(
-            f"finetuning_type {cfg.finetune.finetuning_type.value}: FSDP2 is built for LoRA runs (full/freeze "
-            "checkpoints are written layer by layer from whole tensors); use finetuning_type lora or DDP"
-        )
-    if cfg.finetune.lora_experts is not None:
-        problems.append("lora_experts: their tensors would be sharded; remove lora_experts or fsdp")
     if problems:
         raise ConfigError(f"{where}: FSDP2 cannot run as configured:{listing(problems)}")
     if world < 2:
@@ -135,8 +128,6 @@ def attach_fsdp(trainer: Any) -> None:
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    from moetune.train.modes import host_modules
-
     state = trainer.accelerator.state
     if state.distributed_type is DistributedType.MULTI_CPU:
         args = trainer.args.fsdp_plugin_args
@@ -157,13 +148,35 @@ def attach_fsdp(trainer: Any) -> None:
             "accelerate launch --multi_gpu (docs/distributed.md)"
         )
     plugin = state.fsdp_plugin
-    ignored = host_modules(trainer.model)
+    ignored = unsharded_modules(trainer.model)
     plugin.ignored_modules = ignored
     logger.info(
-        "moetune: FSDP2 shards the dense part; %d routed-expert modules (%.1f M values) stay whole on every rank",
+        "moetune: FSDP2 shards the dense part; %d routed-expert and LoRA-expert modules (%.1f M values) stay whole "
+        "on every rank",
         len(ignored),
         sum(p.numel() for m in ignored for p in m.parameters(recurse=False)) / 1e6,
     )
+
+
+def unsharded_modules(model: Any) -> list[Any]:
+    """The modules FSDP2 leaves whole (``ignored_modules``): the host-side ones (``modes.host_modules``: routed
+    experts, their LoRA, in full/freeze mode their trained weights) and the LoRA experts
+    (``moetune.adapters.lora_experts``: small device MLPs whose file is written from the live tensors). Their
+    gradients are averaged by ``moetune.train.host_grads`` (:func:`averaged_outside`)."""
+    from moetune.adapters.lora_experts import LoraExperts
+    from moetune.train.modes import host_modules
+
+    return [*host_modules(model), *(m for m in model.modules() if isinstance(m, LoraExperts))]
+
+
+def averaged_outside(model: Any) -> list[Any]:
+    """The trainable parameters FSDP2 leaves to moetune beyond the host-trained ones (which ``host_grads``
+    averages under DDP too): the LoRA experts' (DDP averages them; FSDP2 ignores them)."""
+    from moetune.adapters.lora_experts import LoraExperts
+
+    return [
+        p for m in model.modules() if isinstance(m, LoraExperts) for p in m.parameters() if p.requires_grad
+    ]
 
 
 def full_state_dict(trainer: Any) -> dict[str, Any] | None:
@@ -171,7 +184,49 @@ def full_state_dict(trainer: Any) -> dict[str, Any] | None:
     None without FSDP, and an empty dict on the other ranks."""
     if not getattr(trainer, "is_fsdp_enabled", False):
         return None
-    return trainer.accelerator.get_state_dict(trainer.model)
+    return gathered_state_dict(trainer.model, trainer.args.should_save)
+
+
+def gather(value: Any, keep: bool) -> Any:
+    """``value`` whole: an FSDP2 shard (a ``DTensor``) all-gathered (a collective: every rank calls it for the same
+    tensors in the same order) and brought to the CPU where ``keep`` (the writer), else dropped (None); any other
+    value as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor):
+        return value
+    whole = value.full_tensor()
+    return whole.cpu() if keep else None
+
+
+def gathered_state_dict(model: Any, keep: bool) -> dict[str, Any]:
+    """``model.state_dict()`` with each FSDP2 shard gathered whole, one tensor at a time (:func:`gather`): on the
+    writer (``keep``) the whole state dict, the tensors FSDP2 does not hold (routed experts in host RAM) by
+    reference, not copied; an empty dict elsewhere. Every rank must call it."""
+    state = {k: gather(v, keep) for k, v in model.state_dict().items()}
+    return state if keep else {}
+
+
+def gathered_optimizer_state(optimizer: Any, keep: bool) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with each FSDP2-sharded state tensor (AdamW's moments of a sharded parameter)
+    gathered whole (:func:`gather`; every rank must call it): the writer's (``keep``) to write, as one process
+    writes it; an empty dict elsewhere."""
+    sd = optimizer.state_dict()
+    state = {i: {k: gather(v, keep) for k, v in values.items()} for i, values in sd["state"].items()}
+    return {**sd, "state": state} if keep else {}
+
+
+def shard_like(whole: Any, like: Any) -> Any:
+    """This rank's FSDP2 shard of ``whole`` (a tensor read from a checkpoint) laid out as ``like`` (a ``DTensor``
+    parameter, or state of one, of the same global shape); ``whole`` as it is when ``like`` is no ``DTensor`` or
+    has another shape (a scalar such as AdamW's ``step``). Every rank holds ``whole``: no communication."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor) or tuple(whole.shape) != tuple(like.shape):
+        return whole
+    return distribute_tensor(
+        whole.to(device=like.device, dtype=like.dtype), like.device_mesh, like.placements, src_data_rank=None
+    )
 
 
 def resume_problem(folder: Path, fsdp: bool) -> str | None:

@@ -18,7 +18,6 @@ import logging
 import os
 import tempfile
 import zipfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +48,12 @@ _PEFT_PREFIX = "base_model.model."
 
 
 def check_before_load(
-    cfg: MoetuneConfig, dtype: str, modes: ModeSettings, *, write_probe: bool = True, world: int = 1
+    cfg: MoetuneConfig, dtype: str, modes: ModeSettings, *, write_probe: bool = True
 ) -> Any:
     """Every check of this module, in order, for a model to be loaded in ``dtype`` and trained as ``modes``
     says (``moetune.train.modes``: its checks run on the same meta-device model); raises the first problem's
     ``MoetuneError``. ``write_probe``: whether this process writes the probe file in ``output_dir`` (the main
-    process of a multi-process run only: one writer per file); ``world``: the number of processes. Returns the load it planned
+    process of a multi-process run only: one writer per file). Returns the load it planned
     (``moetune.loading.load.PlannedLoad``), for ``load_model(planned=)``: the meta-device model is built once."""
     from moetune.adapters.apply import resolve_targets
     from moetune.loading.load import plan_load
@@ -82,29 +81,11 @@ def check_before_load(
         spec_of_config(cfg)
     lora = modes.method is FinetuningType.LORA
     targets = resolve_targets(planned.model, cfg.finetune.lora_target, experts)
-    if lora and world > 1:
-        check_something_for_ddp(targets, cfg.finetune.additional_target, world)
     resume = resume_checkpoint(cfg)
     if resume is not None:
         lora_paths = {*targets.linear, *targets.experts, *targets.routers} if lora else None
         check_resume_checkpoint(resume, cfg, lora_paths)
     return planned
-
-
-def check_something_for_ddp(targets: Any, additional: Sequence[str] | None, world: int) -> None:
-    """``DistError`` when LoRA on the routed experts alone is trained by several processes: every tensor the
-    engine trains is kept out of DDP (``moetune.train.host_grads``), and torch's DDP refuses a model with no
-    trainable parameter left to it."""
-    from moetune.errors import DistError
-
-    if targets.linear or targets.routers or additional:
-        return
-    raise DistError(
-        f"lora_target selects the routed experts only ({len(targets.experts)} experts modules) and {world} "
-        "processes train: moetune averages the experts' LoRA itself, outside DDP, which then has no trainable "
-        "parameter to hold and refuses the model. Add a dense target (e.g. lora_target: q_proj,v_proj,experts) "
-        "or train in one process"
-    )
 
 
 def check_output_dir(out: Path) -> None:

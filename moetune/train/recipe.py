@@ -89,7 +89,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     check_fsdp(cfg, ranks.world)  # FSDP2 settings and the resume checkpoint's kind, before any weight loads
     # output_dir, model files, lora_target, resume checkpoint, what the mode asks of the experts: checked before
     # any weight loads
-    planned = check_before_load(cfg, dtype, modes, write_probe=ranks.is_main, world=ranks.world)
+    planned = check_before_load(cfg, dtype, modes, write_probe=ranks.is_main)
     check_shared_folder(ranks, Path(cfg.training.output_dir))  # several nodes: one output_dir seen by all
     # an adapter save a crash interrupted in output_dir is finished or removed now, not at the next save
     main_writes(ranks, lambda: recover_adapter(Path(cfg.training.output_dir)))
@@ -183,12 +183,12 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any, extra_
     )
     attach_guard(trainer, NumericalGuard(cfg.training.on_divergence, _vocab_size(peft_model)))
     if ranks.distributed:  # what the CPU engine trains is averaged outside DDP (moetune.train.host_grads)
+        from moetune.train.fsdp import attach_fsdp, fsdp_requested
         from moetune.train.host_grads import attach_host_grads
 
-        attach_host_grads(trainer, ranks.world)
-        from moetune.train.fsdp import attach_fsdp, fsdp_requested
-
-        if fsdp_requested(trainer):  # the dense part sharded (FSDP2; checked in setup), the experts not
+        fsdp = fsdp_requested(trainer)
+        attach_host_grads(trainer, ranks.world, fsdp)
+        if fsdp:  # the dense part sharded (FSDP2; checked in setup), the experts not
             attach_fsdp(trainer)
     if hasattr(
         trainer, "expert_optim"
@@ -240,7 +240,7 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
         if cfg.finetune.finetuning_type is FinetuningType.LORA:
             save_adapter(trainer.model, out, state_dict=whole)
         else:
-            save_model(trainer.model, out)
+            save_model(trainer.model, out, state_dict=gathered)  # FSDP2: the dense part gathered whole
         tokenizer.save_pretrained(out)
 
     main_writes(ranks, write_model)

@@ -38,10 +38,12 @@ from moetune.config.schema import DivergenceAction
 from moetune.errors import LoadError
 from moetune.train.checkpoints import STAGING_PREFIX, AtomicCheckpoints
 from moetune.train.expert_optim import ExpertAdamW, ExpertOptimSpec, build_expert_optimizer, unwrap
+from moetune.train.fsdp import gathered_optimizer_state, gathered_state_dict
 from moetune.train.guards import GuardedSteps
 from moetune.train.host_grads import AveragesHostGrads
 from moetune.train.layered import (
     OPTIMIZER_INDEX,
+    load_model_by_layer,
     load_optimizer_by_layer,
     save_model_by_layer,
     save_optimizer_by_layer,
@@ -141,18 +143,30 @@ class MoetuneTrainer(
         # a checkpoint: weights in the live modules' layout, which resume's load_sharded_checkpoint matches; the
         # final save_model writes the base checkpoint's own layout instead
         out = str(output_dir if output_dir is not None else self.args.output_dir)
-        save_model_by_layer(self.model, out)  # type: ignore[arg-type]
+        save_model_by_layer(self.model, out, state_dict)  # FSDP2: gathered whole (save_model)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(out)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not (self.is_fsdp_enabled and self._layered()):
+            super().save_model(output_dir, _internal_call)
+            return
+        # FSDP2, full/freeze: the shards gathered whole on the main process (every rank joins), the routed experts
+        # taken as they are (accelerate's get_state_dict would copy them: the whole model's bytes once more)
+        self._save(output_dir, state_dict=gathered_state_dict(self.model, self.args.should_save))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._layered():
             super()._save_optimizer_and_scheduler(output_dir)
             return
         assert self.optimizer is not None and self.lr_scheduler is not None
-        if not self.args.should_save:  # several processes: the main one writes (replicated state)
+        # FSDP2: every rank joins the gathers of the sharded moments; without it the state is replicated
+        gathered = (
+            gathered_optimizer_state(self.optimizer, self.args.should_save) if self.is_fsdp_enabled else None
+        )
+        if not self.args.should_save:  # several processes: the main one writes
             return
-        save_optimizer_by_layer(self.optimizer, self.model, output_dir)  # type: ignore[arg-type]
+        save_optimizer_by_layer(self.optimizer, self.model, output_dir, gathered)  # type: ignore[arg-type]
         torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -163,6 +177,16 @@ class MoetuneTrainer(
         load_optimizer_by_layer(self.optimizer, self.model, checkpoint)  # type: ignore[arg-type]
         self.lr_scheduler.load_state_dict(
             torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
+        )
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if not (self.is_fsdp_enabled and self._layered()):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return
+        # FSDP2, full/freeze: the layer files hold whole tensors; each rank loads its shards (accelerate's
+        # load_fsdp_model reads its own pytorch_model_fsdp.bin only)
+        self._issue_warnings_after_load(
+            load_model_by_layer(model if model is not None else self.model, resume_from_checkpoint)
         )
 
     def _issue_warnings_after_load(self, load_result: Any) -> None:

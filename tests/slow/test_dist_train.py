@@ -157,6 +157,23 @@ def test_two_processes_equal_one_freeze(tmp_path, optim) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("experts", list(MODES))
+def test_lora_on_the_routed_experts_only(tmp_path, experts) -> None:
+    # nothing dense trains, so nothing is left for DDP (torch's DDP refuses such a model; refused at start before):
+    # the model is not wrapped in DDP and moetune averages (replicated) or scales (sharded) the experts' LoRA
+    model = make_demo_model(tmp_path / "tiny", ROOT / "examples/data/demo_tokenizer")
+    mode = {**SGD, "lora_target": "experts"}
+    one = dist_checks.config(tmp_path, model, "one", **mode)
+    two = dist_checks.config(tmp_path, model, "two", **mode, **MODES[experts], per_device_train_batch_size=2)
+    dist_checks.check(dist_checks.single(*CLI, str(one)))
+    dist_checks.check(dist_checks.torchrun(*CLI, str(two)))
+    dist_checks.assert_same_run(tmp_path / "two/out", tmp_path / "one/out")
+    adapter = dist_checks.adapter(tmp_path / "two/out")
+    assert adapter and all(".experts." in k for k in adapter)
+    assert any(adapter[k].abs().max() > 0 for k in adapter if "lora_B" in k)
+
+
+@pytest.mark.slow
 def test_sharded_failure_in_an_expert_layer_ends_the_other_rank(tmp_path) -> None:
     # rank 1 raises after its first MoE layer's third call, so rank 0 waits in the next MoE layer's token exchange
     # (a collective of the exchange's own group, not DDP's): the watchdog ends rank 0 with rank 1's cause

@@ -75,10 +75,17 @@ def test_refused_settings_are_named(fsdp_config, named) -> None:
 
 
 @pytest.mark.usefixtures("workdir")
-def test_freeze_and_lora_experts_refused() -> None:
-    assert "finetuning_type freeze" in _plugin_error(fsdp=True, finetuning_type="freeze")
-    message = _plugin_error(fsdp=True, lora_experts=2, lora_expert_intermediate_size=8)
-    assert "lora_experts" in message
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"finetuning_type": "full"},
+        {"finetuning_type": "freeze"},
+        {"lora_experts": 2, "lora_expert_intermediate_size": 8},
+    ],
+)
+def test_full_freeze_and_lora_experts_shard_the_dense_part(keys) -> None:
+    # refused before: the routed experts' full-mode weights and the LoRA experts now stay out of FSDP2
+    assert fsdp_plugin(parse_config(minimal(fsdp=True, **keys)), 2).fsdp_version == 2
 
 
 @pytest.mark.parametrize(("stage", "reshard"), [(3, True), (2, False), (1, None), (0, None)])
@@ -98,14 +105,15 @@ def test_deepspeed_zero_stage_maps_to_fsdp2_or_ddp(caplog, stage, reshard) -> No
 
 @pytest.mark.parametrize("finetuning_type", ["full", "freeze"])
 @pytest.mark.usefixtures("workdir")
-def test_deepspeed_zero3_with_full_or_freeze_runs_ddp(caplog, finetuning_type) -> None:
-    """LLaMA-Factory's full-SFT examples name ds_z3_config.json: moetune's FSDP2 is for LoRA runs, so the
-    dense part then trains under DDP (said in the line), not refused as an explicit fsdp key is."""
+def test_deepspeed_zero3_with_full_or_freeze_runs_fsdp2(caplog, finetuning_type) -> None:
+    """LLaMA-Factory's full-SFT example names ds_z3_config.json: the dense part is then fully sharded (FSDP2), as
+    in a LoRA run (it took DDP before)."""
     Path("ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     with caplog.at_level(logging.WARNING):
         cfg = parse_config(minimal(deepspeed="ds.json", finetuning_type=finetuning_type))
-    assert "fsdp" not in training_arguments_kwargs(cfg) and fsdp_plugin(cfg, 2) is None
-    assert "as DDP (full/freeze training" in caplog.text
+    assert training_arguments_kwargs(cfg)["fsdp"] is True
+    assert fsdp_plugin(cfg, 2).reshard_after_forward is True
+    assert "as FSDP2" in caplog.text
 
 
 @pytest.mark.usefixtures("workdir")
