@@ -9,8 +9,9 @@ accelerator applies with ``torch.distributed.fsdp.fully_shard`` to each decoder 
 root. moetune adds two things:
 
 - **The routed experts are not sharded.** Every module the CPU engine computes with (``modes.host_modules``:
-  ``CpuExperts`` and their expert LoRA, host tensors) is the plugin's ``ignored_modules``: ``fully_shard`` leaves
-  their parameters as they are (plain host tensors, never DTensors), and their gradients are averaged over the
+  ``CpuExperts``, whose weights train in full/freeze mode, and their expert LoRA, host tensors) and the LoRA
+  experts (``lora_experts``) are the plugin's ``ignored_modules`` (:func:`unsharded_modules`): ``fully_shard``
+  leaves their parameters as they are (plain tensors, never DTensors), and their gradients are averaged over the
   ranks outside FSDP, as under DDP (``moetune.train.host_grads``).
 - **The CPU stands in for the GPUs** (``device: cpu``, how the tests run it). accelerate turns FSDP on only for
   accelerator devices: on the CPU (``DistributedType.MULTI_CPU``) it drops the plugin and would wrap the model in
@@ -23,13 +24,15 @@ ignored modules and gathered adapter are FSDP2's), parameter offload (the routed
 RAM; the dense part is what must stay on the GPU), ``cpu_ram_efficient_loading`` (it moves the model to the meta
 device, engines included), a ``state_dict_type`` other than ``FULL_STATE_DICT`` (the final adapter is gathered
 whole on the main process), FSDP's own ``activation_checkpointing`` (use ``gradient_checkpointing``: moetune's
-recompute reuses the experts' forward), ``ignored_modules`` (moetune sets them), one process, full/freeze
-training and LoRA experts (their tensors would be sharded DTensors that moetune's own writers read whole).
+recompute reuses the experts' forward), ``ignored_modules`` (moetune sets them); one process trains unsharded.
 
-Checkpoints are accelerate's FSDP files (``pytorch_model_fsdp.bin``, ``optimizer.bin``: full state dicts written
-by the main process) beside the stock adapter; a DDP or one-process checkpoint has ``optimizer.pt`` instead.
-:func:`resume_problem` refuses resuming one kind with the other (the Trainer would skip the optimizer state it
-does not find, without a word).
+A LoRA run's checkpoints are accelerate's FSDP files (``pytorch_model_fsdp.bin``, ``optimizer.bin``: full state
+dicts written by the main process) beside the stock adapter; a DDP or one-process checkpoint has ``optimizer.pt``
+instead. :func:`resume_problem` refuses resuming one kind with the other (the Trainer would skip the optimizer
+state it does not find, without a word). A full/freeze run writes the layer files of one process
+(``moetune.train.layered``) from the shards gathered whole (:func:`gathered_state_dict`,
+:func:`gathered_optimizer_state`) and cuts them back to shards on resume (:func:`shard_like`), so its checkpoints
+resume with or without FSDP.
 """
 
 from __future__ import annotations

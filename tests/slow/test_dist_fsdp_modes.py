@@ -31,8 +31,6 @@ FREEZE = {
 }
 Z3 = {"deepspeed": str(ROOT / "examples/deepspeed/ds_z3_config.json"), "per_device_train_batch_size": 2}
 LORA_EXPERTS = {**ADAM, "lora_experts": 2, "lora_expert_intermediate_size": 8}
-# every rank writes its own rng_state_R.pth; everything else is written once, as by one process
-PER_RANK = {"rng_state_1.pth"}
 
 
 def _runs(
@@ -69,7 +67,9 @@ def runs(request, tmp_path_factory) -> dict[str, Path]:
 
 
 def _names(folder: Path) -> set[str]:
-    return {p.name for p in folder.iterdir()} - PER_RANK
+    """The file names in ``folder`` but the RNG states (one process writes ``rng_state.pth``, rank R its own
+    ``rng_state_R.pth``)."""
+    return {p.name for p in folder.iterdir() if not p.name.startswith("rng_state")}
 
 
 def assert_same_tensors(got: Path, want: Path) -> int:
@@ -105,6 +105,7 @@ def test_fsdp_full_and_freeze_equal_one_process(runs) -> None:
     assert _names(fsdp) == _names(one)
     assert _names(fsdp / "checkpoint-4") == _names(one / "checkpoint-4")
     assert "pytorch_model_fsdp.bin" not in _names(fsdp / "checkpoint-4")
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in (fsdp / "checkpoint-4").iterdir()}
     for name in ("config.json", "model.safetensors.index.json"):  # the base model's layout
         if (one / name).exists():
             assert json.loads((fsdp / name).read_text()) == json.loads((one / name).read_text()), name
