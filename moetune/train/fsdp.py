@@ -232,31 +232,127 @@ def shard_like(whole: Any, like: Any) -> Any:
     )
 
 
-def resume_problem(folder: Path, fsdp: bool) -> str | None:
-    """Why checkpoint ``folder`` cannot be resumed by a run with (``fsdp``) or without FSDP, or None."""
+def resume_problem(folder: Path, fsdp: bool, sharded: bool = False) -> str | None:
+    """Why checkpoint ``folder`` cannot be resumed by a run with (``fsdp``) or without FSDP, or None. A LoRA
+    checkpoint of the other kind is converted on resume (:func:`load_optimizer_whole`, :func:`load_adapter_sharded`)
+    unless the expert LoRA is sharded by rows (``sharded``: this run's ``expert_parallel``; or the checkpoint holds
+    rows files), whose per-rank optimizer files only the same kind of run reads."""
+    from moetune.train.sharded_lora import rows_file
+
     written_by_fsdp = (folder / FSDP_MODEL).is_file() or (folder / FSDP_OPTIMIZER).is_file()
-    if written_by_fsdp and not fsdp:
+    other_kind = written_by_fsdp != fsdp and (written_by_fsdp or (folder / DDP_OPTIMIZER).is_file())
+    rows = any(folder.glob(rows_file(0, 1).replace("0-of-1", "*")))  # any rank's rows file
+    if not other_kind or not (sharded or rows):
+        return None
+    if written_by_fsdp:
         return (
-            f"it was written under FSDP ({FSDP_OPTIMIZER}, {FSDP_MODEL}) and this run has no fsdp: its optimizer "
-            "state would not be read. Resume with the same fsdp settings (any number of processes >= 2)"
+            f"it was written under FSDP ({FSDP_OPTIMIZER}, {FSDP_MODEL}) and this run has no fsdp, with the expert "
+            "LoRA sharded by rows (expert_parallel: sharded), whose optimizer rows are converted only within one kind "
+            "of run. Resume with the same fsdp settings (any number of processes >= 2)"
         )
-    if fsdp and not written_by_fsdp and (folder / DDP_OPTIMIZER).is_file():
-        return (
-            f"it was written without FSDP ({DDP_OPTIMIZER}) and this run has fsdp: accelerate reads {FSDP_MODEL} and "
-            f"{FSDP_OPTIMIZER} only. Resume without fsdp, or start over"
-        )
-    return None
+    return (
+        f"it was written without FSDP ({DDP_OPTIMIZER}) and this run has fsdp, with the expert LoRA sharded by rows "
+        "(expert_parallel: sharded), whose optimizer rows are converted only within one kind of run. Resume without "
+        "fsdp, or with expert_parallel: replicated"
+    )
 
 
 def check_fsdp(cfg: Any, world: int) -> None:
     """Before the model loads: the FSDP2 settings (:func:`fsdp_plugin`) and whether the checkpoint to resume from
-    was written with the same kind of run (:func:`resume_problem`); ``ConfigError`` naming the setting."""
+    can be resumed by this kind of run (:func:`resume_problem`); ``ConfigError`` naming the setting."""
+    from moetune.config.experts import ExpertParallel
     from moetune.train.preflight import resume_checkpoint
 
     fsdp = fsdp_plugin(cfg, world) is not None
+    sharded = world > 1 and cfg.engine.experts.expert_parallel is ExpertParallel.SHARDED
     folder = resume_checkpoint(cfg)
-    if folder is not None and folder.is_dir() and (problem := resume_problem(folder, fsdp)) is not None:
+    if (
+        folder is not None
+        and folder.is_dir()
+        and (problem := resume_problem(folder, fsdp, sharded)) is not None
+    ):
         raise ConfigError(f"resume_from_checkpoint {folder} cannot be resumed here: {problem}")
+
+
+def other_kind(folder: str | Path, fsdp: bool) -> bool:
+    """Whether the LoRA checkpoint ``folder`` was written by the other kind of run: under FSDP (accelerate's
+    ``pytorch_model_fsdp.bin`` / ``optimizer.bin``) when this run has none, or without it (``optimizer.pt``)."""
+    src = Path(folder)
+    if fsdp:
+        return not (src / FSDP_OPTIMIZER).is_file() and (src / DDP_OPTIMIZER).is_file()
+    return (src / FSDP_OPTIMIZER).is_file() or (src / FSDP_MODEL).is_file()
+
+
+def load_optimizer_whole(optimizer: Any, model: Any, folder: str | Path) -> None:
+    """The optimizer state of a LoRA checkpoint written by the other kind of run (:func:`other_kind`), loaded into
+    ``optimizer`` (accelerate's wrapper or the torch optimizer) over ``model``'s parameters: FSDP's
+    ``optimizer.bin`` (whole tensors keyed by parameter name: torch's full optimizer state dict) or DDP's / one
+    process's ``optimizer.pt`` (keyed by position in the Trainer's parameter groups, which both kinds build over
+    the same model in the same order). Each tensor is cut to this rank's shard where the parameter is an FSDP2
+    shard (:func:`shard_like`). ``LoadError`` when the saved parameters are not this run's."""
+    import torch
+
+    from moetune.errors import LoadError
+
+    src = Path(folder)
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps torch's
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    groups = [[by_id[id(p)] for p in g["params"]] for g in inner.param_groups]
+    names = [n for g in groups for n in g]
+    path = src / (DDP_OPTIMIZER if (src / DDP_OPTIMIZER).is_file() else FSDP_OPTIMIZER)
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    saved_groups = [list(g["params"]) for g in saved["param_groups"]]
+    if path.name == DDP_OPTIMIZER:  # positions: the same order in both kinds of run
+        saved_groups = [[names[i] for i in g if 0 <= i < len(names)] for g in saved_groups]
+        state = {names[i]: v for i, v in saved["state"].items() if 0 <= i < len(names)}
+    else:
+        state = dict(saved["state"])
+    if [sorted(g) for g in saved_groups] != [sorted(g) for g in groups] or not set(state) <= set(names):
+        raise LoadError(
+            f"{path}: its optimizer trains other parameters than this run ({sum(map(len, saved_groups))} in "
+            f"{len(saved_groups)} groups, this run {len(names)} in {len(groups)}); resume with the same lora_target, "
+            "lora settings and additional_target"
+        )
+    params = dict(model.named_parameters())
+    position = {n: i for i, n in enumerate(names)}
+    whole = {
+        position[n]: {
+            k: shard_like(v, params[n]) if isinstance(v, torch.Tensor) else v for k, v in values.items()
+        }
+        for n, values in state.items()
+    }
+    start, param_groups = 0, []
+    for group, ours in zip(saved["param_groups"], groups, strict=True):
+        param_groups.append({**group, "params": list(range(start, start + len(ours)))})
+        start += len(ours)
+    optimizer.load_state_dict({"state": whole, "param_groups": param_groups})
+    logger.warning(
+        "moetune: %s (written %s FSDP) loaded into this run's optimizer (%s FSDP)",
+        path,
+        "under" if path.name == FSDP_OPTIMIZER else "without",
+        "without" if path.name == FSDP_OPTIMIZER else "under",
+    )
+
+
+def load_adapter_sharded(peft_model: Any, folder: str | Path) -> None:
+    """A checkpoint's stock-PEFT adapter (``adapter_model.safetensors``, written by any kind of run) loaded into
+    ``peft_model`` whose dense part FSDP2 shards: each tensor cut to this rank's shard (:func:`shard_like`) of the
+    live tensor with the same stock key. ``LoadError`` when the keys differ (accelerate's ``load_fsdp_model`` reads
+    its own ``pytorch_model_fsdp.bin`` only)."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from moetune.errors import LoadError
+
+    path = Path(folder) / "adapter_model.safetensors"
+    saved = load_file(str(path))
+    live = get_peft_model_state_dict(peft_model)  # stock keys -> this rank's tensors (shards where sharded)
+    if saved.keys() != live.keys():
+        raise LoadError(
+            f"{path}: its LoRA tensors are not this run's (missing {sorted(live.keys() - saved.keys())[:4]}, "
+            f"extra {sorted(saved.keys() - live.keys())[:4]}); resume with the same lora_target and lora settings"
+        )
+    set_peft_model_state_dict(peft_model, {k: shard_like(t, live[k]) for k, t in saved.items()})
 
 
 def fsdp_requested(trainer: Any) -> bool:
