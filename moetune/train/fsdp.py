@@ -28,8 +28,9 @@ recompute reuses the experts' forward), ``ignored_modules`` (moetune sets them);
 
 A LoRA run's checkpoints are accelerate's FSDP files (``pytorch_model_fsdp.bin``, ``optimizer.bin``: full state
 dicts written by the main process) beside the stock adapter; a DDP or one-process checkpoint has ``optimizer.pt``
-instead. :func:`resume_problem` refuses resuming one kind with the other (the Trainer would skip the optimizer
-state it does not find, without a word). A full/freeze run writes the layer files of one process
+instead. A checkpoint of the other kind is converted as it is read (:func:`load_adapter_sharded`,
+:func:`load_optimizer_whole`), except with the expert LoRA sharded by rows (:func:`resume_problem` refuses it by
+name before the model loads). A full/freeze run writes the layer files of one process
 (``moetune.train.layered``) from the shards gathered whole (:func:`gathered_state_dict`,
 :func:`gathered_optimizer_state`) and cuts them back to shards on resume (:func:`shard_like`), so its checkpoints
 resume with or without FSDP.
@@ -314,6 +315,17 @@ def load_optimizer_whole(optimizer: Any, model: Any, folder: str | Path) -> None
             "lora settings and additional_target"
         )
     params = dict(model.named_parameters())
+    wrong = [
+        f"{n}/{k} {tuple(v.shape)} for {tuple(params[n].shape)}"
+        for n, values in state.items()
+        for k, v in values.items()
+        if isinstance(v, torch.Tensor) and v.dim() and v.shape != params[n].shape
+    ]
+    if wrong:
+        raise LoadError(
+            f"{path}: its optimizer state has other shapes than this run's parameters ({wrong[:3]}); resume with the "
+            "same lora_rank and lora_target"
+        )
     position = {n: i for i, n in enumerate(names)}
     whole = {
         position[n]: {
