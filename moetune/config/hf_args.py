@@ -165,25 +165,22 @@ ZERO_AS_FSDP: dict[int, dict[str, Any]] = {
 }
 
 
-def deepspeed_as_fsdp(value: Any, problems: Problems, *, lora: bool = True) -> dict[str, Any]:
+def deepspeed_as_fsdp(value: Any, problems: Problems) -> dict[str, Any]:
     """A ``deepspeed`` JSON config read as the FSDP2 setting of the dense part (``ZERO_AS_FSDP``: ZeRO-3 ->
     ``fsdp`` full shard, ZeRO-2 -> FSDP2 without resharding after forward, else DDP), one line logged; refused
-    settings go to ``problems``. ``lora``: whether the run trains LoRA; full/freeze runs take DDP (moetune's
-    FSDP2 is built for LoRA runs: ``moetune.train.fsdp``), and the line says so."""
+    settings go to ``problems``. Every finetuning_type takes it (full/freeze shard their dense part too, as
+    LLaMA-Factory's full-SFT example with ``ds_z3_config.json`` asks; ``moetune.train.fsdp``)."""
     message = deepspeed_problem(value)
     if message is not None:
         problems.add("deepspeed", message)
         return {}
     stage = _zero_stage(value)
-    as_fsdp = ZERO_AS_FSDP.get(stage, {}) if lora else {}
+    as_fsdp = ZERO_AS_FSDP.get(stage, {})
     log.warning(
         "deepspeed: ZeRO stage %s is run as %s over several processes (the routed experts sit in CPU RAM, "
         "moetune's engine, and are not sharded; docs/distributed.md); bf16 follows the `bf16` key",
         stage,
-        f"FSDP2 (fsdp_config {as_fsdp['fsdp_config']})"
-        if as_fsdp
-        else "DDP"
-        + ("" if lora or stage < 2 else " (full/freeze training: moetune's FSDP2 shards LoRA runs only)"),
+        f"FSDP2 (fsdp_config {as_fsdp['fsdp_config']})" if as_fsdp else "DDP",
     )
     return dict(as_fsdp)
 

@@ -138,9 +138,8 @@ def parse_config(
     extra = _check_keys(flat, engine_raw, problems)
 
     model, finetune, data, training = (parse_section(cls, flat, problems) for cls in FLAT_SECTIONS)
-    if deepspeed is not None:  # read as FSDP2 or DDP, by the parsed finetuning_type
-        lora = finetune.finetuning_type is FinetuningType.LORA
-        as_fsdp = deepspeed_as_fsdp(deepspeed, problems, lora=lora)
+    if deepspeed is not None:  # read as FSDP2 or DDP, by its ZeRO stage
+        as_fsdp = deepspeed_as_fsdp(deepspeed, problems)
         if as_fsdp and fsdp_given:
             problems.add(
                 "deepspeed", "is given with fsdp / fsdp_config; both ask for FSDP2: keep one of them"

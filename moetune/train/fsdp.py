@@ -9,8 +9,9 @@ accelerator applies with ``torch.distributed.fsdp.fully_shard`` to each decoder 
 root. moetune adds two things:
 
 - **The routed experts are not sharded.** Every module the CPU engine computes with (``modes.host_modules``:
-  ``CpuExperts`` and their expert LoRA, host tensors) is the plugin's ``ignored_modules``: ``fully_shard`` leaves
-  their parameters as they are (plain host tensors, never DTensors), and their gradients are averaged over the
+  ``CpuExperts``, whose weights train in full/freeze mode, and their expert LoRA, host tensors) and the LoRA
+  experts (``lora_experts``) are the plugin's ``ignored_modules`` (:func:`unsharded_modules`): ``fully_shard``
+  leaves their parameters as they are (plain tensors, never DTensors), and their gradients are averaged over the
   ranks outside FSDP, as under DDP (``moetune.train.host_grads``).
 - **The CPU stands in for the GPUs** (``device: cpu``, how the tests run it). accelerate turns FSDP on only for
   accelerator devices: on the CPU (``DistributedType.MULTI_CPU``) it drops the plugin and would wrap the model in
@@ -23,13 +24,16 @@ ignored modules and gathered adapter are FSDP2's), parameter offload (the routed
 RAM; the dense part is what must stay on the GPU), ``cpu_ram_efficient_loading`` (it moves the model to the meta
 device, engines included), a ``state_dict_type`` other than ``FULL_STATE_DICT`` (the final adapter is gathered
 whole on the main process), FSDP's own ``activation_checkpointing`` (use ``gradient_checkpointing``: moetune's
-recompute reuses the experts' forward), ``ignored_modules`` (moetune sets them), one process, full/freeze
-training and LoRA experts (their tensors would be sharded DTensors that moetune's own writers read whole).
+recompute reuses the experts' forward), ``ignored_modules`` (moetune sets them); one process trains unsharded.
 
-Checkpoints are accelerate's FSDP files (``pytorch_model_fsdp.bin``, ``optimizer.bin``: full state dicts written
-by the main process) beside the stock adapter; a DDP or one-process checkpoint has ``optimizer.pt`` instead.
-:func:`resume_problem` refuses resuming one kind with the other (the Trainer would skip the optimizer state it
-does not find, without a word).
+A LoRA run's checkpoints are accelerate's FSDP files (``pytorch_model_fsdp.bin``, ``optimizer.bin``: full state
+dicts written by the main process) beside the stock adapter; a DDP or one-process checkpoint has ``optimizer.pt``
+instead. A checkpoint of the other kind is converted as it is read (:func:`load_adapter_sharded`,
+:func:`load_optimizer_whole`), except with the expert LoRA sharded by rows (:func:`resume_problem` refuses it by
+name before the model loads). A full/freeze run writes the layer files of one process
+(``moetune.train.layered``) from the shards gathered whole (:func:`gathered_state_dict`,
+:func:`gathered_optimizer_state`) and cuts them back to shards on resume (:func:`shard_like`), so its checkpoints
+resume with or without FSDP.
 """
 
 from __future__ import annotations
@@ -74,13 +78,6 @@ def fsdp_plugin(cfg: Any, world: int) -> Any:
     # no arguments: the plugin reads accelerate's FSDP_* variables, as accelerate does
     plugin = FullyShardedDataParallelPlugin(**plugin_args)
     problems = _plugin_problems(plugin)
-    if cfg.finetune.finetuning_type.value != "lora":
-        problems.append(
-            f"finetuning_type {cfg.finetune.finetuning_type.value}: FSDP2 is built for LoRA runs (full/freeze "
-            "checkpoints are written layer by layer from whole tensors); use finetuning_type lora or DDP"
-        )
-    if cfg.finetune.lora_experts is not None:
-        problems.append("lora_experts: their tensors would be sharded; remove lora_experts or fsdp")
     if problems:
         raise ConfigError(f"{where}: FSDP2 cannot run as configured:{listing(problems)}")
     if world < 2:
@@ -135,8 +132,6 @@ def attach_fsdp(trainer: Any) -> None:
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    from moetune.train.modes import host_modules
-
     state = trainer.accelerator.state
     if state.distributed_type is DistributedType.MULTI_CPU:
         args = trainer.args.fsdp_plugin_args
@@ -157,13 +152,35 @@ def attach_fsdp(trainer: Any) -> None:
             "accelerate launch --multi_gpu (docs/distributed.md)"
         )
     plugin = state.fsdp_plugin
-    ignored = host_modules(trainer.model)
+    ignored = unsharded_modules(trainer.model)
     plugin.ignored_modules = ignored
     logger.info(
-        "moetune: FSDP2 shards the dense part; %d routed-expert modules (%.1f M values) stay whole on every rank",
+        "moetune: FSDP2 shards the dense part; %d routed-expert and LoRA-expert modules (%.1f M values) stay whole "
+        "on every rank",
         len(ignored),
         sum(p.numel() for m in ignored for p in m.parameters(recurse=False)) / 1e6,
     )
+
+
+def unsharded_modules(model: Any) -> list[Any]:
+    """The modules FSDP2 leaves whole (``ignored_modules``): the host-side ones (``modes.host_modules``: routed
+    experts, their LoRA, in full/freeze mode their trained weights) and the LoRA experts
+    (``moetune.adapters.lora_experts``: small device MLPs whose file is written from the live tensors). Their
+    gradients are averaged by ``moetune.train.host_grads`` (:func:`averaged_outside`)."""
+    from moetune.adapters.lora_experts import LoraExperts
+    from moetune.train.modes import host_modules
+
+    return [*host_modules(model), *(m for m in model.modules() if isinstance(m, LoraExperts))]
+
+
+def averaged_outside(model: Any) -> list[Any]:
+    """The trainable parameters FSDP2 leaves to moetune beyond the host-trained ones (which ``host_grads``
+    averages under DDP too): the LoRA experts' (DDP averages them; FSDP2 ignores them)."""
+    from moetune.adapters.lora_experts import LoraExperts
+
+    return [
+        p for m in model.modules() if isinstance(m, LoraExperts) for p in m.parameters() if p.requires_grad
+    ]
 
 
 def full_state_dict(trainer: Any) -> dict[str, Any] | None:
@@ -171,34 +188,183 @@ def full_state_dict(trainer: Any) -> dict[str, Any] | None:
     None without FSDP, and an empty dict on the other ranks."""
     if not getattr(trainer, "is_fsdp_enabled", False):
         return None
-    return trainer.accelerator.get_state_dict(trainer.model)
+    return gathered_state_dict(trainer.model, trainer.args.should_save)
 
 
-def resume_problem(folder: Path, fsdp: bool) -> str | None:
-    """Why checkpoint ``folder`` cannot be resumed by a run with (``fsdp``) or without FSDP, or None."""
+def gather(value: Any, keep: bool) -> Any:
+    """``value`` whole: an FSDP2 shard (a ``DTensor``) all-gathered (a collective: every rank calls it for the same
+    tensors in the same order) and brought to the CPU where ``keep`` (the writer), else dropped (None); any other
+    value as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor):
+        return value
+    whole = value.full_tensor()
+    return whole.cpu() if keep else None
+
+
+def gathered_state_dict(model: Any, keep: bool) -> dict[str, Any]:
+    """``model.state_dict()`` with each FSDP2 shard gathered whole, one tensor at a time (:func:`gather`): on the
+    writer (``keep``) the whole state dict, the tensors FSDP2 does not hold (routed experts in host RAM) by
+    reference, not copied; an empty dict elsewhere. Every rank must call it."""
+    state = {k: gather(v, keep) for k, v in model.state_dict().items()}
+    return state if keep else {}
+
+
+def gathered_optimizer_state(optimizer: Any, keep: bool) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with each FSDP2-sharded state tensor (AdamW's moments of a sharded parameter)
+    gathered whole (:func:`gather`; every rank must call it): the writer's (``keep``) to write, as one process
+    writes it; an empty dict elsewhere."""
+    sd = optimizer.state_dict()
+    state = {i: {k: gather(v, keep) for k, v in values.items()} for i, values in sd["state"].items()}
+    return {**sd, "state": state} if keep else {}
+
+
+def shard_like(whole: Any, like: Any) -> Any:
+    """This rank's FSDP2 shard of ``whole`` (a tensor read from a checkpoint) laid out as ``like`` (a ``DTensor``
+    parameter, or state of one, of the same global shape); ``whole`` as it is when ``like`` is no ``DTensor`` or
+    has another shape (a scalar such as AdamW's ``step``). Every rank holds ``whole``: no communication."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor) or tuple(whole.shape) != tuple(like.shape):
+        return whole
+    return distribute_tensor(
+        whole.to(device=like.device, dtype=like.dtype), like.device_mesh, like.placements, src_data_rank=None
+    )
+
+
+def resume_problem(folder: Path, fsdp: bool, sharded: bool = False) -> str | None:
+    """Why checkpoint ``folder`` cannot be resumed by a run with (``fsdp``) or without FSDP, or None. A LoRA
+    checkpoint of the other kind is converted on resume (:func:`load_optimizer_whole`, :func:`load_adapter_sharded`)
+    unless the expert LoRA is sharded by rows (``sharded``: this run's ``expert_parallel``; or the checkpoint holds
+    rows files), whose per-rank optimizer files only the same kind of run reads."""
+    from moetune.train.sharded_lora import rows_file
+
     written_by_fsdp = (folder / FSDP_MODEL).is_file() or (folder / FSDP_OPTIMIZER).is_file()
-    if written_by_fsdp and not fsdp:
+    other_kind = written_by_fsdp != fsdp and (written_by_fsdp or (folder / DDP_OPTIMIZER).is_file())
+    rows = any(folder.glob(rows_file(0, 1).replace("0-of-1", "*")))  # any rank's rows file
+    if not other_kind or not (sharded or rows):
+        return None
+    if written_by_fsdp:
         return (
-            f"it was written under FSDP ({FSDP_OPTIMIZER}, {FSDP_MODEL}) and this run has no fsdp: its optimizer "
-            "state would not be read. Resume with the same fsdp settings (any number of processes >= 2)"
+            f"it was written under FSDP ({FSDP_OPTIMIZER}, {FSDP_MODEL}) and this run has no fsdp, with the expert "
+            "LoRA sharded by rows (expert_parallel: sharded), whose optimizer rows are converted only within one kind "
+            "of run. Resume with the same fsdp settings (any number of processes >= 2)"
         )
-    if fsdp and not written_by_fsdp and (folder / DDP_OPTIMIZER).is_file():
-        return (
-            f"it was written without FSDP ({DDP_OPTIMIZER}) and this run has fsdp: accelerate reads {FSDP_MODEL} and "
-            f"{FSDP_OPTIMIZER} only. Resume without fsdp, or start over"
-        )
-    return None
+    return (
+        f"it was written without FSDP ({DDP_OPTIMIZER}) and this run has fsdp, with the expert LoRA sharded by rows "
+        "(expert_parallel: sharded), whose optimizer rows are converted only within one kind of run. Resume without "
+        "fsdp, or with expert_parallel: replicated"
+    )
 
 
 def check_fsdp(cfg: Any, world: int) -> None:
     """Before the model loads: the FSDP2 settings (:func:`fsdp_plugin`) and whether the checkpoint to resume from
-    was written with the same kind of run (:func:`resume_problem`); ``ConfigError`` naming the setting."""
+    can be resumed by this kind of run (:func:`resume_problem`); ``ConfigError`` naming the setting."""
+    from moetune.config.experts import ExpertParallel
     from moetune.train.preflight import resume_checkpoint
 
     fsdp = fsdp_plugin(cfg, world) is not None
+    sharded = world > 1 and cfg.engine.experts.expert_parallel is ExpertParallel.SHARDED
     folder = resume_checkpoint(cfg)
-    if folder is not None and folder.is_dir() and (problem := resume_problem(folder, fsdp)) is not None:
+    if (
+        folder is not None
+        and folder.is_dir()
+        and (problem := resume_problem(folder, fsdp, sharded)) is not None
+    ):
         raise ConfigError(f"resume_from_checkpoint {folder} cannot be resumed here: {problem}")
+
+
+def other_kind(folder: str | Path, fsdp: bool) -> bool:
+    """Whether the LoRA checkpoint ``folder`` was written by the other kind of run: under FSDP (accelerate's
+    ``pytorch_model_fsdp.bin`` / ``optimizer.bin``) when this run has none, or without it (``optimizer.pt``)."""
+    src = Path(folder)
+    if fsdp:
+        return not (src / FSDP_OPTIMIZER).is_file() and (src / DDP_OPTIMIZER).is_file()
+    return (src / FSDP_OPTIMIZER).is_file() or (src / FSDP_MODEL).is_file()
+
+
+def load_optimizer_whole(optimizer: Any, model: Any, folder: str | Path) -> None:
+    """The optimizer state of a LoRA checkpoint written by the other kind of run (:func:`other_kind`), loaded into
+    ``optimizer`` (accelerate's wrapper or the torch optimizer) over ``model``'s parameters: FSDP's
+    ``optimizer.bin`` (whole tensors keyed by parameter name: torch's full optimizer state dict) or DDP's / one
+    process's ``optimizer.pt`` (keyed by position in the Trainer's parameter groups, which both kinds build over
+    the same model in the same order). Each tensor is cut to this rank's shard where the parameter is an FSDP2
+    shard (:func:`shard_like`). ``LoadError`` when the saved parameters are not this run's."""
+    import torch
+
+    from moetune.errors import LoadError
+
+    src = Path(folder)
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps torch's
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    groups = [[by_id[id(p)] for p in g["params"]] for g in inner.param_groups]
+    names = [n for g in groups for n in g]
+    path = src / (DDP_OPTIMIZER if (src / DDP_OPTIMIZER).is_file() else FSDP_OPTIMIZER)
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    saved_groups = [list(g["params"]) for g in saved["param_groups"]]
+    if path.name == DDP_OPTIMIZER:  # positions: the same order in both kinds of run
+        saved_groups = [[names[i] for i in g if 0 <= i < len(names)] for g in saved_groups]
+        state = {names[i]: v for i, v in saved["state"].items() if 0 <= i < len(names)}
+    else:
+        state = dict(saved["state"])
+    if [sorted(g) for g in saved_groups] != [sorted(g) for g in groups] or not set(state) <= set(names):
+        raise LoadError(
+            f"{path}: its optimizer trains other parameters than this run ({sum(map(len, saved_groups))} in "
+            f"{len(saved_groups)} groups, this run {len(names)} in {len(groups)}); resume with the same lora_target, "
+            "lora settings and additional_target"
+        )
+    params = dict(model.named_parameters())
+    wrong = [
+        f"{n}/{k} {tuple(v.shape)} for {tuple(params[n].shape)}"
+        for n, values in state.items()
+        for k, v in values.items()
+        if isinstance(v, torch.Tensor) and v.dim() and v.shape != params[n].shape
+    ]
+    if wrong:
+        raise LoadError(
+            f"{path}: its optimizer state has other shapes than this run's parameters ({wrong[:3]}); resume with the "
+            "same lora_rank and lora_target"
+        )
+    position = {n: i for i, n in enumerate(names)}
+    whole = {
+        position[n]: {
+            k: shard_like(v, params[n]) if isinstance(v, torch.Tensor) else v for k, v in values.items()
+        }
+        for n, values in state.items()
+    }
+    start, param_groups = 0, []
+    for group, ours in zip(saved["param_groups"], groups, strict=True):
+        param_groups.append({**group, "params": list(range(start, start + len(ours)))})
+        start += len(ours)
+    optimizer.load_state_dict({"state": whole, "param_groups": param_groups})
+    logger.warning(
+        "moetune: %s (written %s FSDP) loaded into this run's optimizer (%s FSDP)",
+        path,
+        "under" if path.name == FSDP_OPTIMIZER else "without",
+        "without" if path.name == FSDP_OPTIMIZER else "under",
+    )
+
+
+def load_adapter_sharded(peft_model: Any, folder: str | Path) -> None:
+    """A checkpoint's stock-PEFT adapter (``adapter_model.safetensors``, written by any kind of run) loaded into
+    ``peft_model`` whose dense part FSDP2 shards: each tensor cut to this rank's shard (:func:`shard_like`) of the
+    live tensor with the same stock key. ``LoadError`` when the keys differ (accelerate's ``load_fsdp_model`` reads
+    its own ``pytorch_model_fsdp.bin`` only)."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from moetune.errors import LoadError
+
+    path = Path(folder) / "adapter_model.safetensors"
+    saved = load_file(str(path))
+    live = get_peft_model_state_dict(peft_model)  # stock keys -> this rank's tensors (shards where sharded)
+    if saved.keys() != live.keys():
+        raise LoadError(
+            f"{path}: its LoRA tensors are not this run's (missing {sorted(live.keys() - saved.keys())[:4]}, "
+            f"extra {sorted(saved.keys() - live.keys())[:4]}); resume with the same lora_target and lora settings"
+        )
+    set_peft_model_state_dict(peft_model, {k: shard_like(t, live[k]) for k, t in saved.items()})
 
 
 def fsdp_requested(trainer: Any) -> bool:

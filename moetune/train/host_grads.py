@@ -44,34 +44,35 @@ def host_trained(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 class HostGrads:
     """The host-trained parameters of one model, kept out of DDP and averaged over ranks by :meth:`average`."""
 
-    def __init__(self, model: nn.Module, world: int) -> None:
+    def __init__(self, model: nn.Module, world: int, fsdp: bool = False) -> None:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
+        from moetune.train.fsdp import averaged_outside
         from moetune.train.sharded_lora import ShardedLora
 
         named = host_trained(model)
         self.sharded = ShardedLora.of(model)  # held rows only: scaled, not summed
         held = self.sharded.params if self.sharded is not None else set()
-        self.params = [p for _, p in named if p not in held]
+        # under FSDP2 (``fsdp``) the LoRA experts are left whole too (moetune.train.fsdp.unsharded_modules)
+        self.params = [p for _, p in named if p not in held] + (averaged_outside(model) if fsdp else [])
         self.world = world
         # a gloo group of their own: their sums never interleave with DDP's buckets on the default group
         self.group = dist.new_group(backend="gloo")
         ignored = {n for n, _ in named}
-        if not any(p.requires_grad for n, p in model.named_parameters() if n not in ignored):
-            from moetune.errors import DistError
-
-            raise DistError(
-                f"every trainable tensor ({len(named)}) is trained by the CPU engine and averaged by moetune over "
-                f"{world} processes, so DDP has none left and refuses the model; train a dense module too (a dense "
-                "lora_target such as q_proj, or freeze_trainable_modules beyond the experts) or train in one process"
-            )
+        # nothing left for DDP (lora_target naming only the experts): the model is not wrapped in DDP at all
+        # (AveragesHostGrads._wrap_model); every trained tensor is averaged here
+        self.alone = not fsdp and not any(
+            p.requires_grad for n, p in model.named_parameters() if n not in ignored
+        )
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(ignored))
         logger.info(
-            "moetune: %d host-trained tensors (%.1f M values) averaged over %d ranks outside DDP",
+            "moetune: %d host-trained tensors (%.1f M values) averaged over %d ranks outside %s%s",
             len(self.params),
             sum(p.numel() for p in self.params) / 1e6,
             world,
+            "FSDP2" if fsdp else "DDP",
+            "; no dense tensor trains, so the model is not wrapped in DDP" if self.alone else "",
         )
 
     def average(self, sparse: Sequence[ExpertLayer] = ()) -> None:
@@ -123,6 +124,26 @@ def average_sparse(layer: ExpertLayer, world: int, group: Any) -> None:
             held.setdefault(e, {})[name] = stacked[i]
 
 
+class DataParallelByHost(nn.Module):
+    """The model of a data-parallel run in which no tensor is left for DDP (``lora_target`` naming only the routed
+    experts): it computes as the model does (attributes are the model's), and the gradients of everything it trains
+    are averaged over the ranks by :class:`HostGrads`, not by a wrapper. The Trainer keeps it as its wrapped model
+    (``model_wrapped``); ``Trainer.model`` stays the model itself (saves, evaluation)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+
 class AveragesHostGrads:
     """Mixin for a transformers ``Trainer`` subclass: with ``host_grads`` set (:func:`attach_host_grads`), the
     host-trained parameters' gradients are averaged over ranks after the backward that completes a step."""
@@ -130,6 +151,17 @@ class AveragesHostGrads:
     host_grads: HostGrads | None = None
     accelerator: Any  # the Trainer's
     model: Any  # the Trainer's
+
+    def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
+        """The Trainer's hook that wraps the model for distributed training; with no dense tensor left for DDP
+        (``HostGrads.alone``: every trained tensor is the CPU engine's, averaged here) the model is prepared by
+        accelerate without DDP (``evaluation_mode``: device placement and autocast only; torch's DDP refuses a
+        model with nothing to reduce) and handed back in :class:`DataParallelByHost`, so the Trainer does not
+        prepare it again with DDP. Every other run: the Trainer's own."""
+        wrapped = super()._wrap_model(model, training, dataloader)  # type: ignore[misc]
+        if not training or self.host_grads is None or not self.host_grads.alone or wrapped is not self.model:
+            return wrapped
+        return DataParallelByHost(self.accelerator.prepare_model(model, evaluation_mode=True))
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         loss = super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
@@ -141,16 +173,17 @@ class AveragesHostGrads:
         return loss
 
 
-def attach_host_grads(trainer: Any, world: int) -> None:
+def attach_host_grads(trainer: Any, world: int, fsdp: bool = False) -> None:
     """Before ``trainer.train()`` of a run of ``world`` > 1 processes: keep the host-trained parameters of the
-    model the Trainer will wrap out of its DDP and average them in the trainer (an :class:`AveragesHostGrads`)."""
+    model the Trainer will wrap out of its DDP (or FSDP2: ``fsdp``) and average them in the trainer (an
+    :class:`AveragesHostGrads`)."""
     if not isinstance(trainer, AveragesHostGrads):
         raise TypeError(
             f"{type(trainer).__name__} does not mix in AveragesHostGrads; expert gradients would not sync"
         )
     from moetune.train.sharded_lora import ShardsExpertLora
 
-    trainer.host_grads = HostGrads(trainer.model, world)
+    trainer.host_grads = HostGrads(trainer.model, world, fsdp)
     if (
         trainer.host_grads.sharded is not None
     ):  # clipping and saves of the held rows (moetune.train.sharded_lora)

@@ -33,6 +33,7 @@ from torch import nn
 
 from moetune.atomic import write_atomically, write_text_atomically
 from moetune.errors import LoadError
+from moetune.train.fsdp import shard_like
 
 MODEL_INDEX = "model.safetensors.index.json"  # transformers' SAFE_WEIGHTS_INDEX_NAME
 OPTIMIZER_INDEX = "optimizer.index.json"
@@ -69,14 +70,16 @@ def _write_parts(folder: Path, stem: str, parts: dict[str, dict[str, torch.Tenso
     return where
 
 
-def save_model_by_layer(model: Any, folder: str | Path) -> None:
-    """The model's state dict (the live modules' layout) and its config, one file per decoder layer, index last."""
+def save_model_by_layer(model: Any, folder: str | Path, state_dict: dict[str, Any] | None = None) -> None:
+    """The model's state dict (the live modules' layout) and its config, one file per decoder layer, index last.
+    ``state_dict``: the model's, already gathered whole (FSDP2: ``moetune.train.fsdp.gathered_state_dict``)."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(out)
-    state = remove_tied_weights_from_state_dict(model.state_dict(), model)
+    whole = model.state_dict() if state_dict is None else state_dict
+    state = remove_tied_weights_from_state_dict(whole, model)
     where = _write_parts(out, "model", _by_part(state.items()))
     total = sum(t.numel() * t.element_size() for t in state.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(where.items()))}
@@ -97,11 +100,17 @@ def _names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str]:
     return names
 
 
-def save_optimizer_by_layer(optimizer: torch.optim.Optimizer, model: nn.Module, folder: str | Path) -> None:
-    """``optimizer``'s state, one file per decoder layer, keyed by parameter name; the index last."""
+def save_optimizer_by_layer(
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    folder: str | Path,
+    state_dict: dict[str, Any] | None = None,
+) -> None:
+    """``optimizer``'s state, one file per decoder layer, keyed by parameter name; the index last. ``state_dict``:
+    the optimizer's, already gathered whole (FSDP2: ``moetune.train.fsdp.gathered_optimizer_state``)."""
     out = Path(folder)
     names = _names(optimizer, model)
-    sd = optimizer.state_dict()
+    sd = optimizer.state_dict() if state_dict is None else state_dict
     tensors: list[tuple[str, torch.Tensor]] = []
     scalars: dict[str, dict[str, Any]] = {}
     for idx, state in sd["state"].items():
@@ -138,11 +147,13 @@ def load_optimizer_by_layer(optimizer: torch.optim.Optimizer, model: nn.Module, 
             "finetuning_type and freeze settings"
         )
     position = {n: i for i, n in enumerate(names)}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
     state: dict[int, dict[str, Any]] = {}
     for file in sorted(set(index["files"].values())):
         for key, t in load_file(str(src / file)).items():
             name, _, what = key.rpartition("/")
-            state.setdefault(position[name], {})[what] = t
+            # FSDP2: this rank's shard of a sharded parameter's moments (the file holds them whole)
+            state.setdefault(position[name], {})[what] = shard_like(t, params[position[name]])
     for name, values in index["scalars"].items():
         state.setdefault(position[name], {}).update(values)
     groups, start = [], 0
@@ -150,3 +161,23 @@ def load_optimizer_by_layer(optimizer: torch.optim.Optimizer, model: nn.Module, 
         groups.append({**g, "params": list(range(start, start + len(g["params"])))})
         start += len(g["params"])
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def load_model_by_layer(model: nn.Module, folder: str | Path) -> Any:
+    """What :func:`save_model_by_layer` wrote, loaded into ``model`` whose dense part FSDP2 shards: each file's
+    tensors cut to this rank's shards (``shard_like``) and loaded (not strict); returns the missing and unexpected
+    keys as ``load_state_dict`` does (the Trainer's resume reads them). Without FSDP the Trainer's own
+    ``load_sharded_checkpoint`` reads the same files."""
+    from safetensors.torch import load_file
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    src = Path(folder)
+    files = sorted(set(json.loads((src / MODEL_INDEX).read_text())["weight_map"].values()))
+    live = model.state_dict()
+    missing, unexpected = set(live), []
+    for file in files:
+        part = load_file(str(src / file))
+        unexpected += [k for k in part if k not in live]
+        model.load_state_dict({k: shard_like(t, live[k]) for k, t in part.items() if k in live}, strict=False)
+        missing -= set(part)
+    return _IncompatibleKeys(sorted(missing), unexpected)

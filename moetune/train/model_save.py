@@ -70,14 +70,15 @@ def _record_base_conversions(model: Any) -> None:
     model._weight_conversions = recorded
 
 
-def save_model(model: Any, output_dir: str | Path) -> Path:
-    """Write ``model`` (a transformers model whose experts export their weights) to ``output_dir``; returns it."""
+def save_model(model: Any, output_dir: str | Path, state_dict: dict[str, Any] | None = None) -> Path:
+    """Write ``model`` (a transformers model whose experts export their weights) to ``output_dir``; returns it.
+    ``state_dict``: the model's, gathered whole (FSDP2 shards the dense part: ``moetune.train.fsdp``)."""
     _record_base_conversions(model)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out))
     try:
-        model.save_pretrained(staged)
+        model.save_pretrained(staged, state_dict=state_dict)
         for path in sorted(staged.iterdir(), key=_order):
             os.replace(path, out / path.name)
         fsync(out)

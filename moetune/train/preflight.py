@@ -18,7 +18,6 @@ import logging
 import os
 import tempfile
 import zipfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +83,6 @@ def check_before_load(
         spec_of_config(cfg)
     lora = modes.method is FinetuningType.LORA
     targets = resolve_targets(planned.model, cfg.finetune.lora_target, experts)
-    if lora and world > 1:
-        check_something_for_ddp(targets, cfg.finetune.additional_target, world)
     sharded = cfg.engine.experts.expert_parallel is ExpertParallel.SHARDED
     if lora and world > 1 and sharded and targets.experts:
         for site in planned.sites:  # LongCat-Flash's zero-computation experts (moetune.layer.sharded)
@@ -95,22 +92,6 @@ def check_before_load(
         lora_paths = {*targets.linear, *targets.experts, *targets.routers} if lora else None
         check_resume_checkpoint(resume, cfg, lora_paths)
     return planned
-
-
-def check_something_for_ddp(targets: Any, additional: Sequence[str] | None, world: int) -> None:
-    """``DistError`` when LoRA on the routed experts alone is trained by several processes: every tensor the
-    engine trains is kept out of DDP (``moetune.train.host_grads``), and torch's DDP refuses a model with no
-    trainable parameter left to it."""
-    from moetune.errors import DistError
-
-    if targets.linear or targets.routers or additional:
-        return
-    raise DistError(
-        f"lora_target selects the routed experts only ({len(targets.experts)} experts modules) and {world} "
-        "processes train: moetune averages the experts' LoRA itself, outside DDP, which then has no trainable "
-        "parameter to hold and refuses the model. Add a dense target (e.g. lora_target: q_proj,v_proj,experts) "
-        "or train in one process"
-    )
 
 
 def check_output_dir(out: Path) -> None:

@@ -183,12 +183,12 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any, extra_
     )
     attach_guard(trainer, NumericalGuard(cfg.training.on_divergence, _vocab_size(peft_model)))
     if ranks.distributed:  # what the CPU engine trains is averaged outside DDP (moetune.train.host_grads)
+        from moetune.train.fsdp import attach_fsdp, fsdp_requested
         from moetune.train.host_grads import attach_host_grads
 
-        attach_host_grads(trainer, ranks.world)
-        from moetune.train.fsdp import attach_fsdp, fsdp_requested
-
-        if fsdp_requested(trainer):  # the dense part sharded (FSDP2; checked in setup), the experts not
+        fsdp = fsdp_requested(trainer)
+        attach_host_grads(trainer, ranks.world, fsdp)
+        if fsdp:  # the dense part sharded (FSDP2; checked in setup), the experts not
             attach_fsdp(trainer)
     if hasattr(
         trainer, "expert_optim"
@@ -245,7 +245,7 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
         elif cfg.finetune.finetuning_type is FinetuningType.LORA:
             save_adapter(trainer.model, out, state_dict=gathered)
         else:
-            save_model(trainer.model, out)
+            save_model(trainer.model, out, state_dict=gathered)  # FSDP2: the dense part gathered whole
         tokenizer.save_pretrained(out)
 
     main_writes(ranks, write_model)

@@ -31,17 +31,27 @@ import time
 from typing import Any
 
 import torch
+from peft import PeftModel
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import SCHEDULER_NAME
 
+from moetune.adapters.save import restore_lora_experts
 from moetune.config.schema import DivergenceAction
 from moetune.errors import LoadError
 from moetune.train.checkpoints import STAGING_PREFIX, AtomicCheckpoints
 from moetune.train.expert_optim import ExpertAdamW, ExpertOptimSpec, build_expert_optimizer, unwrap
+from moetune.train.fsdp import (
+    gathered_optimizer_state,
+    gathered_state_dict,
+    load_adapter_sharded,
+    load_optimizer_whole,
+    other_kind,
+)
 from moetune.train.guards import GuardedSteps
 from moetune.train.host_grads import AveragesHostGrads
 from moetune.train.layered import (
     OPTIMIZER_INDEX,
+    load_model_by_layer,
     load_optimizer_by_layer,
     save_model_by_layer,
     save_optimizer_by_layer,
@@ -141,28 +151,66 @@ class MoetuneTrainer(
         # a checkpoint: weights in the live modules' layout, which resume's load_sharded_checkpoint matches; the
         # final save_model writes the base checkpoint's own layout instead
         out = str(output_dir if output_dir is not None else self.args.output_dir)
-        save_model_by_layer(self.model, out)  # type: ignore[arg-type]
+        save_model_by_layer(self.model, out, state_dict)  # FSDP2: gathered whole (save_model)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(out)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not (self.is_fsdp_enabled and self._layered()):
+            super().save_model(output_dir, _internal_call)
+            return
+        # FSDP2, full/freeze: the shards gathered whole on the main process (every rank joins), the routed experts
+        # taken as they are (accelerate's get_state_dict would copy them: the whole model's bytes once more)
+        self._save(output_dir, state_dict=gathered_state_dict(self.model, self.args.should_save))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._layered():
             super()._save_optimizer_and_scheduler(output_dir)
             return
         assert self.optimizer is not None and self.lr_scheduler is not None
-        if not self.args.should_save:  # several processes: the main one writes (replicated state)
+        # FSDP2: every rank joins the gathers of the sharded moments; without it the state is replicated
+        gathered = (
+            gathered_optimizer_state(self.optimizer, self.args.should_save) if self.is_fsdp_enabled else None
+        )
+        if not self.args.should_save:  # several processes: the main one writes
             return
-        save_optimizer_by_layer(self.optimizer, self.model, output_dir)  # type: ignore[arg-type]
+        save_optimizer_by_layer(self.optimizer, self.model, output_dir, gathered)  # type: ignore[arg-type]
         torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, OPTIMIZER_INDEX)):
+        layered = checkpoint is not None and os.path.isfile(os.path.join(checkpoint, OPTIMIZER_INDEX))
+        converted = checkpoint is not None and not layered and other_kind(checkpoint, self.is_fsdp_enabled)
+        if checkpoint is None or not (layered or converted):
             super()._load_optimizer_and_scheduler(checkpoint)
             return
         assert self.optimizer is not None and self.lr_scheduler is not None
-        load_optimizer_by_layer(self.optimizer, self.model, checkpoint)  # type: ignore[arg-type]
+        if layered:
+            load_optimizer_by_layer(self.optimizer, self.model, checkpoint)  # type: ignore[arg-type]
+        else:  # a LoRA checkpoint of the other kind (FSDP's optimizer.bin, or DDP's optimizer.pt)
+            load_optimizer_whole(self.optimizer, self.model, checkpoint)
         self.lr_scheduler.load_state_dict(
             torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
+        )
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        target = model if model is not None else self.model
+        if isinstance(target, PeftModel) and other_kind(resume_from_checkpoint, self.is_fsdp_enabled):
+            # a LoRA checkpoint of the other kind: its stock adapter (the same file in both kinds), cut to shards
+            # under FSDP (accelerate reads only its own pytorch_model_fsdp.bin; the Trainer refuses that file
+            # without FSDP); the LoRA experts from their file
+            if self.is_fsdp_enabled:
+                load_adapter_sharded(target, resume_from_checkpoint)
+            else:
+                target.load_adapter(resume_from_checkpoint, target.active_adapter, is_trainable=True)
+            restore_lora_experts(target, resume_from_checkpoint, attach=False)
+            return
+        if not (self.is_fsdp_enabled and self._layered()):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return
+        # FSDP2, full/freeze: the layer files hold whole tensors; each rank loads its shards (accelerate's
+        # load_fsdp_model reads its own pytorch_model_fsdp.bin only)
+        self._issue_warnings_after_load(
+            load_model_by_layer(model if model is not None else self.model, resume_from_checkpoint)
         )
 
     def _issue_warnings_after_load(self, load_result: Any) -> None:

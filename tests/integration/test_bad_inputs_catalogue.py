@@ -312,22 +312,6 @@ def test_lora_target_typo(tmp_path, demo_model, no_load, targets) -> None:
     assert "matched no module of Qwen3MoeForCausalLM" in msg and "q_proj" in msg and "experts" in msg
 
 
-def test_expert_only_lora_under_several_processes(tmp_path, demo_model, no_load) -> None:
-    """LoRA on the routed experts alone with 2 processes: DDP would have no parameter left (moetune averages the
-    experts' LoRA outside it) and torch refuses the model; refused by the preflight, naming lora_target."""
-    from moetune.errors import DistError
-    from moetune.train.modes import ModeSettings
-    from moetune.train.preflight import check_before_load
-
-    cfg = load_config(write(tmp_path, config(tmp_path, demo_model, lora_target="experts")))
-    modes = ModeSettings.from_config(cfg.finetune, bf16=False)
-    before = snapshot(tmp_path, demo_model)
-    with pytest.raises(DistError, match="lora_target selects the routed experts only .* 2 processes"):
-        check_before_load(cfg, "float32", modes, world=2)
-    assert snapshot(tmp_path, demo_model) == before
-    check_before_load(cfg, "float32", modes, world=1)  # one process: nothing to refuse
-
-
 def test_sharded_expert_lora_with_zero_computation_experts(tmp_path, no_load) -> None:
     """LongCat-Flash with expert_parallel: sharded under 2 processes runs, except LoRA on its routed experts:
     stock PEFT's gate_up LoRA also holds rows for the zero-computation experts, which no rank owns (sharded

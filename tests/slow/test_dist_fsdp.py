@@ -2,7 +2,7 @@
 processes (torchrun, gloo on the CPU standing in for the GPUs) against one process over the same global batches:
 every step's loss, the final stock-PEFT adapter (gathered whole on the main process and written once), each rank
 holding half of the dense weights and all of the routed experts, resuming the FSDP checkpoint, and resuming a
-checkpoint of the other kind refused by name."""
+checkpoint of the other kind (converted; refused by name with the expert LoRA sharded by rows)."""
 
 from __future__ import annotations
 
@@ -88,14 +88,25 @@ def test_resume_fsdp_checkpoint(runs) -> None:
 
 
 @pytest.mark.slow
-def test_resume_across_fsdp_and_ddp_refused(runs) -> None:
+def test_resume_across_fsdp_and_ddp(runs) -> None:
+    # a checkpoint of the other kind is converted: the stock adapter (the same file in both) cut to shards under
+    # FSDP, the optimizer state re-keyed (optimizer.bin by name, optimizer.pt by position); AdamW's moments must
+    # come back for step 3 to match. One process, two under DDP and FSDP all compute the same run.
     tmp, model = runs["tmp"], runs["model"]
-    fsdp_ckpt, ddp_ckpt = runs["fsdp"] / "checkpoint-2", runs["one"] / "checkpoint-2"
-    one = dist_checks.config(tmp, model, "one_from_fsdp", **ADAM, resume_from_checkpoint=str(fsdp_ckpt))
-    result = dist_checks.single(*CLI, str(one))
-    assert result.returncode != 0 and "written under FSDP" in result.stderr, result.stderr[-3000:]
+    fsdp_ckpt, one_ckpt = runs["fsdp"] / "checkpoint-2", runs["one"] / "checkpoint-2"
+    resumed = {
+        "one_from_fsdp": (False, {"resume_from_checkpoint": str(fsdp_ckpt)}),
+        "ddp_from_fsdp": (True, {"per_device_train_batch_size": 2, "resume_from_checkpoint": str(fsdp_ckpt)}),
+        "fsdp_from_one": (True, {**FSDP, "resume_from_checkpoint": str(one_ckpt)}),
+    }
+    for name, (two, over) in resumed.items():
+        path = str(dist_checks.config(tmp, model, name, **ADAM, **over))
+        dist_checks.check(dist_checks.torchrun(*CLI, path) if two else dist_checks.single(*CLI, path))
+        dist_checks.assert_same_run(tmp / name / "out", runs["one"])
+    # the expert LoRA sharded by rows: its per-rank optimizer files are read by the same kind of run only
+    sharded = {"moetune": {"device": "cpu", "num_threads": 1, "expert_parallel": "sharded"}}
     two = dist_checks.config(
-        tmp, model, "fsdp_from_one", **ADAM, **FSDP, resume_from_checkpoint=str(ddp_ckpt)
+        tmp, model, "sharded_from_one", **ADAM, **FSDP, **sharded, resume_from_checkpoint=str(one_ckpt)
     )
     result = dist_checks.torchrun(*CLI, str(two))
     assert result.returncode != 0 and "written without FSDP" in result.stderr, result.stderr[-3000:]

@@ -50,6 +50,17 @@ def four_runs(tmp: Path, **two: Any) -> dict[str, Path]:
     return {name: tmp / name / "out" for name in ("one", "two", "two_to_one", "one_to_two")}
 
 
+def one_and_two_equal(tmp: Path, model: Path, mode: dict[str, Any], two: dict[str, Any]) -> dict[str, Any]:
+    """One process at batch 4 and two at batch 2 (``two`` added to their config) on ``mode``: every loss and adapter
+    tensor equal (``dist_checks.assert_same_run``); returns the two processes' adapter."""
+    one_cfg = dist_checks.config(tmp, model, "one", **mode)
+    two_cfg = dist_checks.config(tmp, model, "two", **mode, **two, per_device_train_batch_size=2)
+    dist_checks.check(dist_checks.single(*CLI, str(one_cfg)))
+    dist_checks.check(dist_checks.torchrun(*CLI, str(two_cfg)))
+    dist_checks.assert_same_run(tmp / "two/out", tmp / "one/out")
+    return dist_checks.adapter(tmp / "two/out")
+
+
 @pytest.fixture(scope="module", params=list(MODES))
 def runs(request, tmp_path_factory) -> dict[str, Path]:
     return four_runs(tmp_path_factory.mktemp(request.param), **MODES[request.param])
@@ -104,12 +115,7 @@ def test_two_processes_equal_one_deepseek_v3(tmp_path, mode) -> None:
     # layer's exchange on both ranks
     model = make_demo_model(tmp_path / "tiny", ROOT / "examples/data/demo_tokenizer", family="deepseek_v3")
     steps = {**SGD, "max_steps": 4, "save_steps": 4, "gradient_checkpointing": True}
-    one = dist_checks.config(tmp_path, model, "one", **steps)
-    two = dist_checks.config(tmp_path, model, "two", **steps, **MODES[mode], per_device_train_batch_size=2)
-    dist_checks.check(dist_checks.single(*CLI, str(one)))
-    dist_checks.check(dist_checks.torchrun(*CLI, str(two)))
-    dist_checks.assert_same_run(tmp_path / "two/out", tmp_path / "one/out")
-    adapter = dist_checks.adapter(tmp_path / "two/out")
+    adapter = one_and_two_equal(tmp_path, model, steps, MODES[mode])
     assert any(".experts." in k and adapter[k].abs().max() > 0 for k in adapter if "lora_B" in k)
 
 
@@ -154,6 +160,17 @@ def test_two_processes_equal_one_freeze(tmp_path, optim) -> None:
     assert {"rng_state_0.pth", "rng_state_1.pth", "optimizer.index.json"} <= {
         p.name for p in (tmp_path / "two/out/checkpoint-4").iterdir()
     }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experts", list(MODES))
+def test_lora_on_the_routed_experts_only(tmp_path, experts) -> None:
+    # nothing dense trains, so nothing is left for DDP (torch's DDP refuses such a model; refused at start before):
+    # the model is not wrapped in DDP and moetune averages (replicated) or scales (sharded) the experts' LoRA
+    model = make_demo_model(tmp_path / "tiny", ROOT / "examples/data/demo_tokenizer")
+    adapter = one_and_two_equal(tmp_path, model, {**SGD, "lora_target": "experts"}, MODES[experts])
+    assert adapter and all(".experts." in k for k in adapter)
+    assert any(adapter[k].abs().max() > 0 for k in adapter if "lora_B" in k)
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """FSDP2 settings (``moetune.train.fsdp``): the forms users write are read, what moetune cannot do is refused by
-name before the model loads, ``deepspeed`` ZeRO stages map to FSDP2 or DDP, and a checkpoint is resumed only by
-the kind of run that wrote it. The multi-process runs are in ``tests/slow/test_dist_fsdp.py``."""
+name before the model loads, ``deepspeed`` ZeRO stages map to FSDP2 or DDP, and a checkpoint of the other kind
+is resumed unless the expert LoRA is sharded by rows. The multi-process runs are in ``tests/slow/test_dist_fsdp.py``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from moetune.config import parse_config, training_arguments_kwargs
 from moetune.errors import ConfigError
-from moetune.train.fsdp import fsdp_plugin, resume_problem, unsharded
+from moetune.train.fsdp import fsdp_plugin, other_kind, resume_problem, unsharded
 from tests.unit.config.test_config import minimal, workdir  # noqa: F401  (workdir: a fixture)
 
 
@@ -75,10 +75,17 @@ def test_refused_settings_are_named(fsdp_config, named) -> None:
 
 
 @pytest.mark.usefixtures("workdir")
-def test_freeze_and_lora_experts_refused() -> None:
-    assert "finetuning_type freeze" in _plugin_error(fsdp=True, finetuning_type="freeze")
-    message = _plugin_error(fsdp=True, lora_experts=2, lora_expert_intermediate_size=8)
-    assert "lora_experts" in message
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"finetuning_type": "full"},
+        {"finetuning_type": "freeze"},
+        {"lora_experts": 2, "lora_expert_intermediate_size": 8},
+    ],
+)
+def test_full_freeze_and_lora_experts_shard_the_dense_part(keys) -> None:
+    # refused before: the routed experts' full-mode weights and the LoRA experts now stay out of FSDP2
+    assert fsdp_plugin(parse_config(minimal(fsdp=True, **keys)), 2).fsdp_version == 2
 
 
 @pytest.mark.parametrize(("stage", "reshard"), [(3, True), (2, False), (1, None), (0, None)])
@@ -98,14 +105,15 @@ def test_deepspeed_zero_stage_maps_to_fsdp2_or_ddp(caplog, stage, reshard) -> No
 
 @pytest.mark.parametrize("finetuning_type", ["full", "freeze"])
 @pytest.mark.usefixtures("workdir")
-def test_deepspeed_zero3_with_full_or_freeze_runs_ddp(caplog, finetuning_type) -> None:
-    """LLaMA-Factory's full-SFT examples name ds_z3_config.json: moetune's FSDP2 is for LoRA runs, so the
-    dense part then trains under DDP (said in the line), not refused as an explicit fsdp key is."""
+def test_deepspeed_zero3_with_full_or_freeze_runs_fsdp2(caplog, finetuning_type) -> None:
+    """LLaMA-Factory's full-SFT example names ds_z3_config.json: the dense part is then fully sharded (FSDP2), as
+    in a LoRA run (it took DDP before)."""
     Path("ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     with caplog.at_level(logging.WARNING):
         cfg = parse_config(minimal(deepspeed="ds.json", finetuning_type=finetuning_type))
-    assert "fsdp" not in training_arguments_kwargs(cfg) and fsdp_plugin(cfg, 2) is None
-    assert "as DDP (full/freeze training" in caplog.text
+    assert training_arguments_kwargs(cfg)["fsdp"] is True
+    assert fsdp_plugin(cfg, 2).reshard_after_forward is True
+    assert "as FSDP2" in caplog.text
 
 
 @pytest.mark.usefixtures("workdir")
@@ -115,16 +123,23 @@ def test_deepspeed_with_fsdp_refused() -> None:
         parse_config(minimal(deepspeed="ds.json", fsdp=True))
 
 
-def test_resume_only_the_same_kind_of_checkpoint(tmp_path: Path) -> None:
+def test_resume_across_kinds_unless_expert_lora_rows(tmp_path: Path) -> None:
+    # a LoRA checkpoint of the other kind is converted on resume, except with the expert LoRA sharded by rows
     fsdp_ckpt, ddp_ckpt = tmp_path / "fsdp", tmp_path / "ddp"
     fsdp_ckpt.mkdir()
     ddp_ckpt.mkdir()
     (fsdp_ckpt / "pytorch_model_fsdp.bin").write_bytes(b"")
     (fsdp_ckpt / "optimizer.bin").write_bytes(b"")
     (ddp_ckpt / "optimizer.pt").write_bytes(b"")
-    assert resume_problem(fsdp_ckpt, fsdp=True) is None and resume_problem(ddp_ckpt, fsdp=False) is None
-    assert "written under FSDP" in str(resume_problem(fsdp_ckpt, fsdp=False))
-    assert "written without FSDP" in str(resume_problem(ddp_ckpt, fsdp=True))
+    for fsdp in (True, False):
+        assert resume_problem(fsdp_ckpt, fsdp=fsdp) is None and resume_problem(ddp_ckpt, fsdp=fsdp) is None
+    assert other_kind(fsdp_ckpt, fsdp=False) and other_kind(ddp_ckpt, fsdp=True)
+    assert not other_kind(fsdp_ckpt, fsdp=True) and not other_kind(ddp_ckpt, fsdp=False)
+    assert resume_problem(fsdp_ckpt, fsdp=True, sharded=True) is None  # the same kind: the rows are read
+    assert "written under FSDP" in str(resume_problem(fsdp_ckpt, fsdp=False, sharded=True))
+    assert "written without FSDP" in str(resume_problem(ddp_ckpt, fsdp=True, sharded=True))
+    (ddp_ckpt / "expert_lora_optimizer-rank1-of-2.safetensors").write_bytes(b"")  # written with sharded rows
+    assert "expert_parallel: sharded" in str(resume_problem(ddp_ckpt, fsdp=True))
 
 
 @pytest.mark.usefixtures("workdir")
