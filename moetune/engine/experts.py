@@ -30,6 +30,7 @@ from moetune.engine.formats import DenseExperts, ExpertFormat
 from moetune.engine.formats.base import Projection
 from moetune.engine.gemm import BlockedGemm
 from moetune.engine.lora import LORA_NAMES, ExpertLoRA, LoraPass, dropout_seed
+from moetune.engine.lora_batch import LoraBatch
 from moetune.engine.plan import EngineOptions, EnginePlan, TrainMode, resolve_compute_dtype
 from moetune.engine.routing import (
     Dispatch,
@@ -205,6 +206,11 @@ class ExpertEngine:
         assert lora is not None
         return LoraPass(lora, self.compute_dtype, seed, self.split)
 
+    def _lora_batch(self, lora: LoraPass | None, disp: Dispatch) -> LoraBatch | None:
+        """The pass's LoRA products for all experts at once (``lora_batch``), or None: per expert."""
+        rows = LoraBatch.plan(lora, disp) if self.options.batch_lora else None
+        return None if rows is None else LoraBatch(lora, disp, rows)  # type: ignore[arg-type]
+
     def _sum_rows(self, g: torch.Tensor, inp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A base weight's gradient ``g [n, D_out]^T @ inp [n, D_in]`` -> ``[D_out, D_in]`` in ``dtype``, summed over
         row pieces (``engine.shapes``) where the compute dtype asks for them."""
@@ -225,19 +231,21 @@ class ExpertEngine:
         out: torch.Tensor,
         lora_a: torch.Tensor | None,
         lora: LoraPass | None,
+        written: bool = False,
     ) -> None:
         """out ``[n, D_out]`` = inp ``[n, D_in]`` @ W_e^T (+ bias) (+ LoRA term, its A-projection ``[n, r]``
         into ``lora_a``), all in the compute dtype, for expert e's n rows. The LoRA term is written first and
-        the base GEMM accumulates into it: one pass over out fewer than adding it afterwards."""
+        the base GEMM accumulates into it: one pass over out fewer than adding it afterwards. ``written``: the
+        term is in out already (``LoraBatch`` wrote every expert's), so ``lora`` is None and the GEMM adds."""
         if lora is not None:
             assert lora_a is not None
             lora.forward(proj, e, inp, out, lora_a)
-        self.gemm.matmul_wt(proj, e, inp, out, accumulate=lora is not None)
+        self.gemm.matmul_wt(proj, e, inp, out, accumulate=written or lora is not None)
         bias = self._bias(proj, e)
         if bias is not None:
             out.add_(bias)
 
-    def _each_expert(self, disp: Dispatch, fn: Callable[[tuple[int, int, int]], None]) -> None:
+    def _each_expert(self, disp: Dispatch, fn: Callable[[tuple[int, int, int]], object]) -> None:
         """``fn((e, s0, s1))`` for every active expert's segment: one after another in this thread, or in
         parallel on an ``ExpertPool`` (largest first, so the last to finish are small). Every expert writes only
         its own rows (and its own LoRA or base gradient slices), so the order changes no result."""
@@ -319,13 +327,30 @@ class ExpertEngine:
         xa = buffer("xa", lora_pass.rank) if lora_pass is not None else None  # [N, r]
         ha = buffer("ha", lora_pass.rank) if lora_pass is not None else None  # [N, r]
 
-        def expert_forward(seg: tuple[int, int, int]) -> None:
-            e, s0, s1 = seg
-            self._project("gate_up", e, xs[s0:s1], gu[s0:s1], _rows(xa, s0, s1), lora_pass)
-            self.act(gu[s0:s1], out=hid[s0:s1])
-            self._project("down", e, hid[s0:s1], ys[s0:s1], _rows(ha, s0, s1), lora_pass)
+        batch = self._lora_batch(lora_pass, disp)
+        each = lora_pass if batch is None else None  # LoRA terms per expert, else all at once
+        if batch is not None:
+            batch.forward("gate_up", xs, gu, xa)
 
-        self._each_expert(disp, expert_forward)
+        def gate_up_forward(seg: tuple[int, int, int]) -> None:
+            e, s0, s1 = seg
+            self._project("gate_up", e, xs[s0:s1], gu[s0:s1], _rows(xa, s0, s1), each, batch is not None)
+            self.act(gu[s0:s1], out=hid[s0:s1])
+
+        def down_forward(seg: tuple[int, int, int]) -> None:
+            e, s0, s1 = seg
+            self._project("down", e, hid[s0:s1], ys[s0:s1], _rows(ha, s0, s1), each, batch is not None)
+
+        def expert_forward(seg: tuple[int, int, int]) -> None:
+            gate_up_forward(seg)
+            down_forward(seg)
+
+        if batch is None:
+            self._each_expert(disp, expert_forward)
+        else:  # the down projection's LoRA needs every expert's h first
+            self._each_expert(disp, gate_up_forward)
+            batch.forward("down", hid, ys, ha)
+            self._each_expert(disp, down_forward)
         self._check_finite("expert outputs", ys, disp)
         y = combine(ys, disp, topk_weights, self.ws.get("slots", (n, h), cd)).to(x.dtype)
 
@@ -404,13 +429,24 @@ class ExpertEngine:
         # why fp32: these are summed over micro-batches (fp64 for an fp64 engine, as its LoRA grads)
         gdt = torch.promote_types(cd, torch.float32)
 
-        def expert_backward(seg: tuple[int, int, int]) -> None:
+        batch = self._lora_batch(lora_pass, disp)
+        each = lora_pass if batch is None else None  # LoRA terms per expert, else all at once
+        ggu_all = None  # [N, 2I] grad at gate_up, kept between the two loops when LoRA runs batched
+        if batch is not None:
+            if plan.recompute_gate_up:
+                assert xs is not None  # gathered whenever LoRA runs
+                batch.forward("gate_up", xs, gu_all, xa_all)
+            down_g = batch.backward_input("down", gs, gh_all)
+            ggu_all = self.ws.get("ggu", (n, 2 * i), cd)
+
+        def down_backward(seg: tuple[int, int, int]) -> torch.Tensor:
+            """Expert e's recompute, activation and down projection backward: its grad at gate_up ``[n, 2I]``."""
             e, s0, s1 = seg
             xs_e, xa_e = _rows(xs, s0, s1), _rows(xa_all, s0, s1)
             gu_e = gu_all[s0:s1]
             if plan.recompute_gate_up:
                 assert xs_e is not None
-                self._project("gate_up", e, xs_e, gu_e, xa_e, lora_pass)
+                self._project("gate_up", e, xs_e, gu_e, xa_e, each, batch is not None)
             # per-thread scratch (experts may run in parallel): what the vjp reuses of the activation, and its
             # result; both live only inside this expert's backward
             scratch = thread_workspace()
@@ -419,36 +455,46 @@ class ExpertEngine:
             g_e, w_e, gh_e = gs[s0:s1], w_sorted[s0:s1], gh_all[s0:s1]
 
             # down projection: gh = g @ (W2 + s B2 A2 (dropout)) ; all unweighted by w until the router grad is taken
-            if lora_pass is not None:  # writes its term into gh_e; the base GEMM accumulates into it
-                lora_pass.backward("down", e, g_e, gh_e, h_e, _rows(ha_all, s0, s1), w_e, lora_g)
+            if each is not None:  # writes its term into gh_e; the base GEMM accumulates into it
+                each.backward("down", e, g_e, gh_e, h_e, _rows(ha_all, s0, s1), w_e, lora_g)
             self.gemm.matmul_w("down", e, g_e, gh_e, accumulate=lora_pass is not None)
             # d y / d w[t, j] = <grad_y[t], FFN_e(x_t)> = <gh_unweighted, h> (+ <g, b2_e>): no [N, H] output kept
             torch.sum(gh_e * h_e, dim=1, out=gw_sorted[s0:s1])
             b2 = self._bias("down", e)
             if b2 is not None:
                 gw_sorted[s0:s1] += g_e @ b2
-            mine: dict[str, torch.Tensor] | None = None
             if base_g is not None:  # only this expert's slices: experts without rows get no tensor at all
                 mine = base_g.by_expert[e] = {"down": self._sum_rows(g_e, h_e * w_e, gdt)}
                 if self.down_bias is not None:
                     mine["down_bias"] = (g_e * w_e).sum(0).to(gdt)
             gh_e.mul_(w_e)
+            ggu = scratch.get("act_grad", (s1 - s0, 2 * i), cd) if ggu_all is None else ggu_all[s0:s1]
+            return self.act.vjp_into(gu_e, gh_e, memo, ggu)  # [n, 2I]
 
-            ggu = self.act.vjp_into(
-                gu_e, gh_e, memo, scratch.get("act_grad", (s1 - s0, 2 * i), cd)
-            )  # [n, 2I]
-            gxs_e = gxs[s0:s1]
-            if lora_pass is not None:
+        def gate_up_backward(seg: tuple[int, int, int], ggu: torch.Tensor) -> None:
+            """Expert e's gate_up projection backward from its grad at gate_up ggu ``[n, 2I]``."""
+            e, s0, s1 = seg
+            xs_e, gxs_e = _rows(xs, s0, s1), gxs[s0:s1]
+            if each is not None:
                 assert xs_e is not None
-                lora_pass.backward("gate_up", e, ggu, gxs_e, xs_e, xa_e, None, lora_g)
+                each.backward("gate_up", e, ggu, gxs_e, xs_e, _rows(xa_all, s0, s1), None, lora_g)
             self.gemm.matmul_w("gate_up", e, ggu, gxs_e, accumulate=lora_pass is not None)
-            if mine is not None:
+            if base_g is not None:
                 assert xs_e is not None
+                mine = base_g.by_expert[e]
                 mine["gate_up"] = self._sum_rows(ggu, xs_e, gdt)
                 if self.gate_up_bias is not None:
                     mine["gate_up_bias"] = ggu.sum(0).to(gdt)
 
-        self._each_expert(disp, expert_backward)
+        if batch is None:
+            self._each_expert(disp, lambda seg: gate_up_backward(seg, down_backward(seg)))
+        else:  # the batched LoRA products need every expert's h, then every expert's grad at gate_up
+            assert ggu_all is not None and xs is not None
+            self._each_expert(disp, down_backward)
+            batch.backward_weights("down", *down_g, hid, ha_all, w_sorted, lora_g)
+            up_g = batch.backward_input("gate_up", ggu_all, gxs)
+            batch.backward_weights("gate_up", *up_g, xs, xa_all, None, lora_g)
+            self._each_expert(disp, lambda seg: gate_up_backward(seg, ggu_all[seg[1] : seg[2]]))
         if lora_pass is not None:
             lora_g = lora_pass.in_call_order(lora_g)
         grad_x = sum_slots(gxs, disp, self.ws.get("slots", (n, h), cd))  # [T, H]

@@ -1,0 +1,142 @@
+"""Every expert's LoRA terms of one pass at once, for experts that received few rows.
+
+Why: a bf16 GEMM dispatched to oneDNN costs about 20-25 us however small it is (``[8, 2048] x [2048, 8]``: 21 us,
+of which the arithmetic is nothing), and the per-expert LoRA path runs 4 rank-r products per expert forward and
+8 backward plus 4 gradient products: at E = 128 and T = 128 (8 rows per expert) that alone was about 60 ms of a
+460 ms forward + backward (``docs/performance.md``, "Small T"). Here each product runs once for all E experts as
+one ``bmm`` over a padded ``[E, m, D]`` layout (about 5 us per expert: ``[128, 8, 2048] x [128, 2048, 8]`` in
+0.65 ms against 3.2 ms as 128 calls), so the per-expert loop keeps only the base GEMMs.
+
+Layout: expert e's rows (sorted order, ``Dispatch``) take slots ``e * m .. e * m + count_e`` of ``E * m``; m is a
+row count from ``engine.shapes.PIECE_SIZES`` at least the largest expert's, so the bmm shapes stay in a small
+fixed set (oneDNN builds a kernel per shape). Padding slots repeat a real row (finite values, never
+uninitialised memory); they only ever reach padding slots of row-wise products, and every product that sums over
+rows takes one operand through ``factor`` ``[E, m, 1]``, which is 0 on padding slots. Experts without rows get
+all-padding slots: their LoRA grads come out exactly 0, as on the per-expert path.
+
+Only for passes without LoRA dropout (its masks are drawn per expert) and while the padding stays bounded
+(``LoraBatch.plan``); the per-expert ``LoraPass`` methods do everything else. Same arithmetic as them, in the
+compute dtype: the routing weight and the scaling are folded into the ``[E, m, r]`` operand of each gradient
+product (one rounding, as ``(g B) * w`` there) instead of scaling the fp32 gradient afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetune.engine.formats.base import Projection
+from moetune.engine.lora import LoraPass
+from moetune.engine.routing import Dispatch
+from moetune.engine.shapes import row_pieces
+
+# Largest expert row count batched. The per-expert LoRA products cost ~0.4 ms per expert in call overhead
+# whatever n; the padded copies grow with m. Measured (E = 128, H = 2048, I = 768, r = 8, 1 thread, A/B in one
+# process): T = 128 (m = 32) 1.18x faster batched; T = 512 (largest expert ~55 rows, m = 64) 0.98x.
+MAX_BATCH_ROWS = 32
+# Padded slots may be at most this many times the routed rows (E * m <= PAD_LIMIT * N): with many idle experts
+# (E much larger than T * k) padding would copy mostly zeros.
+PAD_LIMIT = 4
+
+
+class LoraBatch:
+    """The LoRA terms and gradients of one pass for all E experts, one ``bmm`` per product (module docstring).
+
+    Args:
+        lora_pass: the pass's LoRA (A and B in the compute dtype, scaling; no dropout).
+        disp: the pass's routing.
+        rows: m, the padded rows per expert (``plan``).
+    """
+
+    def __init__(self, lora_pass: LoraPass, disp: Dispatch, rows: int) -> None:
+        assert lora_pass.seed is None, "dropout masks are per expert: the per-expert path takes them"
+        self.lp, self.m = lora_pass, rows
+        e, m = len(disp.counts), rows
+        counts = torch.tensor(disp.counts, dtype=torch.int64)  # [E]
+        starts = torch.cumsum(counts, 0) - counts  # [E] first sorted row of each expert
+        j = torch.arange(m, dtype=torch.int64)  # [m]
+        real = j < counts.unsqueeze(1)  # [E, m] bool
+        n = int(counts.sum())
+        # slot (e, j) reads sorted row starts[e] + j; a padding slot reads some real row (any finite values)
+        self.gather = (
+            torch.where(real, starts.unsqueeze(1) + j, 0).clamp_(max=max(n - 1, 0)).reshape(-1)
+        )  # [E*m]
+        self.scatter = (torch.arange(e, dtype=torch.int64) * m).repeat_interleave(counts) + (
+            torch.arange(n, dtype=torch.int64) - starts.repeat_interleave(counts)
+        )  # [N]: slot of each sorted row
+        self.real = real.unsqueeze(2)  # [E, m, 1]
+        self.num_experts = e
+
+    @staticmethod
+    def plan(lora_pass: LoraPass | None, disp: Dispatch) -> int | None:
+        """m for a batched pass, or None when the per-expert path should run: no LoRA, dropout, an expert with
+        more than ``MAX_BATCH_ROWS`` rows, or more than ``PAD_LIMIT`` padded slots per routed row."""
+        if lora_pass is None or lora_pass.seed is not None or not lora_pass.split.enabled:
+            return None
+        largest, routed = max(disp.counts, default=0), sum(disp.counts)
+        if largest == 0 or largest > MAX_BATCH_ROWS:
+            return None
+        m = row_pieces(largest)[0][2]
+        return m if len(disp.counts) * m <= PAD_LIMIT * routed else None
+
+    def pad(self, t: torch.Tensor) -> torch.Tensor:
+        """``[N, D]`` sorted rows -> ``[E, m, D]`` slots (a fresh tensor)."""
+        return t.index_select(0, self.gather).view(self.num_experts, self.m, t.shape[1])
+
+    def unpad(self, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """``[E, m, D]`` slots -> their real rows, written into out ``[N, D]`` in sorted order."""
+        torch.index_select(slots.reshape(-1, slots.shape[2]), 0, self.scatter, out=out)
+
+    def _ab(self, proj: Projection) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lp._ab[proj]  # A [E, r, D_in], B [E, D_out, r], compute dtype
+
+    def forward(
+        self, proj: Projection, inp: torch.Tensor, out: torch.Tensor, a_out: torch.Tensor | None
+    ) -> None:
+        """out ``[N, D_out]`` = s (inp A_e^T) B_e^T for every sorted row of inp ``[N, D_in]`` (written, not added:
+        the base GEMMs then accumulate into it); the A-projection ``[N, r]`` into ``a_out`` when given."""
+        a, b = self._ab(proj)
+        xa = torch.bmm(self.pad(inp), a.transpose(1, 2))  # [E, m, r]
+        term = torch.empty(self.num_experts, self.m, b.shape[1], dtype=out.dtype)  # [E, m, D_out]
+        torch.baddbmm(term, xa, b.transpose(1, 2), beta=0.0, alpha=self.lp.lora.scaling, out=term)
+        self.unpad(term, out)
+        if a_out is not None:
+            self.unpad(xa, a_out)
+
+    def backward_input(
+        self, proj: Projection, g_out: torch.Tensor, g_in: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The LoRA term of the gradient at the projection's input, s (g_out B_e) A_e, written into g_in
+        ``[N, D_in]`` (the base GEMMs then accumulate into it) for g_out ``[N, D_out]``. Returns what
+        :meth:`backward_weights` takes: g_out padded ``[E, m, D_out]`` and g_out B_e ``[E, m, r]``."""
+        a, b = self._ab(proj)
+        g_pad = self.pad(g_out)
+        gb = torch.bmm(g_pad, b)  # [E, m, r]
+        term = torch.empty(self.num_experts, self.m, a.shape[2], dtype=g_in.dtype)  # [E, m, D_in]
+        torch.baddbmm(term, gb, a, beta=0.0, alpha=self.lp.lora.scaling, out=term)
+        self.unpad(term, g_in)
+        return g_pad, gb
+
+    def backward_weights(
+        self,
+        proj: Projection,
+        g_pad: torch.Tensor,
+        gb: torch.Tensor,
+        inp: torch.Tensor,
+        a_proj: torch.Tensor | None,
+        w: torch.Tensor | None,
+        grads: dict[str, torch.Tensor],
+    ) -> None:
+        """The A and B grads of all E experts into ``grads`` (fp32, from ``LoraPass.zero_grads``), from
+        :meth:`backward_input`'s results and the projection's input inp ``[N, D_in]``. The gradient at the output
+        is unweighted for down (w ``[N, 1]`` the routing weights, applied here) and already weighted for gate_up
+        (w None); a_proj ``[N, r]`` is inp's A-projection as forward computed it, or None to recompute it."""
+        a, _ = self._ab(proj)
+        s = self.lp.lora.scaling
+        x_pad = self.pad(inp)  # [E, m, D_in]
+        xa = torch.bmm(x_pad, a.transpose(1, 2)) if a_proj is None else self.pad(a_proj)  # [E, m, r]
+        # 0 on padding slots, s (times the routing weight for down) on real ones: [E, m, 1]
+        factor = self.real.to(gb.dtype) * s if w is None else self.pad(w) * self.real * s
+        grad_a = torch.bmm((gb * factor).transpose(1, 2), x_pad)  # [E, r, D_in]
+        grad_b = torch.bmm((xa * factor).transpose(1, 2), g_pad)  # [E, r, D_out]
+        grads[f"{proj}_A"].copy_(grad_a)
+        grads[f"{proj}_B"].copy_(grad_b.transpose(1, 2))
