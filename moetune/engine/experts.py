@@ -30,7 +30,7 @@ from moetune.engine.formats import DenseExperts, ExpertFormat
 from moetune.engine.formats.base import Projection
 from moetune.engine.gemm import BlockedGemm
 from moetune.engine.lora import LORA_NAMES, ExpertLoRA, LoraPass, dropout_seed
-from moetune.engine.lora_batch import LoraBatch
+from moetune.engine.lora_batch import Chunk, LoraBatch
 from moetune.engine.plan import EngineOptions, EnginePlan, TrainMode, resolve_compute_dtype
 from moetune.engine.routing import (
     Dispatch,
@@ -250,15 +250,28 @@ class ExpertEngine:
         parallel on an ``ExpertPool`` (largest first, so the last to finish are small). Every expert writes only
         its own rows (and its own LoRA or base gradient slices), so the order changes no result."""
         segments = disp.segments()
-        requested = self.options.expert_workers
-        if requested is None and 3 * self.hidden_size * self.intermediate_size < MIN_POOL_EXPERT_PARAMS:
-            requested = 1  # tiny experts: the pool's hand-offs would cost more than their GEMMs
-        workers, intra = split_threads(torch.get_num_threads(), len(segments), requested)
+        workers, intra = self._workers(len(segments))
         if workers == 1:
             for seg in segments:
                 fn(seg)
             return
         expert_pool(workers, intra).run(fn, sorted(segments, key=lambda seg: seg[1] - seg[2]))
+
+    def _workers(self, tasks: int) -> tuple[int, int]:
+        """``(workers, intra)`` for ``tasks`` expert tasks (``threads.split_threads``)."""
+        requested = self.options.expert_workers
+        if requested is None and 3 * self.hidden_size * self.intermediate_size < MIN_POOL_EXPERT_PARAMS:
+            requested = 1  # tiny experts: the pool's hand-offs would cost more than their GEMMs
+        return split_threads(torch.get_num_threads(), tasks, requested)
+
+    def _each_chunk(self, batch: LoraBatch, fn: Callable[[Chunk], object]) -> None:
+        """``fn(chunk)`` for chunks of consecutive experts covering all E, one per worker of the expert pool."""
+        workers, intra = self._workers(batch.num_experts)
+        chunks = batch.chunks(workers)
+        if workers == 1:
+            fn(chunks[0])
+            return
+        expert_pool(workers, intra).run(fn, chunks)
 
     def _check_finite(self, what: str, t: torch.Tensor, disp: Dispatch | None = None) -> None:
         """With ``check_finite``: raise NonFiniteError for NaN/Inf in t (rows first: ``[T, ...]``, or ``[N, ...]``
@@ -330,7 +343,7 @@ class ExpertEngine:
         batch = self._lora_batch(lora_pass, disp)
         each = lora_pass if batch is None else None  # LoRA terms per expert, else all at once
         if batch is not None:
-            batch.forward("gate_up", xs, gu, xa)
+            self._each_chunk(batch, lambda ch: batch.forward(ch, "gate_up", xs, gu, xa))
 
         def gate_up_forward(seg: tuple[int, int, int]) -> None:
             e, s0, s1 = seg
@@ -349,7 +362,7 @@ class ExpertEngine:
             self._each_expert(disp, expert_forward)
         else:  # the down projection's LoRA needs every expert's h first
             self._each_expert(disp, gate_up_forward)
-            batch.forward("down", hid, ys, ha)
+            self._each_chunk(batch, lambda ch: batch.forward(ch, "down", hid, ys, ha))
             self._each_expert(disp, down_forward)
         self._check_finite("expert outputs", ys, disp)
         y = combine(ys, disp, topk_weights, self.ws.get("slots", (n, h), cd)).to(x.dtype)
@@ -435,8 +448,8 @@ class ExpertEngine:
         if batch is not None:
             if plan.recompute_gate_up:
                 assert xs is not None  # gathered whenever LoRA runs
-                batch.forward("gate_up", xs, gu_all, xa_all)
-            down_g = batch.backward_input("down", gs, gh_all)
+                self._each_chunk(batch, lambda ch: batch.forward(ch, "gate_up", xs, gu_all, xa_all))
+            self._each_chunk(batch, lambda ch: batch.backward_input(ch, "down", gs, gh_all))
             ggu_all = self.ws.get("ggu", (n, 2 * i), cd)
 
         def down_backward(seg: tuple[int, int, int]) -> torch.Tensor:
@@ -491,9 +504,14 @@ class ExpertEngine:
         else:  # the batched LoRA products need every expert's h, then every expert's grad at gate_up
             assert ggu_all is not None and xs is not None
             self._each_expert(disp, down_backward)
-            batch.backward_weights("down", *down_g, hid, ha_all, w_sorted, lora_g)
-            up_g = batch.backward_input("gate_up", ggu_all, gxs)
-            batch.backward_weights("gate_up", *up_g, xs, xa_all, None, lora_g)
+            xs_all, ggu = xs, ggu_all  # narrowed for the closures
+
+            def lora_grads(ch: Chunk) -> None:
+                batch.backward_weights(ch, "down", hid, ha_all, w_sorted, lora_g)
+                batch.backward_input(ch, "gate_up", ggu, gxs)
+                batch.backward_weights(ch, "gate_up", xs_all, xa_all, None, lora_g)
+
+            self._each_chunk(batch, lora_grads)
             self._each_expert(disp, lambda seg: gate_up_backward(seg, ggu_all[seg[1] : seg[2]]))
         if lora_pass is not None:
             lora_g = lora_pass.in_call_order(lora_g)

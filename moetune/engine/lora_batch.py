@@ -38,8 +38,16 @@ MAX_BATCH_ROWS = 32
 PAD_LIMIT = 4
 
 
+Chunk = tuple[int, int, int, int]  # e0, e1: experts [e0, e1); r0, r1: their sorted rows
+
+
 class LoraBatch:
     """The LoRA terms and gradients of one pass for all E experts, one ``bmm`` per product (module docstring).
+
+    Every method works on one chunk of consecutive experts (``chunks``), so that with several threads the
+    engine's expert pool runs the chunks side by side, each on one thread, as it runs experts: an OpenMP team
+    over the whole bmm measured slower on this shared 2-core machine (0.90x of the per-expert path at E = 128,
+    T = 128, 2 threads, load average ~5).
 
     Args:
         lora_pass: the pass's LoRA (A and B in the compute dtype, scaling; no dropout).
@@ -65,6 +73,8 @@ class LoraBatch:
         )  # [N]: slot of each sorted row
         self.real = real.unsqueeze(2)  # [E, m, 1]
         self.num_experts = e
+        self._row_starts = [*starts.tolist(), n]  # [E + 1]
+        self._held: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # backward_input's results
 
     @staticmethod
     def plan(lora_pass: LoraPass | None, disp: Dispatch) -> int | None:
@@ -78,65 +88,75 @@ class LoraBatch:
         m = row_pieces(largest)[0][2]
         return m if len(disp.counts) * m <= PAD_LIMIT * routed else None
 
-    def pad(self, t: torch.Tensor) -> torch.Tensor:
-        """``[N, D]`` sorted rows -> ``[E, m, D]`` slots (a fresh tensor)."""
-        return t.index_select(0, self.gather).view(self.num_experts, self.m, t.shape[1])
+    def chunks(self, parts: int) -> list[Chunk]:
+        """The E experts cut into ``parts`` runs of consecutive experts (as equal as E allows)."""
+        e, parts = self.num_experts, max(1, min(parts, self.num_experts))
+        bounds = [e * p // parts for p in range(parts + 1)]
+        return [(a, b, self._row_starts[a], self._row_starts[b]) for a, b in zip(bounds, bounds[1:])]
 
-    def unpad(self, slots: torch.Tensor, out: torch.Tensor) -> None:
-        """``[E, m, D]`` slots -> their real rows, written into out ``[N, D]`` in sorted order."""
-        torch.index_select(slots.reshape(-1, slots.shape[2]), 0, self.scatter, out=out)
+    def pad(self, t: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        """``[N, D]`` sorted rows -> the chunk's ``[e1 - e0, m, D]`` slots (a fresh tensor)."""
+        e0, e1, _, _ = chunk
+        return t.index_select(0, self.gather[e0 * self.m : e1 * self.m]).view(e1 - e0, self.m, t.shape[1])
 
-    def _ab(self, proj: Projection) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.lp._ab[proj]  # A [E, r, D_in], B [E, D_out, r], compute dtype
+    def unpad(self, slots: torch.Tensor, out: torch.Tensor, chunk: Chunk) -> None:
+        """The chunk's ``[e1 - e0, m, D]`` slots -> their real rows, written into rows r0:r1 of out ``[N, D]``."""
+        e0, _, r0, r1 = chunk
+        index = self.scatter[r0:r1] - e0 * self.m
+        torch.index_select(slots.reshape(-1, slots.shape[2]), 0, index, out=out[r0:r1])
+
+    def _ab(self, proj: Projection, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = self.lp._ab[proj]  # A [E, r, D_in], B [E, D_out, r], compute dtype
+        return a[chunk[0] : chunk[1]], b[chunk[0] : chunk[1]]
 
     def forward(
-        self, proj: Projection, inp: torch.Tensor, out: torch.Tensor, a_out: torch.Tensor | None
+        self, chunk: Chunk, proj: Projection, inp: torch.Tensor, out: torch.Tensor, a_out: torch.Tensor | None
     ) -> None:
-        """out ``[N, D_out]`` = s (inp A_e^T) B_e^T for every sorted row of inp ``[N, D_in]`` (written, not added:
-        the base GEMMs then accumulate into it); the A-projection ``[N, r]`` into ``a_out`` when given."""
-        a, b = self._ab(proj)
-        xa = torch.bmm(self.pad(inp), a.transpose(1, 2))  # [E, m, r]
-        term = torch.empty(self.num_experts, self.m, b.shape[1], dtype=out.dtype)  # [E, m, D_out]
+        """out ``[N, D_out]`` = s (inp A_e^T) B_e^T for the chunk's sorted rows of inp ``[N, D_in]`` (written, not
+        added: the base GEMMs then accumulate into it); the A-projection ``[N, r]`` into ``a_out`` when given."""
+        a, b = self._ab(proj, chunk)
+        xa = torch.bmm(self.pad(inp, chunk), a.transpose(1, 2))  # [e, m, r]
+        term = torch.empty(a.shape[0], self.m, b.shape[1], dtype=out.dtype)  # [e, m, D_out]
         torch.baddbmm(term, xa, b.transpose(1, 2), beta=0.0, alpha=self.lp.lora.scaling, out=term)
-        self.unpad(term, out)
+        self.unpad(term, out, chunk)
         if a_out is not None:
-            self.unpad(xa, a_out)
+            self.unpad(xa, a_out, chunk)
 
-    def backward_input(
-        self, proj: Projection, g_out: torch.Tensor, g_in: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The LoRA term of the gradient at the projection's input, s (g_out B_e) A_e, written into g_in
-        ``[N, D_in]`` (the base GEMMs then accumulate into it) for g_out ``[N, D_out]``. Returns what
-        :meth:`backward_weights` takes: g_out padded ``[E, m, D_out]`` and g_out B_e ``[E, m, r]``."""
-        a, b = self._ab(proj)
-        g_pad = self.pad(g_out)
-        gb = torch.bmm(g_pad, b)  # [E, m, r]
-        term = torch.empty(self.num_experts, self.m, a.shape[2], dtype=g_in.dtype)  # [E, m, D_in]
+    def backward_input(self, chunk: Chunk, proj: Projection, g_out: torch.Tensor, g_in: torch.Tensor) -> None:
+        """The LoRA term of the gradient at the projection's input, s (g_out B_e) A_e, written into the chunk's
+        rows of g_in ``[N, D_in]`` (the base GEMMs then accumulate into it) for g_out ``[N, D_out]``. Holds what
+        :meth:`backward_weights` takes (g_out's slots and g_out B_e ``[e, m, r]``)."""
+        a, b = self._ab(proj, chunk)
+        g_pad = self.pad(g_out, chunk)
+        gb = torch.bmm(g_pad, b)  # [e, m, r]
+        term = torch.empty(a.shape[0], self.m, a.shape[2], dtype=g_in.dtype)  # [e, m, D_in]
         torch.baddbmm(term, gb, a, beta=0.0, alpha=self.lp.lora.scaling, out=term)
-        self.unpad(term, g_in)
-        return g_pad, gb
+        self.unpad(term, g_in, chunk)
+        self._held[(proj, chunk[0])] = (g_pad, gb)
 
     def backward_weights(
         self,
+        chunk: Chunk,
         proj: Projection,
-        g_pad: torch.Tensor,
-        gb: torch.Tensor,
         inp: torch.Tensor,
         a_proj: torch.Tensor | None,
         w: torch.Tensor | None,
         grads: dict[str, torch.Tensor],
     ) -> None:
-        """The A and B grads of all E experts into ``grads`` (fp32, from ``LoraPass.zero_grads``), from
-        :meth:`backward_input`'s results and the projection's input inp ``[N, D_in]``. The gradient at the output
-        is unweighted for down (w ``[N, 1]`` the routing weights, applied here) and already weighted for gate_up
-        (w None); a_proj ``[N, r]`` is inp's A-projection as forward computed it, or None to recompute it."""
-        a, _ = self._ab(proj)
+        """The chunk's experts' A and B grads into ``grads`` (fp32, from ``LoraPass.zero_grads``), after
+        :meth:`backward_input` on the same chunk, from the projection's input inp ``[N, D_in]``. The gradient at the
+        output is unweighted for down (w ``[N, 1]`` the routing weights, applied here) and already weighted for
+        gate_up (w None); a_proj ``[N, r]`` is inp's A-projection as forward computed it, or None to recompute it."""
+        e0, e1, _, _ = chunk
+        a, _ = self._ab(proj, chunk)
         s = self.lp.lora.scaling
-        x_pad = self.pad(inp)  # [E, m, D_in]
-        xa = torch.bmm(x_pad, a.transpose(1, 2)) if a_proj is None else self.pad(a_proj)  # [E, m, r]
-        # 0 on padding slots, s (times the routing weight for down) on real ones: [E, m, 1]
-        factor = self.real.to(gb.dtype) * s if w is None else self.pad(w) * self.real * s
-        grad_a = torch.bmm((gb * factor).transpose(1, 2), x_pad)  # [E, r, D_in]
-        grad_b = torch.bmm((xa * factor).transpose(1, 2), g_pad)  # [E, r, D_out]
-        grads[f"{proj}_A"].copy_(grad_a)
-        grads[f"{proj}_B"].copy_(grad_b.transpose(1, 2))
+        g_pad, gb = self._held.pop((proj, e0))
+        x_pad = self.pad(inp, chunk)  # [e, m, D_in]
+        xa = torch.bmm(x_pad, a.transpose(1, 2)) if a_proj is None else self.pad(a_proj, chunk)  # [e, m, r]
+        # 0 on padding slots, s (times the routing weight for down) on real ones: [e, m, 1]
+        real = self.real[e0:e1]
+        factor = real.to(gb.dtype) * s if w is None else self.pad(w, chunk) * real * s
+        grad_a = torch.bmm((gb * factor).transpose(1, 2), x_pad)  # [e, r, D_in]
+        grad_b = torch.bmm((xa * factor).transpose(1, 2), g_pad)  # [e, r, D_out]
+        grads[f"{proj}_A"][e0:e1].copy_(grad_a)
+        grads[f"{proj}_B"][e0:e1].copy_(grad_b.transpose(1, 2))

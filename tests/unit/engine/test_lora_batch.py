@@ -42,19 +42,27 @@ def test_plan_batches_few_rows_without_dropout_in_onednn_dtypes():
     assert PAD_LIMIT * 31 < 8 * 32 and LoraBatch.plan(_pass(), sparse) is None
 
 
-def test_pad_and_unpad_place_each_experts_rows_in_its_slots():
+@pytest.mark.parametrize("parts", [1, 3, 8, 20])
+def test_chunks_pad_and_unpad_place_each_experts_rows_in_its_slots(parts):
     counts = [3, 0, 5, 1, 2, 0, 4, 1]
     disp = dispatch(_ids(counts), 8)
     batch = LoraBatch(_pass(), disp, 8)
+    chunks = batch.chunks(parts)
+    assert len(chunks) == min(parts, 8) and chunks[0][:3:2] == (0, 0) and chunks[-1][1::2] == (8, 16)
+    assert all(a[1] == b[0] and a[3] == b[2] for a, b in zip(chunks, chunks[1:]))
     rows = torch.arange(16 * 3, dtype=torch.float32).view(16, 3)  # [N, 3], sorted order
-    padded = batch.pad(rows)
-    start = 0
-    for e, c in enumerate(counts):
-        assert torch.equal(padded[e, :c], rows[start : start + c])
-        assert bool(batch.real[e, :c].all()) and not bool(batch.real[e, c:].any())
-        start += c
     out = torch.full_like(rows, float("nan"))
-    batch.unpad(padded, out)
+    starts = [sum(counts[:e]) for e in range(9)]
+    for chunk in chunks:
+        e0, e1, r0, r1 = chunk
+        assert (r0, r1) == (starts[e0], starts[e1])
+        padded = batch.pad(rows, chunk)
+        assert padded.shape == (e1 - e0, 8, 3)
+        for e in range(e0, e1):
+            c = counts[e]
+            assert torch.equal(padded[e - e0, :c], rows[starts[e] : starts[e] + c])
+            assert bool(batch.real[e, :c].all()) and not bool(batch.real[e, c:].any())
+        batch.unpad(padded, out, chunk)
     assert torch.equal(out, rows)
 
 
@@ -81,15 +89,25 @@ def _case(seed=0):
     return layer, x.bfloat16(), ids, w.bfloat16(), torch.randn(40, 64, dtype=torch.float64)
 
 
+@pytest.mark.parametrize("workers", [1, 4])
 @pytest.mark.parametrize("policy", ["retain", "recompute"])
 @pytest.mark.parametrize("mode", ["lora", "full+lora"])
-def test_batched_lora_engine_matches_float64_loop(policy, mode):
+def test_batched_lora_engine_matches_float64_loop(policy, mode, workers, four_threads, monkeypatch):
+    """One chunk of experts, or four run by the expert pool (each writes its own rows and grad slices)."""
     layer, x, ids, w, gy = _case()
     full = mode.startswith("full")
-    mod = build_module(layer, dtype=torch.bfloat16, full=full, policy=policy)
-    with _Batched() as rec:
-        y, grads = run_module(mod, x, ids, w, gy)
-    assert rec.baddbmm >= 4, "the batched path did not run"  # fwd: gate_up, down; bwd: down, gate_up
+    mod = build_module(layer, dtype=torch.bfloat16, full=full, policy=policy, expert_workers=workers)
+    seen: list[
+        int
+    ] = []  # the chunks' first experts, as the engine ran them (a spy: pool threads escape modes)
+    grads_of = LoraBatch.backward_weights
+    monkeypatch.setattr(
+        LoraBatch,
+        "backward_weights",
+        lambda self, chunk, *a: (seen.append(chunk[0]), grads_of(self, chunk, *a)),
+    )
+    y, grads = run_module(mod, x, ids, w, gy)
+    assert sorted(seen) == sorted(2 * [8 * p // workers for p in range(workers)]), seen  # down and gate_up
     y_ref, ref = run_reference(layer, x.double(), ids, w.double(), gy, full=full)
     assert rel_err(y, y_ref) < REF_TOL
     for name in ref:
