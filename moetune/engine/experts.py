@@ -206,6 +206,14 @@ class ExpertEngine:
         assert lora is not None
         return LoraPass(lora, self.compute_dtype, seed, self.split)
 
+    @staticmethod
+    def _own_lora(lora: LoraPass | None, batch: LoraBatch | None) -> Callable[[int], LoraPass | None]:
+        """Expert e -> its per-expert LoRA terms: the pass's, unless ``batch`` computes them (its few-row experts).
+        The batch writes before the per-expert terms of its other experts, which overwrite their rows."""
+        if batch is None:
+            return lambda e: lora
+        return lambda e: lora if batch.large[e] else None
+
     def _lora_batch(self, lora: LoraPass | None, disp: Dispatch) -> LoraBatch | None:
         """The pass's LoRA products for all experts at once (``lora_batch``), or None: per expert."""
         rows = LoraBatch.plan(lora, disp) if self.options.batch_lora else None
@@ -341,18 +349,18 @@ class ExpertEngine:
         ha = buffer("ha", lora_pass.rank) if lora_pass is not None else None  # [N, r]
 
         batch = self._lora_batch(lora_pass, disp)
-        each = lora_pass if batch is None else None  # LoRA terms per expert, else all at once
+        each = self._own_lora(lora_pass, batch)  # each(e): expert e's LoRA terms, unless batched
         if batch is not None:
             self._each_chunk(batch, lambda ch: batch.forward(ch, "gate_up", xs, gu, xa))
 
         def gate_up_forward(seg: tuple[int, int, int]) -> None:
             e, s0, s1 = seg
-            self._project("gate_up", e, xs[s0:s1], gu[s0:s1], _rows(xa, s0, s1), each, batch is not None)
+            self._project("gate_up", e, xs[s0:s1], gu[s0:s1], _rows(xa, s0, s1), each(e), batch is not None)
             self.act(gu[s0:s1], out=hid[s0:s1])
 
         def down_forward(seg: tuple[int, int, int]) -> None:
             e, s0, s1 = seg
-            self._project("down", e, hid[s0:s1], ys[s0:s1], _rows(ha, s0, s1), each, batch is not None)
+            self._project("down", e, hid[s0:s1], ys[s0:s1], _rows(ha, s0, s1), each(e), batch is not None)
 
         def expert_forward(seg: tuple[int, int, int]) -> None:
             gate_up_forward(seg)
@@ -443,7 +451,7 @@ class ExpertEngine:
         gdt = torch.promote_types(cd, torch.float32)
 
         batch = self._lora_batch(lora_pass, disp)
-        each = lora_pass if batch is None else None  # LoRA terms per expert, else all at once
+        each = self._own_lora(lora_pass, batch)  # each(e): expert e's LoRA terms, unless batched
         ggu_all = None  # [N, 2I] grad at gate_up, kept between the two loops when LoRA runs batched
         if batch is not None:
             if plan.recompute_gate_up:
@@ -459,7 +467,7 @@ class ExpertEngine:
             gu_e = gu_all[s0:s1]
             if plan.recompute_gate_up:
                 assert xs_e is not None
-                self._project("gate_up", e, xs_e, gu_e, xa_e, each, batch is not None)
+                self._project("gate_up", e, xs_e, gu_e, xa_e, each(e), batch is not None)
             # per-thread scratch (experts may run in parallel): what the vjp reuses of the activation, and its
             # result; both live only inside this expert's backward
             scratch = thread_workspace()
@@ -468,8 +476,9 @@ class ExpertEngine:
             g_e, w_e, gh_e = gs[s0:s1], w_sorted[s0:s1], gh_all[s0:s1]
 
             # down projection: gh = g @ (W2 + s B2 A2 (dropout)) ; all unweighted by w until the router grad is taken
-            if each is not None:  # writes its term into gh_e; the base GEMM accumulates into it
-                each.backward("down", e, g_e, gh_e, h_e, _rows(ha_all, s0, s1), w_e, lora_g)
+            own = each(e)
+            if own is not None:  # writes its term into gh_e; the base GEMM accumulates into it
+                own.backward("down", e, g_e, gh_e, h_e, _rows(ha_all, s0, s1), w_e, lora_g)
             self.gemm.matmul_w("down", e, g_e, gh_e, accumulate=lora_pass is not None)
             # d y / d w[t, j] = <grad_y[t], FFN_e(x_t)> = <gh_unweighted, h> (+ <g, b2_e>): no [N, H] output kept
             torch.sum(gh_e * h_e, dim=1, out=gw_sorted[s0:s1])
@@ -488,9 +497,10 @@ class ExpertEngine:
             """Expert e's gate_up projection backward from its grad at gate_up ggu ``[n, 2I]``."""
             e, s0, s1 = seg
             xs_e, gxs_e = _rows(xs, s0, s1), gxs[s0:s1]
-            if each is not None:
+            own = each(e)
+            if own is not None:
                 assert xs_e is not None
-                each.backward("gate_up", e, ggu, gxs_e, xs_e, _rows(xa_all, s0, s1), None, lora_g)
+                own.backward("gate_up", e, ggu, gxs_e, xs_e, _rows(xa_all, s0, s1), None, lora_g)
             self.gemm.matmul_w("gate_up", e, ggu, gxs_e, accumulate=lora_pass is not None)
             if base_g is not None:
                 assert xs_e is not None

@@ -8,16 +8,20 @@ one ``bmm`` over a padded ``[E, m, D]`` layout (about 5 us per expert: ``[128, 8
 0.65 ms against 3.2 ms as 128 calls), so the per-expert loop keeps only the base GEMMs.
 
 Layout: expert e's rows (sorted order, ``Dispatch``) take slots ``e * m .. e * m + count_e`` of ``E * m``; m is a
-row count from ``engine.shapes.PIECE_SIZES`` at least the largest expert's, so the bmm shapes stay in a small
+row count from ``engine.shapes.PIECE_SIZES`` at least the largest batched expert's, so the bmm shapes stay in a small
 fixed set (oneDNN builds a kernel per shape). Padding slots repeat a real row (finite values, never
 uninitialised memory); they only ever reach padding slots of row-wise products, and every product that sums over
 rows takes one operand through ``factor`` ``[E, m, 1]``, which is 0 on padding slots. Experts without rows get
 all-padding slots: their LoRA grads come out exactly 0, as on the per-expert path.
 
 Only for passes without LoRA dropout (its masks are drawn per expert) and while the padding stays bounded
-(``LoraBatch.plan``); the per-expert ``LoraPass`` methods do everything else. Same arithmetic as them, in the
-compute dtype: the routing weight and the scaling are folded into the ``[E, m, r]`` operand of each gradient
-product (one rounding, as ``(g B) * w`` there) instead of scaling the fp32 gradient afterwards.
+(``LoraBatch.plan``); the per-expert ``LoraPass`` methods do everything else. Experts with more than m rows stay
+per expert within a batched pass: all their slots are padding, the batch writes into their rows first and their
+own terms, computed afterwards, replace them (``LoraPass`` writes its terms, it does not add them).
+
+Same arithmetic as ``LoraPass``, in the compute dtype: the routing weight and the scaling are folded into the
+``[E, m, r]`` operand of each gradient product (one rounding, as ``(g B) * w`` there) instead of scaling the fp32
+gradient afterwards.
 """
 
 from __future__ import annotations
@@ -29,13 +33,16 @@ from moetune.engine.lora import LoraPass
 from moetune.engine.routing import Dispatch
 from moetune.engine.shapes import row_pieces
 
-# Largest expert row count batched. The per-expert LoRA products cost ~0.4 ms per expert in call overhead
-# whatever n; the padded copies grow with m. Measured (E = 128, H = 2048, I = 768, r = 8, 1 thread, A/B in one
-# process): T = 128 (m = 32) 1.18x faster batched; T = 512 (largest expert ~55 rows, m = 64) 0.98x.
+# Most rows an expert may have to be batched. The per-expert LoRA products cost ~0.4 ms per expert in call
+# overhead whatever n; the padded copies grow with m. Measured (E = 128, H = 2048, I = 768, r = 8, 1 thread,
+# A/B in one process, bench/frozen.py --per-expert-lora): T = 128 (largest expert 14 rows) 1.16-1.18x faster
+# batched; T = 512 with every expert batched (largest ~55 rows, m = 64) 0.98x, with the 71 experts of <= 32
+# rows batched and the others per expert 1.05x.
 MAX_BATCH_ROWS = 32
 # Padded slots may be at most this many times the routed rows (E * m <= PAD_LIMIT * N): with many idle experts
-# (E much larger than T * k) padding would copy mostly zeros.
-PAD_LIMIT = 4
+# (E much larger than T * k) padding would copy mostly zeros. A slot costs a few KB of copies per wide operand,
+# a batched expert saves ~0.4 ms of calls; the limit itself was not measured.
+PAD_LIMIT = 8
 
 
 Chunk = tuple[int, int, int, int]  # e0, e1: experts [e0, e1); r0, r1: their sorted rows
@@ -59,18 +66,21 @@ class LoraBatch:
         assert lora_pass.seed is None, "dropout masks are per expert: the per-expert path takes them"
         self.lp, self.m = lora_pass, rows
         e, m = len(disp.counts), rows
+        # experts with more than m rows are left to the per-expert path: all their slots are padding
+        self.large = [c > m for c in disp.counts]  # [E]
         counts = torch.tensor(disp.counts, dtype=torch.int64)  # [E]
         starts = torch.cumsum(counts, 0) - counts  # [E] first sorted row of each expert
         j = torch.arange(m, dtype=torch.int64)  # [m]
-        real = j < counts.unsqueeze(1)  # [E, m] bool
+        real = (j < counts.unsqueeze(1)) & ~torch.tensor(self.large).unsqueeze(1)  # [E, m] bool
         n = int(counts.sum())
         # slot (e, j) reads sorted row starts[e] + j; a padding slot reads some real row (any finite values)
         self.gather = (
             torch.where(real, starts.unsqueeze(1) + j, 0).clamp_(max=max(n - 1, 0)).reshape(-1)
         )  # [E*m]
-        self.scatter = (torch.arange(e, dtype=torch.int64) * m).repeat_interleave(counts) + (
-            torch.arange(n, dtype=torch.int64) - starts.repeat_interleave(counts)
-        )  # [N]: slot of each sorted row
+        # [N]: slot of each sorted row; a large expert's rows take any of its slots (the per-expert terms written
+        # afterwards replace what unpad puts there)
+        within = (torch.arange(n, dtype=torch.int64) - starts.repeat_interleave(counts)).clamp_(max=m - 1)
+        self.scatter = (torch.arange(e, dtype=torch.int64) * m).repeat_interleave(counts) + within
         self.real = real.unsqueeze(2)  # [E, m, 1]
         self.num_experts = e
         self._row_starts = [*starts.tolist(), n]  # [E + 1]
@@ -78,15 +88,16 @@ class LoraBatch:
 
     @staticmethod
     def plan(lora_pass: LoraPass | None, disp: Dispatch) -> int | None:
-        """m for a batched pass, or None when the per-expert path should run: no LoRA, dropout, an expert with
-        more than ``MAX_BATCH_ROWS`` rows, or more than ``PAD_LIMIT`` padded slots per routed row."""
+        """m for a batched pass (experts with more rows stay per expert), or None when the per-expert path should
+        run for all: no LoRA, dropout, no expert with 1 to ``MAX_BATCH_ROWS`` rows, or more than ``PAD_LIMIT``
+        padded slots per routed row."""
         if lora_pass is None or lora_pass.seed is not None or not lora_pass.split.enabled:
             return None
-        largest, routed = max(disp.counts, default=0), sum(disp.counts)
-        if largest == 0 or largest > MAX_BATCH_ROWS:
+        few = [c for c in disp.counts if 0 < c <= MAX_BATCH_ROWS]
+        if not few:
             return None
-        m = row_pieces(largest)[0][2]
-        return m if len(disp.counts) * m <= PAD_LIMIT * routed else None
+        m = row_pieces(max(few))[0][2]
+        return m if len(disp.counts) * m <= PAD_LIMIT * sum(disp.counts) else None
 
     def chunks(self, parts: int) -> list[Chunk]:
         """The E experts cut into ``parts`` runs of consecutive experts (as equal as E allows)."""
@@ -158,5 +169,7 @@ class LoraBatch:
         factor = real.to(gb.dtype) * s if w is None else self.pad(w, chunk) * real * s
         grad_a = torch.bmm((gb * factor).transpose(1, 2), x_pad)  # [e, r, D_in]
         grad_b = torch.bmm((xa * factor).transpose(1, 2), g_pad)  # [e, r, D_out]
-        grads[f"{proj}_A"][e0:e1].copy_(grad_a)
-        grads[f"{proj}_B"][e0:e1].copy_(grad_b.transpose(1, 2))
+        # added to the zeros of zero_grads (exact), so a large expert's per-expert grads, written first for down,
+        # get + 0
+        grads[f"{proj}_A"][e0:e1].add_(grad_a)
+        grads[f"{proj}_B"][e0:e1].add_(grad_b.transpose(1, 2))

@@ -35,8 +35,10 @@ def test_plan_batches_few_rows_without_dropout_in_onednn_dtypes():
     assert LoraBatch.plan(_pass(seed=3), few) is None  # dropout masks are drawn per expert
     for dtype in (torch.float32, torch.float64):  # MKL: no per-call kernel cost, and results kept bit for bit
         assert LoraBatch.plan(_pass(dtype), few) is None
-    many = dispatch(_ids([MAX_BATCH_ROWS + 1] + [20] * 7), 8)
-    assert LoraBatch.plan(_pass(), many) is None
+    mixed = dispatch(_ids([MAX_BATCH_ROWS + 1] + [20] * 7), 8)  # the large expert stays per expert
+    assert LoraBatch.plan(_pass(), mixed) == 32
+    assert LoraBatch(_pass(), mixed, 32).large == [True] + [False] * 7
+    assert LoraBatch.plan(_pass(), dispatch(_ids([MAX_BATCH_ROWS + 1] * 8), 8)) is None
     assert LoraBatch.plan(_pass(), dispatch(_ids([20] * 8), 8)) == 32  # a piece size: few bmm shapes
     sparse = dispatch(_ids([30, 1, 0, 0, 0, 0, 0, 0]), 8)  # 8 x 32 slots for 31 rows: mostly padding
     assert PAD_LIMIT * 31 < 8 * 32 and LoraBatch.plan(_pass(), sparse) is None
@@ -116,6 +118,40 @@ def test_batched_lora_engine_matches_float64_loop(policy, mode, workers, four_th
         assert grads[name].dtype == torch.float32
         assert not bool(grads[name][7].any()), name  # the idle expert: exactly zero, as per expert
         assert bool(grads[name][:7].ne(0).all(dim=-1).any()), name
+
+
+@pytest.mark.parametrize("policy", ["retain", "recompute"])
+@pytest.mark.parametrize("mode", ["lora", "full+lora"])
+def test_few_row_experts_batched_beside_large_ones_per_expert(policy, mode, monkeypatch):
+    """Expert 0 gets 45 rows (per expert), the others 0-9 (batched): the batch writes first, the per-expert terms
+    of expert 0 replace its rows and its grads get the batch's + 0; all against the float64 loop."""
+    layer = make_layer(E=8, H=64, I=32, r=4)
+    layer.gate_up, layer.down = layer.gate_up.bfloat16().double(), layer.down.bfloat16().double()
+    ids = _ids([45, 3, 9, 0, 7, 2, 9, 4])
+    gen = torch.Generator().manual_seed(2)
+    t = ids.shape[0]
+    x, w, gy = (
+        torch.randn(t, 64, generator=gen),
+        torch.rand(t, 1, generator=gen),
+        torch.randn(t, 64, generator=gen),
+    )
+    full = mode.startswith("full")
+    mod = build_module(layer, dtype=torch.bfloat16, full=full, policy=policy)
+    per_expert: list[int] = []
+    own = LoraPass.backward
+    monkeypatch.setattr(
+        LoraPass, "backward", lambda self, proj, e, *a: (per_expert.append(e), own(self, proj, e, *a))
+    )
+    y, grads = run_module(mod, x.bfloat16(), ids, w.bfloat16(), gy.double())
+    assert per_expert == [0, 0], per_expert  # down and gate_up of the large expert only
+    y_ref, ref = run_reference(
+        layer, x.bfloat16().double(), ids, w.bfloat16().double(), gy.double(), full=full
+    )
+    assert rel_err(y, y_ref) < REF_TOL
+    for name in ref:
+        assert rel_err(grads[name], ref[name]) < REF_TOL, (name, rel_err(grads[name], ref[name]))
+        if name.startswith("lora_"):
+            assert bool(grads[name][0].ne(0).all(dim=-1).any()) and not bool(grads[name][3].any()), name
 
 
 @pytest.mark.parametrize("policy", ["retain", "recompute"])
