@@ -8,10 +8,11 @@ and holds the pool that computes experts in parallel.
 """
 
 from moetune.engine.activations import ACTIVATIONS, GluActivation, get_activation
-from moetune.engine.experts import ExpertEngine, ExpertGrads, SavedForward
+from moetune.engine.experts import ExpertEngine
 from moetune.engine.formats import FORMATS, DenseExperts, ExpertFormat
 from moetune.engine.lora import LORA_NAMES, ExpertLoRA, lora_scaling
 from moetune.engine.plan import ActivationPolicy, EngineOptions, TrainMode, resolve_compute_dtype
+from moetune.engine.saved import ExpertGrads, SavedForward
 
 __all__ = [
     "ACTIVATIONS",

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 
@@ -29,7 +27,8 @@ from moetune.engine.base_grads import BaseGrads
 from moetune.engine.formats import DenseExperts, ExpertFormat
 from moetune.engine.formats.base import Projection
 from moetune.engine.gemm import BlockedGemm
-from moetune.engine.lora import LORA_NAMES, ExpertLoRA, LoraPass, dropout_seed
+from moetune.engine.lora import ExpertLoRA, LoraPass, dropout_seed
+from moetune.engine.lora_batch import Chunk, LoraBatch
 from moetune.engine.plan import EngineOptions, EnginePlan, TrainMode, resolve_compute_dtype
 from moetune.engine.routing import (
     Dispatch,
@@ -41,64 +40,11 @@ from moetune.engine.routing import (
     to_slots,
     validate_routing,
 )
+from moetune.engine.saved import ExpertGrads, SavedForward
 from moetune.engine.shapes import RowSplit
 from moetune.engine.threads import MIN_POOL_EXPERT_PARAMS, expert_pool, split_threads
 from moetune.engine.workspace import Workspace, thread_workspace
 from moetune.errors import EngineError, EngineStateError, NonFiniteError
-
-
-@dataclass(eq=False)
-class SavedForward:
-    """What one forward hands its backward. Consumed exactly once."""
-
-    engine_id: int
-    index: int  # the engine's forward counter, for messages
-    x: torch.Tensor  # [T, H] compute dtype
-    x_dtype: torch.dtype  # dtype of the caller's x: grad_x is returned in it
-    topk_ids: torch.Tensor  # [T, k] int64
-    topk_weights: torch.Tensor  # [T, k]
-    seed: int | None  # LoRA dropout seed (masks are regenerated, not stored)
-    versions: tuple[int, ...]  # in-place versions of the trained tensors at forward time
-    lora: ExpertLoRA | None = None  # the expert LoRA this forward computed with; its backward uses the same
-    disp: Dispatch | None = None  # retain only (EnginePlan.keep_activations)
-    gate_up: torch.Tensor | None = None  # [N, 2I] compute dtype, retain only
-    lora_xa: torch.Tensor | None = None  # [N, r] compute dtype: drop(x) A1^T, retain + LoRA only
-    lora_ha: torch.Tensor | None = None  # [N, r] compute dtype: drop(h) A2^T, retain + LoRA only
-    consumed: bool = field(default=False)
-
-    TENSOR_FIELDS = ("x", "topk_ids", "topk_weights", "gate_up", "lora_xa", "lora_ha")
-
-    def tensors(self) -> tuple[torch.Tensor | None, ...]:
-        """The large tensors, in ``TENSOR_FIELDS`` order (for ``ctx.save_for_backward``)."""
-        return tuple(getattr(self, f) for f in self.TENSOR_FIELDS)
-
-    def with_tensors(self, tensors: tuple[torch.Tensor | None, ...]) -> SavedForward:
-        """A fresh, unconsumed copy holding ``tensors`` (as returned by ``ctx.saved_tensors``)."""
-        fields: dict[str, Any] = dict(zip(self.TENSOR_FIELDS, tensors))
-        return replace(self, consumed=False, **fields)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held for backward (inputs included)."""
-        held = [self.x, self.topk_ids, self.topk_weights, self.gate_up, self.lora_xa, self.lora_ha]
-        total = sum(t.nbytes for t in held if t is not None)
-        return total + (self.disp.nbytes if self.disp is not None else 0)
-
-
-@dataclass
-class ExpertGrads:
-    """Backward's results. ``lora`` is fp32 (fp64 for fp64 LoRA), keyed by ``LORA_NAMES``; ``base`` only in full
-    mode, for the experts that received rows only (fp32, fp64 for an fp64 engine: ``base_grads.BaseGrads``)."""
-
-    x: torch.Tensor  # [T, H], dtype of x
-    topk_weights: torch.Tensor  # [T, k], dtype of topk_weights
-    lora: dict[str, torch.Tensor] | None = None
-    base: BaseGrads | None = None
-
-    def flat(self) -> tuple[torch.Tensor, ...]:
-        """LoRA grads in ``ExpertEngine.trained_tensors`` order (the base ones follow there: ``base``)."""
-        return tuple(self.lora[n] for n in LORA_NAMES) if self.lora else ()
-
 
 _engine_ids = itertools.count()
 
@@ -205,6 +151,19 @@ class ExpertEngine:
         assert lora is not None
         return LoraPass(lora, self.compute_dtype, seed, self.split)
 
+    @staticmethod
+    def _own_lora(lora: LoraPass | None, batch: LoraBatch | None) -> Callable[[int], LoraPass | None]:
+        """Expert e -> its per-expert LoRA terms: the pass's, unless ``batch`` computes them (its few-row experts).
+        The batch writes before the per-expert terms of its other experts, which overwrite their rows."""
+        if batch is None:
+            return lambda e: lora
+        return lambda e: lora if batch.large[e] else None
+
+    def _lora_batch(self, lora: LoraPass | None, disp: Dispatch) -> LoraBatch | None:
+        """The pass's LoRA products for all experts at once (``lora_batch``), or None: per expert."""
+        rows = LoraBatch.plan(lora, disp) if self.options.batch_lora else None
+        return None if rows is None else LoraBatch(lora, disp, rows)  # type: ignore[arg-type]
+
     def _sum_rows(self, g: torch.Tensor, inp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A base weight's gradient ``g [n, D_out]^T @ inp [n, D_in]`` -> ``[D_out, D_in]`` in ``dtype``, summed over
         row pieces (``engine.shapes``) where the compute dtype asks for them."""
@@ -225,32 +184,47 @@ class ExpertEngine:
         out: torch.Tensor,
         lora_a: torch.Tensor | None,
         lora: LoraPass | None,
+        written: bool = False,
     ) -> None:
         """out ``[n, D_out]`` = inp ``[n, D_in]`` @ W_e^T (+ bias) (+ LoRA term, its A-projection ``[n, r]``
         into ``lora_a``), all in the compute dtype, for expert e's n rows. The LoRA term is written first and
-        the base GEMM accumulates into it: one pass over out fewer than adding it afterwards."""
+        the base GEMM accumulates into it: one pass over out fewer than adding it afterwards. ``written``: the
+        term is in out already (``LoraBatch`` wrote every expert's), so ``lora`` is None and the GEMM adds."""
         if lora is not None:
             assert lora_a is not None
             lora.forward(proj, e, inp, out, lora_a)
-        self.gemm.matmul_wt(proj, e, inp, out, accumulate=lora is not None)
+        self.gemm.matmul_wt(proj, e, inp, out, accumulate=written or lora is not None)
         bias = self._bias(proj, e)
         if bias is not None:
             out.add_(bias)
 
-    def _each_expert(self, disp: Dispatch, fn: Callable[[tuple[int, int, int]], None]) -> None:
+    def _each_expert(self, disp: Dispatch, fn: Callable[[tuple[int, int, int]], object]) -> None:
         """``fn((e, s0, s1))`` for every active expert's segment: one after another in this thread, or in
         parallel on an ``ExpertPool`` (largest first, so the last to finish are small). Every expert writes only
         its own rows (and its own LoRA or base gradient slices), so the order changes no result."""
         segments = disp.segments()
-        requested = self.options.expert_workers
-        if requested is None and 3 * self.hidden_size * self.intermediate_size < MIN_POOL_EXPERT_PARAMS:
-            requested = 1  # tiny experts: the pool's hand-offs would cost more than their GEMMs
-        workers, intra = split_threads(torch.get_num_threads(), len(segments), requested)
+        workers, intra = self._workers(len(segments))
         if workers == 1:
             for seg in segments:
                 fn(seg)
             return
         expert_pool(workers, intra).run(fn, sorted(segments, key=lambda seg: seg[1] - seg[2]))
+
+    def _workers(self, tasks: int) -> tuple[int, int]:
+        """``(workers, intra)`` for ``tasks`` expert tasks (``threads.split_threads``)."""
+        requested = self.options.expert_workers
+        if requested is None and 3 * self.hidden_size * self.intermediate_size < MIN_POOL_EXPERT_PARAMS:
+            requested = 1  # tiny experts: the pool's hand-offs would cost more than their GEMMs
+        return split_threads(torch.get_num_threads(), tasks, requested)
+
+    def _each_chunk(self, batch: LoraBatch, fn: Callable[[Chunk], object]) -> None:
+        """``fn(chunk)`` for chunks of consecutive experts covering all E, one per worker of the expert pool."""
+        workers, intra = self._workers(batch.num_experts)
+        chunks = batch.chunks(workers)
+        if workers == 1:
+            fn(chunks[0])
+            return
+        expert_pool(workers, intra).run(fn, chunks)
 
     def _check_finite(self, what: str, t: torch.Tensor, disp: Dispatch | None = None) -> None:
         """With ``check_finite``: raise NonFiniteError for NaN/Inf in t (rows first: ``[T, ...]``, or ``[N, ...]``
@@ -319,13 +293,30 @@ class ExpertEngine:
         xa = buffer("xa", lora_pass.rank) if lora_pass is not None else None  # [N, r]
         ha = buffer("ha", lora_pass.rank) if lora_pass is not None else None  # [N, r]
 
-        def expert_forward(seg: tuple[int, int, int]) -> None:
-            e, s0, s1 = seg
-            self._project("gate_up", e, xs[s0:s1], gu[s0:s1], _rows(xa, s0, s1), lora_pass)
-            self.act(gu[s0:s1], out=hid[s0:s1])
-            self._project("down", e, hid[s0:s1], ys[s0:s1], _rows(ha, s0, s1), lora_pass)
+        batch = self._lora_batch(lora_pass, disp)
+        each = self._own_lora(lora_pass, batch)  # each(e): expert e's LoRA terms, unless batched
+        if batch is not None:
+            self._each_chunk(batch, lambda ch: batch.forward(ch, "gate_up", xs, gu, xa))
 
-        self._each_expert(disp, expert_forward)
+        def gate_up_forward(seg: tuple[int, int, int]) -> None:
+            e, s0, s1 = seg
+            self._project("gate_up", e, xs[s0:s1], gu[s0:s1], _rows(xa, s0, s1), each(e), batch is not None)
+            self.act(gu[s0:s1], out=hid[s0:s1])
+
+        def down_forward(seg: tuple[int, int, int]) -> None:
+            e, s0, s1 = seg
+            self._project("down", e, hid[s0:s1], ys[s0:s1], _rows(ha, s0, s1), each(e), batch is not None)
+
+        def expert_forward(seg: tuple[int, int, int]) -> None:
+            gate_up_forward(seg)
+            down_forward(seg)
+
+        if batch is None:
+            self._each_expert(disp, expert_forward)
+        else:  # the down projection's LoRA needs every expert's h first
+            self._each_expert(disp, gate_up_forward)
+            self._each_chunk(batch, lambda ch: batch.forward(ch, "down", hid, ys, ha))
+            self._each_expert(disp, down_forward)
         self._check_finite("expert outputs", ys, disp)
         y = combine(ys, disp, topk_weights, self.ws.get("slots", (n, h), cd)).to(x.dtype)
 
@@ -404,13 +395,24 @@ class ExpertEngine:
         # why fp32: these are summed over micro-batches (fp64 for an fp64 engine, as its LoRA grads)
         gdt = torch.promote_types(cd, torch.float32)
 
-        def expert_backward(seg: tuple[int, int, int]) -> None:
+        batch = self._lora_batch(lora_pass, disp)
+        each = self._own_lora(lora_pass, batch)  # each(e): expert e's LoRA terms, unless batched
+        ggu_all = None  # [N, 2I] grad at gate_up, kept between the two loops when LoRA runs batched
+        if batch is not None:
+            if plan.recompute_gate_up:
+                assert xs is not None  # gathered whenever LoRA runs
+                self._each_chunk(batch, lambda ch: batch.forward(ch, "gate_up", xs, gu_all, xa_all))
+            self._each_chunk(batch, lambda ch: batch.backward_input(ch, "down", gs, gh_all))
+            ggu_all = self.ws.get("ggu", (n, 2 * i), cd)
+
+        def down_backward(seg: tuple[int, int, int]) -> torch.Tensor:
+            """Expert e's recompute, activation and down projection backward: its grad at gate_up ``[n, 2I]``."""
             e, s0, s1 = seg
             xs_e, xa_e = _rows(xs, s0, s1), _rows(xa_all, s0, s1)
             gu_e = gu_all[s0:s1]
             if plan.recompute_gate_up:
                 assert xs_e is not None
-                self._project("gate_up", e, xs_e, gu_e, xa_e, lora_pass)
+                self._project("gate_up", e, xs_e, gu_e, xa_e, each(e), batch is not None)
             # per-thread scratch (experts may run in parallel): what the vjp reuses of the activation, and its
             # result; both live only inside this expert's backward
             scratch = thread_workspace()
@@ -419,36 +421,53 @@ class ExpertEngine:
             g_e, w_e, gh_e = gs[s0:s1], w_sorted[s0:s1], gh_all[s0:s1]
 
             # down projection: gh = g @ (W2 + s B2 A2 (dropout)) ; all unweighted by w until the router grad is taken
-            if lora_pass is not None:  # writes its term into gh_e; the base GEMM accumulates into it
-                lora_pass.backward("down", e, g_e, gh_e, h_e, _rows(ha_all, s0, s1), w_e, lora_g)
+            own = each(e)
+            if own is not None:  # writes its term into gh_e; the base GEMM accumulates into it
+                own.backward("down", e, g_e, gh_e, h_e, _rows(ha_all, s0, s1), w_e, lora_g)
             self.gemm.matmul_w("down", e, g_e, gh_e, accumulate=lora_pass is not None)
             # d y / d w[t, j] = <grad_y[t], FFN_e(x_t)> = <gh_unweighted, h> (+ <g, b2_e>): no [N, H] output kept
             torch.sum(gh_e * h_e, dim=1, out=gw_sorted[s0:s1])
             b2 = self._bias("down", e)
             if b2 is not None:
                 gw_sorted[s0:s1] += g_e @ b2
-            mine: dict[str, torch.Tensor] | None = None
             if base_g is not None:  # only this expert's slices: experts without rows get no tensor at all
                 mine = base_g.by_expert[e] = {"down": self._sum_rows(g_e, h_e * w_e, gdt)}
                 if self.down_bias is not None:
                     mine["down_bias"] = (g_e * w_e).sum(0).to(gdt)
             gh_e.mul_(w_e)
+            ggu = scratch.get("act_grad", (s1 - s0, 2 * i), cd) if ggu_all is None else ggu_all[s0:s1]
+            return self.act.vjp_into(gu_e, gh_e, memo, ggu)  # [n, 2I]
 
-            ggu = self.act.vjp_into(
-                gu_e, gh_e, memo, scratch.get("act_grad", (s1 - s0, 2 * i), cd)
-            )  # [n, 2I]
-            gxs_e = gxs[s0:s1]
-            if lora_pass is not None:
+        def gate_up_backward(seg: tuple[int, int, int], ggu: torch.Tensor) -> None:
+            """Expert e's gate_up projection backward from its grad at gate_up ggu ``[n, 2I]``."""
+            e, s0, s1 = seg
+            xs_e, gxs_e = _rows(xs, s0, s1), gxs[s0:s1]
+            own = each(e)
+            if own is not None:
                 assert xs_e is not None
-                lora_pass.backward("gate_up", e, ggu, gxs_e, xs_e, xa_e, None, lora_g)
+                own.backward("gate_up", e, ggu, gxs_e, xs_e, _rows(xa_all, s0, s1), None, lora_g)
             self.gemm.matmul_w("gate_up", e, ggu, gxs_e, accumulate=lora_pass is not None)
-            if mine is not None:
+            if base_g is not None:
                 assert xs_e is not None
+                mine = base_g.by_expert[e]
                 mine["gate_up"] = self._sum_rows(ggu, xs_e, gdt)
                 if self.gate_up_bias is not None:
                     mine["gate_up_bias"] = ggu.sum(0).to(gdt)
 
-        self._each_expert(disp, expert_backward)
+        if batch is None:
+            self._each_expert(disp, lambda seg: gate_up_backward(seg, down_backward(seg)))
+        else:  # the batched LoRA products need every expert's h, then every expert's grad at gate_up
+            assert ggu_all is not None and xs is not None
+            self._each_expert(disp, down_backward)
+            xs_all, ggu = xs, ggu_all  # narrowed for the closures
+
+            def lora_grads(ch: Chunk) -> None:
+                batch.backward_weights(ch, "down", hid, ha_all, w_sorted, lora_g)
+                batch.backward_input(ch, "gate_up", ggu, gxs)
+                batch.backward_weights(ch, "gate_up", xs_all, xa_all, None, lora_g)
+
+            self._each_chunk(batch, lora_grads)
+            self._each_expert(disp, lambda seg: gate_up_backward(seg, ggu_all[seg[1] : seg[2]]))
         if lora_pass is not None:
             lora_g = lora_pass.in_call_order(lora_g)
         grad_x = sum_slots(gxs, disp, self.ws.get("slots", (n, h), cd))  # [T, H]

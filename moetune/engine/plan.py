@@ -43,6 +43,9 @@ class EngineOptions:
     # GEMM rows in pieces from a fixed set of sizes (``engine.shapes``); None: where the compute dtype runs on
     # oneDNN's per-shape kernels (bf16, fp16); False measures the whole-row GEMMs (the benchmarks' A/B)
     split_rows: bool | None = None
+    # LoRA products of experts with few rows as one bmm over all experts (``engine.lora_batch``) where GEMMs run
+    # on oneDNN (bf16, fp16) and no dropout applies; False: per expert (the benchmarks' A/B)
+    batch_lora: bool = True
 
 
 def resolve_compute_dtype(storage: torch.dtype, requested: torch.dtype | None = None) -> torch.dtype:

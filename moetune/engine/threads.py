@@ -93,7 +93,7 @@ class ExpertPool:
         torch.set_num_threads(self.intra)
         started.wait()
 
-    def run(self, fn: Callable[[T], None], items: Sequence[T]) -> None:
+    def run(self, fn: Callable[[T], object], items: Sequence[T]) -> None:
         """``fn(item)`` for every item, at most ``workers`` at once, in the caller's grad and inference modes;
         items start in the order given (put the longest first). Waits for all, then raises the first error
         (an error in one item does not stop the others: none may still be writing when the caller goes on).
