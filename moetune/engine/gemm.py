@@ -79,12 +79,14 @@ class GemmPath:
             if self.conversion is Conversion.SCALED_CODES
             else "weights dequantized"
         )
-        if self.fused_rows:
-            return (
-                f"experts with <= {self.fused_rows} rows: fused kernel (AMX-BF16, codes dequantized in "
-                f"registers); more rows: {what}, in {size}"
-            )
-        return f"{what}, in {size}"
+        if not self.fused_rows:
+            return f"{what}, in {size}"
+        if self.fused_rows >= SMALL_ROWS:  # scaled codes only served experts the kernels now take
+            what = "weights dequantized"
+        return (
+            f"experts with <= {self.fused_rows} rows: fused kernel (AMX-BF16, codes dequantized in registers); "
+            f"more rows: {what}, in {size}"
+        )
 
 
 def resolve_gemm_path(
