@@ -237,6 +237,69 @@ MOETUNE_AMX void forward_range(const Dec& dec, const float* row_scale, const uin
   _tile_release();
 }
 
+// W' tiles of rows [32 os, 32 os + 32) and columns [64 s, 64 s + 64): dst + q * q_stride is the 16 x 64-byte
+// tile of columns 64 s + 16 q, row p holding rows 32 os + 2p and + 1 interleaved (zero past O and K).
+template <class Dec>
+MOETUNE_AMX inline void decode_pairs(const Dec& dec, int64_t os, int64_t s, int64_t K, int64_t O, uint16_t* dst,
+                                     int64_t q_stride) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int p = 0; p < 16; ++p) {
+    const int64_t o = os * 32 + 2 * p;
+    for (int q = 0; q < 4; ++q) {
+      const int64_t k0 = s * 64 + q * 16;
+      const int valid = static_cast<int>(std::min<int64_t>(16, K - k0));
+      __m512 lo = o < O ? dec(o, k0, valid) : _mm512_setzero_ps();
+      __m512 hi = o + 1 < O ? dec(o + 1, k0, valid) : _mm512_setzero_ps();
+      __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      _mm512_storeu_si512(dst + q * q_stride + p * 32, pair);
+    }
+  }
+}
+
+// Backward with at most 16 rows of g: the four 16-column tiles of a 64-column panel each have their own C tile,
+// so each step's W' tiles are decoded into L1 and used at once (no panel written to memory and read back:
+// 0.59 -> 0.39 ms per [1536, 2048] int8 matrix at n = 8, one thread).
+template <class Dec>
+MOETUNE_AMX void backward_one_block(const Dec& dec, const uint16_t* gt, int64_t opad, int64_t n, int64_t K,
+                                    int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate, int64_t s0,
+                                    int64_t s1) {
+  const int64_t steps = opad / 32;
+  configure_tiles();
+  alignas(64) uint16_t bt[4][512];
+  alignas(64) float c[256];
+  for (int64_t s = s0; s < s1; ++s) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t os = 0; os < steps; ++os) {
+      decode_pairs(dec, os, s, K, O, bt[0], 512);
+      _tile_loadd(5, gt + os * 32, opad * 2);
+      _tile_loadd(4, bt[0], 64);
+      _tile_dpbf16ps(0, 5, 4);
+      _tile_loadd(6, bt[1], 64);
+      _tile_dpbf16ps(1, 5, 6);
+      _tile_loadd(7, bt[2], 64);
+      _tile_dpbf16ps(2, 5, 7);
+      _tile_loadd(4, bt[3], 64);
+      _tile_dpbf16ps(3, 5, 4);
+    }
+    for (int q = 0; q < 4 && s * 64 + q * 16 < K; ++q) {
+      const int64_t k0 = s * 64 + q * 16;
+      switch (q) {
+        case 0: _tile_stored(0, c, 64); break;
+        case 1: _tile_stored(1, c, 64); break;
+        case 2: _tile_stored(2, c, 64); break;
+        default: _tile_stored(3, c, 64); break;
+      }
+      const __mmask16 m = first(static_cast<int>(K - k0));
+      for (int64_t r = 0; r < n; ++r) store_row(out + r * ldo + k0, _mm512_load_ps(c + r * 16), m, accumulate);
+    }
+  }
+  _tile_release();
+}
+
 // Backward, output columns [64 s0, 64 s1) a panel of 64 at a time: the panel's W' tiles (all of O) are decoded
 // once into per-thread memory, each row's 64 codes in one go, then multiplied 16 columns at a time with every
 // 64-row chunk of g. (Decoding 16 columns per step instead read each cache line four times, and rows K bytes
@@ -246,25 +309,11 @@ template <class Dec>
 MOETUNE_AMX void backward_range(const Dec& dec, const uint16_t* gt, int64_t opad, int64_t n, int64_t K, int64_t O,
                                 at::BFloat16* out, int64_t ldo, bool accumulate, int64_t s0, int64_t s1) {
   const int64_t steps = opad / 32, blocks = (n + 15) / 16;
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   configure_tiles();
   std::vector<uint16_t> panel(steps * 4 * 512);  // [q][os][16 pairs of o][16 k x 2]
   alignas(64) float c[kMaxBlocks][256];
   for (int64_t s = s0; s < s1; ++s) {
-    for (int64_t os = 0; os < steps; ++os) {
-      for (int p = 0; p < 16; ++p) {
-        const int64_t o = os * 32 + 2 * p;
-        for (int q = 0; q < 4; ++q) {
-          const int64_t k0 = s * 64 + q * 16;
-          const int valid = static_cast<int>(std::min<int64_t>(16, K - k0));
-          __m512 lo = o < O ? dec(o, k0, valid) : _mm512_setzero_ps();
-          __m512 hi = o + 1 < O ? dec(o + 1, k0, valid) : _mm512_setzero_ps();
-          __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-          _mm512_storeu_si512(panel.data() + (q * steps + os) * 512 + p * 32, pair);
-        }
-      }
-    }
+    for (int64_t os = 0; os < steps; ++os) decode_pairs(dec, os, s, K, O, panel.data() + os * 512, steps * 512);
     for (int q = 0; q < 4 && s * 64 + q * 16 < K; ++q) {
       const int64_t k0 = s * 64 + q * 16;
       const __mmask16 m = first(static_cast<int>(K - k0));
@@ -323,7 +372,10 @@ void run(bool forward, const Dec& dec, const float* row_scale, const torch::Tens
   } else {
     scaled_rows(ap, lda, n, O, opad, row_scale, operand.data());
     at::parallel_for(0, (K + 63) / 64, 1, [&](int64_t s0, int64_t s1) {
-      backward_range(dec, operand.data(), opad, n, K, O, op, ldo, accumulate, s0, s1);
+      if (n <= 16)
+        backward_one_block(dec, operand.data(), opad, n, K, O, op, ldo, accumulate, s0, s1);
+      else
+        backward_range(dec, operand.data(), opad, n, K, O, op, ldo, accumulate, s0, s1);
     });
   }
 }

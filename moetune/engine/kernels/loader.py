@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 KERNELS_ENV = "MOETUNE_KERNELS"
 SOURCE = Path(__file__).with_name("fused_gemm.cpp")
-CFLAGS = ["-O3", "-std=c++17"]
+# -fopenmp: ATen's at::parallel_for is inline OpenMP; without the flag it runs on one thread in the extension
+CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 
 _lock = threading.Lock()
 _state: dict[str, tuple[ModuleType | None, str]] = {}
@@ -56,7 +57,11 @@ def _build() -> tuple[ModuleType | None, str]:
         from torch.utils import cpp_extension
 
         module = cpp_extension.load(
-            name=f"moetune_fused_{key}", sources=[str(SOURCE)], extra_cflags=CFLAGS, verbose=False
+            name=f"moetune_fused_{key}",
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
         )
     except Exception as err:  # noqa: BLE001 - any build failure means: use the torch path, and say why
         first = str(err).strip().splitlines()
