@@ -30,6 +30,10 @@
 namespace {
 
 constexpr int kMaxBlocks = 4;  // 16-row blocks of n per pass over a panel: 4 C tiles + A + B tiles fit AMX's 8
+// Software prefetch distances: forward, columns ahead in each of a block's 16 rows; backward, 32-row steps ahead
+// down a strip. Without them the kernels waited on memory for weights not already in cache.
+constexpr int64_t kAheadColumns = 512;
+constexpr int64_t kAheadSteps = 4;
 constexpr long kArchReqXcompPerm = 0x1023;
 constexpr int kXfeatureXtiledata = 18;
 
@@ -93,6 +97,10 @@ struct Int8Rows {
     __m128i b = _mm_maskz_loadu_epi8(first(valid), codes + o * K + k0);
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
   }
+  // bring the line holding (o, k) towards L1 (k < K)
+  inline void prefetch(int64_t o, int64_t k) const {
+    _mm_prefetch(reinterpret_cast<const char*>(codes + o * K + k), _MM_HINT_T0);
+  }
 };
 
 struct Int4Rows {
@@ -110,6 +118,9 @@ struct Int4Rows {
     const int z = zero ? zero[gi] : 8;
     __m512 w = _mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(z)));
     return _mm512_maskz_mul_ps(m, w, _mm512_set1_ps(bf16_to_float(scale[gi])));
+  }
+  inline void prefetch(int64_t o, int64_t k) const {
+    _mm_prefetch(reinterpret_cast<const char*>(packed + o * half + (k >= half ? k - half : k)), _MM_HINT_T0);
   }
 };
 
@@ -215,6 +226,8 @@ MOETUNE_AMX void forward_range(const Dec& dec, const float* row_scale, const uin
     const int rows = static_cast<int>(std::min<int64_t>(16, O - o0));
     auto decode = [&](int64_t ks) MOETUNE_AMX_LAMBDA {
       const int64_t k0 = ks * 32;
+      if (ks % 2 == 0 && k0 + kAheadColumns < K)  // one 64-byte line of int8 codes per two steps
+        for (int r = 0; r < rows; ++r) dec.prefetch(o0 + r, k0 + kAheadColumns);
       for (int r = 0; r < 16; ++r) {
         __m512bh w = r < rows ? _mm512_cvtne2ps_pbh(dec(o0 + r, k0 + 16, static_cast<int>(K - k0 - 16)),
                                                     dec(o0 + r, k0, static_cast<int>(K - k0)))
@@ -242,6 +255,9 @@ MOETUNE_AMX void forward_range(const Dec& dec, const float* row_scale, const uin
 template <class Dec>
 MOETUNE_AMX inline void decode_pairs(const Dec& dec, int64_t os, int64_t s, int64_t K, int64_t O, uint16_t* dst,
                                      int64_t q_stride) {
+  // a strip walks down the rows, 32 per step, K bytes apart: no hardware prefetcher follows that
+  for (int64_t o = (os + kAheadSteps) * 32; o < std::min<int64_t>((os + kAheadSteps + 1) * 32, O); ++o)
+    dec.prefetch(o, s * 64);
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int p = 0; p < 16; ++p) {
