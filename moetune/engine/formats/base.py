@@ -89,6 +89,12 @@ class ExpertFormat(ABC):
     # an instance attribute where a wrapper takes its format's
     FUSED_MAX_ROWS: int = 0
 
+    def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
+        """The compiled kernel for expert ``expert``'s ``proj`` matrix (its name in ``kernels.load_fused()``'s
+        module) and the weight arguments it takes after ``forward, a, out`` (for formats with
+        ``FUSED_MAX_ROWS > 0``)."""
+        raise NotImplementedError(f"{self.name} has no fused kernel")
+
     def fused_gemm(
         self,
         kernels: Any,
@@ -106,7 +112,8 @@ class ExpertFormat(ABC):
         (``accumulate``: out +=). fp32 sums, rounded once into out; W's values are those of ``tile(.., bf16)``
         (int8: the codes times the fp32 row scale applied to the fp32 sums, as ``scaled_tile``'s path does).
         """
-        raise NotImplementedError(f"{self.name} has no fused kernel")
+        kernel, weights = self.fused_operands(proj, expert)
+        getattr(kernels, kernel)(forward, a, out, *weights, accumulate)
 
     def row_align(self, proj: Projection) -> int:
         """Row blocks asked of ``tile`` start at multiples of this (block-scaled formats: their block height)."""

@@ -268,22 +268,13 @@ class Int4Experts(QuantizedExperts):
     # the fused kernel beats dequantize-then-GEMM up to here (bench/formats.py; docs/performance.md, "Fused kernels")
     FUSED_MAX_ROWS = 256
 
-    def fused_gemm(
-        self,
-        kernels: Any,
-        forward: bool,
-        proj: Projection,
-        expert: int,
-        a: torch.Tensor,
-        out: torch.Tensor,
-        accumulate: bool,
-    ) -> None:
+    def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
         if proj == "gate_up":
             packed, scale, zero = self.gate_up, self.gate_up_scale, self.gate_up_zero
         else:
             packed, scale, zero = self.down, self.down_scale, self.down_zero
         z = None if zero is None else zero[expert]
-        kernels.int4_gemm(forward, a, out, packed[expert], scale[expert], z, self.group_size, accumulate)
+        return "int4_gemm", (packed[expert], scale[expert], z, self.group_size)
 
     @property
     def nbytes(self) -> int:

@@ -102,20 +102,11 @@ class Int8Experts(QuantizedExperts):
     # the fused kernel beats codes-then-GEMM up to here (bench/formats.py; docs/performance.md, "Fused kernels")
     FUSED_MAX_ROWS = 128
 
-    def fused_gemm(
-        self,
-        kernels: Any,
-        forward: bool,
-        proj: Projection,
-        expert: int,
-        a: torch.Tensor,
-        out: torch.Tensor,
-        accumulate: bool,
-    ) -> None:
+    def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
         codes, scale = (
             (self.gate_up, self.gate_up_scale) if proj == "gate_up" else (self.down, self.down_scale)
         )
-        kernels.int8_gemm(forward, a, out, codes[expert], scale[expert], accumulate)
+        return "int8_gemm", (codes[expert], scale[expert])
 
     @property
     def nbytes(self) -> int:

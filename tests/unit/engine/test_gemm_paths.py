@@ -143,7 +143,7 @@ def test_resolve_gemm_path_per_format_dtype_and_cpu(formats):
         Conversion.DEQUANTIZED, whole_tiles=True
     )
     assert resolve_gemm_path(int4, torch.float32, _cpu("AVX2")).whole_tiles is False
-    assert "per-row scale" in resolve_gemm_path(int8, torch.bfloat16, amx).describe()
+    assert "per-row scale" in resolve_gemm_path(int8, torch.bfloat16, amx, fused=False).describe()
     # the fused kernels where they load (AMX-BF16 CPUs), with the format's row threshold; never in fp32
     built = load_fused() is not None
     for fmt in (int8, int4):
