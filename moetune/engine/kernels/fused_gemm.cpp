@@ -10,10 +10,10 @@
 // weight (u - z) * s formed in fp32 and rounded once to bf16, as the torch path's tiles are.
 //
 // Layouts: AMX's tdpbf16ps computes C[16 r, 16 c] += A[16 r, 32 d] . B[16 d/2, 16 c x 2] (B pairs along d).
-//   forward : C[16 o, 16 n] += W[16 o, 32 k] . X[16 k/2, 16 n x 2]: W rows are decoded straight into an A tile;
-//             x is re-laid into B tiles once per call (it is small: n <= 64 rows per chunk).
-//   backward: C[16 n, 16 k] += G[16 n, 32 o] . W'[16 o/2, 16 k x 2]: G rows are plain A tiles; W' interleaves
-//             the decoded rows o and o + 1 of a 16-column strip.
+//   forward : C[16 o, 16 n] += W[16 o, 32 k] . X[16 k/2, 16 n x 2]: W rows are decoded straight into an A
+//             tile; x is re-laid into B tiles once per call; up to 64 rows of x (4 C tiles) per pass.
+//   backward: C[16 n, 16 k] += G[16 n, 32 o] . W'[16 o/2, 16 k x 2]: g (scaled) is re-laid into A tiles; W'
+//             interleaves the decoded rows o and o + 1 of a 64-column strip.
 // Each thread of at::parallel_for configures its own tiles (AMX state is per thread).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -291,7 +291,7 @@ MOETUNE_AMX void backward_one_block(const Dec& dec, const uint16_t* gt, int64_t 
     _tile_zero(3);
     for (int64_t os = 0; os < steps; ++os) {
       decode_pairs(dec, os, s, K, O, bt[0], 512);
-      _tile_loadd(5, gt + os * 32, opad * 2);
+      _tile_loadd(5, gt + os * 512, 64);
       _tile_loadd(4, bt[0], 64);
       _tile_dpbf16ps(0, 5, 4);
       _tile_loadd(6, bt[1], 64);
@@ -337,7 +337,7 @@ MOETUNE_AMX void backward_range(const Dec& dec, const uint16_t* gt, int64_t opad
         const int nb = static_cast<int>(std::min<int64_t>(kMaxBlocks, blocks - b0));
         const uint16_t* strip = panel.data() + q * steps * 512;
         auto tiles = [strip](int64_t os) { return strip + os * 512; };
-        tile_products_n<false>(nb, tiles, gt + b0 * 16 * opad, 32, opad * 2, 16 * opad, steps, c);
+        tile_products_n<false>(nb, tiles, gt + b0 * steps * 512, 512, 64, steps * 512, steps, c);
         for (int64_t r = b0 * 16; r < std::min<int64_t>(n, (b0 + nb) * 16); ++r)
           store_row(out + r * ldo + k0, _mm512_load_ps(c[(r - b0 * 16) / 16] + (r % 16) * 16), m, accumulate);
       }
@@ -346,7 +346,9 @@ MOETUNE_AMX void backward_range(const Dec& dec, const uint16_t* gt, int64_t opad
   _tile_release();
 }
 
-// g [n, O] bf16 -> [16 NB, Opad] bf16, times the fp32 row scale (rounded once), zero-padded.
+// g [n, O] bf16 -> A tiles [n/16][Opad/32][16][32] bf16, times the fp32 row scale (rounded once), zero-padded.
+// Each tile is 1 KiB of contiguous memory (a row-major [n, Opad] copy made every tile load read 16 lines 2 Opad
+// bytes apart: 0.93 vs 0.89 ms at n = 64 and 1.91 vs 1.71 ms at n = 128 per [1536, 2048] int8 matrix).
 MOETUNE_AMX void scaled_rows(const at::BFloat16* g, int64_t ldg, int64_t n, int64_t O, int64_t opad,
                              const float* row_scale, uint16_t* dst) {
   const int64_t padded = (n + 15) / 16 * 16;
@@ -357,7 +359,8 @@ MOETUNE_AMX void scaled_rows(const at::BFloat16* g, int64_t ldg, int64_t n, int6
       __m512 v = _mm512_castsi512_ps(
           _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, g + r * ldg + o)), 16));
       if (row_scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, row_scale + o));
-      _mm256_mask_storeu_epi16(dst + r * opad + o, m, (__m256i)_mm512_cvtneps_pbh(v));
+      const int64_t at = (((r / 16) * (opad / 32) + o / 32) * 16 + r % 16) * 32 + o % 32;
+      _mm256_mask_storeu_epi16(dst + at, m, (__m256i)_mm512_cvtneps_pbh(v));
     }
   }
 }
