@@ -21,6 +21,8 @@ from types import ModuleType
 
 import torch
 
+from moetune.sysinfo import cpu_info
+
 log = logging.getLogger(__name__)
 
 KERNELS_ENV = "MOETUNE_KERNELS"
@@ -49,8 +51,8 @@ def _build() -> tuple[ModuleType | None, str]:
     reason = _disabled()
     if reason:
         return None, reason
-    if os.name != "posix" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        return None, f"the CPU reports {torch.backends.cpu.get_cpu_capability()}, not AVX512"
+    if os.name != "posix" or "AMX-BF16" not in cpu_info().isa:  # no build where it could not run
+        return None, f"the CPU has no AMX-BF16 (found: {', '.join(cpu_info().isa) or 'no SIMD flags'})"
     text = SOURCE.read_bytes()
     key = hashlib.sha256(text + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
     try:

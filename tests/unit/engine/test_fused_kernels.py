@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -182,6 +183,21 @@ def test_the_kernels_build_here_or_name_the_cpu():
     assert not why.startswith("building"), why
 
 
+def test_no_build_on_a_cpu_without_amx(monkeypatch):
+    """Where the kernels could not run, nothing is compiled: the reason names the CPU's ISA."""
+    from torch.utils import cpp_extension
+
+    def must_not_build(**_: object) -> None:
+        raise AssertionError("built on a CPU without AMX-BF16")
+
+    monkeypatch.setattr(loader, "_state", {})
+    monkeypatch.setattr(cpp_extension, "load", must_not_build)
+    monkeypatch.setattr(loader, "cpu_info", lambda: replace(AMX, isa=("AVX512-BF16", "AVX2")))
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    assert load_fused() is None
+    assert fused_unavailable() == "the CPU has no AMX-BF16 (found: AVX512-BF16, AVX2)"
+
+
 def test_build_failure_falls_back_to_the_torch_path_with_one_warning(monkeypatch, caplog):
     """A failed build (no compiler, a compile error): one logged warning naming the cause and the torch path,
     load_fused() None, and engines resolve the torch path."""
@@ -192,7 +208,7 @@ def test_build_failure_falls_back_to_the_torch_path_with_one_warning(monkeypatch
 
     monkeypatch.setattr(loader, "_state", {})  # this process's build result, restored afterwards
     monkeypatch.setattr(cpp_extension, "load", broken)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(loader, "cpu_info", lambda: AMX)
     monkeypatch.delenv(KERNELS_ENV, raising=False)
     with caplog.at_level(logging.WARNING, logger=loader.__name__):
         assert load_fused() is None and load_fused() is None
