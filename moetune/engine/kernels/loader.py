@@ -5,8 +5,8 @@ The build is torch's ``cpp_extension.load`` (g++ and ninja; ``pip install moetun
 and the torch version: a changed source or torch never loads a stale build, and torch's builder holds a file
 lock, so concurrent processes build it once. First use takes ~30-60 s; later processes load the cached .so.
 
-``MOETUNE_KERNELS=off`` (read once, here, at the edge) turns the kernels off for A/B runs; the engine then
-takes the torch path. Any other failure (no compiler, a build error, a CPU without AMX-BF16) is logged once,
+``MOETUNE_KERNELS=off`` (read here only, whenever an engine resolves its GEMM path) turns the kernels off for
+A/B runs; engines built then take the torch path; a value other than on/off/1/0 is a ConfigError. Any other failure (no compiler, a build error, a CPU without AMX-BF16) is logged once,
 naming the cause and that the torch path is used, and ``load_fused`` returns None.
 """
 
@@ -48,9 +48,6 @@ def _disabled() -> str:
 
 def _build() -> tuple[ModuleType | None, str]:
     """(module, "") or (None, why not)."""
-    reason = _disabled()
-    if reason:
-        return None, reason
     if os.name != "posix" or "AMX-BF16" not in cpu_info().isa:  # no build where it could not run
         return None, f"the CPU has no AMX-BF16 (found: {', '.join(cpu_info().isa) or 'no SIMD flags'})"
     text = SOURCE.read_bytes()
@@ -83,7 +80,8 @@ def _resolve() -> tuple[ModuleType | None, str]:
 
 
 def load_fused() -> ModuleType | None:
-    """The built ``fused_gemm`` module, or None (the reason logged once, see ``fused_unavailable``)."""
+    """The built ``fused_gemm`` module, or None (the reason logged once, see ``fused_unavailable``); whatever
+    ``MOETUNE_KERNELS`` says (engines ask ``fused_kernels``, which honours it)."""
     return _resolve()[0]
 
 
