@@ -8,6 +8,9 @@ INT4 checkpoint (Kimi-K2-Thinking) loads, i.e. each expert matrix quantized the 
 it (groups of 32, scale max|w| / 7.5, codes -8..7), packed as its int32 words, then re-packed into int4's
 nibble order by the checkpoint loader's own path (the time that takes, the load cost per layer, is printed
 too).
+Formats with a fused kernel in use on this machine (``moetune.engine.kernels``: int8 and int4 on AMX-BF16
+CPUs) run twice, as themselves and as ``<label> torch`` with the kernels off (the torch path, pinned per
+engine), and a line per format gives the fused / torch CPU-time ratio.
 Each rep runs every format once, in turn, so machine noise falls on all of them alike. Printed per format
 (first its GEMM path on this CPU, ``moetune.engine.gemm.GemmPath``), per token count: resident bytes per
 parameter, relative Frobenius error of the dequantized weights, the time the engine's path takes to convert
@@ -30,6 +33,8 @@ import torch
 from moetune.engine import ExpertEngine, ExpertFormat, ExpertLoRA
 from moetune.engine.formats import FORMATS, Int4Experts
 from moetune.engine.formats.base import Projection
+from moetune.engine.gemm import resolve_gemm_path
+from moetune.engine.kernels import fused_unavailable
 from moetune.engine.threads import set_engine_threads
 from moetune.loading.quant.compressed_tensors import repack
 from moetune.sysinfo import cpu_info
@@ -108,6 +113,11 @@ def main() -> None:
         del gq, dq
         info[label] = (fmt.bytes_per_param, err)
         engines[label] = ExpertEngine(fmt, lora=lora)
+        if engines[label].gemm.path.fused_rows:  # the same weights on the torch path, side by side
+            torch_label = f"{label} torch"
+            engines[torch_label] = ExpertEngine(fmt, lora=lora)
+            engines[torch_label].gemm.path = resolve_gemm_path(fmt, engines[label].compute_dtype, fused=False)
+            info[torch_label] = info[label]
 
     first = next(iter(engines.values()))
     machine = cpu_info()
@@ -117,6 +127,10 @@ def main() -> None:
     )
     for label, engine in engines.items():
         print(f"  {label}: {engine.gemm.path.describe()}")
+    why = fused_unavailable()
+    print(
+        f"fused kernels: {'not used (' + why + ')' if why else 'used (rows labelled torch: the same weights without)'}"
+    )
     for t in args.tokens:
         bench_tokens(engines, info, t, e, h, k, args.reps, gen)
 
@@ -144,8 +158,11 @@ def bench_tokens(
                 for _ in engine.gemm.row_blocks(p, x_, rows):
                     pass
 
-    convert: dict[str, float] = {}
+    convert: dict[str, float | None] = {}  # None: the fused kernels (no converted tiles)
     for label, engine in engines.items():
+        if rows <= engine.gemm.path.fused_rows:
+            convert[label] = None
+            continue
         convert_all(engine)
         convert[label] = min(timed(lambda engine=engine: convert_all(engine)) for _ in range(3))
 
@@ -166,17 +183,22 @@ def bench_tokens(
 
     print(f"T={t} ({rows} rows per expert)")
     print(
-        f"{'format':<15} {'B/param':>8} {'w err':>7} {'convert cpu':>11} {'wall min':>9} {'median':>8} "
+        f"{'format':<21} {'B/param':>8} {'w err':>7} {'convert cpu':>11} {'wall min':>9} {'median':>8} "
         f"{'cpu min':>8} {'vs bf16 wall':>13} {'cpu':>6}"
     )
     for label in engines:
         bpp, err = info[label]
         ratio_wall = min(wall["bf16"]) / min(wall[label])
         ratio_cpu = min(cpu["bf16"]) / min(cpu[label])
+        conv = convert[label]
         print(
-            f"{label:<15} {bpp:>8.3f} {err:>7.2%} {convert[label]:>11.1f} {min(wall[label]):>9.1f} "
+            f"{label:<21} {bpp:>8.3f} {err:>7.2%} {'fused' if conv is None else f'{conv:.1f}':>11} {min(wall[label]):>9.1f} "
             f"{statistics.median(wall[label]):>8.1f} {min(cpu[label]):>8.1f} {ratio_wall:>12.2f}x {ratio_cpu:>5.2f}x"
         )
+    for label in engines:  # the fused kernels against the torch path on the same weights
+        if f"{label} torch" in engines:
+            fused_cpu = min(cpu[f"{label} torch"]) / min(cpu[label])
+            print(f"{label}: fused kernels / torch path, CPU time: {fused_cpu:.2f}x")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,11 @@ CPU (``resolve_gemm_path``; ``moetune doctor`` prints it per format):
   0.04 ms at n = 64), so those experts take dequantized tiles.
 * ``dequantized tiles``: the others (``ExpertFormat.tile``) write the effective weight in the compute dtype.
 
+Before either, with bf16 compute: experts with at most ``fused_rows`` rows (the format's ``FUSED_MAX_ROWS``)
+go to the compiled kernels (``moetune.engine.kernels``, int8 and int4 on AMX-BF16 CPUs), which read the codes
+and dequantize them in registers: no converted tile is written at all. Above that, and wherever the kernels are
+missing or turned off (``MOETUNE_KERNELS=off``), the torch path above runs; it is the kernels' reference.
+
 Converted weights come whole or in row blocks: on CPUs with AMX-BF16 a bf16 GEMM on a whole converted matrix
 measured faster than on 128/256-row blocks, conversion included (int8, 16 experts of [1536, 2048], n = 64:
 22 vs 43 ms); elsewhere row blocks small enough to stay in cache measured faster (an AVX512 EPYC, n = 16: 2.2x).
@@ -28,8 +33,10 @@ import torch
 
 from moetune.engine.formats import ExpertFormat
 from moetune.engine.formats.base import Projection
+from moetune.engine.kernels import fused_kernels, fused_unavailable, load_fused
 from moetune.engine.shapes import RowSplit, padded_rows
 from moetune.engine.workspace import thread_workspace
+from moetune.errors import EngineError
 from moetune.sysinfo import CpuInfo, cpu_info
 
 # Up to this many rows per expert, forward GEMMs take the weight block as their left operand (matmul_wt);
@@ -58,6 +65,8 @@ class GemmPath:
 
     conversion: Conversion
     whole_tiles: bool
+    # experts with at most this many rows take the fused kernels (0: none); the others take ``conversion``
+    fused_rows: int = 0
 
     def describe(self) -> str:
         """One line for ``moetune doctor`` and the benchmarks."""
@@ -70,19 +79,34 @@ class GemmPath:
             if self.conversion is Conversion.SCALED_CODES
             else "weights dequantized"
         )
-        return f"{what}, in {size}"
+        if not self.fused_rows:
+            return f"{what}, in {size}"
+        if self.fused_rows >= SMALL_ROWS:  # scaled codes only served experts the kernels now take
+            what = "weights dequantized"
+        return (
+            f"experts with <= {self.fused_rows} rows: fused kernel (AMX-BF16, codes dequantized in registers); "
+            f"more rows: {what}, in {size}"
+        )
 
 
 def resolve_gemm_path(
-    weights: ExpertFormat, compute_dtype: torch.dtype, cpu: CpuInfo | None = None
+    weights: ExpertFormat, compute_dtype: torch.dtype, cpu: CpuInfo | None = None, fused: bool = True
 ) -> GemmPath:
-    """The GEMM path for ``weights`` computed in ``compute_dtype`` on ``cpu`` (default: this machine's)."""
+    """The GEMM path for ``weights`` computed in ``compute_dtype`` on ``cpu`` (default: this machine's).
+
+    ``fused``: route few-row experts to the compiled kernels when the format has one and they load here
+    (building them on first use; ``kernels.fused_kernels``); False resolves the torch path alone.
+    """
     if not weights.needs_buffer(compute_dtype):
         return GemmPath(Conversion.VIEW, whole_tiles=True)
     scaled = compute_dtype in weights.SCALED_TILE_DTYPES
     conversion = Conversion.SCALED_CODES if scaled else Conversion.DEQUANTIZED
     amx = "AMX-BF16" in (cpu or cpu_info()).isa
-    return GemmPath(conversion, whole_tiles=amx and compute_dtype == torch.bfloat16)
+    bf16 = compute_dtype == torch.bfloat16
+    use_kernels = amx and bf16 and fused and weights.FUSED_MAX_ROWS > 0 and fused_kernels() is not None
+    return GemmPath(
+        conversion, whole_tiles=amx and bf16, fused_rows=weights.FUSED_MAX_ROWS if use_kernels else 0
+    )
 
 
 class BlockedGemm:
@@ -157,6 +181,9 @@ class BlockedGemm:
         rounded once into ``out`` (added to it when accumulating).
         """
         n = inp.shape[0]
+        if n <= self.path.fused_rows:
+            self._fused(True, proj, e, inp, out, accumulate)
+            return
         for r0, r1, w, scale in self.row_blocks(proj, e, n):
             dst = out[:, r0:r1]
             if n > SMALL_ROWS:  # weights themselves (scaled codes only come with few rows)
@@ -187,8 +214,28 @@ class BlockedGemm:
         """
         # no weight-left form here: W^T @ grad^T measured 1.3-12x slower than grad @ W for n <= 24
         n = grad.shape[0]
+        if n <= self.path.fused_rows:
+            self._fused(False, proj, e, grad, out, accumulate)
+            return
         for r0, r1, w, scale in self.row_blocks(proj, e, n, whole=not self.exact_sums):
             g = grad[:, r0:r1]
             if scale is not None:
                 g = torch.mul(g, scale, out=thread_workspace().get("w_scaled_grad", (n, r1 - r0), grad.dtype))
             self.split.mm(g, w, out, beta=0.0 if r0 == 0 and not accumulate else 1.0)
+
+    def _fused(
+        self, forward: bool, proj: Projection, e: int, a: torch.Tensor, out: torch.Tensor, accumulate: bool
+    ) -> None:
+        """matmul_wt (``forward``) or matmul_w on the fused kernels: a ``[n, D_in]`` or ``[n, D_out]``, out the
+        other, bf16 with contiguous rows (``a`` is made so; ``out`` is written in place, so it must be)."""
+        kernels = load_fused()
+        if (
+            kernels is None or self.compute_dtype != torch.bfloat16
+        ):  # a path pinned by hand (tests, benchmarks)
+            raise EngineError(
+                f"GemmPath.fused_rows = {self.path.fused_rows} needs the fused kernels and bf16 compute; got "
+                f"{self.compute_dtype}, kernels {'loaded' if kernels else 'not loaded: ' + fused_unavailable()}"
+            )
+        assert out.stride(-1) == 1, "the fused kernels write rows of out in place"
+        a = a if a.stride(-1) == 1 else a.contiguous()
+        self.weights.fused_gemm(kernels, forward, proj, e, a, out, accumulate)

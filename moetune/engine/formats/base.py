@@ -85,6 +85,36 @@ class ExpertFormat(ABC):
         """
         raise NotImplementedError(f"{self.name} offers no scaled tiles")
 
+    # rows per expert up to which ``fused_gemm`` is used with bf16 compute (0: no fused kernel for this format);
+    # an instance attribute where a wrapper takes its format's
+    FUSED_MAX_ROWS: int = 0
+
+    def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
+        """The compiled kernel for expert ``expert``'s ``proj`` matrix (its name in ``kernels.load_fused()``'s
+        module) and the weight arguments it takes after ``forward, a, out`` (for formats with
+        ``FUSED_MAX_ROWS > 0``)."""
+        raise NotImplementedError(f"{self.name} has no fused kernel")
+
+    def fused_gemm(
+        self,
+        kernels: Any,
+        forward: bool,
+        proj: Projection,
+        expert: int,
+        a: torch.Tensor,
+        out: torch.Tensor,
+        accumulate: bool,
+    ) -> None:
+        """One product with expert ``expert``'s ``proj`` matrix W ``[D_out, D_in]`` on the compiled kernels
+        (``kernels``: ``moetune.engine.kernels.load_fused()``), the codes dequantized in registers; bf16 only.
+
+        forward: out ``[n, D_out]`` = a ``[n, D_in]`` @ W^T; backward: out ``[n, D_in]`` = a ``[n, D_out]`` @ W
+        (``accumulate``: out +=). fp32 sums, rounded once into out; W's values are those of ``tile(.., bf16)``
+        (int8: the codes times the fp32 row scale applied to the fp32 sums, as ``scaled_tile``'s path does).
+        """
+        kernel, weights = self.fused_operands(proj, expert)
+        getattr(kernels, kernel)(forward, a, out, *weights, accumulate)
+
     def row_align(self, proj: Projection) -> int:
         """Row blocks asked of ``tile`` start at multiples of this (block-scaled formats: their block height)."""
         return 1

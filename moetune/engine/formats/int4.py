@@ -265,6 +265,17 @@ class Int4Experts(QuantizedExperts):
             s = scratch("int4_scale", (rows, d // g), out.dtype).copy_(s)
         out.copy_(codes.view(torch.int8)).view(rows, d // g, g).mul_(s[:, :, None])
 
+    # the fused kernel beats dequantize-then-GEMM up to here (bench/formats.py; docs/performance.md, "Fused kernels")
+    FUSED_MAX_ROWS = 256
+
+    def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
+        if proj == "gate_up":
+            packed, scale, zero = self.gate_up, self.gate_up_scale, self.gate_up_zero
+        else:
+            packed, scale, zero = self.down, self.down_scale, self.down_zero
+        z = None if zero is None else zero[expert]
+        return "int4_gemm", (packed[expert], scale[expert], z, self.group_size)
+
     @property
     def nbytes(self) -> int:
         stored = (

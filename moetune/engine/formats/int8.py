@@ -8,6 +8,8 @@ parameter: ``1 + 4 (2I + H) / (3 H I)`` (1.003 at H = 2048, I = 768).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from moetune.engine.formats.base import FORMATS, Projection
@@ -96,6 +98,15 @@ class Int8Experts(QuantizedExperts):
             (self.gate_up, self.gate_up_scale) if proj == "gate_up" else (self.down, self.down_scale)
         )
         return buf.copy_(codes[expert, rows]), scale[expert, rows]
+
+    # the fused kernel beats codes-then-GEMM up to here (bench/formats.py; docs/performance.md, "Fused kernels")
+    FUSED_MAX_ROWS = 128
+
+    def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
+        codes, scale = (
+            (self.gate_up, self.gate_up_scale) if proj == "gate_up" else (self.down, self.down_scale)
+        )
+        return "int8_gemm", (codes[expert], scale[expert])
 
     @property
     def nbytes(self) -> int:

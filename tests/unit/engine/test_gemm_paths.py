@@ -17,10 +17,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetune.doctor.engine import gemm_paths
+from moetune.doctor.engine import KERNELS_LINE, gemm_paths
 from moetune.engine import DenseExperts, EngineOptions, ExpertEngine, ExpertFormat
 from moetune.engine.formats import FORMATS, Int8Experts
 from moetune.engine.gemm import Conversion, GemmPath, resolve_gemm_path
+from moetune.engine.kernels import KERNELS_ENV, load_fused
 from moetune.layer import CpuExperts
 from moetune.sysinfo import CpuInfo
 from tests.unit.engine.test_formats import QUANTIZED, E, H, _lora, _module, gaussian
@@ -41,6 +42,13 @@ def _paths(fmt: ExpertFormat, compute: torch.dtype) -> list[GemmPath]:
     if compute in fmt.SCALED_TILE_DTYPES:
         conversions.append(Conversion.SCALED_CODES)
     return [GemmPath(c, whole_tiles=w) for c in conversions for w in (True, False)]
+
+
+def _fused_paths(fmt: ExpertFormat, compute: torch.dtype) -> list[GemmPath]:
+    """The fused kernels' path where this machine runs them (experts above ``FUSED_MAX_ROWS`` take the torch one)."""
+    if compute != torch.bfloat16 or not fmt.FUSED_MAX_ROWS or load_fused() is None:
+        return []
+    return [GemmPath(p.conversion, p.whole_tiles, fmt.FUSED_MAX_ROWS) for p in _paths(fmt, compute)[-1:]]
 
 
 def _errors(y, grads, ref_y, ref_grads) -> dict[str, float]:
@@ -87,7 +95,7 @@ def test_every_gemm_path_matches_float64(case, compute, T, with_lora, formats):
     dense = _errors(
         *run_module(_build(DenseExperts(*fmt.dequantize(compute)), lora, compute), x, ids, w, gy), *ref
     )
-    for path in _paths(fmt, compute):
+    for path in _paths(fmt, compute) + _fused_paths(fmt, compute):
         module = _build(fmt, lora, compute)
         module.engine.gemm.path = path
         errors = _errors(*run_module(module, x, ids, w, gy), *ref)
@@ -124,14 +132,25 @@ def test_resolve_gemm_path_per_format_dtype_and_cpu(formats):
         Conversion.DEQUANTIZED, whole_tiles=False
     )
     int8, int4 = formats["int8"], formats["int4-g64-sym"]
-    assert resolve_gemm_path(int8, torch.bfloat16, amx) == GemmPath(Conversion.SCALED_CODES, whole_tiles=True)
+    assert resolve_gemm_path(int8, torch.bfloat16, amx, fused=False) == GemmPath(
+        Conversion.SCALED_CODES, whole_tiles=True
+    )
     assert resolve_gemm_path(int8, torch.bfloat16, avx512) == GemmPath(
         Conversion.SCALED_CODES, whole_tiles=False
     )
     assert resolve_gemm_path(int8, torch.float32, amx) == GemmPath(Conversion.SCALED_CODES, whole_tiles=False)
-    assert resolve_gemm_path(int4, torch.bfloat16, amx) == GemmPath(Conversion.DEQUANTIZED, whole_tiles=True)
+    assert resolve_gemm_path(int4, torch.bfloat16, amx, fused=False) == GemmPath(
+        Conversion.DEQUANTIZED, whole_tiles=True
+    )
     assert resolve_gemm_path(int4, torch.float32, _cpu("AVX2")).whole_tiles is False
-    assert "per-row scale" in resolve_gemm_path(int8, torch.bfloat16, amx).describe()
+    assert "per-row scale" in resolve_gemm_path(int8, torch.bfloat16, amx, fused=False).describe()
+    # the fused kernels where they load (AMX-BF16 CPUs), with the format's row threshold; never in fp32
+    built = load_fused() is not None
+    for fmt in (int8, int4):
+        path = resolve_gemm_path(fmt, torch.bfloat16, amx)
+        assert path.fused_rows == (fmt.FUSED_MAX_ROWS if built else 0)
+        assert ("fused kernel" in path.describe()) is built
+        assert resolve_gemm_path(fmt, torch.float32, amx).fused_rows == 0
 
 
 @pytest.mark.parametrize(
@@ -143,11 +162,13 @@ def test_resolve_gemm_path_per_format_dtype_and_cpu(formats):
     ],
 )
 def test_doctor_names_each_formats_path(monkeypatch, isa, int8_line):
+    monkeypatch.setenv(KERNELS_ENV, "off")  # the torch path's lines (the fused kernels': next test)
     cpu = _cpu(*isa)
     monkeypatch.setattr("moetune.engine.plan.cpu_info", lambda: cpu)
     monkeypatch.setattr("moetune.engine.gemm.cpu_info", lambda: cpu)
     lines = gemm_paths()
     by_name = {line.split(":")[0]: line for line in lines}
+    assert by_name.pop(KERNELS_LINE) == f"{KERNELS_LINE}: not used ({KERNELS_ENV}=off); the torch path runs"
     assert set(by_name) == {"bf16 (dense)" if n == "dense" else n for n in FORMATS.names()}
     assert by_name["int8"].startswith(int8_line)
     whole = "AMX-BF16" in isa
@@ -156,6 +177,19 @@ def test_doctor_names_each_formats_path(monkeypatch, isa, int8_line):
     assert by_name["bf16 (dense)"].endswith(
         "no conversion)" if native else "weights dequantized, in cache-sized row blocks"
     )
+
+
+@pytest.mark.skipif(load_fused() is None, reason="the fused kernels do not load here (see the logged reason)")
+def test_doctor_names_the_fused_kernels(monkeypatch):
+    amx = _cpu("AMX-BF16", "AVX512-BF16", "AVX2")
+    monkeypatch.setattr("moetune.engine.plan.cpu_info", lambda: amx)
+    monkeypatch.setattr("moetune.engine.gemm.cpu_info", lambda: amx)
+    by_name = {line.split(":")[0]: line for line in gemm_paths()}
+    assert by_name[KERNELS_LINE] == f"{KERNELS_LINE}: built and used"
+    for name in ("int8", "int4"):
+        rows = FORMATS.get(name).FUSED_MAX_ROWS
+        assert f"experts with <= {rows} rows: fused kernel (AMX-BF16" in by_name[name]
+    assert "fused" not in by_name["fp8_block"]
 
 
 def test_scaled_codes_on_the_expert_pool_equal_one_expert_at_a_time(formats, four_threads):
