@@ -39,12 +39,12 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from moetune.adapters.expert_rows import HeldRows, Kind, held_part
+from moetune.adapters.expert_rows import HeldRows, Kind, held_part, share
 from moetune.adapters.peft_layout import ExpertParamNames, engine_view
 from moetune.engine import ExpertLoRA, lora_scaling
 from moetune.errors import AdapterError
 from moetune.layer import CpuExperts
-from moetune.layer.sharded import ShardedExperts, check_sharded_expert_lora
+from moetune.layer.sharded import ShardedExperts
 
 Projection = Literal["gate_up", "down"]
 INITS = (True, False, "gaussian")  # PEFT's init_lora_weights values that need no base weight
@@ -87,12 +87,11 @@ class ExpertsLora(nn.Module, LoraLayer):
     @property
     def held_experts(self) -> tuple[int, int]:
         """(first, count): the experts whose LoRA rows this layer holds; all ``lora_experts`` of them, or, around
-        a :class:`ShardedExperts` (``expert_parallel: sharded``), this rank's (``moetune.adapters.expert_rows``)."""
+        a :class:`ShardedExperts` (``expert_parallel: sharded``), this rank's, with the zero-computation experts'
+        unused rows on the last rank (``moetune.adapters.expert_rows.share``)."""
         experts = self.experts
         if isinstance(experts, ShardedExperts):
-            if self.lora_experts != experts.num_experts:
-                check_sharded_expert_lora(experts.engine.name, self.lora_experts - experts.num_experts)
-            return experts.first, experts.owners.per_rank
+            return share(experts.num_experts, self.lora_experts, experts.owners.world, experts.rank)
         return 0, self.lora_experts
 
     def held_rows(self, kind: Kind, adapter_name: str) -> HeldRows:
@@ -202,10 +201,9 @@ class ExpertsLora(nn.Module, LoraLayer):
         for proj, layer in layers.items():
             lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
             assert isinstance(lora_a, nn.Linear) and isinstance(lora_b, nn.Linear)
-            held = layer.held_experts[1]
-            a, b = engine_view(lora_a.weight, lora_b.weight, held)
-            # the engine's experts: the first E of lora_experts, or the rank's held experts (ShardedExperts)
-            used = min(held, self.num_experts)
+            a, b = engine_view(lora_a.weight, lora_b.weight, layer.held_experts[1])
+            # the engine's experts: the first of the held rows (the zero-computation experts' rows come after)
+            used = self.experts.engine.num_experts
             tensors[f"{proj}_A"], tensors[f"{proj}_B"] = a[:used], b[:used]
         # the engine keeps gate rows first: an interleaved module's gate_up B is read through the row order, a
         # non-gated module's up B serves both halves

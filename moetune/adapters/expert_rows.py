@@ -9,6 +9,12 @@ rows: ``lora_A [count * r, in]`` and ``lora_B [out, r * count]`` in the same lay
 (its gradient, AdamW's moments) moves the same way: :func:`held_part` cuts a whole tensor to a rank's rows,
 :func:`joined` puts every rank's parts (in rank order) back into the whole one. Both only index and copy, so a
 round trip is exact.
+
+Which rank holds what (:func:`share`): the layer's E routed experts evenly, ``E / world`` each; a LoRA sized for
+Z more experts than the E routed ones (LongCat-Flash's gate_up: stock PEFT counts its zero-computation experts,
+``[E + Z, 2I, H]``, whose Z rows the engine never reads) keeps those Z rows, which come after the routed ones, on
+the last rank, beside its own experts' rows: ``E / world + Z`` there. The parts are then uneven;
+:func:`rank_counts` gives every rank's count from any one rank's rows.
 """
 
 from __future__ import annotations
@@ -38,14 +44,37 @@ class HeldRows:
 
     def whole_shape(self, held: torch.Size | tuple[int, ...]) -> tuple[int, int]:
         """The whole tensor's shape given a held tensor's."""
+        return self.shape_for(held, self.total)
+
+    def shape_for(self, held: torch.Size | tuple[int, ...], experts: int) -> tuple[int, int]:
+        """The shape of a part holding ``experts`` experts' rows, given a held tensor's shape."""
         if self.kind == "A":
-            return (self.r * self.total, held[1])
-        return (held[0], self.r * self.total)
+            return (self.r * experts, held[1])
+        return (held[0], self.r * experts)
 
     def is_whole(self, tensor: torch.Tensor) -> bool:
         """``tensor`` holds every expert's rows (not only this rank's)."""
         dim = 0 if self.kind == "A" else 1
         return tensor.ndim == 2 and tensor.shape[dim] == self.r * self.total
+
+
+def share(routed: int, total: int, world: int, rank: int) -> tuple[int, int]:
+    """(first, count): the experts whose LoRA rows rank ``rank`` of ``world`` holds, of a LoRA sized for ``total``
+    experts on a layer of ``routed`` (``routed % world == 0``): its ``routed / world`` routed experts, and on the
+    last rank also the ``total - routed`` extra rows after them (zero-computation experts, which no engine
+    computes but the adapter holds)."""
+    assert routed % world == 0 and total >= routed, (routed, total, world)
+    per = routed // world
+    return rank * per, per + (total - routed if rank == world - 1 else 0)
+
+
+def rank_counts(rows: HeldRows, rank: int, world: int) -> list[int]:
+    """Every rank's count of experts (rank order) of the tensor whose part ``rows`` is rank ``rank``'s, as
+    :func:`share` splits it: equal counts, the last rank's with the extra rows."""
+    if world == 1:
+        return [rows.count]
+    per = rows.count if rank < world - 1 else rows.first // rank
+    return [per] * (world - 1) + [rows.total - (world - 1) * per]
 
 
 def held_part(whole: torch.Tensor, rows: HeldRows) -> torch.Tensor:
@@ -61,7 +90,8 @@ def held_part(whole: torch.Tensor, rows: HeldRows) -> torch.Tensor:
 
 
 def joined(parts: list[torch.Tensor], rows: HeldRows, into: torch.Tensor | None = None) -> torch.Tensor:
-    """Every rank's held part (rank order, equal counts, together all E experts) -> the whole tensor; ``into``: a
+    """Every rank's held part (rank order, together all ``rows.total`` experts; the counts may differ, as
+    :func:`share` splits them) -> the whole tensor; ``into``: a
     contiguous tensor of the whole's number of elements and dtype to write it into (a reused buffer)."""
     shape = rows.whole_shape(parts[0].shape)
     if rows.kind == "A":

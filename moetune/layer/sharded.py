@@ -16,7 +16,8 @@ process, and where it calls the engine, ``super().forward`` now reaches the exch
 
 Expert LoRA: the PEFT layers around this module (``moetune.adapters.expert_layer``) hold only this rank's
 experts' rows (``moetune.adapters.expert_rows``: ``[E / world, r, in]`` / ``[E / world, out, r]`` in the engine
-layout) and pass them with each call. Those rows receive the gradient of every rank's tokens (the exchange
+layout; on the last rank LongCat-Flash's gate_up also keeps the zero-computation experts' unused rows after its
+own) and pass its experts' rows with each call. Those rows receive the gradient of every rank's tokens (the exchange
 brings them here), so no other rank has a gradient for them: ``moetune.train.sharded_lora`` keeps them out of
 every all-reduce, divides their gradient by the number of ranks (the Trainer scales each rank's loss by it),
 keeps their optimizer state here and gathers them to the main process for every save, where the adapter is
@@ -39,7 +40,6 @@ import torch
 from moetune.arch.spec import ExpertsCall
 from moetune.dist.exchange import ExpertOwners, sharded_experts
 from moetune.engine import ExpertEngine, ExpertLoRA
-from moetune.errors import ConfigError
 from moetune.layer.cpu_experts import (
     BatchedExperts,
     CpuExperts,
@@ -148,20 +148,3 @@ SHARDED_MODULES: dict[ExpertsCall, type[ShardedExperts]] = {
 (``ArchSpec.call``): each call form's module of one process (``moetune.layer.EXPERTS_MODULES``) over
 :class:`ShardedExperts`, whose ``forward`` the form's own arithmetic calls where one process calls the engine
 (Python's method order: the form's class, then ``ShardedExperts``, then ``CpuExperts``)."""
-
-
-def check_sharded_expert_lora(where: str, identity_experts: int) -> None:
-    """``ConfigError`` for expert LoRA on sharded experts where the layer's gate_up LoRA has rows no rank owns:
-    stock PEFT sizes it by the E routed plus the Z zero-computation experts (LongCat-Flash's ``[E + Z, 2I, H]``
-    parameter), and sharded expert LoRA splits rows of E experts evenly over the ranks
-    (``moetune.adapters.expert_rows``), which leaves the Z unused rows, which the saved adapter must still
-    hold, without a rank to keep and gather them. Called before the load (``moetune.train.preflight``) and where
-    a LoRA layer is created on a sharded module."""
-    if identity_experts:
-        raise ConfigError(
-            f"expert_parallel: sharded with LoRA on the routed experts: {where} also has {identity_experts} "
-            "zero-computation experts, whose gate_up LoRA rows stock PEFT keeps after the routed experts' and no "
-            "rank owns; sharded expert LoRA does not place them. Leave the experts out of lora_target (LongCat-"
-            "Flash's attention and dense layers train with sharded experts, e.g. lora_target: q_b_proj,o_proj), "
-            "or use expert_parallel: replicated"
-        )

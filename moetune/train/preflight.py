@@ -48,16 +48,14 @@ _PEFT_PREFIX = "base_model.model."
 
 
 def check_before_load(
-    cfg: MoetuneConfig, dtype: str, modes: ModeSettings, *, write_probe: bool = True, world: int = 1
+    cfg: MoetuneConfig, dtype: str, modes: ModeSettings, *, write_probe: bool = True
 ) -> Any:
     """Every check of this module, in order, for a model to be loaded in ``dtype`` and trained as ``modes``
     says (``moetune.train.modes``: its checks run on the same meta-device model); raises the first problem's
     ``MoetuneError``. ``write_probe``: whether this process writes the probe file in ``output_dir`` (the main
-    process of a multi-process run only: one writer per file); ``world``: the number of processes. Returns the load it planned
+    process of a multi-process run only: one writer per file). Returns the load it planned
     (``moetune.loading.load.PlannedLoad``), for ``load_model(planned=)``: the meta-device model is built once."""
     from moetune.adapters.apply import resolve_targets
-    from moetune.config.experts import ExpertParallel
-    from moetune.layer.sharded import check_sharded_expert_lora
     from moetune.loading.load import plan_load
     from moetune.loading.options import LoadOptions
     from moetune.train.modes import check_mode_planned
@@ -83,10 +81,6 @@ def check_before_load(
         spec_of_config(cfg)
     lora = modes.method is FinetuningType.LORA
     targets = resolve_targets(planned.model, cfg.finetune.lora_target, experts)
-    sharded = cfg.engine.experts.expert_parallel is ExpertParallel.SHARDED
-    if lora and world > 1 and sharded and targets.experts:
-        for site in planned.sites:  # LongCat-Flash's zero-computation experts (moetune.layer.sharded)
-            check_sharded_expert_lora(site.path, site.layout.identity_experts)
     resume = resume_checkpoint(cfg)
     if resume is not None:
         lora_paths = {*targets.linear, *targets.experts, *targets.routers} if lora else None

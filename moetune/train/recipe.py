@@ -89,7 +89,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     check_fsdp(cfg, ranks.world)  # FSDP2 settings and the resume checkpoint's kind, before any weight loads
     # output_dir, model files, lora_target, resume checkpoint, what the mode asks of the experts: checked before
     # any weight loads
-    planned = check_before_load(cfg, dtype, modes, write_probe=ranks.is_main, world=ranks.world)
+    planned = check_before_load(cfg, dtype, modes, write_probe=ranks.is_main)
     check_shared_folder(ranks, Path(cfg.training.output_dir))  # several nodes: one output_dir seen by all
     # an adapter save a crash interrupted in output_dir is finished or removed now, not at the next save
     main_writes(ranks, lambda: recover_adapter(Path(cfg.training.output_dir)))

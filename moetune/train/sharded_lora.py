@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moetune.adapters.expert_rows import HeldRows, expert_axis, held_part, joined
+from moetune.adapters.expert_rows import HeldRows, expert_axis, held_part, joined, rank_counts
 from moetune.adapters.save import write_adapter_weights
 from moetune.adapters.swap import WEIGHTS_NAME
 from moetune.atomic import write_atomically
@@ -96,8 +96,8 @@ class ShardedLora:
         self.params = {t.param for t in tensors}
         held = sum(t.param.numel() for t in tensors)
         logger.info(
-            "moetune: sharded expert LoRA: this rank holds %d tensors, %.2f M values (1/%d of every layer's), "
-            "outside DDP and host_grads' all-reduce",
+            "moetune: sharded expert LoRA: this rank holds %d tensors, %.2f M values (its experts' rows, of %d "
+            "ranks), outside DDP and host_grads' all-reduce",
             len(tensors),
             held / 1e6,
             self.world,
@@ -149,23 +149,42 @@ class ShardedLora:
     def gather(
         self, local: torch.Tensor, rows: HeldRows, buffer: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        """Every rank's ``local`` held part -> the whole tensor on the main process (None elsewhere). ``buffer``
-        (main process): a flat tensor of ``local``'s dtype and at least twice the whole's elements, which holds
-        the parts and the whole instead of new tensors (the whole is then valid until the buffer is reused)."""
+        """Every rank's ``local`` held part -> the whole tensor on the main process (None elsewhere). The parts may
+        be uneven (the last rank's with LongCat-Flash's zero-computation experts' rows): every rank knows every
+        count (``expert_rows.rank_counts``) and sends its part padded to the largest, the main process drops the
+        padding. ``buffer`` (main process): a flat tensor of ``local``'s dtype and at least
+        :meth:`gather_elements` elements, which holds the parts and the whole instead of new tensors (the whole is
+        then valid until the buffer is reused)."""
         import torch.distributed as dist
 
-        local = local.detach().contiguous()
-        n = local.numel()
+        counts = rank_counts(rows, self.rank, self.world)
+        each = local.numel() // rows.count  # the elements of one expert's rows
+        padded = max(counts) * each
+        flat = local.detach().contiguous().view(-1)
+        if flat.numel() < padded:
+            flat = torch.cat([flat, flat.new_zeros(padded - flat.numel())])
         parts = None
         if self.rank == 0:
             parts = [
-                torch.empty_like(local) if buffer is None else buffer[q * n : (q + 1) * n].view_as(local)
+                torch.empty_like(flat) if buffer is None else buffer[q * padded : (q + 1) * padded]
                 for q in range(self.world)
             ]
-        dist.gather(local, parts, group_dst=0, group=self.group)
+        dist.gather(flat, parts, group_dst=0, group=self.group)
         if parts is None:
             return None
-        return joined(parts, rows, None if buffer is None else buffer[self.world * n : 2 * self.world * n])
+        held = [
+            p[: n * each].view(rows.shape_for(local.shape, n)) for p, n in zip(parts, counts, strict=True)
+        ]
+        into = (
+            None if buffer is None else buffer[self.world * padded : self.world * padded + rows.total * each]
+        )
+        return joined(held, rows, into)
+
+    def gather_elements(self, t: HeldTensor) -> int:
+        """The elements of :meth:`gather`'s ``buffer`` for ``t``: every rank's padded part, then the whole."""
+        counts = rank_counts(t.rows, self.rank, self.world)
+        each = t.param.numel() // t.rows.count
+        return (self.world * max(counts) + t.rows.total) * each
 
     def gathered_adapter(
         self, model: nn.Module, base: dict[str, torch.Tensor] | None = None
@@ -376,7 +395,7 @@ class GatheredAdapter:
     adapter file reaches it and dropped once written, so the main process holds one weight (a layer's A or B)
     beyond its own rows instead of the whole expert LoRA. Main process: ``state_dict`` (placeholders for the
     held weights) and ``fetch`` for the writer (``moetune.adapters.save.write_adapter_weights``), called in file
-    order, each weight gathered into one buffer reused for all of them (twice the largest weight); the other
+    order, each weight gathered into one buffer reused for all of them (the largest weight's parts and whole); the other
     ranks call ``send`` (the same gathers, in the same order) and go on. A gather in another order than the
     file's is an internal error (``AssertionError``), never a silent mismatch."""
 
@@ -394,9 +413,8 @@ class GatheredAdapter:
         # what the save adds is that and no more (new tensors each time would leave the allocator's heap grown)
         self._buffer: torch.Tensor | None = None
         if state_dict is not None and order:
-            largest = max(order, key=lambda t: t.param.numel())
-            self._buffer = largest.param.new_empty(2 * lora.world * largest.param.numel())
-            assert all(t.param.dtype == largest.param.dtype for t in order), (
+            self._buffer = order[0].param.new_empty(max(lora.gather_elements(t) for t in order))
+            assert all(t.param.dtype == order[0].param.dtype for t in order), (
                 "expert LoRA weights share a dtype"
             )
 

@@ -323,6 +323,40 @@ def _fold_call(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return (x, _fold(ids, half, experts), weights)
 
 
+def _same_adapter(ref: Any, mine: Any, folder: Path, ranks: Any) -> None:
+    """The adapter the sharded model writes (its held expert LoRA gathered to the main process weight by weight,
+    ``GatheredAdapter``) equals the one-process model's file: every key, shape and value, with the expert LoRA's
+    whole shapes (the zero-computation experts' rows included)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from moetune.adapters.save import adapter_state, write_adapter_weights
+    from moetune.dist import barrier
+    from moetune.train.sharded_lora import ShardedLora
+
+    lora = ShardedLora.of(mine)
+    if lora is None:  # no expert LoRA: nothing is gathered
+        return
+    gathered = lora.gathered_adapter(mine)
+    if gathered.state_dict is None:
+        gathered.send()
+        barrier(ranks)
+        return
+    folder.mkdir(exist_ok=True)
+    write_adapter_weights(ref, folder / "ref.safetensors")
+    write_adapter_weights(mine, folder / "sharded.safetensors", gathered.state_dict, gathered.fetch)
+    gathered.check_written()
+    want, got = load_file(folder / "ref.safetensors"), load_file(folder / "sharded.safetensors")
+    assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
+    for key, value in want.items():
+        assert got[key].shape == value.shape and torch.equal(got[key], value), key
+    whole = {k: v for k, v in adapter_state(mine, gathered.state_dict).items() if v.is_meta}
+    assert len(whole) == len(lora.tensors)  # each held weight is in the file whole: E (+ Z) experts' rows
+    for key, placeholder in whole.items():
+        assert got[key].shape == placeholder.shape, key
+    barrier(ranks)
+
+
 def _sharded_model(model_dir: str, targets: str = "") -> None:
     """A tiny MoE model loaded twice on each rank, with every expert (the reference) and with
     ``expert_parallel: sharded`` (this rank's experts only, tokens exchanged), LoRA on ``targets`` (comma-
@@ -378,8 +412,12 @@ def _sharded_model(model_dir: str, targets: str = "") -> None:
         loaded = models[1].load_state_dict(values, strict=False)
         assert not loaded.unexpected_keys, loaded.unexpected_keys
         held = {t.name: t.rows for t in expert_lora_tensors(models[1], sharded_only=True)}
+        last = (
+            ranks.rank == ranks.world - 1
+        )  # also holds the zero-computation experts' rows (LongCat-Flash's gate_up)
         assert (bool(held) or not ("experts" in targets or not targets)) and all(
-            rows.count == half for rows in held.values()
+            rows.first == ranks.rank * half and rows.count == half + last * (rows.total - ranks.world * half)
+            for rows in held.values()
         )
         for name, rows in held.items():
             assert torch.equal(models[1].get_parameter(name), held_part(values[name], rows)), name
@@ -429,6 +467,7 @@ def _sharded_model(model_dir: str, targets: str = "") -> None:
                 dist.all_reduce(want)
                 want = held_part(want, held[name])
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+        _same_adapter(models[0], models[1], Path(model_dir).parent / "adapters", ranks)
         print(
             f"rank {ranks.rank}: the sharded model equals the reference ({len(grads[0])} gradients)",
             flush=True,

@@ -312,35 +312,6 @@ def test_lora_target_typo(tmp_path, demo_model, no_load, targets) -> None:
     assert "matched no module of Qwen3MoeForCausalLM" in msg and "q_proj" in msg and "experts" in msg
 
 
-def test_sharded_expert_lora_with_zero_computation_experts(tmp_path, no_load) -> None:
-    """LongCat-Flash with expert_parallel: sharded under 2 processes runs, except LoRA on its routed experts:
-    stock PEFT's gate_up LoRA also holds rows for the zero-computation experts, which no rank owns (sharded
-    expert LoRA splits E experts' rows); refused by the preflight, before the load, naming the fix."""
-    from moetune.testing.families import survey_config
-    from moetune.testing.survey import _random_model
-    from moetune.testing.tiny import tiny_tokenizer
-    from moetune.train.modes import ModeSettings
-    from moetune.train.preflight import check_before_load
-
-    model = tmp_path / "longcat"
-    _random_model(survey_config("longcat_flash"), seed=0).save_pretrained(model)
-    tiny_tokenizer().save_pretrained(model)
-    sharded = {"moetune": {"device": "cpu", "expert_parallel": "sharded"}}
-    cfg = load_config(write(tmp_path, config(tmp_path, model, lora_target="q_b_proj,experts", **sharded)))
-    modes = ModeSettings.from_config(cfg.finetune, bf16=False)
-    before = snapshot(tmp_path)
-    with pytest.raises(
-        ConfigError, match=r"expert_parallel: sharded with LoRA on the routed experts: .*4 zero-c"
-    ):
-        check_before_load(cfg, "float32", modes, world=2)
-    assert snapshot(tmp_path) == before
-    check_before_load(cfg, "float32", modes, world=1)  # one process: every expert here, nothing to refuse
-    attention = load_config(
-        write(tmp_path, config(tmp_path, model, lora_target="q_b_proj,o_proj", **sharded))
-    )
-    check_before_load(attention, "float32", ModeSettings.from_config(attention.finetune, bf16=False), world=2)
-
-
 # --- resume checkpoints ------------------------------------------------------------------------------------
 
 

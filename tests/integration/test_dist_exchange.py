@@ -27,13 +27,13 @@ def test_sharded_model_equals_one_process(tmp_path) -> None:
         assert f"rank {rank}: the sharded model equals the reference" in result.stdout
 
 
-# every other call form (moetune.arch.spec.ExpertsCall) -> lora_target: the routed experts with attention where
-# expert LoRA runs sharded; attention only on DBRX (its flat experts take no expert LoRA) and LongCat-Flash (its
-# zero-computation experts' LoRA rows are not sharded: moetune.layer.sharded.check_sharded_expert_lora)
+# every other call form (moetune.arch.spec.ExpertsCall) -> lora_target: the routed experts with attention; attention
+# only on DBRX (its flat experts take no expert LoRA). LongCat-Flash's gate_up LoRA also has its zero-computation
+# experts' unused rows, kept by the last rank (moetune.adapters.expert_rows.share)
 CALL_FORMS = {
     "llama4": "q_proj,v_proj,experts",  # PRESCALED_DENSE
     "dbrx": "Wqkv,out_proj",  # TOPK_BATCHED
-    "longcat_flash": "q_b_proj,o_proj",  # TOPK_WITH_IDENTITY
+    "longcat_flash": "q_b_proj,o_proj,experts",  # TOPK_WITH_IDENTITY
     "muse_spark": "q_proj,v_proj,experts",  # TOPK_POST_NORM
 }
 
@@ -46,7 +46,8 @@ SLOW_FORMS = ("longcat_flash",)  # its survey model takes about 30 s here (the o
 )
 def test_sharded_call_forms_equal_one_process(tmp_path, family) -> None:
     # the family's own call form on a shard: loss, logits and every LoRA gradient as with every expert in one
-    # process (the sharded expert rows' gradients summed over the ranks), rank 1's experts idle in one layer
+    # process (the sharded expert rows' gradients summed over the ranks), rank 1's experts idle in one layer; the
+    # adapter gathered from the ranks equals the one-process file
     from moetune.testing.families import survey_config
     from moetune.testing.survey import _random_model
 

@@ -37,3 +37,44 @@ def test_llama4_sharded_training_equals_one_process(tmp_path) -> None:
     assert any(".experts." in k and adapter[k].abs().max() > 0 for k in adapter if "lora_B" in k)
     summary = json.loads((tmp_path / "two" / "out" / "run_summary.json").read_text())
     assert summary["routed_experts"]["experts_per_layer"] == "4 of 8"  # each rank held half the experts
+
+
+@pytest.mark.slow
+def test_longcat_flash_sharded_expert_lora_trains_and_resumes_as_one_process(tmp_path) -> None:
+    # LongCat-Flash's gate_up LoRA has rows for its zero-computation experts too ([E + Z] experts' rows, never
+    # used in compute), kept by the last rank: with weight decay AdamW shrinks them in one process, so it must in
+    # two; a checkpoint of two processes resumes in one and one of one process in two (the rows cut again)
+    from moetune.testing.families import survey_config
+    from moetune.testing.survey import _random_model
+
+    model = tmp_path / "longcat"
+    _random_model(survey_config("longcat_flash"), seed=0).save_pretrained(model)
+    for f in (ROOT / "examples/data/demo_tokenizer").iterdir():
+        shutil.copy(f, model / f.name)
+    sharded = {"moetune": {"device": "cpu", "num_threads": 1, "expert_parallel": "sharded"}}
+    decay = {**ADAMW, "weight_decay": 0.1}
+
+    def config(name: str, processes: int, **over: object) -> str:
+        per = 4 // processes
+        return str(
+            dist_checks.config(tmp_path, model, name, **decay, per_device_train_batch_size=per, **over)
+        )
+
+    dist_checks.check(dist_checks.single(*CLI, config("one", 1)))
+    dist_checks.check(dist_checks.torchrun(*CLI, config("two", 2, **sharded)))
+    from_two = str(tmp_path / "two" / "out" / "checkpoint-2")
+    dist_checks.check(dist_checks.single(*CLI, config("two_to_one", 1, resume_from_checkpoint=from_two)))
+    from_one = str(tmp_path / "one" / "out" / "checkpoint-2")
+    dist_checks.check(
+        dist_checks.torchrun(*CLI, config("one_to_two", 2, **sharded, resume_from_checkpoint=from_one))
+    )
+    for name in ("two", "two_to_one", "one_to_two"):
+        dist_checks.assert_same_run(tmp_path / name / "out", tmp_path / "one" / "out")
+    adapter = dist_checks.adapter(tmp_path / "two" / "out")
+    r = json.loads((tmp_path / "two" / "out" / "adapter_config.json").read_text())["r"]
+    survey = survey_config("longcat_flash")
+    experts, extra = survey.n_routed_experts, survey.zero_expert_num
+    gate_up_a = [k for k in adapter if ".experts." in k and adapter[k].shape[0] == r * (experts + extra)]
+    assert gate_up_a and extra > 0  # stock PEFT's gate_up lora_A: [(E + Z) r, H]
+    for key in gate_up_a:  # the Z rows: drawn at random, then only shrunk by the decay, as in one process
+        assert adapter[key][experts * r :].abs().max() > 0

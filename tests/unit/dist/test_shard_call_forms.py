@@ -1,7 +1,6 @@
 """Every way a family's block calls its experts (``ExpertsCall``) has a sharded module: the one-process module
 of that call form over ``ShardedExperts`` (``moetune.layer.sharded.SHARDED_MODULES``), so no family is refused
-with ``expert_parallel: sharded`` for its call form; what is still refused (expert LoRA where the layer's LoRA has
-rows of zero-computation experts) is refused by name. The numerics over two processes:
+with ``expert_parallel: sharded`` for its call form. The numerics over two processes:
 ``tests/integration/test_dist_exchange.py``."""
 
 from __future__ import annotations
@@ -12,9 +11,8 @@ import torch
 from moetune.arch.spec import ExpertsCall
 from moetune.dist.exchange import ExpertOwners
 from moetune.engine import DenseExperts, ExpertEngine
-from moetune.errors import ConfigError
 from moetune.layer import EXPERTS_MODULES, CpuExperts
-from moetune.layer.sharded import SHARDED_MODULES, ShardedExperts, check_sharded_expert_lora
+from moetune.layer.sharded import SHARDED_MODULES, ShardedExperts
 
 
 @pytest.mark.parametrize("call", list(ExpertsCall))
@@ -31,8 +29,3 @@ def test_every_call_form_has_its_sharded_module(call) -> None:
     assert module.num_experts == 8 and module.first == 4  # the layer's E, over every rank
     assert "experts 4-7 of 8 (rank 1)" in repr(module)
 
-
-def test_expert_lora_on_zero_computation_experts_is_refused_by_name() -> None:
-    check_sharded_expert_lora("model.layers.0.mlp.experts", 0)  # none: nothing to refuse
-    with pytest.raises(ConfigError, match=r"model.layers.0.mlp.experts also has 4 zero-computation experts"):
-        check_sharded_expert_lora("model.layers.0.mlp.experts", 4)
