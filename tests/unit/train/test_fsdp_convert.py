@@ -116,7 +116,7 @@ def _held(whole: torch.Tensor, t: HeldTensor) -> torch.Tensor:
 def _one_process_steps(steps: int) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]], torch.Tensor]:
     """One process holding every expert: its parameters and AdamW state after ``steps - 1`` steps (copies), and
     the input of step ``steps``."""
-    model, opt, held = _rank(1, 0)
+    model, opt, _ = _rank(1, 0)
     gen = torch.Generator().manual_seed(1)
     xs = [torch.randn(5, IN, generator=gen) for _ in range(steps)]
     for x in xs[:-1]:
