@@ -29,9 +29,9 @@ recompute reuses the experts' forward), ``ignored_modules`` (moetune sets them);
 A LoRA run's checkpoints are accelerate's FSDP files (``pytorch_model_fsdp.bin``, ``optimizer.bin``: full state
 dicts written by the main process) beside the stock adapter; a DDP or one-process checkpoint has ``optimizer.pt``
 instead. A checkpoint of the other kind is converted as it is read (:func:`load_adapter_sharded`,
-:func:`load_optimizer_whole`), except with the expert LoRA sharded by rows (:func:`resume_problem` refuses it by
-name before the model loads). A full/freeze run writes the layer files of one process
-(``moetune.train.layered``) from the shards gathered whole (:func:`gathered_state_dict`,
+:func:`load_optimizer_whole`), with the expert LoRA sharded by rows too (its per-rank optimizer files put together
+for this run's rows by ``sharded_lora.rows_loading``, as within one kind of run). A full/freeze run writes the
+layer files of one process (``moetune.train.layered``) from the shards gathered whole (:func:`gathered_state_dict`,
 :func:`gathered_optimizer_state`) and cuts them back to shards on resume (:func:`shard_like`), so its checkpoints
 resume with or without FSDP.
 """
@@ -41,9 +41,12 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moetune.errors import ConfigError, listing
+
+if TYPE_CHECKING:
+    from moetune.train.sharded_lora import HeldTensor
 
 logger = logging.getLogger(__name__)
 
@@ -233,46 +236,11 @@ def shard_like(whole: Any, like: Any) -> Any:
     )
 
 
-def resume_problem(folder: Path, fsdp: bool, sharded: bool = False) -> str | None:
-    """Why checkpoint ``folder`` cannot be resumed by a run with (``fsdp``) or without FSDP, or None. A LoRA
-    checkpoint of the other kind is converted on resume (:func:`load_optimizer_whole`, :func:`load_adapter_sharded`)
-    unless the expert LoRA is sharded by rows (``sharded``: this run's ``expert_parallel``; or the checkpoint holds
-    rows files), whose per-rank optimizer files only the same kind of run reads."""
-    from moetune.train.sharded_lora import rows_file
-
-    written_by_fsdp = (folder / FSDP_MODEL).is_file() or (folder / FSDP_OPTIMIZER).is_file()
-    other_kind = written_by_fsdp != fsdp and (written_by_fsdp or (folder / DDP_OPTIMIZER).is_file())
-    rows = any(folder.glob(rows_file(0, 1).replace("0-of-1", "*")))  # any rank's rows file
-    if not other_kind or not (sharded or rows):
-        return None
-    if written_by_fsdp:
-        return (
-            f"it was written under FSDP ({FSDP_OPTIMIZER}, {FSDP_MODEL}) and this run has no fsdp, with the expert "
-            "LoRA sharded by rows (expert_parallel: sharded), whose optimizer rows are converted only within one kind "
-            "of run. Resume with the same fsdp settings (any number of processes >= 2)"
-        )
-    return (
-        f"it was written without FSDP ({DDP_OPTIMIZER}) and this run has fsdp, with the expert LoRA sharded by rows "
-        "(expert_parallel: sharded), whose optimizer rows are converted only within one kind of run. Resume without "
-        "fsdp, or with expert_parallel: replicated"
-    )
-
-
 def check_fsdp(cfg: Any, world: int) -> None:
-    """Before the model loads: the FSDP2 settings (:func:`fsdp_plugin`) and whether the checkpoint to resume from
-    can be resumed by this kind of run (:func:`resume_problem`); ``ConfigError`` naming the setting."""
-    from moetune.config.experts import ExpertParallel
-    from moetune.train.preflight import resume_checkpoint
-
-    fsdp = fsdp_plugin(cfg, world) is not None
-    sharded = world > 1 and cfg.engine.experts.expert_parallel is ExpertParallel.SHARDED
-    folder = resume_checkpoint(cfg)
-    if (
-        folder is not None
-        and folder.is_dir()
-        and (problem := resume_problem(folder, fsdp, sharded)) is not None
-    ):
-        raise ConfigError(f"resume_from_checkpoint {folder} cannot be resumed here: {problem}")
+    """Before the model loads: the FSDP2 settings (:func:`fsdp_plugin`; ``ConfigError`` naming the setting). A
+    checkpoint of the other kind (FSDP or not) needs no check here: it is converted as it is read, the expert LoRA's
+    per-rank optimizer rows included (:func:`load_optimizer_whole`)."""
+    fsdp_plugin(cfg, world)
 
 
 def other_kind(folder: str | Path, fsdp: bool) -> bool:
@@ -284,18 +252,29 @@ def other_kind(folder: str | Path, fsdp: bool) -> bool:
     return (src / FSDP_OPTIMIZER).is_file() or (src / FSDP_MODEL).is_file()
 
 
-def load_optimizer_whole(optimizer: Any, model: Any, folder: str | Path) -> None:
+def load_optimizer_whole(
+    optimizer: Any, model: Any, folder: str | Path, held: list[HeldTensor] | None = None
+) -> None:
     """The optimizer state of a LoRA checkpoint written by the other kind of run (:func:`other_kind`), loaded into
     ``optimizer`` (accelerate's wrapper or the torch optimizer) over ``model``'s parameters: FSDP's
     ``optimizer.bin`` (whole tensors keyed by parameter name: torch's full optimizer state dict) or DDP's / one
     process's ``optimizer.pt`` (keyed by position in the Trainer's parameter groups, which both kinds build over
     the same model in the same order). Each tensor is cut to this rank's shard where the parameter is an FSDP2
-    shard (:func:`shard_like`). ``LoadError`` when the saved parameters are not this run's."""
+    shard (:func:`shard_like`). The expert LoRA's weights (``held``: ``sharded_lora.HeldTensor`` s, by default
+    ``model``'s) get their rows' moments as within one kind of run (``sharded_lora.rows_loading``, inside the same
+    ``load_state_dict``): put together from the checkpoint's per-rank rows files (a sharded run of any number of
+    processes, whose optimizer file holds only their step), or cut from whole moments. ``LoadError`` when the
+    saved parameters are not this run's."""
     import torch
 
     from moetune.errors import LoadError
+    from moetune.train.sharded_lora import expert_lora_tensors, rows_loading
 
     src = Path(folder)
+    held = expert_lora_tensors(model) if held is None else held
+    # a weight held by rows ([count r, in] or [out, r count]) takes the whole tensor's moments too: rows_loading
+    # cuts them
+    whole_shape = {id(t.param): t.rows.whole_shape(t.param.shape) for t in held}
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps torch's
     by_id = {id(p): n for n, p in model.named_parameters()}
     groups = [[by_id[id(p)] for p in g["params"]] for g in inner.param_groups]
@@ -319,7 +298,9 @@ def load_optimizer_whole(optimizer: Any, model: Any, folder: str | Path) -> None
         f"{n}/{k} {tuple(v.shape)} for {tuple(params[n].shape)}"
         for n, values in state.items()
         for k, v in values.items()
-        if isinstance(v, torch.Tensor) and v.dim() and v.shape != params[n].shape
+        if isinstance(v, torch.Tensor)
+        and v.dim()
+        and tuple(v.shape) not in (tuple(params[n].shape), whole_shape.get(id(params[n])))
     ]
     if wrong:
         raise LoadError(
@@ -337,7 +318,8 @@ def load_optimizer_whole(optimizer: Any, model: Any, folder: str | Path) -> None
     for group, ours in zip(saved["param_groups"], groups, strict=True):
         param_groups.append({**group, "params": list(range(start, start + len(ours)))})
         start += len(ours)
-    optimizer.load_state_dict({"state": whole, "param_groups": param_groups})
+    with rows_loading(optimizer, held, src):
+        optimizer.load_state_dict({"state": whole, "param_groups": param_groups})
     logger.warning(
         "moetune: %s (written %s FSDP) loaded into this run's optimizer (%s FSDP)",
         path,

@@ -86,7 +86,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
         ranks,
         lambda: recover_checkpoints(cfg.training.output_dir) + recover_model_save(cfg.training.output_dir),
     )
-    check_fsdp(cfg, ranks.world)  # FSDP2 settings and the resume checkpoint's kind, before any weight loads
+    check_fsdp(cfg, ranks.world)  # FSDP2 settings, before any weight loads
     # output_dir, model files, lora_target, resume checkpoint, what the mode asks of the experts: checked before
     # any weight loads
     planned = check_before_load(cfg, dtype, modes, write_probe=ranks.is_main)

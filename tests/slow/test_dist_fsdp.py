@@ -2,7 +2,7 @@
 processes (torchrun, gloo on the CPU standing in for the GPUs) against one process over the same global batches:
 every step's loss, the final stock-PEFT adapter (gathered whole on the main process and written once), each rank
 holding half of the dense weights and all of the routed experts, resuming the FSDP checkpoint, and resuming a
-checkpoint of the other kind (converted; refused by name with the expert LoRA sharded by rows)."""
+checkpoint of the other kind (converted, with the expert LoRA sharded by rows too)."""
 
 from __future__ import annotations
 
@@ -103,13 +103,33 @@ def test_resume_across_fsdp_and_ddp(runs) -> None:
         path = str(dist_checks.config(tmp, model, name, **ADAM, **over))
         dist_checks.check(dist_checks.torchrun(*CLI, path) if two else dist_checks.single(*CLI, path))
         dist_checks.assert_same_run(tmp / name / "out", runs["one"])
-    # the expert LoRA sharded by rows: its per-rank optimizer files are read by the same kind of run only
+
+
+@pytest.mark.slow
+def test_resume_across_fsdp_and_ddp_with_sharded_expert_lora(runs) -> None:
+    # the expert LoRA sharded by rows: each rank's AdamW moments of its rows are in its own rows file, the main
+    # process's optimizer file holds only their step; a run of the other kind puts its rows together from those
+    # files inside the converted optimizer load. Both kinds' runs and both resumes compute the one-process run.
+    tmp, model = runs["tmp"], runs["model"]
     sharded = {"moetune": {"device": "cpu", "num_threads": 1, "expert_parallel": "sharded"}}
-    two = dist_checks.config(
-        tmp, model, "sharded_from_one", **ADAM, **FSDP, **sharded, resume_from_checkpoint=str(one_ckpt)
-    )
-    result = dist_checks.torchrun(*CLI, str(two))
-    assert result.returncode != 0 and "written without FSDP" in result.stderr, result.stderr[-3000:]
+    ddp = {"per_device_train_batch_size": 2}
+    plans: dict[str, dict[str, Any]] = {
+        "fsdp_sharded": {**FSDP, **sharded},
+        "ddp_sharded": {**ddp, **sharded},
+        "ddp_sharded_from_fsdp": {**ddp, **sharded, "resume_from_checkpoint": "fsdp_sharded"},
+        "fsdp_sharded_from_ddp": {**FSDP, **sharded, "resume_from_checkpoint": "ddp_sharded"},
+    }
+    for name, over in plans.items():
+        if "resume_from_checkpoint" in over:
+            source = tmp / over["resume_from_checkpoint"] / "out/checkpoint-2"
+            files = {p.name for p in source.iterdir()}
+            rows = {f"expert_lora_optimizer-rank{r}-of-2.safetensors" for r in range(2)}
+            assert rows <= files and {"optimizer.bin", "optimizer.pt"} & files, sorted(files)
+            over = {**over, "resume_from_checkpoint": str(source)}
+        dist_checks.check(
+            dist_checks.torchrun(*CLI, str(dist_checks.config(tmp, model, name, **ADAM, **over)))
+        )
+        dist_checks.assert_same_run(tmp / name / "out", runs["one"])
 
 
 @pytest.mark.slow

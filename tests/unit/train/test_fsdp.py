@@ -12,7 +12,7 @@ import pytest
 
 from moetune.config import parse_config, training_arguments_kwargs
 from moetune.errors import ConfigError
-from moetune.train.fsdp import fsdp_plugin, other_kind, resume_problem, unsharded
+from moetune.train.fsdp import fsdp_plugin, other_kind, unsharded
 from tests.unit.config.test_config import minimal, workdir  # noqa: F401  (workdir: a fixture)
 
 
@@ -123,23 +123,17 @@ def test_deepspeed_with_fsdp_refused() -> None:
         parse_config(minimal(deepspeed="ds.json", fsdp=True))
 
 
-def test_resume_across_kinds_unless_expert_lora_rows(tmp_path: Path) -> None:
-    # a LoRA checkpoint of the other kind is converted on resume, except with the expert LoRA sharded by rows
+def test_checkpoint_kind(tmp_path: Path) -> None:
+    # a LoRA checkpoint of the other kind is converted on resume (tests/unit/train/test_fsdp_convert.py), the
+    # expert LoRA's rows files included
     fsdp_ckpt, ddp_ckpt = tmp_path / "fsdp", tmp_path / "ddp"
     fsdp_ckpt.mkdir()
     ddp_ckpt.mkdir()
     (fsdp_ckpt / "pytorch_model_fsdp.bin").write_bytes(b"")
     (fsdp_ckpt / "optimizer.bin").write_bytes(b"")
     (ddp_ckpt / "optimizer.pt").write_bytes(b"")
-    for fsdp in (True, False):
-        assert resume_problem(fsdp_ckpt, fsdp=fsdp) is None and resume_problem(ddp_ckpt, fsdp=fsdp) is None
     assert other_kind(fsdp_ckpt, fsdp=False) and other_kind(ddp_ckpt, fsdp=True)
     assert not other_kind(fsdp_ckpt, fsdp=True) and not other_kind(ddp_ckpt, fsdp=False)
-    assert resume_problem(fsdp_ckpt, fsdp=True, sharded=True) is None  # the same kind: the rows are read
-    assert "written under FSDP" in str(resume_problem(fsdp_ckpt, fsdp=False, sharded=True))
-    assert "written without FSDP" in str(resume_problem(ddp_ckpt, fsdp=True, sharded=True))
-    (ddp_ckpt / "expert_lora_optimizer-rank1-of-2.safetensors").write_bytes(b"")  # written with sharded rows
-    assert "expert_parallel: sharded" in str(resume_problem(ddp_ckpt, fsdp=True))
 
 
 @pytest.mark.usefixtures("workdir")
