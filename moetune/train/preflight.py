@@ -56,10 +56,12 @@ def check_before_load(
     process of a multi-process run only: one writer per file). Returns the load it planned
     (``moetune.loading.load.PlannedLoad``), for ``load_model(planned=)``: the meta-device model is built once."""
     from moetune.adapters.apply import resolve_targets
+    from moetune.engine.kernels import check_kernels_env
     from moetune.loading.load import plan_load
     from moetune.loading.options import LoadOptions
     from moetune.train.modes import check_mode_planned
 
+    check_kernels_env()  # MOETUNE_KERNELS, read by every engine the load builds
     if write_probe:
         check_output_dir(cfg.training.output_dir)
     model_path = cfg.model.model_name_or_path

@@ -285,6 +285,13 @@ def test_model_folder(tmp_path, demo_model, no_load, case) -> None:
 # --- output_dir ----------------------------------------------------------------------------------------------
 
 
+def test_kernels_switch_value(tmp_path, demo_model, no_load, monkeypatch) -> None:
+    """A MOETUNE_KERNELS value other than on/off/1/0 is refused before the load (engines read it mid-load)."""
+    monkeypatch.setenv("MOETUNE_KERNELS", "fast")
+    msg = expect(tmp_path, config(tmp_path, demo_model), ConfigError, "MOETUNE_KERNELS must be", demo_model)
+    assert "'fast'" in msg
+
+
 def test_output_dir_parent_is_a_file(tmp_path, demo_model, no_load) -> None:
     (tmp_path / "taken").write_text("a file")
     cfg = config(tmp_path, demo_model, output_dir=str(tmp_path / "taken" / "run"))

@@ -5,6 +5,12 @@ into bf16 AMX tiles (``load_fused`` returns the built module, or None when this 
 it; ``moetune.engine.gemm`` routes experts with few rows to it).
 """
 
-from moetune.engine.kernels.loader import KERNELS_ENV, fused_kernels, fused_unavailable, load_fused
+from moetune.engine.kernels.loader import (
+    KERNELS_ENV,
+    check_kernels_env,
+    fused_kernels,
+    fused_unavailable,
+    load_fused,
+)
 
-__all__ = ["KERNELS_ENV", "fused_kernels", "fused_unavailable", "load_fused"]
+__all__ = ["KERNELS_ENV", "check_kernels_env", "fused_kernels", "fused_unavailable", "load_fused"]

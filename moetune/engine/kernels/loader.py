@@ -91,6 +91,12 @@ def fused_unavailable() -> str:
     return _disabled() or _resolve()[1]
 
 
+def check_kernels_env() -> None:
+    """Raise the ``ConfigError`` for a ``MOETUNE_KERNELS`` value other than on/off/1/0 now (the preflight calls
+    it before the model loads; engines would otherwise meet it at their first GEMM path, mid-load)."""
+    _disabled()
+
+
 def fused_kernels() -> ModuleType | None:
     """``load_fused()`` unless ``MOETUNE_KERNELS`` turns the kernels off now (checked per call; no build)."""
     return None if _disabled() else load_fused()
