@@ -244,11 +244,15 @@ class Int4Experts(QuantizedExperts):
     def params(self) -> dict[str, Any]:
         return {"group_size": self.group_size, "symmetric": self.symmetric}
 
-    def _dequant_rows(self, proj: Projection, expert: int, r0: int, r1: int, out: torch.Tensor) -> None:
+    def _stored(self, proj: Projection) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``proj``'s packed codes ``[E, D_out, D_in / 2]``, scales ``[E, D_out, D_in / g]`` and zero points (None:
+        symmetric)."""
         if proj == "gate_up":
-            packed, scale, zero = self.gate_up, self.gate_up_scale, self.gate_up_zero
-        else:
-            packed, scale, zero = self.down, self.down_scale, self.down_zero
+            return self.gate_up, self.gate_up_scale, self.gate_up_zero
+        return self.down, self.down_scale, self.down_zero
+
+    def _dequant_rows(self, proj: Projection, expert: int, r0: int, r1: int, out: torch.Tensor) -> None:
+        packed, scale, zero = self._stored(proj)
         rows, d = out.shape
         g = self.group_size
         p = packed[expert, r0:r1]  # [rows, D/2]
@@ -269,10 +273,7 @@ class Int4Experts(QuantizedExperts):
     FUSED_MAX_ROWS = 256
 
     def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
-        if proj == "gate_up":
-            packed, scale, zero = self.gate_up, self.gate_up_scale, self.gate_up_zero
-        else:
-            packed, scale, zero = self.down, self.down_scale, self.down_zero
+        packed, scale, zero = self._stored(proj)
         z = None if zero is None else zero[expert]
         return "int4_gemm", (packed[expert], scale[expert], z, self.group_size)
 

@@ -79,10 +79,12 @@ class Int8Experts(QuantizedExperts):
             quantize_rows(down[x].detach(), dn[x], dn_s[x])
         return cls(gu, gu_s, dn, dn_s)
 
+    def _stored(self, proj: Projection) -> tuple[torch.Tensor, torch.Tensor]:
+        """``proj``'s codes ``[E, D_out, D_in]`` int8 and row scales ``[E, D_out]`` fp32."""
+        return (self.gate_up, self.gate_up_scale) if proj == "gate_up" else (self.down, self.down_scale)
+
     def _dequant_rows(self, proj: Projection, expert: int, r0: int, r1: int, out: torch.Tensor) -> None:
-        codes, scale = (
-            (self.gate_up, self.gate_up_scale) if proj == "gate_up" else (self.down, self.down_scale)
-        )
+        codes, scale = self._stored(proj)
         # Two passes over cache-resident rows; a single mixed-dtype mul would first widen the codes into a
         # temporary on the CPU.
         out.copy_(codes[expert, r0:r1]).mul_(scale[expert, r0:r1, None])
@@ -94,18 +96,14 @@ class Int8Experts(QuantizedExperts):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes (|q| <= 127 needs 7 significant bits: exact in bf16) and their per-row fp32 scales."""
         assert dtype in self.SCALED_TILE_DTYPES
-        codes, scale = (
-            (self.gate_up, self.gate_up_scale) if proj == "gate_up" else (self.down, self.down_scale)
-        )
+        codes, scale = self._stored(proj)
         return buf.copy_(codes[expert, rows]), scale[expert, rows]
 
     # the fused kernel beats codes-then-GEMM up to here (bench/formats.py; docs/performance.md, "Fused kernels")
     FUSED_MAX_ROWS = 128
 
     def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
-        codes, scale = (
-            (self.gate_up, self.gate_up_scale) if proj == "gate_up" else (self.down, self.down_scale)
-        )
+        codes, scale = self._stored(proj)
         return "int8_gemm", (codes[expert], scale[expert])
 
     @property
