@@ -79,26 +79,28 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     return out
 
 
-# safetensors' codes of torch dtypes, in the order its writer lays data out: the largest code first, as its Rust
-# ``Dtype`` enum orders them (``save_file`` sorts by dtype, descending, then by name)
+# safetensors' dtype codes in the order its writer lays data out: the largest code first, as its Rust ``Dtype``
+# enum orders them (``save_file`` sorts by dtype, descending, then by name)
 _WRITE_ORDER = (
-    (torch.uint64, "U64"),
-    (torch.int64, "I64"),
-    (torch.float64, "F64"),
-    (torch.float32, "F32"),
-    (torch.uint32, "U32"),
-    (torch.int32, "I32"),
-    (torch.bfloat16, "BF16"),
-    (torch.float16, "F16"),
-    (torch.uint16, "U16"),
-    (torch.int16, "I16"),
-    (torch.float8_e4m3fn, "F8_E4M3"),
-    (torch.float8_e5m2, "F8_E5M2"),
-    (torch.int8, "I8"),
-    (torch.uint8, "U8"),
-    (torch.bool, "BOOL"),
+    "U64",
+    "I64",
+    "F64",
+    "F32",
+    "U32",
+    "I32",
+    "BF16",
+    "F16",
+    "U16",
+    "I16",
+    "F8_E4M3",
+    "F8_E5M2",
+    "I8",
+    "U8",
+    "BOOL",
 )
-_CODES = {dtype: (rank, code) for rank, (dtype, code) in enumerate(_WRITE_ORDER)}
+# what can be written: the dtypes read above and the wide unsigned ones torch also has
+_WRITABLE = {**TORCH_DTYPES, "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16}
+_CODES = {_WRITABLE[code]: (rank, code) for rank, code in enumerate(_WRITE_ORDER)}
 
 
 def layout(
