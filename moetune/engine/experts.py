@@ -32,6 +32,7 @@ from moetune.engine.lora_batch import Chunk, LoraBatch
 from moetune.engine.plan import EngineOptions, EnginePlan, TrainMode, resolve_compute_dtype
 from moetune.engine.routing import (
     Dispatch,
+    Run,
     combine,
     dispatch,
     gather_sorted,
@@ -47,6 +48,13 @@ from moetune.engine.workspace import Workspace, thread_workspace
 from moetune.errors import EngineError, EngineStateError, NonFiniteError
 
 _engine_ids = itertools.count()
+
+# A run's rows at most (``Dispatch.runs``): the activation, router dot and weighting run once per run of experts
+# instead of once per expert (about 10 ops each, ~40-60 us of dispatch per expert at T = 128, E = 128), while a
+# run's [rows, 2I] activations stay about L2-sized (256 x 1536 bf16: 768 KiB).
+RUN_ROWS = 256
+# With the expert pool, runs are cut to give each worker at least this many, so largest-first can balance them.
+RUNS_PER_WORKER = 4
 
 
 def _rows(t: torch.Tensor | None, s0: int, s1: int) -> torch.Tensor | None:
@@ -198,17 +206,23 @@ class ExpertEngine:
         if bias is not None:
             out.add_(bias)
 
-    def _each_expert(self, disp: Dispatch, fn: Callable[[tuple[int, int, int]], object]) -> None:
-        """``fn((e, s0, s1))`` for every active expert's segment: one after another in this thread, or in
-        parallel on an ``ExpertPool`` (largest first, so the last to finish are small). Every expert writes only
-        its own rows (and its own LoRA or base gradient slices), so the order changes no result."""
-        segments = disp.segments()
-        workers, intra = self._workers(len(segments))
+    def _each_run(self, disp: Dispatch, fn: Callable[[Run], object]) -> None:
+        """``fn(run)`` for runs of consecutive active experts (``Dispatch.runs``) covering them all: one after
+        another in this thread, or in parallel on an ``ExpertPool`` (largest first, so the last to finish are
+        small). A run's experts each take their own GEMMs; the elementwise work between them (activation, router
+        dot, weighting) runs once over the run's rows. Every run writes only its own rows (and its experts' LoRA
+        or base gradient slices), so the order changes no result."""
+        workers, _ = self._workers(len(disp.counts) - disp.counts.count(0))
+        rows = RUN_ROWS
+        if workers > 1:  # several runs per worker, so that largest-first can balance them
+            rows = min(RUN_ROWS, max(1, sum(disp.counts) // (RUNS_PER_WORKER * workers)))
+        runs = disp.runs(rows)
+        workers, intra = self._workers(len(runs))
         if workers == 1:
-            for seg in segments:
-                fn(seg)
+            for run in runs:
+                fn(run)
             return
-        expert_pool(workers, intra).run(fn, sorted(segments, key=lambda seg: seg[1] - seg[2]))
+        expert_pool(workers, intra).run(fn, sorted(runs, key=lambda run: run.start - run.end))
 
     def _workers(self, tasks: int) -> tuple[int, int]:
         """``(workers, intra)`` for ``tasks`` expert tasks (``threads.split_threads``)."""
@@ -298,25 +312,27 @@ class ExpertEngine:
         if batch is not None:
             self._each_chunk(batch, lambda ch: batch.forward(ch, "gate_up", xs, gu, xa))
 
-        def gate_up_forward(seg: tuple[int, int, int]) -> None:
-            e, s0, s1 = seg
-            self._project("gate_up", e, xs[s0:s1], gu[s0:s1], _rows(xa, s0, s1), each(e), batch is not None)
-            self.act(gu[s0:s1], out=hid[s0:s1])
+        def gate_up_forward(run: Run) -> None:
+            for e, s0, s1 in run.segments:
+                self._project(
+                    "gate_up", e, xs[s0:s1], gu[s0:s1], _rows(xa, s0, s1), each(e), batch is not None
+                )
+            self.act(gu[run.start : run.end], out=hid[run.start : run.end])
 
-        def down_forward(seg: tuple[int, int, int]) -> None:
-            e, s0, s1 = seg
-            self._project("down", e, hid[s0:s1], ys[s0:s1], _rows(ha, s0, s1), each(e), batch is not None)
+        def down_forward(run: Run) -> None:
+            for e, s0, s1 in run.segments:
+                self._project("down", e, hid[s0:s1], ys[s0:s1], _rows(ha, s0, s1), each(e), batch is not None)
 
-        def expert_forward(seg: tuple[int, int, int]) -> None:
-            gate_up_forward(seg)
-            down_forward(seg)
+        def expert_forward(run: Run) -> None:
+            gate_up_forward(run)
+            down_forward(run)
 
         if batch is None:
-            self._each_expert(disp, expert_forward)
+            self._each_run(disp, expert_forward)
         else:  # the down projection's LoRA needs every expert's h first
-            self._each_expert(disp, gate_up_forward)
+            self._each_run(disp, gate_up_forward)
             self._each_chunk(batch, lambda ch: batch.forward(ch, "down", hid, ys, ha))
-            self._each_expert(disp, down_forward)
+            self._each_run(disp, down_forward)
         self._check_finite("expert outputs", ys, disp)
         y = combine(ys, disp, topk_weights, self.ws.get("slots", (n, h), cd)).to(x.dtype)
 
@@ -396,6 +412,7 @@ class ExpertEngine:
         gdt = torch.promote_types(cd, torch.float32)
 
         batch = self._lora_batch(lora_pass, disp)
+        batched = batch is not None
         each = self._own_lora(lora_pass, batch)  # each(e): expert e's LoRA terms, unless batched
         ggu_all = None  # [N, 2I] grad at gate_up, kept between the two loops when LoRA runs batched
         if batch is not None:
@@ -405,60 +422,66 @@ class ExpertEngine:
             self._each_chunk(batch, lambda ch: batch.backward_input(ch, "down", gs, gh_all))
             ggu_all = self.ws.get("ggu", (n, 2 * i), cd)
 
-        def down_backward(seg: tuple[int, int, int]) -> torch.Tensor:
-            """Expert e's recompute, activation and down projection backward: its grad at gate_up ``[n, 2I]``."""
-            e, s0, s1 = seg
-            xs_e, xa_e = _rows(xs, s0, s1), _rows(xa_all, s0, s1)
-            gu_e = gu_all[s0:s1]
+        def down_backward(run: Run) -> torch.Tensor:
+            """A run's recompute, activation and down projection backward: its grad at gate_up ``[rows, 2I]``."""
+            r0, r1 = run.start, run.end
             if plan.recompute_gate_up:
-                assert xs_e is not None
-                self._project("gate_up", e, xs_e, gu_e, xa_e, each(e), batch is not None)
-            # per-thread scratch (experts may run in parallel): what the vjp reuses of the activation, and its
-            # result; both live only inside this expert's backward
+                assert xs is not None
+                for e, s0, s1 in run.segments:
+                    self._project(
+                        "gate_up", e, xs[s0:s1], gu_all[s0:s1], _rows(xa_all, s0, s1), each(e), batched
+                    )
+            # per-thread scratch (runs may be computed in parallel): what the vjp reuses of the activation, and its
+            # result; both live only inside this run's backward
             scratch = thread_workspace()
-            memo = scratch.get("act_memo", (s1 - s0, i), cd)  # [n, I]
-            h_e = self.act.forward_saving(gu_e, hid[s0:s1], memo)
-            g_e, w_e, gh_e = gs[s0:s1], w_sorted[s0:s1], gh_all[s0:s1]
+            memo = scratch.get("act_memo", (r1 - r0, i), cd)  # [rows, I]
+            gu, g, w, gh = gu_all[r0:r1], gs[r0:r1], w_sorted[r0:r1], gh_all[r0:r1]
+            h = self.act.forward_saving(gu, hid[r0:r1], memo)  # [rows, I]
 
             # down projection: gh = g @ (W2 + s B2 A2 (dropout)) ; all unweighted by w until the router grad is taken
-            own = each(e)
-            if own is not None:  # writes its term into gh_e; the base GEMM accumulates into it
-                own.backward("down", e, g_e, gh_e, h_e, _rows(ha_all, s0, s1), w_e, lora_g)
-            self.gemm.matmul_w("down", e, g_e, gh_e, accumulate=lora_pass is not None)
+            for e, s0, s1 in run.segments:
+                own = each(e)
+                if own is not None:  # writes its term into gh's rows; the base GEMM accumulates into it
+                    own.backward(
+                        "down",
+                        e,
+                        gs[s0:s1],
+                        gh_all[s0:s1],
+                        hid[s0:s1],
+                        _rows(ha_all, s0, s1),
+                        w_sorted[s0:s1],
+                        lora_g,
+                    )
+                self.gemm.matmul_w("down", e, gs[s0:s1], gh_all[s0:s1], accumulate=lora_pass is not None)
             # d y / d w[t, j] = <grad_y[t], FFN_e(x_t)> = <gh_unweighted, h> (+ <g, b2_e>): no [N, H] output kept
-            torch.sum(gh_e * h_e, dim=1, out=gw_sorted[s0:s1])
-            b2 = self._bias("down", e)
-            if b2 is not None:
-                gw_sorted[s0:s1] += g_e @ b2
-            if base_g is not None:  # only this expert's slices: experts without rows get no tensor at all
-                mine = base_g.by_expert[e] = {"down": self._sum_rows(g_e, h_e * w_e, gdt)}
-                if self.down_bias is not None:
-                    mine["down_bias"] = (g_e * w_e).sum(0).to(gdt)
-            gh_e.mul_(w_e)
-            ggu = scratch.get("act_grad", (s1 - s0, 2 * i), cd) if ggu_all is None else ggu_all[s0:s1]
-            return self.act.vjp_into(gu_e, gh_e, memo, ggu)  # [n, 2I]
+            torch.sum(gh * h, dim=1, out=gw_sorted[r0:r1])
+            if self.down_bias is not None or base_g is not None:
+                self._down_bias_and_base_grads(run, g, h, w, gw_sorted[r0:r1], base_g, gdt)
+            gh.mul_(w)
+            ggu = scratch.get("act_grad", (r1 - r0, 2 * i), cd) if ggu_all is None else ggu_all[r0:r1]
+            return self.act.vjp_into(gu, gh, memo, ggu)  # [rows, 2I]
 
-        def gate_up_backward(seg: tuple[int, int, int], ggu: torch.Tensor) -> None:
-            """Expert e's gate_up projection backward from its grad at gate_up ggu ``[n, 2I]``."""
-            e, s0, s1 = seg
-            xs_e, gxs_e = _rows(xs, s0, s1), gxs[s0:s1]
-            own = each(e)
-            if own is not None:
-                assert xs_e is not None
-                own.backward("gate_up", e, ggu, gxs_e, xs_e, _rows(xa_all, s0, s1), None, lora_g)
-            self.gemm.matmul_w("gate_up", e, ggu, gxs_e, accumulate=lora_pass is not None)
-            if base_g is not None:
-                assert xs_e is not None
-                mine = base_g.by_expert[e]
-                mine["gate_up"] = self._sum_rows(ggu, xs_e, gdt)
-                if self.gate_up_bias is not None:
-                    mine["gate_up_bias"] = ggu.sum(0).to(gdt)
+        def gate_up_backward(run: Run, ggu: torch.Tensor) -> None:
+            """A run's gate_up projection backward from its grad at gate_up ggu ``[rows, 2I]``."""
+            for e, s0, s1 in run.segments:
+                ggu_e, xs_e, gxs_e = ggu[s0 - run.start : s1 - run.start], _rows(xs, s0, s1), gxs[s0:s1]
+                own = each(e)
+                if own is not None:
+                    assert xs_e is not None
+                    own.backward("gate_up", e, ggu_e, gxs_e, xs_e, _rows(xa_all, s0, s1), None, lora_g)
+                self.gemm.matmul_w("gate_up", e, ggu_e, gxs_e, accumulate=lora_pass is not None)
+                if base_g is not None:
+                    assert xs_e is not None
+                    mine = base_g.by_expert[e]
+                    mine["gate_up"] = self._sum_rows(ggu_e, xs_e, gdt)
+                    if self.gate_up_bias is not None:
+                        mine["gate_up_bias"] = ggu_e.sum(0).to(gdt)
 
         if batch is None:
-            self._each_expert(disp, lambda seg: gate_up_backward(seg, down_backward(seg)))
+            self._each_run(disp, lambda run: gate_up_backward(run, down_backward(run)))
         else:  # the batched LoRA products need every expert's h, then every expert's grad at gate_up
             assert ggu_all is not None and xs is not None
-            self._each_expert(disp, down_backward)
+            self._each_run(disp, down_backward)
             xs_all, ggu = xs, ggu_all  # narrowed for the closures
 
             def lora_grads(ch: Chunk) -> None:
@@ -467,7 +490,7 @@ class ExpertEngine:
                 batch.backward_weights(ch, "gate_up", xs_all, xa_all, None, lora_g)
 
             self._each_chunk(batch, lora_grads)
-            self._each_expert(disp, lambda seg: gate_up_backward(seg, ggu_all[seg[1] : seg[2]]))
+            self._each_run(disp, lambda run: gate_up_backward(run, ggu_all[run.start : run.end]))
         if lora_pass is not None:
             lora_g = lora_pass.in_call_order(lora_g)
         grad_x = sum_slots(gxs, disp, self.ws.get("slots", (n, h), cd))  # [T, H]
@@ -479,6 +502,31 @@ class ExpertEngine:
             lora=lora_g or None,
             base=base_g,
         )
+
+    def _down_bias_and_base_grads(
+        self,
+        run: Run,
+        g: torch.Tensor,
+        h: torch.Tensor,
+        w: torch.Tensor,
+        gw: torch.Tensor,
+        base_g: BaseGrads | None,
+        gdt: torch.dtype,
+    ) -> None:
+        """A run's down-bias term of the router grad (``gw [rows] += g_e @ b2_e``) and, in full mode, its experts'
+        down and down-bias grads, from g ``[rows, H]`` (unweighted), h ``[rows, I]`` and w ``[rows, 1]``."""
+        hw = h * w if base_g is not None else None  # [rows, I]
+        gwt = g * w if base_g is not None and self.down_bias is not None else None  # [rows, H]
+        for e, s0, s1 in run.segments:
+            a, b = s0 - run.start, s1 - run.start
+            b2 = self._bias("down", e)
+            if b2 is not None:
+                gw[a:b] += g[a:b] @ b2
+            if hw is not None:  # only this expert's slices: experts without rows get no tensor at all
+                assert base_g is not None
+                mine = base_g.by_expert[e] = {"down": self._sum_rows(g[a:b], hw[a:b], gdt)}
+                if gwt is not None:
+                    mine["down_bias"] = gwt[a:b].sum(0).to(gdt)
 
     def base_tensors(self) -> dict[str, torch.Tensor]:
         """Full mode's trained base tensors by ``base_grads.BASE_NAMES`` name: gate_up ``[E, 2I, H]``, down

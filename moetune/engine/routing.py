@@ -8,10 +8,21 @@ rows one contiguous segment, so its GEMMs run on views with no further copies.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from moetune.errors import EngineError
+
+Segment = tuple[int, int, int]  # expert, first sorted row, end row
+
+
+class Run(NamedTuple):
+    """Consecutive active experts whose sorted rows are one range: ``segments`` and their rows ``[start, end)``."""
+
+    segments: tuple[Segment, ...]
+    start: int
+    end: int
 
 
 @dataclass(frozen=True)
@@ -25,13 +36,24 @@ class Dispatch:
     token: torch.Tensor  # [N] int64: token of each sorted row (order // k)
     counts: tuple[int, ...]  # [E] rows per expert
 
-    def segments(self) -> list[tuple[int, int, int]]:
+    def segments(self) -> list[Segment]:
         """``(expert, start, end)`` of each active expert's rows in sorted order."""
         out, start = [], 0
         for e, n in enumerate(self.counts):
             if n:
                 out.append((e, start, start + n))
             start += n
+        return out
+
+    def runs(self, max_rows: int) -> list[Run]:
+        """The active experts' segments grouped into runs of consecutive experts, in order: a run's rows are one
+        contiguous range ``[start, end)`` of at most ``max_rows`` rows, or a single expert with more."""
+        out: list[Run] = []
+        for seg in self.segments():
+            if out and seg[2] - out[-1].start <= max_rows:
+                out[-1] = Run(out[-1].segments + (seg,), out[-1].start, seg[2])
+            else:
+                out.append(Run((seg,), seg[1], seg[2]))
         return out
 
     @property
