@@ -157,7 +157,7 @@ class ExpertEngine:
         if not plan.lora:
             return None
         assert lora is not None
-        return LoraPass(lora, self.compute_dtype, seed, self.split)
+        return LoraPass(lora, self.compute_dtype, seed, self.split, self.ws)
 
     @staticmethod
     def _own_lora(lora: LoraPass | None, batch: LoraBatch | None) -> Callable[[int], LoraPass | None]:
