@@ -153,11 +153,13 @@ class ExpertEngine:
 
     def _lora_pass(self, plan: EnginePlan, lora: ExpertLoRA | None, seed: int | None) -> LoraPass | None:
         """The LoRA terms of one pass with the call's ``lora`` (compute-dtype copies of A and B), or None when
-        the call's ``plan`` has no LoRA."""
+        the call's ``plan`` has no LoRA. Its copies, and the batched products' buffers (``_lora_batch``), go to the
+        calling thread's workspace: a pass's own scratch, so one set serves every engine (layer) the thread runs,
+        one pass at a time, instead of one set per layer."""
         if not plan.lora:
             return None
         assert lora is not None
-        return LoraPass(lora, self.compute_dtype, seed, self.split, self.ws)
+        return LoraPass(lora, self.compute_dtype, seed, self.split, thread_workspace())
 
     @staticmethod
     def _own_lora(lora: LoraPass | None, batch: LoraBatch | None) -> Callable[[int], LoraPass | None]:
@@ -170,7 +172,7 @@ class ExpertEngine:
     def _lora_batch(self, lora: LoraPass | None, disp: Dispatch) -> LoraBatch | None:
         """The pass's LoRA products for all experts at once (``lora_batch``), or None: per expert."""
         rows = LoraBatch.plan(lora, disp) if self.options.batch_lora else None
-        return None if rows is None else LoraBatch(lora, disp, rows)  # type: ignore[arg-type]
+        return None if rows is None else LoraBatch(lora, disp, rows, thread_workspace())  # type: ignore[arg-type]
 
     def _sum_rows(self, g: torch.Tensor, inp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A base weight's gradient ``g [n, D_out]^T @ inp [n, D_in]`` -> ``[D_out, D_in]`` in ``dtype``, summed over

@@ -166,7 +166,7 @@ class LoraPass:
     """The LoRA terms of one forward or backward (or backward's recompute), for any expert e.
 
     Holds A and B in the compute dtype (copied once per pass: the fp32 masters may change between passes; into
-    ``ws``, the engine's workspace, when given, so they are valid only until its next pass),
+    ``ws`` when given, the calling thread's workspace, so they are valid only until the thread's next pass),
     the scaling ``s`` and the forward's dropout ``seed`` (None: no dropout). gate_up's B is held in the
     engine's row order (gate rows, then up rows: ``ExpertLoRA.gate_up_rows`` applied); the grads it forms are
     in that order too until :meth:`in_call_order`. Row counts below are the expert's n rows; ``D_in``/``D_out``
@@ -193,7 +193,7 @@ class LoraPass:
         def operand(name: str, t: torch.Tensor) -> torch.Tensor:
             # contiguous: a call may pass strided views (PEFT's rank-major lora_B seen as [E, out, r]); every
             # expert's GEMMs then read unit-stride rows, and the copy is r / in of the base weights' size. Into the
-            # engine's workspace when it has one: a fresh copy per pass measured 1.3-5.6 ms against ~1.2 ms reused
+            # workspace when given (reused): a fresh copy per pass measured 1.3-5.6 ms against ~1.2 ms reused
             # (E = 128, r = 8; page faults), and the copies live only while the pass runs
             if t.dtype == compute_dtype and t.is_contiguous():
                 return t

@@ -14,21 +14,25 @@ import torch
 
 
 class Workspace:
-    """Named, growable scratch buffers. A view handed out is valid until the same name is asked for again."""
+    """Named, growable scratch buffers. A view handed out is valid until the same name is asked for again with
+    more elements (then a larger buffer replaces it); asked for with as many or fewer, the name hands out the same
+    memory, also to threads asking at once (the engine's chunks on the expert pool each write their own part)."""
 
     def __init__(self) -> None:
         self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._lock = threading.Lock()
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = math.prod(shape)
         key = (name, dtype)
-        buf = self._bufs.get(key)
-        if buf is None or buf.numel() < numel:
-            # a normal tensor even when first asked for under torch.inference_mode: an inference tensor could
-            # not be written again by a later call outside it (generate after an inference-mode evaluation)
-            with torch.inference_mode(False):
-                buf = torch.empty(numel, dtype=dtype)
-            self._bufs[key] = buf
+        with self._lock:  # two threads growing one name at once would each get a buffer of their own
+            buf = self._bufs.get(key)
+            if buf is None or buf.numel() < numel:
+                # a normal tensor even when first asked for under torch.inference_mode: an inference tensor could
+                # not be written again by a later call outside it (generate after an inference-mode evaluation)
+                with torch.inference_mode(False):
+                    buf = torch.empty(numel, dtype=dtype)
+                self._bufs[key] = buf
         return buf[:numel].view(shape)
 
     @property

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moetune.engine.lora import ExpertLoRA, LoraPass
 from moetune.engine.lora_batch import MAX_BATCH_ROWS, PAD_LIMIT, LoraBatch
 from moetune.engine.routing import dispatch
+from moetune.engine.workspace import Workspace
 from tests.unit.engine_cases import build_module, make_layer, make_routing, rel_err, run_module, run_reference
 
 BF16_TOL = 2e-2  # as test_shapes: bf16 products rounded once
@@ -182,3 +183,19 @@ def test_batched_bmm_shapes_stay_in_a_fixed_set():
             run_module(mod, x.bfloat16(), ids, w.bfloat16(), torch.randn(t, 64))
         assert rec.baddbmm >= 4
         assert rec.dims - {t, 2} <= allowed, sorted(rec.dims - allowed)  # t, k: the combine's bmm
+
+
+def test_named_pads_fill_each_chunks_part_of_one_reused_workspace_buffer():
+    counts = [3, 0, 5, 1, 2, 0, 4, 1]
+    ws = Workspace()
+    batch = LoraBatch(_pass(), dispatch(_ids(counts), 8), 8, ws)
+    rows = torch.arange(16 * 3, dtype=torch.float32).view(16, 3)  # [N, 3], sorted order
+    chunks = batch.chunks(3)
+    parts = [batch.pad(rows, chunk, "x") for chunk in chunks]
+    whole = ws.get("lora_batch_x", (8, 8, 3), torch.float32)
+    assert torch.equal(torch.cat(parts), whole)  # the chunks' parts tile the one buffer, in expert order
+    for chunk, part in zip(chunks, parts):
+        assert part.data_ptr() == whole[chunk[0]].data_ptr()
+        assert torch.equal(part, batch.pad(rows, chunk))  # as the fresh pad
+    again = LoraBatch(_pass(), dispatch(_ids(counts), 8), 8, ws).pad(rows, chunks[0], "x")
+    assert again.data_ptr() == whole.data_ptr()  # the next pass reuses it

@@ -1,4 +1,4 @@
-"""``LoraPass``'s compute-dtype operands: copied into the engine's workspace (reused from pass to pass) or, without
+"""``LoraPass``'s compute-dtype operands: copied into a workspace (the calling thread's in the engine; reused from pass to pass) or, without
 one, fresh; the same numbers either way, and no copy where the masters are already the operands."""
 
 from __future__ import annotations
