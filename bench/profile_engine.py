@@ -9,8 +9,8 @@ each format's ``from_dense``) and prints the engine's GEMM path. Per (T, mode): 
 steps, the profiled step's wall time, and its split: base GEMMs, LoRA GEMMs (an operand of width r), the
 combine's bmm, elementwise ops (activation, its backward, weighting, the router's row dots, scales), copies /
 gathers / fills / dtype conversions (weight codes included), the bit operations that unpack quantized codes,
-other aten ops, and the gap (wall time no op accounts for: Python and dispatch). ``docs/performance.md``
-holds a run.
+other aten ops, and the gap (wall time no op accounts for: Python and dispatch); also the number of torch ops the
+step called (views included: a count that machine load does not change). ``docs/performance.md`` holds a run.
 """
 
 from __future__ import annotations
@@ -116,12 +116,15 @@ def main() -> None:
                 step.backward(step.forward())
                 wall = (time.perf_counter() - t0) * 1e3
             split: dict[str, float] = {}
+            calls = 0
             for ev in prof.key_averages(group_by_input_shape=True):
                 c = category(ev.key, str(ev.input_shapes), r)
                 split[c] = split.get(c, 0.0) + ev.self_cpu_time_total / 1e3
+                calls += ev.count
             split["gap (Python, dispatch)"] = wall - sum(split.values())
             print(
-                f"T={t} {mode.value}: median {statistics.median(times) * 1e3:.1f} ms, profiled {wall:.1f} ms"
+                f"T={t} {mode.value}: median {statistics.median(times) * 1e3:.1f} ms, profiled {wall:.1f} ms, "
+                f"{calls} torch ops (views included)"
             )
             for c, ms in sorted(split.items(), key=lambda kv: -kv[1]):
                 print(f"    {c:26} {ms:8.1f} ms {ms / wall:6.1%}")
