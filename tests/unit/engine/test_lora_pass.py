@@ -1,5 +1,6 @@
-"""``LoraPass``'s compute-dtype operands: copied into a workspace (the calling thread's in the engine; reused from pass to pass) or, without
-one, fresh; the same numbers either way, and no copy where the masters are already the operands."""
+"""``LoraPass``'s compute-dtype operands: copied into a workspace (in the engine the calling thread's, reused from
+pass to pass) or, without one, fresh; the same numbers either way, and no copy where the masters are already the
+operands."""
 
 from __future__ import annotations
 
