@@ -35,6 +35,16 @@ class Workspace:
                 self._bufs[key] = buf
         return buf[:numel].view(shape)
 
+    def __getstate__(self) -> dict[str, object]:
+        # a copy (copy.deepcopy of a model, its engines with it) gets a lock of its own: locks cannot be copied
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self._bufs.values())

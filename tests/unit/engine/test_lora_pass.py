@@ -1,8 +1,10 @@
 """``LoraPass``'s compute-dtype operands: copied into a workspace (in the engine the calling thread's, reused from
 pass to pass) or, without one, fresh; the same numbers either way, and no copy where the masters are already the
-operands."""
+operands. And a workspace survives ``copy.deepcopy`` (its lock is not copied)."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -54,3 +56,14 @@ def test_masters_already_in_the_compute_dtype_are_used_as_they_are():
     )
     b1 = _operands(LoraPass(strided, torch.float32, None, ws=ws))[1]
     assert b1.is_contiguous() and torch.equal(b1, lora.gate_up_B) and ws.nbytes == b1.nbytes
+
+
+def test_a_workspace_copies_with_its_buffers_and_a_lock_of_its_own():
+    ws = Workspace()
+    ws.get("a", (2, 3), torch.float32).fill_(1.0)
+    twin = copy.deepcopy(ws)  # a deep copy of a model copies its engines' workspaces
+    assert twin._lock is not ws._lock
+    got = twin.get("a", (2, 3), torch.float32)
+    assert (
+        torch.equal(got, torch.ones(2, 3)) and got.data_ptr() != ws.get("a", (2, 3), torch.float32).data_ptr()
+    )
