@@ -15,7 +15,11 @@
 //   backward: C[16 n, 16 k] += G[16 n, 32 o] . W'[16 o/2, 16 k x 2]: g (scaled) is re-laid into A tiles; W'
 //             interleaves the decoded rows o and o + 1 of a 64-column strip.
 // Each thread of at::parallel_for configures its own tiles (AMX state is per thread).
-#include <torch/extension.h>
+// The weight decoders (decoders.h) and the Python entry points (entry.h) are shared with the other variants.
+#define MOETUNE_VARIANT "AMX-BF16"
+
+#include "decoders.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cpuid.h>
@@ -28,6 +32,9 @@
 #include <vector>
 
 namespace {
+
+using moetune::bf16_to_float;
+using moetune::first;
 
 constexpr int kMaxBlocks = 4;  // 16-row blocks of n per pass over a panel: 4 C tiles + A + B tiles fit AMX's 8
 // Software prefetch distances: forward, columns ahead in each of a block's 16 rows; backward, 32-row steps ahead
@@ -50,7 +57,7 @@ struct alignas(64) TileConfig {
 };
 
 // Why not usable here, or "" when AMX-BF16 tiles are available to this process.
-std::string amx_unavailable() {
+std::string variant_unavailable() {
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return "CPUID leaf 7 is missing";
   bool amx_bf16 = d & (1u << 22), amx_tile = d & (1u << 24);
@@ -64,11 +71,6 @@ std::string amx_unavailable() {
   return "";
 }
 
-const std::string& amx_status() {
-  static const std::string status = amx_unavailable();
-  return status;
-}
-
 MOETUNE_AMX inline void configure_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
@@ -77,52 +79,6 @@ MOETUNE_AMX inline void configure_tiles() {
   }
   _tile_loadconfig(&cfg);
 }
-
-MOETUNE_AMX inline __mmask16 first(int valid) {
-  return valid >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (valid > 0 ? valid : 0)) - 1u);
-}
-
-MOETUNE_AMX inline float bf16_to_float(const at::BFloat16 v) {
-  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// A weight decoder: 16 consecutive values of row o from column k0 (k0 % 16 == 0), fp32, zero past `valid`.
-struct Int8Rows {
-  const int8_t* codes;  // [O, K]
-  int64_t K;
-  MOETUNE_AMX inline __m512 operator()(int64_t o, int64_t k0, int valid) const {
-    __m128i b = _mm_maskz_loadu_epi8(first(valid), codes + o * K + k0);
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-  }
-  // bring the line holding (o, k) towards L1 (k < K)
-  inline void prefetch(int64_t o, int64_t k) const {
-    _mm_prefetch(reinterpret_cast<const char*>(codes + o * K + k), _MM_HINT_T0);
-  }
-};
-
-struct Int4Rows {
-  const uint8_t* packed;  // [O, K/2]: byte j holds u[j] (low nibble) and u[j + K/2] (high nibble)
-  const at::BFloat16* scale;  // [O, K/g]
-  const uint8_t* zero;  // [O, K/g] or null (symmetric: z = 8)
-  int64_t half, groups;  // K/2, K/g
-  int shift;  // log2(g): g is a power of two (32, 64, 128), so no division per call
-  MOETUNE_AMX inline __m512 operator()(int64_t o, int64_t k0, int valid) const {
-    const bool high = k0 >= half;  // K/2 is a multiple of 16 (g >= 32 divides K), so no chunk straddles
-    __mmask16 m = first(valid);
-    __m512i u = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, packed + o * half + (high ? k0 - half : k0)));
-    u = high ? _mm512_srli_epi32(u, 4) : _mm512_and_si512(u, _mm512_set1_epi32(0x0F));
-    const int64_t gi = o * groups + (k0 >> shift);
-    const int z = zero ? zero[gi] : 8;
-    __m512 w = _mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(z)));
-    return _mm512_maskz_mul_ps(m, w, _mm512_set1_ps(bf16_to_float(scale[gi])));
-  }
-  inline void prefetch(int64_t o, int64_t k) const {
-    _mm_prefetch(reinterpret_cast<const char*>(packed + o * half + (k >= half ? k - half : k)), _MM_HINT_T0);
-  }
-};
 
 // x [n, K] bf16 (row stride ldx) -> B tiles [nb][ks][16 kp][16 n][2], zero-padded to 16 rows and 32 columns.
 MOETUNE_AMX void relayout_rows(const at::BFloat16* x, int64_t ldx, int64_t n, int64_t K, int64_t steps,
@@ -365,19 +321,10 @@ MOETUNE_AMX void scaled_rows(const at::BFloat16* g, int64_t ldg, int64_t n, int6
   }
 }
 
-void check_operands(const torch::Tensor& a, const torch::Tensor& out, int64_t a_cols, int64_t out_cols) {
-  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "bf16 operands only");
-  TORCH_CHECK(a.dim() == 2 && out.dim() == 2 && a.size(0) == out.size(0), "2-D operands with equal rows");
-  TORCH_CHECK(a.size(1) == a_cols && out.size(1) == out_cols, "operand widths do not match the weight");
-  TORCH_CHECK(a.stride(1) == 1 && out.stride(1) == 1, "operands need contiguous rows");
-}
-
 template <class Dec>
-void run(bool forward, const Dec& dec, const float* row_scale, const torch::Tensor& a, torch::Tensor& out,
-         int64_t O, int64_t K, bool accumulate) {
-  check_operands(a, out, forward ? K : O, forward ? O : K);
+void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch::Tensor& a, torch::Tensor& out,
+              int64_t O, int64_t K, bool accumulate) {
   const int64_t n = a.size(0), padded = (n + 15) / 16 * 16;
-  if (n == 0) return;
   const auto* ap = a.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
   const int64_t lda = a.stride(0), ldo = out.stride(0);
@@ -399,49 +346,6 @@ void run(bool forward, const Dec& dec, const float* row_scale, const torch::Tens
   }
 }
 
-void require_amx() { TORCH_CHECK(amx_status().empty(), "moetune fused kernels: ", amx_status()); }
-
-// a: x [n, K] (forward) or g [n, O] (backward); out: [n, O] or [n, K]; codes [O, K] int8; scale [O] fp32.
-void int8_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& codes,
-               const torch::Tensor& scale, bool accumulate) {
-  require_amx();
-  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(), "codes: int8 [O, K]");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == codes.size(0),
-              "scale: fp32 [O]");
-  const int64_t O = codes.size(0), K = codes.size(1);
-  run(forward, Int8Rows{codes.data_ptr<int8_t>(), K}, scale.data_ptr<float>(), a, out, O, K, accumulate);
-}
-
-// packed [O, K/2] uint8; scale [O, K/g] bf16; zero [O, K/g] uint8 or None.
-void int4_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& packed,
-               const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero, int64_t group,
-               bool accumulate) {
-  require_amx();
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
-              "packed: uint8 [O, K/2]");
-  const int64_t O = packed.size(0), K = 2 * packed.size(1);
-  TORCH_CHECK(group % 16 == 0 && K % group == 0 && (K / 2) % 16 == 0, "group must be a multiple of 16 dividing K");
-  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.is_contiguous() && scale.numel() == O * (K / group),
-              "scale: bf16 [O, K/g]");
-  const uint8_t* zp = nullptr;
-  if (zero.has_value()) {
-    TORCH_CHECK(zero->scalar_type() == at::kByte && zero->is_contiguous() && zero->numel() == O * (K / group),
-                "zero: uint8 [O, K/g]");
-    zp = zero->data_ptr<uint8_t>();
-  }
-  TORCH_CHECK((group & (group - 1)) == 0, "group must be a power of two");
-  Int4Rows dec{packed.data_ptr<uint8_t>(), scale.data_ptr<at::BFloat16>(), zp, K / 2, K / group,
-               __builtin_ctzll(static_cast<unsigned long long>(group))};
-  run(forward, dec, nullptr, a, out, O, K, accumulate);
-}
-
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("unavailable", [] { return amx_status(); }, "why the kernels cannot run here, or '' when they can");
-  // the GIL is released, as torch's own ops do: the engine runs experts in parallel Python threads
-  m.def("int8_gemm", &int8_gemm, "int8 per-row-scale GEMM (forward: x @ W^T, backward: g @ W)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("int4_gemm", &int4_gemm, "int4 group-wise GEMM (forward: x @ W^T, backward: g @ W)",
-        py::call_guard<py::gil_scoped_release>());
-}
+#include "entry.h"
