@@ -19,6 +19,7 @@
 #define MOETUNE_VARIANT "AMX-BF16"
 
 #include "decoders.h"
+#include "layouts.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -34,13 +35,15 @@
 namespace {
 
 using moetune::bf16_to_float;
+using moetune::decode_pairs;
 using moetune::first;
+using moetune::scaled_rows;
+using moetune::store_row;
 
 constexpr int kMaxBlocks = 4;  // 16-row blocks of n per pass over a panel: 4 C tiles + A + B tiles fit AMX's 8
 // Software prefetch distances: forward, columns ahead in each of a block's 16 rows; backward, 32-row steps ahead
-// down a strip. Without them the kernels waited on memory for weights not already in cache.
+// down a strip (layouts.h). Without them the kernels waited on memory for weights not already in cache.
 constexpr int64_t kAheadColumns = 512;
-constexpr int64_t kAheadSteps = 4;
 constexpr long kArchReqXcompPerm = 0x1023;
 constexpr int kXfeatureXtiledata = 18;
 
@@ -152,15 +155,6 @@ MOETUNE_AMX inline void tile_products_n(int nb, const Shared& shared, const uint
   }
 }
 
-// v (+ the bf16 values at dst) -> dst, rounded once to bf16; lanes past m untouched.
-MOETUNE_AMX inline void store_row(at::BFloat16* dst, __m512 v, __mmask16 m, bool accumulate) {
-  if (accumulate) {
-    __m256i old = _mm256_maskz_loadu_epi16(m, dst);
-    v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)));
-  }
-  _mm256_mask_storeu_epi16(dst, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
 // Forward, output columns (weight rows) [16 ob0, 16 ob1), for every 64-row chunk of x: each step decodes
 // 16 rows x 32 codes into an A tile in L1 and multiplies it with the chunk's B tiles. (Decoding a block's
 // whole K into a panel first, once for all chunks, measured slower up to n = 256: 0.96 vs 0.61 ms per
@@ -204,29 +198,6 @@ MOETUNE_AMX void forward_range(const Dec& dec, const float* row_scale, const uin
     }
   }
   _tile_release();
-}
-
-// W' tiles of rows [32 os, 32 os + 32) and columns [64 s, 64 s + 64): dst + q * q_stride is the 16 x 64-byte
-// tile of columns 64 s + 16 q, row p holding rows 32 os + 2p and + 1 interleaved (zero past O and K).
-template <class Dec>
-MOETUNE_AMX inline void decode_pairs(const Dec& dec, int64_t os, int64_t s, int64_t K, int64_t O, uint16_t* dst,
-                                     int64_t q_stride) {
-  // a strip walks down the rows, 32 per step, K bytes apart: no hardware prefetcher follows that
-  for (int64_t o = (os + kAheadSteps) * 32; o < std::min<int64_t>((os + kAheadSteps + 1) * 32, O); ++o)
-    dec.prefetch(o, s * 64);
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (int p = 0; p < 16; ++p) {
-    const int64_t o = os * 32 + 2 * p;
-    for (int q = 0; q < 4; ++q) {
-      const int64_t k0 = s * 64 + q * 16;
-      const int valid = static_cast<int>(std::min<int64_t>(16, K - k0));
-      __m512 lo = o < O ? dec(o, k0, valid) : _mm512_setzero_ps();
-      __m512 hi = o + 1 < O ? dec(o + 1, k0, valid) : _mm512_setzero_ps();
-      __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-      _mm512_storeu_si512(dst + q * q_stride + p * 32, pair);
-    }
-  }
 }
 
 // Backward with at most 16 rows of g: the four 16-column tiles of a 64-column panel each have their own C tile,
@@ -300,25 +271,6 @@ MOETUNE_AMX void backward_range(const Dec& dec, const uint16_t* gt, int64_t opad
     }
   }
   _tile_release();
-}
-
-// g [n, O] bf16 -> A tiles [n/16][Opad/32][16][32] bf16, times the fp32 row scale (rounded once), zero-padded.
-// Each tile is 1 KiB of contiguous memory (a row-major [n, Opad] copy made every tile load read 16 lines 2 Opad
-// bytes apart: 0.93 vs 0.89 ms at n = 64 and 1.91 vs 1.71 ms at n = 128 per [1536, 2048] int8 matrix).
-MOETUNE_AMX void scaled_rows(const at::BFloat16* g, int64_t ldg, int64_t n, int64_t O, int64_t opad,
-                             const float* row_scale, uint16_t* dst) {
-  const int64_t padded = (n + 15) / 16 * 16;
-  std::memset(dst, 0, sizeof(uint16_t) * padded * opad);
-  for (int64_t r = 0; r < n; ++r) {
-    for (int64_t o = 0; o < O; o += 16) {
-      const __mmask16 m = first(static_cast<int>(O - o));
-      __m512 v = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, g + r * ldg + o)), 16));
-      if (row_scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, row_scale + o));
-      const int64_t at = (((r / 16) * (opad / 32) + o / 32) * 16 + r % 16) * 32 + o % 32;
-      _mm256_mask_storeu_epi16(dst + at, m, (__m256i)_mm512_cvtneps_pbh(v));
-    }
-  }
 }
 
 template <class Dec>

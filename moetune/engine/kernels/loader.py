@@ -63,7 +63,10 @@ class KernelVariant:
 
 
 # best first: AMX tiles do 16x more bf16 products per instruction than AVX512 dot products
-VARIANTS: tuple[KernelVariant, ...] = (KernelVariant("AMX-BF16", "amx_gemm.cpp", "AMX-BF16"),)
+VARIANTS: tuple[KernelVariant, ...] = (
+    KernelVariant("AMX-BF16", "amx_gemm.cpp", "AMX-BF16"),
+    KernelVariant("AVX512-BF16", "avx512_gemm.cpp", "AVX512-BF16"),
+)
 
 _lock = threading.Lock()
 _state: dict[str, tuple[ModuleType | None, str]] = {}
