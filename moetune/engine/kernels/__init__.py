@@ -1,14 +1,16 @@
 """Compiled kernels for the expert engine, built on first use; the torch path stays the reference and fallback.
 
 GEMMs that read int8 / int4 expert codes from memory and dequantize them in registers (``decoders.h``), in one
-variant per ISA behind a registry (``loader.VARIANTS``: ``amx_gemm.cpp`` on AMX-BF16 tiles, best first), with
-one Python API (``entry.h``). ``load_fused`` returns the best variant's built module that runs here, or None
+variant per ISA behind a registry (``VARIANTS``, best first: ``amx_gemm.cpp`` on AMX-BF16 tiles,
+``avx512_gemm.cpp`` on AVX512-BF16 dot products), with one Python API (``entry.h``). ``load_fused`` returns the best variant's built module that runs here, or None
 (``fused_unavailable`` says why; ``fused_variant`` names it); ``moetune.engine.gemm`` routes experts with few
 rows to it.
 """
 
 from moetune.engine.kernels.loader import (
     KERNELS_ENV,
+    VARIANTS,
+    KernelVariant,
     check_kernels_env,
     fused_kernels,
     fused_unavailable,
@@ -18,6 +20,8 @@ from moetune.engine.kernels.loader import (
 
 __all__ = [
     "KERNELS_ENV",
+    "VARIANTS",
+    "KernelVariant",
     "check_kernels_env",
     "fused_kernels",
     "fused_unavailable",
