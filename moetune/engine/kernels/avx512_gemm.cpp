@@ -36,6 +36,9 @@ constexpr int kRows = 8;  // rows of x / g per register block: 2 x 8 accumulator
 // forward_rows prefetches the weight rows this many pairs ahead (a line per 64 columns, as it reaches them): it
 // took int8's [1536, 2048] forward at n = 8 from 0.74 to 0.54 ms, [2048, 768] from 0.37 to 0.22 ms (one thread)
 constexpr int kAheadPairs = 2;
+// forward: up to this many rows of x by dot products (forward_rows, decoding W again per 8 rows), more by
+// forward_panel (each weight decoded once)
+constexpr int kDotRows = 16;
 
 // Why not usable here, or "" when AVX512F/BW/VL and AVX512-BF16 are.
 std::string variant_unavailable() {
@@ -70,8 +73,9 @@ MOETUNE_AVX512 void forward_rows(const Dec& dec, const at::BFloat16* x, int64_t 
     const bool two = j + 1 < rows;
     __m512 acc0[R], acc1[R];
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-    auto step = [&](int64_t k0, __mmask32 m) MOETUNE_AVX512 {
-      const int valid = static_cast<int>(std::min<int64_t>(32, K - k0));
+    // valid: K - k0, at most 32 (a literal 32 in the main loop, so the decoders' masks fold to constants)
+    auto step = [&](int64_t k0, int valid) MOETUNE_AVX512 {
+      const __mmask32 m = valid >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << valid) - 1u);
       if (k0 % 64 == 0 && j + 2 * kAheadPairs + 1 < rows_ahead) {  // the rows kAheadPairs ahead, this column
         dec.prefetch(o + 2 * kAheadPairs, k0);
         dec.prefetch(o + 2 * kAheadPairs + 1, k0);
@@ -85,8 +89,8 @@ MOETUNE_AVX512 void forward_rows(const Dec& dec, const at::BFloat16* x, int64_t 
       }
     };
     int64_t k0 = 0;
-    for (; k0 + 32 <= K; k0 += 32) step(k0, ~(__mmask32)0);
-    if (k0 < K) step(k0, (__mmask32)((1u << (K - k0)) - 1u));
+    for (; k0 + 32 <= K; k0 += 32) step(k0, 32);
+    if (k0 < K) step(k0, static_cast<int>(K - k0));
     for (int r = 0; r < R; ++r) {
       res[r * 16 + j] = _mm512_reduce_add_ps(acc0[r]);
       if (two) res[r * 16 + j + 1] = _mm512_reduce_add_ps(acc1[r]);
@@ -172,29 +176,37 @@ MOETUNE_AVX512 void forward_panel(const Dec& dec, const at::BFloat16* x, int64_t
   }
 }
 
-// Forward, output columns (weight rows) [16 ob0, 16 ob1), 16 at a time: up to 8 rows of x by dot products
-// (forward_rows), more by forward_panel.
+// Forward, output columns (weight rows) [16 ob0, 16 ob1), 16 at a time: up to kDotRows rows of x by dot
+// products (forward_rows, 8 rows at a time), more by forward_panel.
 template <class Dec>
 MOETUNE_AVX512 void forward_range(const Dec& dec, const float* row_scale, const at::BFloat16* x, int64_t ldx,
                                   int64_t n, int64_t K, int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate,
                                   int64_t ob0, int64_t ob1) {
-  std::vector<float> res(std::max<int64_t>(n, kRows) * 16 + 16);
+  std::vector<float> res(std::max<int64_t>(n, kRows) * 16 + 16);  // [n, 16] fp32 sums
   float* acc = res.data() + (16 - reinterpret_cast<uintptr_t>(res.data()) / 4 % 16) % 16;  // 64-byte aligned
   for (int64_t ob = ob0; ob < ob1; ++ob) {
     const int64_t o0 = ob * 16;
     const int rows = static_cast<int>(std::min<int64_t>(16, O - o0));
     const __mmask16 m = first(rows);
     const __m512 scale = row_scale ? _mm512_maskz_loadu_ps(m, row_scale + o0) : _mm512_set1_ps(1.0f);
-    switch (n > kRows ? 0 : n) {
-      case 0: forward_panel(dec, x, ldx, n, K, o0, rows, acc); break;
-      case 1: forward_rows<1>(dec, x, ldx, K, o0, rows, acc, static_cast<int>(O - o0)); break;
-      case 2: forward_rows<2>(dec, x, ldx, K, o0, rows, acc, static_cast<int>(O - o0)); break;
-      case 3: forward_rows<3>(dec, x, ldx, K, o0, rows, acc, static_cast<int>(O - o0)); break;
-      case 4: forward_rows<4>(dec, x, ldx, K, o0, rows, acc, static_cast<int>(O - o0)); break;
-      case 5: forward_rows<5>(dec, x, ldx, K, o0, rows, acc, static_cast<int>(O - o0)); break;
-      case 6: forward_rows<6>(dec, x, ldx, K, o0, rows, acc, static_cast<int>(O - o0)); break;
-      case 7: forward_rows<7>(dec, x, ldx, K, o0, rows, acc, static_cast<int>(O - o0)); break;
-      default: forward_rows<8>(dec, x, ldx, K, o0, rows, acc, static_cast<int>(O - o0)); break;
+    const int ahead = static_cast<int>(O - o0);
+    if (n > kDotRows) {
+      forward_panel(dec, x, ldx, n, K, o0, rows, acc);
+    } else {
+      for (int64_t r0 = 0; r0 < n; r0 += kRows) {  // a second block finds the 16 weight rows in L1
+        const at::BFloat16* xr = x + r0 * ldx;
+        float* res = acc + r0 * 16;
+        switch (std::min<int64_t>(kRows, n - r0)) {
+          case 1: forward_rows<1>(dec, xr, ldx, K, o0, rows, res, ahead); break;
+          case 2: forward_rows<2>(dec, xr, ldx, K, o0, rows, res, ahead); break;
+          case 3: forward_rows<3>(dec, xr, ldx, K, o0, rows, res, ahead); break;
+          case 4: forward_rows<4>(dec, xr, ldx, K, o0, rows, res, ahead); break;
+          case 5: forward_rows<5>(dec, xr, ldx, K, o0, rows, res, ahead); break;
+          case 6: forward_rows<6>(dec, xr, ldx, K, o0, rows, res, ahead); break;
+          case 7: forward_rows<7>(dec, xr, ldx, K, o0, rows, res, ahead); break;
+          default: forward_rows<8>(dec, xr, ldx, K, o0, rows, res, ahead); break;
+        }
+      }
     }
     for (int64_t r = 0; r < n; ++r)
       store_row(out + r * ldo + o0, _mm512_mul_ps(_mm512_load_ps(acc + r * 16), scale), m, accumulate);
