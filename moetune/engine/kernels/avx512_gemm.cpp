@@ -238,6 +238,37 @@ MOETUNE_AVX512 void backward_rows(const uint16_t* bt, const uint16_t* g, float* 
   }
 }
 
+// The same as decode_pairs then backward_rows for one block of rows of g (n <= 8), the pairs decoded in registers
+// and used at once (no round trip through L1).
+template <int R, class Dec>
+MOETUNE_AVX512 void backward_direct(const Dec& dec, int64_t os, int64_t s, int64_t K, int64_t O, const uint16_t* g,
+                                    float* acc) {
+  for (int64_t o = (os + moetune::kAheadSteps) * 32; o < std::min<int64_t>((os + moetune::kAheadSteps + 1) * 32, O);
+       ++o)
+    dec.prefetch(o, s * 64);
+  for (int h = 0; h < 2; ++h) {
+    const int64_t k0 = s * 64 + h * 32;
+    __m512 c0[R], c1[R];
+    for (int r = 0; r < R; ++r) {
+      c0[r] = _mm512_loadu_ps(acc + r * 64 + h * 32);
+      c1[r] = _mm512_loadu_ps(acc + r * 64 + h * 32 + 16);
+    }
+    for (int p = 0; p < 16; ++p) {
+      const int64_t o = os * 32 + 2 * p;
+      const __m512bh w0 = moetune::decode_pair(dec, o, k0, K, O);
+      const __m512bh w1 = moetune::decode_pair(dec, o, k0 + 16, K, O);
+      for (int r = 0; r < R; ++r) {
+        c0[r] = dp_pair(c0[r], w0, g + r * 32 + 2 * p);
+        c1[r] = dp_pair(c1[r], w1, g + r * 32 + 2 * p);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(acc + r * 64 + h * 32, c0[r]);
+      _mm512_storeu_ps(acc + r * 64 + h * 32 + 16, c1[r]);
+    }
+  }
+}
+
 // Backward, output columns [64 s0, 64 s1) a strip of 64 at a time: each 32-row block of W decoded once into L1
 // (decode_pairs) and multiplied with every row of g (gt: scaled_rows' layout, opad = O rounded up to 32).
 template <class Dec>
@@ -250,6 +281,20 @@ MOETUNE_AVX512 void backward_range(const Dec& dec, const uint16_t* gt, int64_t o
   for (int64_t s = s0; s < s1; ++s) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t os = 0; os < steps; ++os) {
+      if (n <= kRows) {
+        const uint16_t* g = gt + os * 16 * 32;
+        switch (n) {
+          case 1: backward_direct<1>(dec, os, s, K, O, g, acc.data()); break;
+          case 2: backward_direct<2>(dec, os, s, K, O, g, acc.data()); break;
+          case 3: backward_direct<3>(dec, os, s, K, O, g, acc.data()); break;
+          case 4: backward_direct<4>(dec, os, s, K, O, g, acc.data()); break;
+          case 5: backward_direct<5>(dec, os, s, K, O, g, acc.data()); break;
+          case 6: backward_direct<6>(dec, os, s, K, O, g, acc.data()); break;
+          case 7: backward_direct<7>(dec, os, s, K, O, g, acc.data()); break;
+          default: backward_direct<8>(dec, os, s, K, O, g, acc.data()); break;
+        }
+        continue;
+      }
       decode_pairs(dec, os, s, K, O, bt, 512);
       for (int64_t r0 = 0; r0 < n; r0 += kRows) {  // r0 % 8 == 0: a chunk stays in one 16-row block of gt
         const uint16_t* g = gt + (((r0 / 16) * steps + os) * 16 + r0 % 16) * 32;
