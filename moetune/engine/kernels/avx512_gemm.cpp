@@ -2,15 +2,17 @@
 // shared decoders (decoders.h), multiplied with vdpbf16ps (pairs of bf16 products summed into fp32 lanes).
 // Same products, roundings and Python API as amx_gemm.cpp (see its header and entry.h):
 //
-//   forward : out[n, O] (+)= x[n, K] @ W^T     lanes along k: acc[r][o] += x[r, k..k+32) . W[o, k..k+32),
-//             W's 32 values of a row decoded once per chunk of up to 8 rows of x and used for all of them, two
-//             weight rows at a time; each accumulator summed across its lanes once at the end of the row.
+//   forward : out[n, O] (+)= x[n, K] @ W^T     up to 16 rows: lanes along k, acc[r][o] += x[r, k..k+32) .
+//             W[o, k..k+32), W's 32 values of a row decoded once per 8 rows of x and used for all of them, two
+//             weight rows at a time, each accumulator summed across its lanes once at the end of the row; more
+//             rows: 16 x 32 blocks of W decoded once, transposed to lanes along o, x pairs broadcast.
 //   backward: out[n, K] (+)= g[n, O] @ W      lanes along k: acc[r][k..k+16) += bcast(g[r, o:o+2]) . pairs
-//             (W[o, k..k+16), W[o+1, k..k+16)), the pair layout of layouts.h decoded once per 32 x 64 block into
-//             L1 and used by every row of g; each 64-column strip's fp32 sums in a per-thread [n, 64] buffer.
+//             (W[o, k..k+16), W[o+1, k..k+16)) (layouts.h's pair layout), decoded in registers where they are
+//             used for up to 8 rows of g, else once per 32 x 64 block into L1 and used by every row of g; each
+//             64-column strip's fp32 sums in a per-thread [n, 64] buffer.
 //
 // Each weight is decoded once per call for up to 8 rows (the engine's few-row experts), so the loops stream the
-// codes once at about memory rate.
+// codes once.
 #define MOETUNE_VARIANT "AVX512-BF16"
 
 #include "decoders.h"
