@@ -10,7 +10,7 @@ from moetune.doctor.gpu import GpuFacts
 from moetune.engine import resolve_compute_dtype
 from moetune.engine.formats import FORMATS
 from moetune.engine.gemm import resolve_gemm_path
-from moetune.engine.kernels import fused_unavailable
+from moetune.engine.kernels import fused_unavailable, fused_variant
 from moetune.testing.selftest import SELFTEST_TOLERANCE, SelftestResult, engine_selftest_case
 
 KERNELS_LINE = "fused kernels"
@@ -33,7 +33,8 @@ def gemm_paths() -> list[str]:
         lines.append(f"{label}: computes in {str(compute).removeprefix('torch.')}; {path.describe()}")
     why = fused_unavailable()
     lines.append(
-        f"{KERNELS_LINE}: " + (f"not used ({why}); the torch path runs" if why else "built and used")
+        f"{KERNELS_LINE}: "
+        + (f"not used ({why}); the torch path runs" if why else f"{fused_variant()} variant built and used")
     )
     return lines
 

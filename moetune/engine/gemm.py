@@ -13,9 +13,10 @@ CPU (``resolve_gemm_path``; ``moetune doctor`` prints it per format):
   0.04 ms at n = 64), so those experts take dequantized tiles.
 * ``dequantized tiles``: the others (``ExpertFormat.tile``) write the effective weight in the compute dtype.
 
-Before either, with bf16 compute: experts with at most ``fused_rows`` rows (the format's ``FUSED_MAX_ROWS``)
-go to the compiled kernels (``moetune.engine.kernels``, int8 and int4 on AMX-BF16 CPUs), which read the codes
-and dequantize them in registers: no converted tile is written at all. Above that, and wherever the kernels are
+Before either, with bf16 compute: experts with at most ``fused_rows`` rows (the format's ``FUSED_MAX_ROWS`` for
+the kernel variant that loads here) go to the compiled kernels (``moetune.engine.kernels``, int8 and int4; an
+AMX-BF16 and an AVX512-BF16 variant), which read the codes and dequantize them in registers: no converted tile
+is written at all. Above that, and wherever the kernels are
 missing or turned off (``MOETUNE_KERNELS=off``), the torch path above runs; it is the kernels' reference.
 
 Converted weights come whole or in row blocks: on CPUs with AMX-BF16 a bf16 GEMM on a whole converted matrix
@@ -33,7 +34,7 @@ import torch
 
 from moetune.engine.formats import ExpertFormat
 from moetune.engine.formats.base import Projection
-from moetune.engine.kernels import fused_kernels, fused_unavailable, load_fused
+from moetune.engine.kernels import VARIANTS, fused_kernels, fused_unavailable, load_fused
 from moetune.engine.shapes import RowSplit, padded_rows
 from moetune.engine.workspace import thread_workspace
 from moetune.errors import EngineError
@@ -67,6 +68,8 @@ class GemmPath:
     whole_tiles: bool
     # experts with at most this many rows take the fused kernels (0: none); the others take ``conversion``
     fused_rows: int = 0
+    # the kernel variant they run on (``kernels.loader.VARIANTS``' name; "" when fused_rows is 0)
+    fused_variant: str = ""
 
     def describe(self) -> str:
         """One line for ``moetune doctor`` and the benchmarks."""
@@ -84,7 +87,8 @@ class GemmPath:
         if self.fused_rows >= SMALL_ROWS:  # scaled codes only served experts the kernels now take
             what = "weights dequantized"
         return (
-            f"experts with <= {self.fused_rows} rows: fused kernel (AMX-BF16, codes dequantized in registers); "
+            f"experts with <= {self.fused_rows} rows: fused kernel ({self.fused_variant}, codes dequantized in "
+            "registers); "
             f"more rows: {what}, in {size}"
         )
 
@@ -94,8 +98,9 @@ def resolve_gemm_path(
 ) -> GemmPath:
     """The GEMM path for ``weights`` computed in ``compute_dtype`` on ``cpu`` (default: this machine's).
 
-    ``fused``: route few-row experts to the compiled kernels when the format has one and they load here
-    (building them on first use; ``kernels.fused_kernels``); False resolves the torch path alone.
+    ``fused``: route few-row experts to the compiled kernels when the format has a threshold for the variant
+    that loads here (building it on first use; ``kernels.fused_kernels``) and ``cpu`` has that variant's ISA;
+    False resolves the torch path alone. ``whole_tiles`` (the torch path's) depends on ``cpu`` alone.
     """
     if not weights.needs_buffer(compute_dtype):
         return GemmPath(Conversion.VIEW, whole_tiles=True)
@@ -103,9 +108,12 @@ def resolve_gemm_path(
     conversion = Conversion.SCALED_CODES if scaled else Conversion.DEQUANTIZED
     amx = "AMX-BF16" in (cpu or cpu_info()).isa
     bf16 = compute_dtype == torch.bfloat16
-    use_kernels = amx and bf16 and fused and weights.FUSED_MAX_ROWS > 0 and fused_kernels() is not None
+    kernels = fused_kernels() if bf16 and fused and weights.FUSED_MAX_ROWS else None
+    variant = str(kernels.variant) if kernels is not None else ""
+    needs = next((v.isa for v in VARIANTS if v.name == variant), None)
+    rows = weights.FUSED_MAX_ROWS.get(variant, 0) if needs in (cpu or cpu_info()).isa else 0
     return GemmPath(
-        conversion, whole_tiles=amx and bf16, fused_rows=weights.FUSED_MAX_ROWS if use_kernels else 0
+        conversion, whole_tiles=amx and bf16, fused_rows=rows, fused_variant=variant if rows else ""
     )
 
 

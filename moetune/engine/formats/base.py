@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -85,14 +86,15 @@ class ExpertFormat(ABC):
         """
         raise NotImplementedError(f"{self.name} offers no scaled tiles")
 
-    # rows per expert up to which ``fused_gemm`` is used with bf16 compute (0: no fused kernel for this format);
-    # an instance attribute where a wrapper takes its format's
-    FUSED_MAX_ROWS: int = 0
+    # per kernel variant (``kernels.loader.VARIANTS``' names), the rows per expert up to which ``fused_gemm`` is
+    # used with bf16 compute (a variant not listed, or an empty mapping: no fused kernel for this format); an
+    # instance attribute where a wrapper takes its format's
+    FUSED_MAX_ROWS: Mapping[str, int] = MappingProxyType({})
 
     def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
         """The compiled kernel for expert ``expert``'s ``proj`` matrix (its name in ``kernels.load_fused()``'s
         module) and the weight arguments it takes after ``forward, a, out`` (for formats with
-        ``FUSED_MAX_ROWS > 0``)."""
+        an entry in ``FUSED_MAX_ROWS``)."""
         raise NotImplementedError(f"{self.name} has no fused kernel")
 
     def fused_gemm(

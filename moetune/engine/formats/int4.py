@@ -24,6 +24,7 @@ nibble, so unpacking writes two contiguous halves (interleaved nibbles make the 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -269,8 +270,9 @@ class Int4Experts(QuantizedExperts):
             s = scratch("int4_scale", (rows, d // g), out.dtype).copy_(s)
         out.copy_(codes.view(torch.int8)).view(rows, d // g, g).mul_(s[:, :, None])
 
-    # the fused kernel beats dequantize-then-GEMM up to here (bench/formats.py; docs/performance.md, "Fused kernels")
-    FUSED_MAX_ROWS = 256
+    # per kernel variant, the fused kernel beats dequantize-then-GEMM up to here (bench/formats.py;
+    # docs/performance.md, "Fused kernels")
+    FUSED_MAX_ROWS = MappingProxyType({"AMX-BF16": 256, "AVX512-BF16": 256})
 
     def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
         packed, scale, zero = self._stored(proj)

@@ -8,6 +8,7 @@ parameter: ``1 + 4 (2I + H) / (3 H I)`` (1.003 at H = 2048, I = 768).
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -99,8 +100,9 @@ class Int8Experts(QuantizedExperts):
         codes, scale = self._stored(proj)
         return buf.copy_(codes[expert, rows]), scale[expert, rows]
 
-    # the fused kernel beats codes-then-GEMM up to here (bench/formats.py; docs/performance.md, "Fused kernels")
-    FUSED_MAX_ROWS = 128
+    # per kernel variant, the fused kernel beats codes-then-GEMM up to here (bench/formats.py; docs/performance.md,
+    # "Fused kernels")
+    FUSED_MAX_ROWS = MappingProxyType({"AMX-BF16": 128, "AVX512-BF16": 256})
 
     def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
         codes, scale = self._stored(proj)

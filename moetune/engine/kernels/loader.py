@@ -1,13 +1,21 @@
-"""Build ``fused_gemm.cpp`` once per source and torch version, lazily, and say why when it cannot be used.
+"""Build the best kernel variant this CPU runs, once per source and torch version, lazily, and say why when none can
+be used.
+
+Variants (``VARIANTS``, best first) share the weight decoders (``decoders.h``) and the Python entry points
+(``entry.h``) and differ in their GEMM loops: ``amx_gemm.cpp`` (AMX-BF16 tiles), ``avx512_gemm.cpp``
+(AVX512-BF16 dot products). The first variant whose ISA flag ``cpu_info()`` reports and that builds and loads is
+used (the ones that failed before it are logged at INFO).
 
 The build is torch's ``cpp_extension.load`` (g++ and ninja; ``pip install moetune`` brings ninja) into
-``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) under a name keyed by a hash of the source
-and the torch version: a changed source or torch never loads a stale build, and torch's builder holds a file
-lock, so concurrent processes build it once. First use takes ~30-60 s; later processes load the cached .so.
+``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) under a name keyed by a hash of the variant's
+source, every header it includes and the torch version: a changed source or torch never loads a stale build,
+and torch's builder holds a file lock, so concurrent processes build it once. First use takes ~30-60 s; later
+processes load the cached .so.
 
 ``MOETUNE_KERNELS=off`` (read here only, whenever an engine resolves its GEMM path) turns the kernels off for
-A/B runs; engines built then take the torch path; a value other than on/off/1/0 is a ConfigError. Any other failure (no compiler, a build error, a CPU without AMX-BF16) is logged once,
-naming the cause and that the torch path is used, and ``load_fused`` returns None.
+A/B runs; engines built then take the torch path; a value other than on/off/1/0 is a ConfigError. Any other
+failure (no compiler, a build error, a CPU with none of the variants' ISAs) is logged once, naming the cause and
+that the torch path is used, and ``load_fused`` returns None.
 """
 
 from __future__ import annotations
@@ -15,7 +23,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -26,9 +36,37 @@ from moetune.sysinfo import cpu_info
 log = logging.getLogger(__name__)
 
 KERNELS_ENV = "MOETUNE_KERNELS"
-SOURCE = Path(__file__).with_name("fused_gemm.cpp")
+HERE = Path(__file__).parent
 # -fopenmp: ATen's at::parallel_for is inline OpenMP; without the flag it runs on one thread in the extension
 CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One build of the fused kernels: its name (the module's ``variant``), its source in this folder, and the
+    ``cpu_info().isa`` flag the CPU needs for it to run."""
+
+    name: str
+    source: str
+    isa: str
+
+    def sources(self) -> list[Path]:
+        """The variant's source and every header it includes from this folder (transitively), in include order."""
+        found: list[Path] = []
+        todo = [HERE / self.source]
+        while todo:
+            path = todo.pop(0)
+            if path not in found:
+                found.append(path)
+                todo += [HERE / name for name in re.findall(r'^#include "([^"]+)"', path.read_text(), re.M)]
+        return found
+
+
+# best first: AMX tiles do 16x more bf16 products per instruction than AVX512 dot products
+VARIANTS: tuple[KernelVariant, ...] = (
+    KernelVariant("AMX-BF16", "amx_gemm.cpp", "AMX-BF16"),
+    KernelVariant("AVX512-BF16", "avx512_gemm.cpp", "AVX512-BF16"),
+)
 
 _lock = threading.Lock()
 _state: dict[str, tuple[ModuleType | None, str]] = {}
@@ -46,27 +84,45 @@ def _disabled() -> str:
     raise ConfigError(f"{KERNELS_ENV} must be 'on' or 'off' (or 1 / 0); got {value!r}")
 
 
-def _build() -> tuple[ModuleType | None, str]:
+def _build_variant(variant: KernelVariant) -> tuple[ModuleType | None, str]:
     """(module, "") or (None, why not)."""
-    if os.name != "posix" or "AMX-BF16" not in cpu_info().isa:  # no build where it could not run
-        return None, f"the CPU has no AMX-BF16 (found: {', '.join(cpu_info().isa) or 'no SIMD flags'})"
-    text = SOURCE.read_bytes()
+    paths = variant.sources()
+    text = b"".join(p.read_bytes() for p in paths)
     key = hashlib.sha256(text + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
     try:
         from torch.utils import cpp_extension
 
         module = cpp_extension.load(
             name=f"moetune_fused_{key}",
-            sources=[str(SOURCE)],
+            sources=[str(paths[0])],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
-    except Exception as err:  # noqa: BLE001 - any build failure means: use the torch path, and say why
+    except Exception as err:  # noqa: BLE001 - any build failure means: try the next variant or the torch path
         first = str(err).strip().splitlines()
-        return None, f"building {SOURCE.name} failed ({type(err).__name__}: {first[-1] if first else ''})"
+        return None, f"building {variant.source} failed ({type(err).__name__}: {first[-1] if first else ''})"
+    assert module.variant == variant.name, (module.variant, variant)
     why = module.unavailable()
-    return (None, why) if why else (module, "")
+    return (None, f"{variant.name}: {why}") if why else (module, "")
+
+
+def _build() -> tuple[ModuleType | None, str]:
+    """(the best variant's module that builds and runs here, "") or (None, why none does)."""
+    isa = cpu_info().isa
+    fits = [v for v in VARIANTS if v.isa in isa] if os.name == "posix" else []
+    if not fits:  # no build where it could not run
+        wanted = ", ".join(v.isa for v in VARIANTS)
+        return None, f"the CPU has none of {wanted} (found: {', '.join(isa) or 'no SIMD flags'})"
+    reasons: list[str] = []
+    for variant in fits:
+        module, why = _build_variant(variant)
+        if module is not None:
+            if reasons:
+                log.info("moetune fused kernels: %s used (%s)", variant.name, "; ".join(reasons))
+            return module, ""
+        reasons.append(why)
+    return None, "; ".join(reasons)
 
 
 def _resolve() -> tuple[ModuleType | None, str]:
@@ -80,8 +136,9 @@ def _resolve() -> tuple[ModuleType | None, str]:
 
 
 def load_fused() -> ModuleType | None:
-    """The built ``fused_gemm`` module, or None (the reason logged once, see ``fused_unavailable``); whatever
-    ``MOETUNE_KERNELS`` says (engines ask ``fused_kernels``, which honours it)."""
+    """The built module of the best variant that runs here (its ``variant`` names it), or None (the reason
+    logged once, see ``fused_unavailable``); whatever ``MOETUNE_KERNELS`` says (engines ask ``fused_kernels``,
+    which honours it)."""
     return _resolve()[0]
 
 
@@ -95,6 +152,12 @@ def check_kernels_env() -> None:
     """Raise the ``ConfigError`` for a ``MOETUNE_KERNELS`` value other than on/off/1/0 now (the preflight calls
     it before the model loads; engines would otherwise meet it at their first GEMM path, mid-load)."""
     _disabled()
+
+
+def fused_variant() -> str:
+    """The name of the variant ``load_fused()`` returns (``KernelVariant.name``), or "" when none loads."""
+    module = load_fused()
+    return "" if module is None else str(module.variant)
 
 
 def fused_kernels() -> ModuleType | None:

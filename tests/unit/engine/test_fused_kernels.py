@@ -1,4 +1,8 @@
-"""The compiled fused kernels (``moetune.engine.kernels``) against float64 references, and their fallback.
+"""The compiled fused kernels (``moetune.engine.kernels``) against float64 references, their variant registry,
+and their fallback.
+
+The kernel products run on the variant that loads here (AMX-BF16 on AMX CPUs, AVX512-BF16 on AVX512-BF16 ones);
+the registry's choice per CPU is checked on fake ISA tuples with a fake build.
 
 Each kernel product is compared with float64 arithmetic on the format's own weights: int8 as ``codes`` times the
 fp32 row scale (the backward's ``g * scale`` rounded once to bf16, the torch path's definition), int4 as
@@ -10,8 +14,8 @@ are off by the quantization step or by O(1), far outside it.
 The engine end to end (lora and frozen mode) with the kernels on is compared with the same engine on the torch
 path; ``test_gemm_paths`` also runs the fused path against a float64 engine.
 
-Without a C++ compiler the kernel tests are skipped (the reason names it); on a CPU without AMX-BF16 the
-build is still checked, and the kernel products are skipped naming the CPU.
+Without a C++ compiler the kernel tests are skipped (the reason names it); on a CPU with none of the variants'
+ISAs the kernel products are skipped naming the CPU.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 from moetune.engine import EngineOptions, ExpertEngine, ExpertFormat
 from moetune.engine.formats import FORMATS, Int4Experts, Int8Experts
 from moetune.engine.gemm import resolve_gemm_path
-from moetune.engine.kernels import KERNELS_ENV, fused_unavailable, load_fused, loader
+from moetune.engine.kernels import KERNELS_ENV, fused_unavailable, fused_variant, load_fused, loader
 from moetune.errors import ConfigError
 from moetune.sysinfo import CpuInfo
 from tests.unit.engine.test_formats import _lora, _module, gaussian
@@ -97,7 +101,8 @@ FORMATS_UNDER_TEST = ["int8", "int4-g32-sym", "int4-g64-asym", "int4-g128-sym"]
 @needs_kernels
 @pytest.mark.parametrize("name", FORMATS_UNDER_TEST)
 @pytest.mark.parametrize("forward", [True, False], ids=["forward", "backward"])
-@pytest.mark.parametrize("n", [1, 7, 16, 33, 64, 65, 150, 300])  # past 64 rows: several passes over the tiles
+# AMX: past 64 rows several passes over the tiles; AVX512: up to 8 rows dot products, more in register blocks of 8
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 16, 17, 33, 64, 65, 129, 150, 300])
 def test_kernel_matches_float64(name, forward, n):
     _check(_weights(name, 256, 256), forward, n, accumulate=n % 2 == 1)
 
@@ -110,6 +115,7 @@ def test_kernel_matches_float64(name, forward, n):
         ("int8", 64, 7168),  # K = 7168 (DeepSeek-V3 / Kimi-K2 hidden size)
         ("int8", 34, 40),  # O and K off every tile size: 16-row blocks, 32-column steps, 64-column panels
         ("int8", 2, 1),
+        ("int8", 18, 75),  # K odd and past one 64-column strip, O past one 16-row block
         ("int4-g64-sym", 1536, 2048),
         ("int4-g32-asym", 64, 96),  # K/2 = 48: a 32-column step spans the low and high nibbles
         ("int4-g32-sym", 192, 32),  # K = 32: one step, half of it high nibbles
@@ -119,7 +125,7 @@ def test_kernel_matches_float64(name, forward, n):
 def test_kernel_shapes(name, o, k, accumulate):
     fmt = _weights(name, o, k)
     for forward in (True, False):
-        for n in (5, 64):
+        for n in (1, 5, 9, 17, 64):
             _check(fmt, forward, n, accumulate)
 
 
@@ -183,19 +189,89 @@ def test_the_kernels_build_here_or_name_the_cpu():
     assert not why.startswith("building"), why
 
 
-def test_no_build_on_a_cpu_without_amx(monkeypatch):
+def test_no_build_on_a_cpu_without_any_variants_isa(monkeypatch):
     """Where the kernels could not run, nothing is compiled: the reason names the CPU's ISA."""
     from torch.utils import cpp_extension
 
     def must_not_build(**_: object) -> None:
-        raise AssertionError("built on a CPU without AMX-BF16")
+        raise AssertionError("built on a CPU no variant runs on")
 
     monkeypatch.setattr(loader, "_state", {})
     monkeypatch.setattr(cpp_extension, "load", must_not_build)
-    monkeypatch.setattr(loader, "cpu_info", lambda: replace(AMX, isa=("AVX512-BF16", "AVX2")))
+    monkeypatch.setattr(loader, "cpu_info", lambda: replace(AMX, isa=("AVX2",)))
     monkeypatch.delenv(KERNELS_ENV, raising=False)
     assert load_fused() is None
-    assert fused_unavailable() == "the CPU has no AMX-BF16 (found: AVX512-BF16, AVX2)"
+    wanted = ", ".join(v.isa for v in loader.VARIANTS)
+    assert fused_unavailable() == f"the CPU has none of {wanted} (found: AVX2)"
+
+
+def _fake_builds(monkeypatch, isa: tuple[str, ...], refuse: dict[str, str] | None = None) -> list[str]:
+    """Builds of no compiler: each returns a module of the variant its source is (``unavailable()`` from
+    ``refuse``, else ""); the sources asked for are recorded in the returned list. The CPU reports ``isa``."""
+    from types import SimpleNamespace
+
+    from torch.utils import cpp_extension
+
+    built: list[str] = []
+
+    def fake_load(name: str, sources: list[str], **_: object) -> SimpleNamespace:
+        variant = next(v for v in loader.VARIANTS if sources[0].endswith("/" + v.source))
+        built.append(variant.source)
+        why = (refuse or {}).get(variant.name, "")
+        return SimpleNamespace(variant=variant.name, unavailable=lambda: why)
+
+    monkeypatch.setattr(loader, "_state", {})
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(loader, "cpu_info", lambda: replace(AMX, isa=isa))
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    return built
+
+
+@pytest.mark.parametrize(
+    "isa,expected",
+    [
+        (("AMX-BF16", "AVX512-BF16", "AVX512F", "AVX2"), "AMX-BF16"),
+        (("AVX512-BF16", "AVX512F", "AVX2"), "AVX512-BF16"),
+        (("AMX-BF16",), "AMX-BF16"),
+    ],
+)
+def test_the_registry_builds_the_best_variant_the_cpu_has(monkeypatch, isa, expected):
+    built = _fake_builds(monkeypatch, isa)
+    assert load_fused().variant == expected and fused_variant() == expected
+    assert built == [next(v.source for v in loader.VARIANTS if v.name == expected)]  # only the one taken
+    assert fused_unavailable() == ""
+
+
+def test_a_variant_that_cannot_run_falls_back_to_the_next(monkeypatch, caplog):
+    built = _fake_builds(
+        monkeypatch, ("AMX-BF16", "AVX512-BF16"), refuse={"AMX-BF16": "the kernel refused AMX tile state"}
+    )
+    with caplog.at_level(logging.INFO, logger=loader.__name__):
+        assert fused_variant() == "AVX512-BF16"
+    assert built == ["amx_gemm.cpp", "avx512_gemm.cpp"]
+    assert any("AMX-BF16: the kernel refused AMX tile state" in r.getMessage() for r in caplog.records)
+
+
+def test_a_cpu_with_neither_isa_takes_the_torch_path_and_says_why(monkeypatch, caplog):
+    built = _fake_builds(monkeypatch, ("AVX512F", "AVX2"))
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        assert load_fused() is None and fused_variant() == ""
+    assert built == []
+    why = "the CPU has none of AMX-BF16, AVX512-BF16 (found: AVX512F, AVX2)"
+    assert fused_unavailable() == why
+    assert [r.getMessage() for r in caplog.records if r.name == loader.__name__] == [
+        f"moetune fused kernels not used ({why}); the engine uses the torch path"
+    ]
+    int8 = FORMATS.get("int8").from_dense(*gaussian(e=1))
+    assert resolve_gemm_path(int8, torch.bfloat16, AMX).fused_rows == 0
+
+
+def test_the_build_key_covers_every_header_a_variant_includes():
+    """A changed shared header must rebuild every variant: each variant's hashed files include all of them."""
+    headers = {p.name for p in loader.HERE.glob("*.h")}
+    for variant in loader.VARIANTS:
+        names = [p.name for p in variant.sources()]
+        assert names[0] == variant.source and set(names[1:]) == headers, (variant, names)
 
 
 def test_build_failure_falls_back_to_the_torch_path_with_one_warning(monkeypatch, caplog):

@@ -21,7 +21,7 @@ from moetune.doctor.engine import KERNELS_LINE, gemm_paths
 from moetune.engine import DenseExperts, EngineOptions, ExpertEngine, ExpertFormat
 from moetune.engine.formats import FORMATS, Int8Experts
 from moetune.engine.gemm import Conversion, GemmPath, resolve_gemm_path
-from moetune.engine.kernels import KERNELS_ENV, load_fused
+from moetune.engine.kernels import KERNELS_ENV, fused_variant, load_fused
 from moetune.layer import CpuExperts
 from moetune.sysinfo import CpuInfo
 from tests.unit.engine.test_formats import QUANTIZED, E, H, _lora, _module, gaussian
@@ -45,10 +45,13 @@ def _paths(fmt: ExpertFormat, compute: torch.dtype) -> list[GemmPath]:
 
 
 def _fused_paths(fmt: ExpertFormat, compute: torch.dtype) -> list[GemmPath]:
-    """The fused kernels' path where this machine runs them (experts above ``FUSED_MAX_ROWS`` take the torch one)."""
-    if compute != torch.bfloat16 or not fmt.FUSED_MAX_ROWS or load_fused() is None:
+    """The fused kernels' path where this machine runs them (experts above the variant's ``FUSED_MAX_ROWS`` take
+    the torch one)."""
+    variant = fused_variant()
+    rows = fmt.FUSED_MAX_ROWS.get(variant, 0)
+    if compute != torch.bfloat16 or not rows:
         return []
-    return [GemmPath(p.conversion, p.whole_tiles, fmt.FUSED_MAX_ROWS) for p in _paths(fmt, compute)[-1:]]
+    return [GemmPath(p.conversion, p.whole_tiles, rows, variant) for p in _paths(fmt, compute)[-1:]]
 
 
 def _errors(y, grads, ref_y, ref_grads) -> dict[str, float]:
@@ -135,7 +138,7 @@ def test_resolve_gemm_path_per_format_dtype_and_cpu(formats):
     assert resolve_gemm_path(int8, torch.bfloat16, amx, fused=False) == GemmPath(
         Conversion.SCALED_CODES, whole_tiles=True
     )
-    assert resolve_gemm_path(int8, torch.bfloat16, avx512) == GemmPath(
+    assert resolve_gemm_path(int8, torch.bfloat16, avx512, fused=False) == GemmPath(
         Conversion.SCALED_CODES, whole_tiles=False
     )
     assert resolve_gemm_path(int8, torch.float32, amx) == GemmPath(Conversion.SCALED_CODES, whole_tiles=False)
@@ -144,13 +147,16 @@ def test_resolve_gemm_path_per_format_dtype_and_cpu(formats):
     )
     assert resolve_gemm_path(int4, torch.float32, _cpu("AVX2")).whole_tiles is False
     assert "per-row scale" in resolve_gemm_path(int8, torch.bfloat16, amx, fused=False).describe()
-    # the fused kernels where they load (AMX-BF16 CPUs), with the format's row threshold; never in fp32
-    built = load_fused() is not None
+    # the fused kernels where a variant loads, with the format's row threshold for it; never in fp32, nor for a
+    # CPU without the loaded variant's ISA
+    variant = fused_variant()
     for fmt in (int8, int4):
         path = resolve_gemm_path(fmt, torch.bfloat16, amx)
-        assert path.fused_rows == (fmt.FUSED_MAX_ROWS if built else 0)
-        assert ("fused kernel" in path.describe()) is built
+        assert path.fused_rows == fmt.FUSED_MAX_ROWS.get(variant, 0)
+        assert path.fused_variant == (variant if path.fused_rows else "")
+        assert (f"fused kernel ({variant}," in path.describe()) is bool(variant)
         assert resolve_gemm_path(fmt, torch.float32, amx).fused_rows == 0
+        assert resolve_gemm_path(fmt, torch.bfloat16, _cpu("AVX2")).fused_rows == 0
 
 
 @pytest.mark.parametrize(
@@ -185,10 +191,11 @@ def test_doctor_names_the_fused_kernels(monkeypatch):
     monkeypatch.setattr("moetune.engine.plan.cpu_info", lambda: amx)
     monkeypatch.setattr("moetune.engine.gemm.cpu_info", lambda: amx)
     by_name = {line.split(":")[0]: line for line in gemm_paths()}
-    assert by_name[KERNELS_LINE] == f"{KERNELS_LINE}: built and used"
+    variant = fused_variant()
+    assert by_name[KERNELS_LINE] == f"{KERNELS_LINE}: {variant} variant built and used"
     for name in ("int8", "int4"):
-        rows = FORMATS.get(name).FUSED_MAX_ROWS
-        assert f"experts with <= {rows} rows: fused kernel (AMX-BF16" in by_name[name]
+        rows = FORMATS.get(name).FUSED_MAX_ROWS[variant]
+        assert f"experts with <= {rows} rows: fused kernel ({variant}, codes" in by_name[name]
     assert "fused" not in by_name["fp8_block"]
 
 

@@ -15,7 +15,12 @@
 //   backward: C[16 n, 16 k] += G[16 n, 32 o] . W'[16 o/2, 16 k x 2]: g (scaled) is re-laid into A tiles; W'
 //             interleaves the decoded rows o and o + 1 of a 64-column strip.
 // Each thread of at::parallel_for configures its own tiles (AMX state is per thread).
-#include <torch/extension.h>
+// The weight decoders (decoders.h) and the Python entry points (entry.h) are shared with the other variants.
+#define MOETUNE_VARIANT "AMX-BF16"
+
+#include "decoders.h"
+#include "layouts.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cpuid.h>
@@ -29,11 +34,16 @@
 
 namespace {
 
+using moetune::bf16_to_float;
+using moetune::decode_pairs;
+using moetune::first;
+using moetune::scaled_rows;
+using moetune::store_row;
+
 constexpr int kMaxBlocks = 4;  // 16-row blocks of n per pass over a panel: 4 C tiles + A + B tiles fit AMX's 8
 // Software prefetch distances: forward, columns ahead in each of a block's 16 rows; backward, 32-row steps ahead
-// down a strip. Without them the kernels waited on memory for weights not already in cache.
+// down a strip (layouts.h). Without them the kernels waited on memory for weights not already in cache.
 constexpr int64_t kAheadColumns = 512;
-constexpr int64_t kAheadSteps = 4;
 constexpr long kArchReqXcompPerm = 0x1023;
 constexpr int kXfeatureXtiledata = 18;
 
@@ -50,7 +60,7 @@ struct alignas(64) TileConfig {
 };
 
 // Why not usable here, or "" when AMX-BF16 tiles are available to this process.
-std::string amx_unavailable() {
+std::string variant_unavailable() {
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return "CPUID leaf 7 is missing";
   bool amx_bf16 = d & (1u << 22), amx_tile = d & (1u << 24);
@@ -64,11 +74,6 @@ std::string amx_unavailable() {
   return "";
 }
 
-const std::string& amx_status() {
-  static const std::string status = amx_unavailable();
-  return status;
-}
-
 MOETUNE_AMX inline void configure_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
@@ -77,52 +82,6 @@ MOETUNE_AMX inline void configure_tiles() {
   }
   _tile_loadconfig(&cfg);
 }
-
-MOETUNE_AMX inline __mmask16 first(int valid) {
-  return valid >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (valid > 0 ? valid : 0)) - 1u);
-}
-
-MOETUNE_AMX inline float bf16_to_float(const at::BFloat16 v) {
-  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// A weight decoder: 16 consecutive values of row o from column k0 (k0 % 16 == 0), fp32, zero past `valid`.
-struct Int8Rows {
-  const int8_t* codes;  // [O, K]
-  int64_t K;
-  MOETUNE_AMX inline __m512 operator()(int64_t o, int64_t k0, int valid) const {
-    __m128i b = _mm_maskz_loadu_epi8(first(valid), codes + o * K + k0);
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-  }
-  // bring the line holding (o, k) towards L1 (k < K)
-  inline void prefetch(int64_t o, int64_t k) const {
-    _mm_prefetch(reinterpret_cast<const char*>(codes + o * K + k), _MM_HINT_T0);
-  }
-};
-
-struct Int4Rows {
-  const uint8_t* packed;  // [O, K/2]: byte j holds u[j] (low nibble) and u[j + K/2] (high nibble)
-  const at::BFloat16* scale;  // [O, K/g]
-  const uint8_t* zero;  // [O, K/g] or null (symmetric: z = 8)
-  int64_t half, groups;  // K/2, K/g
-  int shift;  // log2(g): g is a power of two (32, 64, 128), so no division per call
-  MOETUNE_AMX inline __m512 operator()(int64_t o, int64_t k0, int valid) const {
-    const bool high = k0 >= half;  // K/2 is a multiple of 16 (g >= 32 divides K), so no chunk straddles
-    __mmask16 m = first(valid);
-    __m512i u = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, packed + o * half + (high ? k0 - half : k0)));
-    u = high ? _mm512_srli_epi32(u, 4) : _mm512_and_si512(u, _mm512_set1_epi32(0x0F));
-    const int64_t gi = o * groups + (k0 >> shift);
-    const int z = zero ? zero[gi] : 8;
-    __m512 w = _mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(z)));
-    return _mm512_maskz_mul_ps(m, w, _mm512_set1_ps(bf16_to_float(scale[gi])));
-  }
-  inline void prefetch(int64_t o, int64_t k) const {
-    _mm_prefetch(reinterpret_cast<const char*>(packed + o * half + (k >= half ? k - half : k)), _MM_HINT_T0);
-  }
-};
 
 // x [n, K] bf16 (row stride ldx) -> B tiles [nb][ks][16 kp][16 n][2], zero-padded to 16 rows and 32 columns.
 MOETUNE_AMX void relayout_rows(const at::BFloat16* x, int64_t ldx, int64_t n, int64_t K, int64_t steps,
@@ -196,15 +155,6 @@ MOETUNE_AMX inline void tile_products_n(int nb, const Shared& shared, const uint
   }
 }
 
-// v (+ the bf16 values at dst) -> dst, rounded once to bf16; lanes past m untouched.
-MOETUNE_AMX inline void store_row(at::BFloat16* dst, __m512 v, __mmask16 m, bool accumulate) {
-  if (accumulate) {
-    __m256i old = _mm256_maskz_loadu_epi16(m, dst);
-    v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)));
-  }
-  _mm256_mask_storeu_epi16(dst, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
 // Forward, output columns (weight rows) [16 ob0, 16 ob1), for every 64-row chunk of x: each step decodes
 // 16 rows x 32 codes into an A tile in L1 and multiplies it with the chunk's B tiles. (Decoding a block's
 // whole K into a panel first, once for all chunks, measured slower up to n = 256: 0.96 vs 0.61 ms per
@@ -248,29 +198,6 @@ MOETUNE_AMX void forward_range(const Dec& dec, const float* row_scale, const uin
     }
   }
   _tile_release();
-}
-
-// W' tiles of rows [32 os, 32 os + 32) and columns [64 s, 64 s + 64): dst + q * q_stride is the 16 x 64-byte
-// tile of columns 64 s + 16 q, row p holding rows 32 os + 2p and + 1 interleaved (zero past O and K).
-template <class Dec>
-MOETUNE_AMX inline void decode_pairs(const Dec& dec, int64_t os, int64_t s, int64_t K, int64_t O, uint16_t* dst,
-                                     int64_t q_stride) {
-  // a strip walks down the rows, 32 per step, K bytes apart: no hardware prefetcher follows that
-  for (int64_t o = (os + kAheadSteps) * 32; o < std::min<int64_t>((os + kAheadSteps + 1) * 32, O); ++o)
-    dec.prefetch(o, s * 64);
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (int p = 0; p < 16; ++p) {
-    const int64_t o = os * 32 + 2 * p;
-    for (int q = 0; q < 4; ++q) {
-      const int64_t k0 = s * 64 + q * 16;
-      const int valid = static_cast<int>(std::min<int64_t>(16, K - k0));
-      __m512 lo = o < O ? dec(o, k0, valid) : _mm512_setzero_ps();
-      __m512 hi = o + 1 < O ? dec(o + 1, k0, valid) : _mm512_setzero_ps();
-      __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-      _mm512_storeu_si512(dst + q * q_stride + p * 32, pair);
-    }
-  }
 }
 
 // Backward with at most 16 rows of g: the four 16-column tiles of a 64-column panel each have their own C tile,
@@ -346,38 +273,10 @@ MOETUNE_AMX void backward_range(const Dec& dec, const uint16_t* gt, int64_t opad
   _tile_release();
 }
 
-// g [n, O] bf16 -> A tiles [n/16][Opad/32][16][32] bf16, times the fp32 row scale (rounded once), zero-padded.
-// Each tile is 1 KiB of contiguous memory (a row-major [n, Opad] copy made every tile load read 16 lines 2 Opad
-// bytes apart: 0.93 vs 0.89 ms at n = 64 and 1.91 vs 1.71 ms at n = 128 per [1536, 2048] int8 matrix).
-MOETUNE_AMX void scaled_rows(const at::BFloat16* g, int64_t ldg, int64_t n, int64_t O, int64_t opad,
-                             const float* row_scale, uint16_t* dst) {
-  const int64_t padded = (n + 15) / 16 * 16;
-  std::memset(dst, 0, sizeof(uint16_t) * padded * opad);
-  for (int64_t r = 0; r < n; ++r) {
-    for (int64_t o = 0; o < O; o += 16) {
-      const __mmask16 m = first(static_cast<int>(O - o));
-      __m512 v = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, g + r * ldg + o)), 16));
-      if (row_scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, row_scale + o));
-      const int64_t at = (((r / 16) * (opad / 32) + o / 32) * 16 + r % 16) * 32 + o % 32;
-      _mm256_mask_storeu_epi16(dst + at, m, (__m256i)_mm512_cvtneps_pbh(v));
-    }
-  }
-}
-
-void check_operands(const torch::Tensor& a, const torch::Tensor& out, int64_t a_cols, int64_t out_cols) {
-  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "bf16 operands only");
-  TORCH_CHECK(a.dim() == 2 && out.dim() == 2 && a.size(0) == out.size(0), "2-D operands with equal rows");
-  TORCH_CHECK(a.size(1) == a_cols && out.size(1) == out_cols, "operand widths do not match the weight");
-  TORCH_CHECK(a.stride(1) == 1 && out.stride(1) == 1, "operands need contiguous rows");
-}
-
 template <class Dec>
-void run(bool forward, const Dec& dec, const float* row_scale, const torch::Tensor& a, torch::Tensor& out,
-         int64_t O, int64_t K, bool accumulate) {
-  check_operands(a, out, forward ? K : O, forward ? O : K);
+void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch::Tensor& a, torch::Tensor& out,
+              int64_t O, int64_t K, bool accumulate) {
   const int64_t n = a.size(0), padded = (n + 15) / 16 * 16;
-  if (n == 0) return;
   const auto* ap = a.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
   const int64_t lda = a.stride(0), ldo = out.stride(0);
@@ -399,49 +298,6 @@ void run(bool forward, const Dec& dec, const float* row_scale, const torch::Tens
   }
 }
 
-void require_amx() { TORCH_CHECK(amx_status().empty(), "moetune fused kernels: ", amx_status()); }
-
-// a: x [n, K] (forward) or g [n, O] (backward); out: [n, O] or [n, K]; codes [O, K] int8; scale [O] fp32.
-void int8_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& codes,
-               const torch::Tensor& scale, bool accumulate) {
-  require_amx();
-  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(), "codes: int8 [O, K]");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == codes.size(0),
-              "scale: fp32 [O]");
-  const int64_t O = codes.size(0), K = codes.size(1);
-  run(forward, Int8Rows{codes.data_ptr<int8_t>(), K}, scale.data_ptr<float>(), a, out, O, K, accumulate);
-}
-
-// packed [O, K/2] uint8; scale [O, K/g] bf16; zero [O, K/g] uint8 or None.
-void int4_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& packed,
-               const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero, int64_t group,
-               bool accumulate) {
-  require_amx();
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
-              "packed: uint8 [O, K/2]");
-  const int64_t O = packed.size(0), K = 2 * packed.size(1);
-  TORCH_CHECK(group % 16 == 0 && K % group == 0 && (K / 2) % 16 == 0, "group must be a multiple of 16 dividing K");
-  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.is_contiguous() && scale.numel() == O * (K / group),
-              "scale: bf16 [O, K/g]");
-  const uint8_t* zp = nullptr;
-  if (zero.has_value()) {
-    TORCH_CHECK(zero->scalar_type() == at::kByte && zero->is_contiguous() && zero->numel() == O * (K / group),
-                "zero: uint8 [O, K/g]");
-    zp = zero->data_ptr<uint8_t>();
-  }
-  TORCH_CHECK((group & (group - 1)) == 0, "group must be a power of two");
-  Int4Rows dec{packed.data_ptr<uint8_t>(), scale.data_ptr<at::BFloat16>(), zp, K / 2, K / group,
-               __builtin_ctzll(static_cast<unsigned long long>(group))};
-  run(forward, dec, nullptr, a, out, O, K, accumulate);
-}
-
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("unavailable", [] { return amx_status(); }, "why the kernels cannot run here, or '' when they can");
-  // the GIL is released, as torch's own ops do: the engine runs experts in parallel Python threads
-  m.def("int8_gemm", &int8_gemm, "int8 per-row-scale GEMM (forward: x @ W^T, backward: g @ W)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("int4_gemm", &int4_gemm, "int4 group-wise GEMM (forward: x @ W^T, backward: g @ W)",
-        py::call_guard<py::gil_scoped_release>());
-}
+#include "entry.h"

@@ -1,0 +1,90 @@
+// The Python entry points every kernel variant shares: operand checks, decoders built from the format's
+// tensors, and the module's functions. A variant's .cpp defines, before including this header (once, last):
+//
+//   #define MOETUNE_VARIANT "<name>"   // its name in loader.py's registry; the module's `variant`
+//   std::string variant_unavailable(); // why it cannot run on this CPU / process, or ""
+//   template <class Dec>               // one product with the decoded weight W [O, K] (decoders.h), a and out
+//   void run_gemm(bool forward, const Dec& dec, const float* row_scale,  // bf16 with contiguous rows, already
+//                 const torch::Tensor& a, torch::Tensor& out,          // checked, at least one row:
+//                 int64_t O, int64_t K, bool accumulate);
+//       forward : out[n, O] (+)= a[n, K] @ W^T, times row_scale[o] (fp32, may be null) on the fp32 sums
+//       backward: out[n, K] (+)= (a[n, O] * row_scale, rounded once to bf16) @ W
+//       fp32 sums, rounded once into out (accumulate: added to out's values first).
+//
+// A new format adds its decoder to decoders.h and one entry point here, and no variant changes.
+#pragma once
+
+#include <string>
+
+#include "decoders.h"
+
+namespace {
+
+const std::string& unavailable_here() {
+  static const std::string status = variant_unavailable();
+  return status;
+}
+
+void require_variant() { TORCH_CHECK(unavailable_here().empty(), "moetune fused kernels: ", unavailable_here()); }
+
+void check_operands(const torch::Tensor& a, const torch::Tensor& out, int64_t a_cols, int64_t out_cols) {
+  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "bf16 operands only");
+  TORCH_CHECK(a.dim() == 2 && out.dim() == 2 && a.size(0) == out.size(0), "2-D operands with equal rows");
+  TORCH_CHECK(a.size(1) == a_cols && out.size(1) == out_cols, "operand widths do not match the weight");
+  TORCH_CHECK(a.stride(1) == 1 && out.stride(1) == 1, "operands need contiguous rows");
+}
+
+template <class Dec>
+void run_checked(bool forward, const Dec& dec, const float* row_scale, const torch::Tensor& a, torch::Tensor& out,
+                 int64_t O, int64_t K, bool accumulate) {
+  check_operands(a, out, forward ? K : O, forward ? O : K);
+  if (a.size(0) == 0) return;
+  run_gemm(forward, dec, row_scale, a, out, O, K, accumulate);
+}
+
+// a: x [n, K] (forward) or g [n, O] (backward); out: [n, O] or [n, K]; codes [O, K] int8; scale [O] fp32.
+void int8_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& codes,
+               const torch::Tensor& scale, bool accumulate) {
+  require_variant();
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(), "codes: int8 [O, K]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == codes.size(0),
+              "scale: fp32 [O]");
+  const int64_t O = codes.size(0), K = codes.size(1);
+  run_checked(forward, moetune::Int8Rows{codes.data_ptr<int8_t>(), K}, scale.data_ptr<float>(), a, out, O, K,
+              accumulate);
+}
+
+// packed [O, K/2] uint8; scale [O, K/g] bf16; zero [O, K/g] uint8 or None.
+void int4_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& packed,
+               const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero, int64_t group,
+               bool accumulate) {
+  require_variant();
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              "packed: uint8 [O, K/2]");
+  const int64_t O = packed.size(0), K = 2 * packed.size(1);
+  TORCH_CHECK(group % 16 == 0 && K % group == 0 && (K / 2) % 16 == 0, "group must be a multiple of 16 dividing K");
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.is_contiguous() && scale.numel() == O * (K / group),
+              "scale: bf16 [O, K/g]");
+  const uint8_t* zp = nullptr;
+  if (zero.has_value()) {
+    TORCH_CHECK(zero->scalar_type() == at::kByte && zero->is_contiguous() && zero->numel() == O * (K / group),
+                "zero: uint8 [O, K/g]");
+    zp = zero->data_ptr<uint8_t>();
+  }
+  TORCH_CHECK((group & (group - 1)) == 0, "group must be a power of two");
+  moetune::Int4Rows dec{packed.data_ptr<uint8_t>(), scale.data_ptr<at::BFloat16>(), zp, K / 2, K / group,
+                        __builtin_ctzll(static_cast<unsigned long long>(group))};
+  run_checked(forward, dec, nullptr, a, out, O, K, accumulate);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("variant") = MOETUNE_VARIANT;
+  m.def("unavailable", [] { return unavailable_here(); }, "why the kernels cannot run here, or '' when they can");
+  // the GIL is released, as torch's own ops do: the engine runs experts in parallel Python threads
+  m.def("int8_gemm", &int8_gemm, "int8 per-row-scale GEMM (forward: x @ W^T, backward: g @ W)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int4_gemm", &int4_gemm, "int4 group-wise GEMM (forward: x @ W^T, backward: g @ W)",
+        py::call_guard<py::gil_scoped_release>());
+}
