@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -194,8 +196,9 @@ class Fp8BlockExperts(QuantizedExperts):
         # what _dequant_rows reads: the codes as int8 (their widening sign-extends), and the block multipliers
         # scale_inv * 2^8 in fp32 (4 bytes more per 128^2 weights)
         self._decode = {
-            "gate_up": (self.gate_up.view(torch.int8), self.gate_up_scale_inv * _FP16_UNBIAS),
-            "down": (self.down.view(torch.int8), self.down_scale_inv * _FP16_UNBIAS),
+            proj: (codes.view(torch.int8), scale_inv * _FP16_UNBIAS)
+            for proj in ("gate_up", "down")
+            for codes, scale_inv in [self._stored(proj)]
         }
 
     @classmethod
@@ -259,6 +262,12 @@ class Fp8BlockExperts(QuantizedExperts):
             return BLOCK
         return self.shape(proj)[0]
 
+    def _stored(self, proj: Projection) -> tuple[torch.Tensor, torch.Tensor]:
+        """``proj``'s codes ``[E, D_out, D_in]`` e4m3fn and block scales ``[E, grid rows, ceil(D_in/128)]`` fp32."""
+        if proj == "gate_up":
+            return self.gate_up, self.gate_up_scale_inv
+        return self.down, self.down_scale_inv
+
     def _dequant_rows(self, proj: Projection, expert: int, r0: int, r1: int, out: torch.Tensor) -> None:
         codes, multipliers = self._decode[proj]
         rows, d = out.shape
@@ -269,6 +278,15 @@ class Fp8BlockExperts(QuantizedExperts):
         half.bitwise_left_shift_(_FP16_SHIFT).bitwise_and_(_FP16_BITS_MASK)
         out.copy_(half.view(torch.float16))
         scale_blocks(out, multipliers[expert, b0 : b0 + -(-rows // BLOCK)])
+
+    # per kernel variant, the fused kernel beats dequantize-then-GEMM up to here (bench/formats.py, on vs
+    # MOETUNE_KERNELS=off; docs/performance.md, "fp8_block and mxfp4 on the torch path")
+    FUSED_MAX_ROWS = MappingProxyType({"AMX-BF16": 256, "AVX512-BF16": 256})
+
+    def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
+        codes, scale_inv = self._stored(proj)
+        seg, seg_grid = self._segments[proj][-1]  # where up's rows and grid rows start (down: 0, 0)
+        return "fp8_block_gemm", (codes[expert], scale_inv[expert], seg, seg_grid)
 
     @property
     def nbytes(self) -> int:

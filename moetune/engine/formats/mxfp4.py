@@ -36,6 +36,8 @@ than a quarter of the value.
 from __future__ import annotations
 
 import functools
+from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -222,10 +224,12 @@ class Mxfp4Experts(QuantizedExperts):
 
     DIRECT_DTYPES = (torch.float32, torch.bfloat16)  # keys of _WORD
 
+    def _stored(self, proj: Projection) -> tuple[torch.Tensor, torch.Tensor]:
+        """``proj``'s packed codes ``[E, D_out, D_in/2]`` and scale bytes ``[E, D_out, D_in/32]``, uint8."""
+        return (self.gate_up, self.gate_up_scale) if proj == "gate_up" else (self.down, self.down_scale)
+
     def _dequant_rows(self, proj: Projection, expert: int, r0: int, r1: int, out: torch.Tensor) -> None:
-        codes, scale = (
-            (self.gate_up, self.gate_up_scale) if proj == "gate_up" else (self.down, self.down_scale)
-        )
+        codes, scale = self._stored(proj)
         rows, d = out.shape
         assert out.is_contiguous(), "the gather writes whole words: out must be contiguous"
         # index [rows, D/32 blocks, 16 bytes]: the code bytes plus their block's scale byte * 256
@@ -236,6 +240,14 @@ class Mxfp4Experts(QuantizedExperts):
         index.add_(block_scale.bitwise_left_shift_(_SCALE_SHIFT))
         table = _pair_table(out.dtype)
         torch.index_select(table, 0, index.view(-1), out=out.view(table.dtype).view(-1))
+
+    # per kernel variant, the fused kernel beats dequantize-then-GEMM up to here (bench/formats.py, on vs
+    # MOETUNE_KERNELS=off; docs/performance.md, "fp8_block and mxfp4 on the torch path")
+    FUSED_MAX_ROWS = MappingProxyType({"AMX-BF16": 256, "AVX512-BF16": 256})
+
+    def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
+        codes, scale = self._stored(proj)
+        return "mxfp4_gemm", (codes[expert], scale[expert])
 
     @property
     def nbytes(self) -> int:
