@@ -80,12 +80,18 @@ struct Fp8BlockRows {
   int64_t seg, seg_grid;
   MOETUNE_AVX512 inline __m512 operator()(int64_t o, int64_t k0, int valid) const {
     if (valid <= 0) return _mm512_setzero_ps();  // k0 may be past K: no scale to read
-    const __mmask16 m = first(valid);
-    __m256i h = _mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(m, codes + o * K + k0));  // sign-extends
+    // masks only on a row's last, partial 16: masked loads and multiplies on every call measured 1.3-1.6x slower
+    // for mxfp4's decoder and up to 1.25x for this one (n = 8, [1536, 2048], AVX512-BF16 on Zen 4)
+    const bool whole = valid >= 16;
+    const int8_t* p = codes + o * K + k0;
+    const __m128i b =
+        whole ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)) : _mm_maskz_loadu_epi8(first(valid), p);
+    __m256i h = _mm256_cvtepi8_epi16(b);  // sign-extends
     h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
     const int64_t row = o < seg ? o >> 7 : seg_grid + ((o - seg) >> 7);
     const float mult = scale_inv[row * cols + (k0 >> 7)] * 256.0f;  // 2^(fp16 bias 15 - e4m3 bias 7)
-    return _mm512_maskz_mul_ps(m, _mm512_cvtph_ps(h), _mm512_set1_ps(mult));
+    const __m512 w = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(mult));
+    return whole ? w : _mm512_maskz_mov_ps(first(valid), w);
   }
   inline void prefetch(int64_t o, int64_t k) const {
     _mm_prefetch(reinterpret_cast<const char*>(codes + o * K + k), _MM_HINT_T0);
@@ -98,9 +104,9 @@ struct Mxfp4Rows {
   const uint8_t* scale;  // [O, K/32]
   int64_t half, blocks;  // K/2, K/32
   MOETUNE_AVX512 inline __m512 operator()(int64_t o, int64_t k0, int valid) const {
-    if (valid <= 0) return _mm512_setzero_ps();  // k0 may be past K: no scale to read
-    const __mmask16 m = first(valid);
-    const __m128i b = _mm_maskz_loadu_epi8(first((valid + 1) / 2), packed + o * half + k0 / 2);
+    // K is a multiple of 32 and k0 of 16, so valid is >= 16 or <= 0: whole loads, no masks
+    if (valid <= 0) return _mm512_setzero_ps();
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + o * half + k0 / 2));
     const __m128i nib = _mm_set1_epi8(0x0F);
     // codes in element order: low nibble of byte 0, its high nibble, low nibble of byte 1, ...
     const __m128i c = _mm_unpacklo_epi8(_mm_and_si128(b, nib), _mm_and_si128(_mm_srli_epi16(b, 4), nib));
@@ -111,7 +117,7 @@ struct Mxfp4Rows {
     const uint32_t bits = s ? s << 23 : 0x00400000u;  // 2^(s - 127); s = 0: the subnormal 2^-127
     float pow2;
     std::memcpy(&pow2, &bits, 4);
-    return _mm512_maskz_mul_ps(m, v, _mm512_set1_ps(pow2));
+    return _mm512_mul_ps(v, _mm512_set1_ps(pow2));
   }
   inline void prefetch(int64_t o, int64_t k) const {
     _mm_prefetch(reinterpret_cast<const char*>(packed + o * half + k / 2), _MM_HINT_T0);
