@@ -23,8 +23,10 @@ multiplier ``scale_inv * 2^8`` (formed once, at construction) restores the value
 factors), so each weight is ``fp8 * scale_inv`` rounded once to fp32. The two NaN codes (0x7F, 0xFF) would
 come out finite, so constructors reject them. Five passes over a row block (widen, shift, mask, to fp32,
 scale; ``tile`` adds the rounding to bf16), each a single torch call on the whole block: per-call overhead,
-not arithmetic, was a third of a 128-row tile's time (docs/performance.md, "fp8_block and mxfp4 on the torch
-path"). Resident bytes per parameter: ``1 + 4 / 128^2`` for whole blocks (1.0002).
+not arithmetic, was a third of a 128-row tile's time (docs/performance.md, "fp8_block and mxfp4: the torch
+path and the fused decoders"). With bf16 compute, experts with at most ``FUSED_MAX_ROWS`` rows skip the
+tile: the fused kernels' ``Fp8BlockRows`` decoder (``kernels/decoders.h``) does the same arithmetic in
+registers. Resident bytes per parameter: ``1 + 4 / 128^2`` for whole blocks (1.0002).
 """
 
 from __future__ import annotations
@@ -279,8 +281,9 @@ class Fp8BlockExperts(QuantizedExperts):
         out.copy_(half.view(torch.float16))
         scale_blocks(out, multipliers[expert, b0 : b0 + -(-rows // BLOCK)])
 
-    # per kernel variant, the fused kernel beats dequantize-then-GEMM up to here (bench/formats.py, on vs
-    # MOETUNE_KERNELS=off; docs/performance.md, "fp8_block and mxfp4 on the torch path")
+    # per kernel variant, the fused kernel beats dequantize-then-GEMM up to here (AVX512-BF16: fused / torch
+    # 1.06x at 256 rows, 0.94x at 512; docs/performance.md, "fp8_block and mxfp4: the torch path and the fused
+    # decoders"). AMX-BF16: int4's value (its torch path dequantizes too), not measured on an AMX CPU yet.
     FUSED_MAX_ROWS = MappingProxyType({"AMX-BF16": 256, "AVX512-BF16": 256})
 
     def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:

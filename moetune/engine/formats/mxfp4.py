@@ -25,6 +25,8 @@ fp32 value rounded, as ``tile`` requires): one gather per byte from a 65536-entr
 index is the codes widened plus the block's scale byte shifted, broadcast over its 16 bytes: three passes per
 code byte (widen, add, gather) and none over the values. The gather is most of the time; the former separate
 scale multiply (an fp32 pass, then fp32 -> bf16) cost more than the larger table does (docs/performance.md).
+With bf16 compute, experts with at most ``FUSED_MAX_ROWS`` rows skip the tile: the fused kernels' ``Mxfp4Rows``
+decoder (``kernels/decoders.h``) reads the nibbles and scale bytes in registers, to the same values.
 
 Quantization (``from_dense``), the OCP MX rule: a block's scale is ``2^(floor(log2 max|w|) - 2)`` (2 = e2m1's
 largest exponent), elements are ``w / scale`` rounded to the nearest e2m1 value, ties to the even code, and
@@ -241,8 +243,9 @@ class Mxfp4Experts(QuantizedExperts):
         table = _pair_table(out.dtype)
         torch.index_select(table, 0, index.view(-1), out=out.view(table.dtype).view(-1))
 
-    # per kernel variant, the fused kernel beats dequantize-then-GEMM up to here (bench/formats.py, on vs
-    # MOETUNE_KERNELS=off; docs/performance.md, "fp8_block and mxfp4 on the torch path")
+    # per kernel variant, the fused kernel beats dequantize-then-GEMM up to here (AVX512-BF16: fused / torch
+    # 1.12x at 256 rows, 0.96x at 512; docs/performance.md, "fp8_block and mxfp4: the torch path and the fused
+    # decoders"). AMX-BF16: int4's value (its torch path dequantizes too), not measured on an AMX CPU yet.
     FUSED_MAX_ROWS = MappingProxyType({"AMX-BF16": 256, "AVX512-BF16": 256})
 
     def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
