@@ -2,15 +2,17 @@
 // shared decoders (decoders.h), multiplied with vdpbf16ps (pairs of bf16 products summed into fp32 lanes).
 // Same products, roundings and Python API as amx_gemm.cpp (see its header and entry.h):
 //
-//   forward : out[n, O] (+)= x[n, K] @ W^T     lanes along k: acc[r][o] += x[r, k..k+32) . W[o, k..k+32),
-//             W's 32 values of a row decoded once per chunk of up to 8 rows of x and used for all of them, two
-//             weight rows at a time; each accumulator summed across its lanes once at the end of the row.
+//   forward : out[n, O] (+)= x[n, K] @ W^T     up to 16 rows: lanes along k, acc[r][o] += x[r, k..k+32) .
+//             W[o, k..k+32), W's 32 values of a row decoded once per 8 rows of x and used for all of them, two
+//             weight rows at a time, each accumulator summed across its lanes once at the end of the row; more
+//             rows: 16 x 32 blocks of W decoded once, transposed to lanes along o, x pairs broadcast.
 //   backward: out[n, K] (+)= g[n, O] @ W      lanes along k: acc[r][k..k+16) += bcast(g[r, o:o+2]) . pairs
-//             (W[o, k..k+16), W[o+1, k..k+16)), the pair layout of layouts.h decoded once per 32 x 64 block into
-//             L1 and used by every row of g; each 64-column strip's fp32 sums in a per-thread [n, 64] buffer.
+//             (W[o, k..k+16), W[o+1, k..k+16)) (layouts.h's pair layout), decoded in registers where they are
+//             used for up to 8 rows of g, else once per 32 x 64 block into L1 and used by every row of g; each
+//             64-column strip's fp32 sums in a per-thread [n, 64] buffer.
 //
 // Each weight is decoded once per call for up to 8 rows (the engine's few-row experts), so the loops stream the
-// codes once at about memory rate.
+// codes once.
 #define MOETUNE_VARIANT "AVX512-BF16"
 
 #include "decoders.h"
@@ -36,6 +38,9 @@ constexpr int kRows = 8;  // rows of x / g per register block: 2 x 8 accumulator
 // forward_rows prefetches the weight rows this many pairs ahead (a line per 64 columns, as it reaches them): it
 // took int8's [1536, 2048] forward at n = 8 from 0.74 to 0.54 ms, [2048, 768] from 0.37 to 0.22 ms (one thread)
 constexpr int kAheadPairs = 2;
+// forward: up to this many rows of x by dot products (forward_rows, decoding W again per 8 rows), more by
+// forward_panel (each weight decoded once)
+constexpr int kDotRows = 16;
 
 // Why not usable here, or "" when AVX512F/BW/VL and AVX512-BF16 are.
 std::string variant_unavailable() {
@@ -70,8 +75,9 @@ MOETUNE_AVX512 void forward_rows(const Dec& dec, const at::BFloat16* x, int64_t 
     const bool two = j + 1 < rows;
     __m512 acc0[R], acc1[R];
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-    auto step = [&](int64_t k0, __mmask32 m) MOETUNE_AVX512 {
-      const int valid = static_cast<int>(std::min<int64_t>(32, K - k0));
+    // valid: K - k0, at most 32 (a literal 32 in the main loop, so the decoders' masks fold to constants)
+    auto step = [&](int64_t k0, int valid) MOETUNE_AVX512 {
+      const __mmask32 m = valid >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << valid) - 1u);
       if (k0 % 64 == 0 && j + 2 * kAheadPairs + 1 < rows_ahead) {  // the rows kAheadPairs ahead, this column
         dec.prefetch(o + 2 * kAheadPairs, k0);
         dec.prefetch(o + 2 * kAheadPairs + 1, k0);
@@ -85,8 +91,8 @@ MOETUNE_AVX512 void forward_rows(const Dec& dec, const at::BFloat16* x, int64_t 
       }
     };
     int64_t k0 = 0;
-    for (; k0 + 32 <= K; k0 += 32) step(k0, ~(__mmask32)0);
-    if (k0 < K) step(k0, (__mmask32)((1u << (K - k0)) - 1u));
+    for (; k0 + 32 <= K; k0 += 32) step(k0, 32);
+    if (k0 < K) step(k0, static_cast<int>(K - k0));
     for (int r = 0; r < R; ++r) {
       res[r * 16 + j] = _mm512_reduce_add_ps(acc0[r]);
       if (two) res[r * 16 + j + 1] = _mm512_reduce_add_ps(acc1[r]);
@@ -172,48 +178,56 @@ MOETUNE_AVX512 void forward_panel(const Dec& dec, const at::BFloat16* x, int64_t
   }
 }
 
-// Forward, output columns (weight rows) [16 ob0, 16 ob1), 16 at a time: up to 8 rows of x by dot products
-// (forward_rows), more by forward_panel.
+// Forward, output columns (weight rows) [16 ob0, 16 ob1), 16 at a time: up to kDotRows rows of x by dot
+// products (forward_rows, 8 rows at a time), more by forward_panel.
 template <class Dec>
 MOETUNE_AVX512 void forward_range(const Dec& dec, const float* row_scale, const at::BFloat16* x, int64_t ldx,
                                   int64_t n, int64_t K, int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate,
                                   int64_t ob0, int64_t ob1) {
-  std::vector<float> res(std::max<int64_t>(n, kRows) * 16 + 16);
+  std::vector<float> res(std::max<int64_t>(n, kRows) * 16 + 16);  // [n, 16] fp32 sums
   float* acc = res.data() + (16 - reinterpret_cast<uintptr_t>(res.data()) / 4 % 16) % 16;  // 64-byte aligned
   for (int64_t ob = ob0; ob < ob1; ++ob) {
     const int64_t o0 = ob * 16;
     const int rows = static_cast<int>(std::min<int64_t>(16, O - o0));
     const __mmask16 m = first(rows);
     const __m512 scale = row_scale ? _mm512_maskz_loadu_ps(m, row_scale + o0) : _mm512_set1_ps(1.0f);
-    switch (n > kRows ? 0 : n) {
-      case 0: forward_panel(dec, x, ldx, n, K, o0, rows, acc); break;
-      case 1: forward_rows<1>(dec, x, ldx, K, o0, rows, acc, static_cast<int>(O - o0)); break;
-      case 2: forward_rows<2>(dec, x, ldx, K, o0, rows, acc, static_cast<int>(O - o0)); break;
-      case 3: forward_rows<3>(dec, x, ldx, K, o0, rows, acc, static_cast<int>(O - o0)); break;
-      case 4: forward_rows<4>(dec, x, ldx, K, o0, rows, acc, static_cast<int>(O - o0)); break;
-      case 5: forward_rows<5>(dec, x, ldx, K, o0, rows, acc, static_cast<int>(O - o0)); break;
-      case 6: forward_rows<6>(dec, x, ldx, K, o0, rows, acc, static_cast<int>(O - o0)); break;
-      case 7: forward_rows<7>(dec, x, ldx, K, o0, rows, acc, static_cast<int>(O - o0)); break;
-      default: forward_rows<8>(dec, x, ldx, K, o0, rows, acc, static_cast<int>(O - o0)); break;
+    const int ahead = static_cast<int>(O - o0);
+    if (n > kDotRows) {
+      forward_panel(dec, x, ldx, n, K, o0, rows, acc);
+    } else {
+      for (int64_t r0 = 0; r0 < n; r0 += kRows) {  // a second block finds the 16 weight rows in L1
+        const at::BFloat16* xr = x + r0 * ldx;
+        float* res = acc + r0 * 16;
+        switch (std::min<int64_t>(kRows, n - r0)) {
+          case 1: forward_rows<1>(dec, xr, ldx, K, o0, rows, res, ahead); break;
+          case 2: forward_rows<2>(dec, xr, ldx, K, o0, rows, res, ahead); break;
+          case 3: forward_rows<3>(dec, xr, ldx, K, o0, rows, res, ahead); break;
+          case 4: forward_rows<4>(dec, xr, ldx, K, o0, rows, res, ahead); break;
+          case 5: forward_rows<5>(dec, xr, ldx, K, o0, rows, res, ahead); break;
+          case 6: forward_rows<6>(dec, xr, ldx, K, o0, rows, res, ahead); break;
+          case 7: forward_rows<7>(dec, xr, ldx, K, o0, rows, res, ahead); break;
+          default: forward_rows<8>(dec, xr, ldx, K, o0, rows, res, ahead); break;
+        }
+      }
     }
     for (int64_t r = 0; r < n; ++r)
       store_row(out + r * ldo + o0, _mm512_mul_ps(_mm512_load_ps(acc + r * 16), scale), m, accumulate);
   }
 }
 
-// acc[r][0 .. 64) += g[r, 32 os .. 32 os + 32) @ W[32 os .. 32 os + 32, 64 s .. 64 s + 64) for r < R: bt the
-// block's four 16-column pair tiles (decode_pairs), g row r's 16 pairs at g + 32 r (scaled_rows' layout).
-template <int R>
-MOETUNE_AVX512 void backward_rows(const uint16_t* bt, const uint16_t* g, float* acc) {
-  for (int h = 0; h < 2; ++h) {  // two 16-column tiles per pass: 2 x 8 accumulators
+// acc[r][0 .. 64) += g[r, 32 os .. 32 os + 32) @ W[32 os .. 32 os + 32, 64 s .. 64 s + 64) for r < R: pair(p, q)
+// the block's pair vector of rows 32 os + 2p and + 1, columns 64 s + 16 q .. + 16 (decode_pair's layout), g row
+// r's 16 pairs at g + 32 r (scaled_rows' layout).
+template <int R, class Pairs>
+MOETUNE_AVX512 void backward_rows(const Pairs& pair, const uint16_t* g, float* acc) {
+  for (int h = 0; h < 2; ++h) {  // two 16-column quarters per pass: 2 x 8 accumulators
     __m512 c0[R], c1[R];
     for (int r = 0; r < R; ++r) {
       c0[r] = _mm512_loadu_ps(acc + r * 64 + h * 32);
       c1[r] = _mm512_loadu_ps(acc + r * 64 + h * 32 + 16);
     }
     for (int p = 0; p < 16; ++p) {
-      const __m512bh w0 = (__m512bh)_mm512_load_si512(bt + (2 * h) * 512 + p * 32);
-      const __m512bh w1 = (__m512bh)_mm512_load_si512(bt + (2 * h + 1) * 512 + p * 32);
+      const __m512bh w0 = pair(p, 2 * h), w1 = pair(p, 2 * h + 1);
       for (int r = 0; r < R; ++r) {
         c0[r] = dp_pair(c0[r], w0, g + r * 32 + 2 * p);
         c1[r] = dp_pair(c1[r], w1, g + r * 32 + 2 * p);
@@ -226,8 +240,43 @@ MOETUNE_AVX512 void backward_rows(const uint16_t* bt, const uint16_t* g, float* 
   }
 }
 
-// Backward, output columns [64 s0, 64 s1) a strip of 64 at a time: each 32-row block of W decoded once into L1
-// (decode_pairs) and multiplied with every row of g (gt: scaled_rows' layout, opad = O rounded up to 32).
+// backward_rows for n rows of g, from the pair vectors `pair` hands out
+template <class Pairs>
+MOETUNE_AVX512 void backward_block(const Pairs& pair, int64_t n, const uint16_t* g, float* acc) {
+  switch (n) {
+    case 1: backward_rows<1>(pair, g, acc); break;
+    case 2: backward_rows<2>(pair, g, acc); break;
+    case 3: backward_rows<3>(pair, g, acc); break;
+    case 4: backward_rows<4>(pair, g, acc); break;
+    case 5: backward_rows<5>(pair, g, acc); break;
+    case 6: backward_rows<6>(pair, g, acc); break;
+    case 7: backward_rows<7>(pair, g, acc); break;
+    default: backward_rows<8>(pair, g, acc); break;
+  }
+}
+
+// the pairs decoded into L1 by decode_pairs (four 16-column tiles of 16 pairs)
+struct TilePairs {
+  const uint16_t* bt;
+  MOETUNE_AVX512 __m512bh operator()(int p, int q) const {
+    return (__m512bh)_mm512_load_si512(bt + q * 512 + p * 32);
+  }
+};
+
+// the pairs decoded in registers where they are used (one block of rows of g: no round trip through L1)
+template <class Dec>
+struct DecodedPairs {
+  const Dec& dec;
+  int64_t os, s, K, O;
+  MOETUNE_AVX512 __m512bh operator()(int p, int q) const {
+    return moetune::decode_pair(dec, os * 32 + 2 * p, s * 64 + q * 16, K, O);
+  }
+};
+
+// Backward, output columns [64 s0, 64 s1) a strip of 64 at a time: with up to 8 rows of g each pair decoded in
+// registers where it is used (0.76 -> 0.65 ms per [1536, 2048] int8 matrix at n = 8, one thread, against the
+// L1 round trip); more rows: each 32-row block of W decoded once into L1 (decode_pairs) and multiplied with
+// every row of g (gt: scaled_rows' layout, opad = O rounded up to 32).
 template <class Dec>
 MOETUNE_AVX512 void backward_range(const Dec& dec, const uint16_t* gt, int64_t opad, int64_t n, int64_t K,
                                    int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate, int64_t s0,
@@ -238,21 +287,15 @@ MOETUNE_AVX512 void backward_range(const Dec& dec, const uint16_t* gt, int64_t o
   for (int64_t s = s0; s < s1; ++s) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t os = 0; os < steps; ++os) {
-      decode_pairs(dec, os, s, K, O, bt, 512);
-      for (int64_t r0 = 0; r0 < n; r0 += kRows) {  // r0 % 8 == 0: a chunk stays in one 16-row block of gt
-        const uint16_t* g = gt + (((r0 / 16) * steps + os) * 16 + r0 % 16) * 32;
-        float* a = acc.data() + r0 * 64;
-        switch (std::min<int64_t>(kRows, n - r0)) {
-          case 1: backward_rows<1>(bt, g, a); break;
-          case 2: backward_rows<2>(bt, g, a); break;
-          case 3: backward_rows<3>(bt, g, a); break;
-          case 4: backward_rows<4>(bt, g, a); break;
-          case 5: backward_rows<5>(bt, g, a); break;
-          case 6: backward_rows<6>(bt, g, a); break;
-          case 7: backward_rows<7>(bt, g, a); break;
-          default: backward_rows<8>(bt, g, a); break;
-        }
+      if (n <= kRows) {  // one block of rows: each pair decoded where it is used
+        moetune::prefetch_strip(dec, os, s, O);  // as decode_pairs does
+        backward_block(DecodedPairs<Dec>{dec, os, s, K, O}, n, gt + os * 512, acc.data());
+        continue;
       }
+      decode_pairs(dec, os, s, K, O, bt, 512);
+      for (int64_t r0 = 0; r0 < n; r0 += kRows)  // r0 % 8 == 0: a chunk stays in one 16-row block of gt
+        backward_block(TilePairs{bt}, std::min<int64_t>(kRows, n - r0),
+                       gt + (((r0 / 16) * steps + os) * 16 + r0 % 16) * 32, acc.data() + r0 * 64);
     }
     for (int q = 0; q < 4 && s * 64 + q * 16 < K; ++q) {
       const int64_t k0 = s * 64 + q * 16;

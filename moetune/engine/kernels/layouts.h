@@ -25,26 +25,36 @@ MOETUNE_AVX512 inline void store_row(at::BFloat16* dst, __m512 v, __mmask16 m, b
   _mm256_mask_storeu_epi16(dst, m, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
+// Rows o and o + 1 of W, columns [k0, k0 + 16), interleaved: lane j holds (W[o, k0 + j], W[o + 1, k0 + j]) as
+// bf16, zero past O and K.
+template <class Dec>
+MOETUNE_AVX512 inline __m512bh decode_pair(const Dec& dec, int64_t o, int64_t k0, int64_t K, int64_t O) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const int valid = static_cast<int>(std::min<int64_t>(16, K - k0));
+  __m512 lo = o < O ? dec(o, k0, valid) : _mm512_setzero_ps();
+  __m512 hi = o + 1 < O ? dec(o + 1, k0, valid) : _mm512_setzero_ps();
+  return (__m512bh)_mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// The rows kAheadSteps 32-row steps below step os of the 64-column strip s, towards L1: a strip walks down the
+// rows, 32 per step, K bytes apart, and no hardware prefetcher follows that.
+template <class Dec>
+inline void prefetch_strip(const Dec& dec, int64_t os, int64_t s, int64_t O) {
+  for (int64_t o = (os + kAheadSteps) * 32; o < std::min<int64_t>((os + kAheadSteps + 1) * 32, O); ++o)
+    dec.prefetch(o, s * 64);
+}
+
 // W' tiles of rows [32 os, 32 os + 32) and columns [64 s, 64 s + 64): dst + q * q_stride is the 16 x 64-byte
 // tile of columns 64 s + 16 q, row p holding rows 32 os + 2p and + 1 interleaved (zero past O and K).
 template <class Dec>
 MOETUNE_AVX512 inline void decode_pairs(const Dec& dec, int64_t os, int64_t s, int64_t K, int64_t O,
                                         uint16_t* dst, int64_t q_stride) {
-  // a strip walks down the rows, 32 per step, K bytes apart: no hardware prefetcher follows that
-  for (int64_t o = (os + kAheadSteps) * 32; o < std::min<int64_t>((os + kAheadSteps + 1) * 32, O); ++o)
-    dec.prefetch(o, s * 64);
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  prefetch_strip(dec, os, s, O);
   for (int p = 0; p < 16; ++p) {
     const int64_t o = os * 32 + 2 * p;
-    for (int q = 0; q < 4; ++q) {
-      const int64_t k0 = s * 64 + q * 16;
-      const int valid = static_cast<int>(std::min<int64_t>(16, K - k0));
-      __m512 lo = o < O ? dec(o, k0, valid) : _mm512_setzero_ps();
-      __m512 hi = o + 1 < O ? dec(o + 1, k0, valid) : _mm512_setzero_ps();
-      __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-      _mm512_storeu_si512(dst + q * q_stride + p * 32, pair);
-    }
+    for (int q = 0; q < 4; ++q)
+      _mm512_storeu_si512(dst + q * q_stride + p * 32, (__m512i)decode_pair(dec, o, s * 64 + q * 16, K, O));
   }
 }
 
