@@ -19,15 +19,22 @@ Dequantization: torch's e4m3fn -> fp32 conversion is scalar on the CPU (measured
 bf16 -> fp32 here). Instead each byte's sign and exponent/mantissa bits are moved into an fp16 bit
 pattern with integer ops: e4m3's exponent bias 7 vs fp16's 15 makes that fp16 number exactly
 ``value * 2^-8`` for every finite code, subnormals included. fp16 -> fp32 is vectorized, and the block
-multiplier ``scale_inv * 2^8`` restores the value (exactly: power-of-two factors). The two NaN codes
-(0x7F, 0xFF) would come out finite, so constructors reject them. Resident bytes per parameter:
-``1 + 4 / 128^2`` for whole blocks (1.0002).
+multiplier ``scale_inv * 2^8`` (formed once, at construction) restores the value (exactly: power-of-two
+factors), so each weight is ``fp8 * scale_inv`` rounded once to fp32. The two NaN codes (0x7F, 0xFF) would
+come out finite, so constructors reject them. Five passes over a row block (widen, shift, mask, to fp32,
+scale; ``tile`` adds the rounding to bf16), each a single torch call on the whole block: per-call overhead,
+not arithmetic, was a third of a 128-row tile's time (docs/performance.md, "fp8_block and mxfp4: the torch
+path and the fused decoders"). With bf16 compute, experts with at most ``FUSED_MAX_ROWS`` rows skip the
+tile: the fused kernels' ``Fp8BlockRows`` decoder (``kernels/decoders.h``) does the same arithmetic in
+registers. Resident bytes per parameter: ``1 + 4 / 128^2`` for whole blocks (1.0002).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -48,8 +55,10 @@ from moetune.errors import EngineError
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 BLOCK = 128  # DeepSeek-V3's weight_block_size [128, 128]
-_FP16_BITS_MASK = -16512  # 0xBF80 as int16: the sign bit and the 7 exponent+mantissa bits once shifted
-_FP16_SHIFT = 7  # e4m3's 3 mantissa bits land at the top of fp16's 10
+# 0-dim int16 operands: an in-place op given a Python int wraps it into a tensor on every call (~2.5 us).
+# The mask is 0xBF80: the sign bit and the 7 exponent+mantissa bits once shifted.
+_FP16_BITS_MASK = torch.tensor(-16512, dtype=torch.int16)
+_FP16_SHIFT = torch.tensor(7, dtype=torch.int16)  # e4m3's 3 mantissa bits land at the top of fp16's 10
 _FP16_UNBIAS = 2.0**8  # 2^(fp16 bias 15 - e4m3 bias 7)
 
 
@@ -74,6 +83,30 @@ def quantize_blocks(w: torch.Tensor, codes: torch.Tensor, scale_inv: torch.Tenso
     scale_inv.copy_(s)
     q = blocks.div_(s[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).view(r * BLOCK, c * BLOCK)
     codes.copy_(q[:o, :d])
+
+
+def _spans(n: int) -> list[tuple[int, int, int]]:
+    """``n`` indices as (start, blocks, block length): the whole 128-blocks, then the partial one if any."""
+    whole, part = divmod(n, BLOCK)
+    return [(0, whole, BLOCK)] * (whole > 0) + [(whole * BLOCK, 1, part)] * (part > 0)
+
+
+def scale_blocks(out: torch.Tensor, scale: torch.Tensor) -> None:
+    """out ``[R, D]`` fp32 times its 128 x 128 block's factor, in place; scale ``grid(R, D)`` fp32.
+
+    One broadcast multiply per rectangle of equal-sized blocks, the factors read in place: no column-expanded
+    copy of the scales. Whole blocks only (the usual case) take one multiply on views: the general loop's
+    slicing measured ~13 us more per call, a tenth of a 128-row tile.
+    """
+    rows, d = out.shape
+    if rows % BLOCK == 0 and d % BLOCK == 0:
+        nr, nc = scale.shape
+        out.view(nr, BLOCK, nc, BLOCK).mul_(scale.view(nr, 1, nc, 1))
+        return
+    for r0, nr, hr in _spans(rows):
+        for c0, nc, hc in _spans(d):
+            part = out[r0 : r0 + nr * hr, c0 : c0 + nc * hc].unflatten(1, (nc, hc)).unflatten(0, (nr, hr))
+            part.mul_(scale[r0 // BLOCK : r0 // BLOCK + nr, None, c0 // BLOCK : c0 // BLOCK + nc, None])
 
 
 def _first_nan_code(codes: torch.Tensor) -> int | None:
@@ -162,6 +195,13 @@ class Fp8BlockExperts(QuantizedExperts):
             "gate_up": row_chunks(0, i, h, BLOCK) + row_chunks(i, 2 * i, h, BLOCK),
             "down": row_chunks(0, h, i, BLOCK),
         }
+        # what _dequant_rows reads: the codes as int8 (their widening sign-extends), and the block multipliers
+        # scale_inv * 2^8 in fp32 (4 bytes more per 128^2 weights)
+        self._decode = {
+            proj: (codes.view(torch.int8), scale_inv * _FP16_UNBIAS)
+            for proj in ("gate_up", "down")
+            for codes, scale_inv in [self._stored(proj)]
+        }
 
     @classmethod
     def from_dense(cls, gate_up: torch.Tensor, down: torch.Tensor) -> Fp8BlockExperts:
@@ -224,29 +264,32 @@ class Fp8BlockExperts(QuantizedExperts):
             return BLOCK
         return self.shape(proj)[0]
 
-    def _dequant_rows(self, proj: Projection, expert: int, r0: int, r1: int, out: torch.Tensor) -> None:
+    def _stored(self, proj: Projection) -> tuple[torch.Tensor, torch.Tensor]:
+        """``proj``'s codes ``[E, D_out, D_in]`` e4m3fn and block scales ``[E, grid rows, ceil(D_in/128)]`` fp32."""
         if proj == "gate_up":
-            codes, scale_inv = self.gate_up, self.gate_up_scale_inv
-        else:
-            codes, scale_inv = self.down, self.down_scale_inv
+            return self.gate_up, self.gate_up_scale_inv
+        return self.down, self.down_scale_inv
+
+    def _dequant_rows(self, proj: Projection, expert: int, r0: int, r1: int, out: torch.Tensor) -> None:
+        codes, multipliers = self._decode[proj]
         rows, d = out.shape
         seg_start, grid_start = max(s for s in self._segments[proj] if s[0] <= r0)
         b0 = grid_start + (r0 - seg_start) // BLOCK  # chunks start on block boundaries of their segment
-        full, tail = divmod(rows, BLOCK)
-        nb = full + (tail > 0)
-        c = scale_inv.shape[2]
-        # per block row: the scale of every column, times 2^8 (see the module docstring)
-        col = scratch("fp8_colscale", (nb, c, BLOCK), torch.float32)
-        torch.mul(scale_inv[expert, b0 : b0 + nb, :, None].expand(nb, c, BLOCK), _FP16_UNBIAS, out=col)
-        col_scale = col.view(nb, c * BLOCK)[:, :d]
         half = scratch("fp8_half", (rows, d), torch.int16)
-        half.copy_(codes[expert, r0:r1].view(torch.int8))  # sign-extends: bit 15 = the sign
+        half.copy_(codes[expert, r0:r1])  # sign-extends: bit 15 = the sign
         half.bitwise_left_shift_(_FP16_SHIFT).bitwise_and_(_FP16_BITS_MASK)
         out.copy_(half.view(torch.float16))
-        if full:
-            out[: full * BLOCK].view(full, BLOCK, d).mul_(col_scale[:full, None, :])
-        if tail:
-            out[full * BLOCK :].mul_(col_scale[full])
+        scale_blocks(out, multipliers[expert, b0 : b0 + -(-rows // BLOCK)])
+
+    # per kernel variant, the fused kernel beats dequantize-then-GEMM up to here (AVX512-BF16: fused / torch
+    # 1.06x at 256 rows, 0.94x at 512; docs/performance.md, "fp8_block and mxfp4: the torch path and the fused
+    # decoders"). AMX-BF16: int4's value (its torch path dequantizes too), not measured on an AMX CPU yet.
+    FUSED_MAX_ROWS = MappingProxyType({"AMX-BF16": 256, "AVX512-BF16": 256})
+
+    def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
+        codes, scale_inv = self._stored(proj)
+        seg, seg_grid = self._segments[proj][-1]  # where up's rows and grid rows start (down: 0, 0)
+        return "fp8_block_gemm", (codes[expert], scale_inv[expert], seg, seg_grid)
 
     @property
     def nbytes(self) -> int:

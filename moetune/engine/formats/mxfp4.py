@@ -19,9 +19,14 @@ dequantized weights are the checkpoint's numbers, with no rounding in any comput
 (NaN) and blocks whose values exceed fp32's range (scale 253 with |value| >= 4, scale 254 with |value| >= 2)
 are rejected by the constructor: expert weights must be finite.
 
-Dequantization (``tile``): a 256-entry table maps each byte to its two fp32 values at once (built from the
-16-entry FP4 table), gathered as 64-bit words straight into the output rows; a second 256-entry table maps each
-scale byte to its fp32 power of two, multiplied onto the block's 32 values. Both are exact.
+Dequantization (``tile``), in fp32 or straight into bf16 (both hold every value exactly, so each equals the
+fp32 value rounded, as ``tile`` requires): one gather per byte from a 65536-entry table indexed by
+``scale byte * 256 + code byte``, whose word holds the byte's two values, scale applied (``_pair_table``). The
+index is the codes widened plus the block's scale byte shifted, broadcast over its 16 bytes: three passes per
+code byte (widen, add, gather) and none over the values. The gather is most of the time; the former separate
+scale multiply (an fp32 pass, then fp32 -> bf16) cost more than the larger table does (docs/performance.md).
+With bf16 compute, experts with at most ``FUSED_MAX_ROWS`` rows skip the tile: the fused kernels' ``Mxfp4Rows``
+decoder (``kernels/decoders.h``) reads the nibbles and scale bytes in registers, to the same values.
 
 Quantization (``from_dense``), the OCP MX rule: a block's scale is ``2^(floor(log2 max|w|) - 2)`` (2 = e2m1's
 largest exponent), elements are ``w / scale`` rounded to the nearest e2m1 value, ties to the even code, and
@@ -31,6 +36,10 @@ than a quarter of the value.
 """
 
 from __future__ import annotations
+
+import functools
+from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -58,11 +67,26 @@ _MIDPOINTS_INCLUSIVE = (0.75, 1.75, 3.5)
 
 _FP4 = torch.tensor(FP4_VALUES, dtype=torch.float32)
 _BYTE = torch.arange(256)
-# byte -> (value of its low nibble, value of its high nibble) as fp32, read as one 64-bit word per byte: a
-# gather of words writes both values of a byte into two adjacent fp32 slots of the output row.
-_PAIRS = torch.stack((_FP4[_BYTE & 15], _FP4[_BYTE >> 4]), dim=1).contiguous().view(torch.int64).view(256)
 # scale byte -> 2^(s - 127) in fp32 (2^-127 is an fp32 subnormal, exact; 255 -> 2^128 = inf, never used)
 _SCALES = torch.pow(2.0, _BYTE.to(torch.float64) - SCALE_BIAS).to(torch.float32)
+# a pair table's word per compute dtype: two values of that dtype
+_WORD = {torch.float32: torch.int64, torch.bfloat16: torch.int32}
+_SCALE_SHIFT = torch.tensor(8, dtype=torch.int32)  # 0-dim: a Python int would be wrapped on every call
+
+
+@functools.cache
+def _pair_table(dtype: torch.dtype) -> torch.Tensor:
+    """``[65536]`` words (``_WORD[dtype]``); entry ``s * 256 + b`` holds, in ``dtype``, the values of code byte
+    ``b``'s low then high nibble times ``2^(s - 127)``: what a gather writes into two adjacent output slots.
+
+    Computed in fp64 (exact: two significant bits times a power of two) and rounded once to ``dtype``, where
+    every finite value is exact; the scales the constructor rejects (255, overflowing blocks) come out inf or
+    NaN. 256 KiB (bf16) or 512 KiB (fp32), built on first use."""
+    fp4 = _FP4.to(torch.float64)
+    pairs = torch.stack((fp4[_BYTE & 15], fp4[_BYTE >> 4]), dim=1)  # [256 code bytes, 2]
+    scales = torch.pow(2.0, _BYTE.to(torch.float64) - SCALE_BIAS)  # [256 scale bytes]
+    values = (scales[:, None, None] * pairs).to(dtype)  # [256, 256, 2]
+    return values.view(_WORD[dtype]).reshape(-1)
 
 
 def check_block_multiple(fmt: str, hidden: int, intermediate: int) -> None:
@@ -200,20 +224,33 @@ class Mxfp4Experts(QuantizedExperts):
                 )
         return cls(packed["gate_up"], scale["gate_up"], packed["down"], scale["down"])
 
+    DIRECT_DTYPES = (torch.float32, torch.bfloat16)  # keys of _WORD
+
+    def _stored(self, proj: Projection) -> tuple[torch.Tensor, torch.Tensor]:
+        """``proj``'s packed codes ``[E, D_out, D_in/2]`` and scale bytes ``[E, D_out, D_in/32]``, uint8."""
+        return (self.gate_up, self.gate_up_scale) if proj == "gate_up" else (self.down, self.down_scale)
+
     def _dequant_rows(self, proj: Projection, expert: int, r0: int, r1: int, out: torch.Tensor) -> None:
-        codes, scale = (
-            (self.gate_up, self.gate_up_scale) if proj == "gate_up" else (self.down, self.down_scale)
-        )
+        codes, scale = self._stored(proj)
         rows, d = out.shape
-        assert out.is_contiguous(), "the gather writes 64-bit words: out must be contiguous"
-        index = scratch("mxfp4_index", (rows, d // 2), torch.int32)
-        index.copy_(codes[expert, r0:r1])
-        torch.index_select(_PAIRS, 0, index.view(-1), out=out.view(torch.int64).view(-1))
-        scale_index = scratch("mxfp4_scale_index", (rows, d // BLOCK), torch.int32)
-        scale_index.copy_(scale[expert, r0:r1])
-        s32 = scratch("mxfp4_scale", (rows, d // BLOCK), torch.float32)
-        torch.index_select(_SCALES, 0, scale_index.view(-1), out=s32.view(-1))
-        out.view(rows, d // BLOCK, BLOCK).mul_(s32[:, :, None])
+        assert out.is_contiguous(), "the gather writes whole words: out must be contiguous"
+        # index [rows, D/32 blocks, 16 bytes]: the code bytes plus their block's scale byte * 256
+        index = scratch("mxfp4_index", (rows, d // BLOCK, BLOCK // 2), torch.int32)
+        index.view(rows, d // 2).copy_(codes[expert, r0:r1])
+        block_scale = scratch("mxfp4_scale_index", (rows, d // BLOCK, 1), torch.int32)
+        block_scale.view(rows, d // BLOCK).copy_(scale[expert, r0:r1])
+        index.add_(block_scale.bitwise_left_shift_(_SCALE_SHIFT))
+        table = _pair_table(out.dtype)
+        torch.index_select(table, 0, index.view(-1), out=out.view(table.dtype).view(-1))
+
+    # per kernel variant, the fused kernel beats dequantize-then-GEMM up to here (AVX512-BF16: fused / torch
+    # 1.12x at 256 rows, 0.96x at 512; docs/performance.md, "fp8_block and mxfp4: the torch path and the fused
+    # decoders"). AMX-BF16: int4's value (its torch path dequantizes too), not measured on an AMX CPU yet.
+    FUSED_MAX_ROWS = MappingProxyType({"AMX-BF16": 256, "AVX512-BF16": 256})
+
+    def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
+        codes, scale = self._stored(proj)
+        return "mxfp4_gemm", (codes[expert], scale[expert])
 
     @property
     def nbytes(self) -> int:

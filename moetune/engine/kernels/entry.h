@@ -77,6 +77,37 @@ void int4_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const to
   run_checked(forward, dec, nullptr, a, out, O, K, accumulate);
 }
 
+// codes [O, K] e4m3fn; scale_inv [R, ceil(K/128)] fp32, the grid rows of both segments: rows from seg on take
+// grid rows from seg_grid = ceil(seg / 128) (gate_up: up's grid after gate's; one segment: seg = 0).
+void fp8_block_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& codes,
+                    const torch::Tensor& scale_inv, int64_t seg, int64_t seg_grid, bool accumulate) {
+  require_variant();
+  TORCH_CHECK(codes.scalar_type() == at::kFloat8_e4m3fn && codes.dim() == 2 && codes.is_contiguous(),
+              "codes: float8_e4m3fn [O, K]");
+  const int64_t O = codes.size(0), K = codes.size(1), cols = (K + 127) / 128;
+  TORCH_CHECK(0 <= seg && seg <= O && seg_grid == (seg + 127) / 128, "seg in [0, O], seg_grid = ceil(seg / 128)");
+  TORCH_CHECK(scale_inv.scalar_type() == at::kFloat && scale_inv.is_contiguous() && scale_inv.dim() == 2 &&
+                  scale_inv.size(0) == seg_grid + (O - seg + 127) / 128 && scale_inv.size(1) == cols,
+              "scale_inv: fp32 [grid rows, ceil(K/128)]");
+  moetune::Fp8BlockRows dec{static_cast<const int8_t*>(codes.data_ptr()), scale_inv.data_ptr<float>(), K, cols,
+                            seg, seg_grid};
+  run_checked(forward, dec, nullptr, a, out, O, K, accumulate);
+}
+
+// packed [O, K/2] uint8 (two e2m1 codes per byte, low nibble first); scale [O, K/32] uint8 (e8m0).
+void mxfp4_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& packed,
+                const torch::Tensor& scale, bool accumulate) {
+  require_variant();
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              "packed: uint8 [O, K/2]");
+  const int64_t O = packed.size(0), K = 2 * packed.size(1);
+  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
+  TORCH_CHECK(scale.scalar_type() == at::kByte && scale.is_contiguous() && scale.numel() == O * (K / 32),
+              "scale: uint8 [O, K/32]");
+  moetune::Mxfp4Rows dec{packed.data_ptr<uint8_t>(), scale.data_ptr<uint8_t>(), K / 2, K / 32};
+  run_checked(forward, dec, nullptr, a, out, O, K, accumulate);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -86,5 +117,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm", &int8_gemm, "int8 per-row-scale GEMM (forward: x @ W^T, backward: g @ W)",
         py::call_guard<py::gil_scoped_release>());
   m.def("int4_gemm", &int4_gemm, "int4 group-wise GEMM (forward: x @ W^T, backward: g @ W)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("fp8_block_gemm", &fp8_block_gemm, "fp8 e4m3 128x128-block GEMM (forward: x @ W^T, backward: g @ W)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("mxfp4_gemm", &mxfp4_gemm, "mxfp4 GEMM (forward: x @ W^T, backward: g @ W)",
         py::call_guard<py::gil_scoped_release>());
 }

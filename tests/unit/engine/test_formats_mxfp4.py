@@ -60,6 +60,38 @@ def test_fp64_tiles_are_the_same_numbers():
         assert torch.equal(wide, narrow.double())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiles_are_the_fp32_formula_on_every_byte_and_edge_scale(dtype):
+    """Every code byte (all 16 e2m1 codes in both nibbles) under the edge scale bytes 0, 1, 126, 127, 128, 200,
+    252, and 253 and 254 with the codes the constructor accepts, in whole tiles and 32-row blocks:
+    ``FP4[code] * 2^(s - 127)`` in fp32 (exact), then in ``dtype``, bit for bit (signed zeros, bf16 and fp32
+    subnormals included)."""
+    edge = {0: 0xFF, 1: 0xFF, 126: 0xFF, 127: 0xFF, 128: 0xFF, 200: 0xFF, 252: 0xFF, 253: 0xDD, 254: 0xBB}
+    h, i = 512, 32  # a gate_up row holds 256 bytes: every byte once, in 16 blocks
+    codes = torch.empty(1, 2 * i, h // 2, dtype=torch.uint8)
+    scale = torch.empty(1, 2 * i, h // BLOCK, dtype=torch.uint8)
+    for r in range(2 * i):
+        s, mask = list(edge.items())[r % len(edge)]
+        codes[0, r] = torch.arange(256, dtype=torch.uint8).roll(r) & mask
+        scale[0, r] = s
+    down = torch.randint(
+        0, 256, (1, h, i // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    fmt = Mxfp4Experts(codes, scale, down & 0x77, torch.full((1, h, i // BLOCK), 100, dtype=torch.uint8))
+    fp4 = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    for c, sc, proj in ((codes, scale, "gate_up"), (fmt.down, fmt.down_scale, "down")):
+        values = torch.stack((fp4[c[0].long() & 15], fp4[c[0].long() >> 4]), dim=-1).flatten(1)
+        powers = torch.pow(2.0, sc[0].double() - SCALE_BIAS).float()
+        want = (values.view(*sc[0].shape, BLOCK) * powers[:, :, None]).flatten(1).to(dtype)
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        got = torch.empty(fmt.shape(proj), dtype=dtype)
+        fmt.tile(proj, 0, dtype, got)
+        assert torch.equal(got.view(bits), want.view(bits)), proj
+        for r0 in range(0, got.shape[0], 32):
+            fmt.tile(proj, 0, dtype, got[r0 : r0 + 32], rows=slice(r0, r0 + 32))
+        assert torch.equal(got.view(bits), want.view(bits)), proj
+
+
 def test_byte_layout_low_nibble_first():
     codes = torch.zeros(1, 64, 16, dtype=torch.uint8)
     scale = torch.full((1, 64, 1), SCALE_BIAS, dtype=torch.uint8)  # 2^0

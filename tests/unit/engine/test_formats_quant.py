@@ -249,6 +249,56 @@ def test_fp8_every_finite_code_dequantizes_exactly():
     assert torch.equal(dq[0], down[0].float())
 
 
+def _row_blocks(fmt, proj, dtype):
+    """Expert 0's ``proj`` tile in ``dtype``, assembled from 128-row ``tile`` calls (the engine's row blocks)."""
+    d_out, d_in = fmt.shape(proj)
+    out = torch.empty(d_out, d_in, dtype=dtype)
+    for r0 in range(0, d_out, 128):
+        rows = slice(r0, min(r0 + 128, d_out))
+        fmt.tile(proj, 0, dtype, out[rows], rows=rows)
+    return out
+
+
+# block scales at the edges: fp32's smallest subnormal, subnormal, smallest normal, non-powers of two, and the
+# largest whose multiplier scale_inv * 2^8 stays finite (an fp32 block's max-abs / 448 is below 2^119.2)
+_FP8_EDGE_SCALES = (2.0**-149, 2.0**-133, 2.0**-126, 0.37, 1.0, 3.0, 2.0**100, 1.75 * 2.0**119)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_tiles_are_the_rounded_product_on_every_code_and_edge_scale(dtype):
+    """All 256 code bytes: the two NaN codes are refused, and every finite one (subnormals and both zeros
+    included), under every edge scale, tiles in whole matrices and in 128-row blocks to fp8 value * scale_inv
+    rounded once to fp32 (the fp64 product is exact), then to ``dtype``: what the integer decoding must
+    reproduce bit for bit, infinities where the product overflows included."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    nan = (codes & 0x7F) == 0x7F
+    assert nan.sum() == 2
+    for code in codes[nan].tolist():
+        bad = torch.zeros(1, 256, 128, dtype=torch.uint8)
+        bad[0, 3, 5] = code
+        with pytest.raises(EngineError, match="holds NaN codes"):
+            Fp8BlockExperts(
+                bad.view(FP8), torch.ones(1, 2, 1), torch.zeros(1, 128, 128, dtype=FP8), torch.ones(1, 1, 1)
+            )
+    finite = codes[~nan]
+    row = torch.cat([finite, finite[:2]])  # 256 columns: two column blocks
+    rows = torch.stack([row.roll(x) for x in range(512)]).view(FP8)  # every code in every column
+    scales = torch.tensor(_FP8_EDGE_SCALES + _FP8_EDGE_SCALES[::-1], dtype=torch.float32)  # 16 blocks each
+    gate_up = rows[:512].view(1, 512, 256)  # I = 256: gate's grid rows 0-1, up's 2-3; H = 256: 2 columns
+    down = rows[:256].view(1, 256, 256).contiguous()
+    fmt = Fp8BlockExperts(gate_up, scales[:8].view(1, 4, 2), down, scales[8:].roll(3)[:4].view(1, 2, 2))
+    for proj in ("gate_up", "down"):
+        codes_, scale_inv = (
+            (fmt.gate_up, fmt.gate_up_scale_inv) if proj == "gate_up" else (fmt.down, fmt.down_scale_inv)
+        )
+        want = _fp8_reference(codes_[0], scale_inv[0]).float().to(dtype)
+        assert torch.isinf(want).any() and (want != 0).any()  # the extremes were really exercised
+        whole = fmt.tile(proj, 0, dtype, torch.empty(fmt.shape(proj), dtype=dtype))
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(whole.view(bits), want.view(bits)), proj  # signed zeros and subnormals included
+        assert torch.equal(_row_blocks(fmt, proj, dtype).view(bits), want.view(bits)), proj
+
+
 def test_fp8_from_per_expert_equals_stacked():
     e, h, i = 3, 160, 96
     fmt = Fp8BlockExperts.from_dense(*gaussian(e=e, h=h, i=i))

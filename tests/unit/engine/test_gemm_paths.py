@@ -193,10 +193,10 @@ def test_doctor_names_the_fused_kernels(monkeypatch):
     by_name = {line.split(":")[0]: line for line in gemm_paths()}
     variant = fused_variant()
     assert by_name[KERNELS_LINE] == f"{KERNELS_LINE}: {variant} variant built and used"
-    for name in ("int8", "int4"):
+    for name in ("int8", "int4", "fp8_block", "mxfp4"):
         rows = FORMATS.get(name).FUSED_MAX_ROWS[variant]
         assert f"experts with <= {rows} rows: fused kernel ({variant}, codes" in by_name[name]
-    assert "fused" not in by_name["fp8_block"]
+    assert "fused" not in by_name["bf16 (dense)"]
 
 
 def test_scaled_codes_on_the_expert_pool_equal_one_expert_at_a_time(formats, four_threads):
