@@ -40,7 +40,10 @@ struct Int8Rows {
   const int8_t* codes;  // [O, K]
   int64_t K;
   MOETUNE_AVX512 inline __m512 operator()(int64_t o, int64_t k0, int valid) const {
-    __m128i b = _mm_maskz_loadu_epi8(first(valid), codes + o * K + k0);
+    // a mask only on a row's partial tail (as Fp8BlockRows: masked loads on every call cost more)
+    const int8_t* p = codes + o * K + k0;
+    const __m128i b =
+        valid >= 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)) : _mm_maskz_loadu_epi8(first(valid), p);
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
   }
   inline void prefetch(int64_t o, int64_t k) const {
@@ -56,14 +59,17 @@ struct Int4Rows {
   int64_t half, groups;  // K/2, K/g
   int shift;  // log2(g): g is a power of two (32, 64, 128), so no division per call
   MOETUNE_AVX512 inline __m512 operator()(int64_t o, int64_t k0, int valid) const {
-    const bool high = k0 >= half;  // K/2 is a multiple of 16 (g >= 32 divides K), so no chunk straddles
-    __mmask16 m = first(valid);
-    __m512i u = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, packed + o * half + (high ? k0 - half : k0)));
+    // K is a multiple of 32 (K/2 of 16) and k0 of 16, so valid is >= 16 or <= 0: whole loads, no masks; past K
+    // there is no scale or zero point to read
+    if (valid <= 0) return _mm512_setzero_ps();
+    const bool high = k0 >= half;  // no chunk straddles K/2
+    const uint8_t* p = packed + o * half + (high ? k0 - half : k0);
+    __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     u = high ? _mm512_srli_epi32(u, 4) : _mm512_and_si512(u, _mm512_set1_epi32(0x0F));
     const int64_t gi = o * groups + (k0 >> shift);
     const int z = zero ? zero[gi] : 8;
     __m512 w = _mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(z)));
-    return _mm512_maskz_mul_ps(m, w, _mm512_set1_ps(bf16_to_float(scale[gi])));
+    return _mm512_mul_ps(w, _mm512_set1_ps(bf16_to_float(scale[gi])));
   }
   inline void prefetch(int64_t o, int64_t k) const {
     _mm_prefetch(reinterpret_cast<const char*>(packed + o * half + (k >= half ? k - half : k)), _MM_HINT_T0);
