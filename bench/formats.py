@@ -1,6 +1,7 @@
 """Expert engine forward+backward per weight format, measured side by side in one run.
 
     python bench/formats.py [--experts 16 --hidden 2048 --inter 768 --tokens 128 2048 --top-k 8 --rank 8 --reps 5]
+                      [--formats int8 int4-g64 ...] [--fused-max-rows N]
 
 One fp32 Gaussian layer is stored as bf16 (the baseline), int8, int4 (group 64, symmetric), fp8_block, mxfp4
 (gpt-oss's shipped format; H and I must be multiples of 32) and compressed-int4: int4 as a compressed-tensors
@@ -8,9 +9,9 @@ INT4 checkpoint (Kimi-K2-Thinking) loads, i.e. each expert matrix quantized the 
 it (groups of 32, scale max|w| / 7.5, codes -8..7), packed as its int32 words, then re-packed into int4's
 nibble order by the checkpoint loader's own path (the time that takes, the load cost per layer, is printed
 too).
-Formats with a fused kernel in use on this machine (``moetune.engine.kernels``: int8 and int4 on AMX-BF16
-CPUs) run twice, as themselves and as ``<label> torch`` with the kernels off (the torch path, pinned per
-engine), and a line per format gives the fused / torch CPU-time ratio.
+Formats with a fused kernel in use on this machine (``moetune.engine.kernels``: int8, int4, fp8_block and
+mxfp4 on AMX-BF16 or AVX512-BF16 CPUs) run twice, as themselves and as ``<label> torch`` with the kernels off
+(the torch path, pinned per engine), and a line per format gives the fused / torch CPU-time ratio.
 Each rep runs every format once, in turn, so machine noise falls on all of them alike. Printed per format
 (first its GEMM path on this CPU, ``moetune.engine.gemm.GemmPath``), per token count: resident bytes per
 parameter, relative Frobenius error of the dequantized weights, the time the engine's path takes to convert
@@ -27,6 +28,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -92,6 +94,20 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--formats",
+        nargs="+",
+        choices=list(FORMAT_BUILDS),
+        default=list(FORMAT_BUILDS),
+        help="bf16 always runs",
+    )
+    ap.add_argument(
+        "--fused-max-rows",
+        type=int,
+        default=None,
+        help="experts with at most this many rows take the fused kernels, for every format that has one here "
+        "(default: each format's FUSED_MAX_ROWS for this CPU's variant); for crossover sweeps",
+    )
     args = ap.parse_args()
     e, h, i, k = args.experts, args.hidden, args.inter, args.top_k
     threads = set_engine_threads(args.threads)  # every format on the same threads
@@ -106,6 +122,8 @@ def main() -> None:
     engines: dict[str, ExpertEngine] = {}
     info: dict[str, tuple[float, float]] = {}  # bytes per parameter, weight error
     for label, (build, src_dtype) in FORMAT_BUILDS.items():
+        if label != "bf16" and label not in args.formats:
+            continue
         fmt = build(gate_up.to(src_dtype), down.to(src_dtype))
         gq, dq = fmt.dequantize(torch.float32)
         err = float(torch.cat([(gq - gate_up).flatten(), (dq - down).flatten()]).norm())
@@ -113,6 +131,9 @@ def main() -> None:
         del gq, dq
         info[label] = (fmt.bytes_per_param, err)
         engines[label] = ExpertEngine(fmt, lora=lora)
+        path = engines[label].gemm.path
+        if path.fused_rows and args.fused_max_rows is not None:
+            engines[label].gemm.path = replace(path, fused_rows=args.fused_max_rows)
         if engines[label].gemm.path.fused_rows:  # the same weights on the torch path, side by side
             torch_label = f"{label} torch"
             engines[torch_label] = ExpertEngine(fmt, lora=lora)
