@@ -153,10 +153,19 @@ def test_two_processes_equal_one_freeze(tmp_path, optim) -> None:
     assert all(got[s] == pytest.approx(want[s], rel=1e-5, abs=1e-6) for s in got)
     a, b = (load_file(str(tmp_path / name / "out/model.safetensors")) for name in ("two", "one"))
     assert a.keys() == b.keys() and any("experts" in k for k in a)
-    # 8-bit moments: a summation-order difference can flip one code, moving a weight by a fraction of lr (1e-2)
-    atol = 1e-4 if "8bit" in optim else 1e-6
     for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=atol, msg=key)
+        if "8bit" not in optim:
+            torch.testing.assert_close(
+                a[key], b[key], rtol=1e-4, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}"
+            )
+            continue
+        # 8-bit moments: a summation-order difference can flip one code of a block, moving that weight by a
+        # fraction of lr (1e-2; seen: one of 1536 by 2.2e-4 on a Zen 4): every weight within lr / 10, and all but
+        # 1% of each tensor's within the fp32 tolerance (a wrong average or a missed step moves most of them)
+        diff = (a[key] - b[key]).abs()
+        assert diff.max() <= 1e-3, (key, diff.max().item())
+        off = diff > 1e-6 + 1e-4 * b[key].abs()
+        assert off.float().mean() <= 0.01, (key, int(off.sum()), off.numel())
     assert {"rng_state_0.pth", "rng_state_1.pth", "optimizer.index.json"} <= {
         p.name for p in (tmp_path / "two/out/checkpoint-4").iterdir()
     }
