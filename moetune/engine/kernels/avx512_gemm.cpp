@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -41,6 +42,22 @@ constexpr int kAheadPairs = 2;
 // forward: up to this many rows of x by dot products (forward_rows, decoding W again per 8 rows), more by
 // forward_panel (each weight decoded once)
 constexpr int kDotRows = 16;
+
+// f(std::integral_constant<int, R>{}) with R = min(rows, kRows), 1 .. kRows: the register blocks' row counts are
+// template arguments (their accumulator arrays live in registers), chosen here at run time
+template <class F>
+MOETUNE_AVX512 inline void with_rows(int64_t rows, F&& f) {
+  switch (std::min<int64_t>(kRows, rows)) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, kRows>{}); break;
+  }
+}
 
 // Why not usable here, or "" when AVX512F/BW/VL and AVX512-BF16 are.
 std::string variant_unavailable() {
@@ -164,16 +181,9 @@ MOETUNE_AVX512 void forward_panel(const Dec& dec, const at::BFloat16* x, int64_t
     for (int64_t r0 = 0; r0 < n; r0 += kRows) {
       const at::BFloat16* xk = x + r0 * ldx + k0;
       float* a = acc + r0 * 16;
-      switch (std::min<int64_t>(kRows, n - r0)) {
-        case 1: forward_block<1>(w, pairs, odd, xk, ldx, a); break;
-        case 2: forward_block<2>(w, pairs, odd, xk, ldx, a); break;
-        case 3: forward_block<3>(w, pairs, odd, xk, ldx, a); break;
-        case 4: forward_block<4>(w, pairs, odd, xk, ldx, a); break;
-        case 5: forward_block<5>(w, pairs, odd, xk, ldx, a); break;
-        case 6: forward_block<6>(w, pairs, odd, xk, ldx, a); break;
-        case 7: forward_block<7>(w, pairs, odd, xk, ldx, a); break;
-        default: forward_block<8>(w, pairs, odd, xk, ldx, a); break;
-      }
+      with_rows(n - r0, [&](auto R) MOETUNE_AVX512 {
+        forward_block<decltype(R)::value>(w, pairs, odd, xk, ldx, a);
+      });
     }
   }
 }
@@ -198,16 +208,9 @@ MOETUNE_AVX512 void forward_range(const Dec& dec, const float* row_scale, const 
       for (int64_t r0 = 0; r0 < n; r0 += kRows) {  // a second block finds the 16 weight rows in L1
         const at::BFloat16* xr = x + r0 * ldx;
         float* res = acc + r0 * 16;
-        switch (std::min<int64_t>(kRows, n - r0)) {
-          case 1: forward_rows<1>(dec, xr, ldx, K, o0, rows, res, ahead); break;
-          case 2: forward_rows<2>(dec, xr, ldx, K, o0, rows, res, ahead); break;
-          case 3: forward_rows<3>(dec, xr, ldx, K, o0, rows, res, ahead); break;
-          case 4: forward_rows<4>(dec, xr, ldx, K, o0, rows, res, ahead); break;
-          case 5: forward_rows<5>(dec, xr, ldx, K, o0, rows, res, ahead); break;
-          case 6: forward_rows<6>(dec, xr, ldx, K, o0, rows, res, ahead); break;
-          case 7: forward_rows<7>(dec, xr, ldx, K, o0, rows, res, ahead); break;
-          default: forward_rows<8>(dec, xr, ldx, K, o0, rows, res, ahead); break;
-        }
+        with_rows(n - r0, [&](auto R) MOETUNE_AVX512 {
+          forward_rows<decltype(R)::value>(dec, xr, ldx, K, o0, rows, res, ahead);
+        });
       }
     }
     for (int64_t r = 0; r < n; ++r)
@@ -243,16 +246,7 @@ MOETUNE_AVX512 void backward_rows(const Pairs& pair, const uint16_t* g, float* a
 // backward_rows for n rows of g, from the pair vectors `pair` hands out
 template <class Pairs>
 MOETUNE_AVX512 void backward_block(const Pairs& pair, int64_t n, const uint16_t* g, float* acc) {
-  switch (n) {
-    case 1: backward_rows<1>(pair, g, acc); break;
-    case 2: backward_rows<2>(pair, g, acc); break;
-    case 3: backward_rows<3>(pair, g, acc); break;
-    case 4: backward_rows<4>(pair, g, acc); break;
-    case 5: backward_rows<5>(pair, g, acc); break;
-    case 6: backward_rows<6>(pair, g, acc); break;
-    case 7: backward_rows<7>(pair, g, acc); break;
-    default: backward_rows<8>(pair, g, acc); break;
-  }
+  with_rows(n, [&](auto R) MOETUNE_AVX512 { backward_rows<decltype(R)::value>(pair, g, acc); });
 }
 
 // the pairs decoded into L1 by decode_pairs (four 16-column tiles of 16 pairs)
