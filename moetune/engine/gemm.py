@@ -14,10 +14,10 @@ CPU (``resolve_gemm_path``; ``moetune doctor`` prints it per format):
 * ``dequantized tiles``: the others (``ExpertFormat.tile``) write the effective weight in the compute dtype.
 
 Before either, with bf16 compute: experts with at most ``fused_rows`` rows (the format's ``FUSED_MAX_ROWS`` for
-the kernel variant that loads here) go to the compiled kernels (``moetune.engine.kernels``, int8 and int4; an
-AMX-BF16 and an AVX512-BF16 variant), which read the codes and dequantize them in registers: no converted tile
-is written at all. Above that, and wherever the kernels are
-missing or turned off (``MOETUNE_KERNELS=off``), the torch path above runs; it is the kernels' reference.
+the kernel variant that loads here) go to the compiled kernels (``moetune.engine.kernels``: int8, int4,
+fp8_block and mxfp4; an AMX-BF16 and an AVX512-BF16 variant), which read the codes and dequantize them in
+registers: no converted tile is written at all. Above that, and wherever the kernels are missing or turned off
+(``MOETUNE_KERNELS=off``), the torch path above runs; it is the kernels' reference.
 
 Converted weights come whole or in row blocks: on CPUs with AMX-BF16 a bf16 GEMM on a whole converted matrix
 measured faster than on 128/256-row blocks, conversion included (int8, 16 experts of [1536, 2048], n = 64:

@@ -1,8 +1,9 @@
 """Compiled kernels for the expert engine, built on first use; the torch path stays the reference and fallback.
 
-GEMMs that read int8 / int4 expert codes from memory and dequantize them in registers (``decoders.h``), in one
-variant per ISA behind a registry (``VARIANTS``, best first: ``amx_gemm.cpp`` on AMX-BF16 tiles,
-``avx512_gemm.cpp`` on AVX512-BF16 dot products), with one Python API (``entry.h``). ``load_fused`` returns the best variant's built module that runs here, or None
+GEMMs that read int8 / int4 / fp8_block / mxfp4 expert codes from memory and dequantize them in registers
+(``decoders.h``), in one variant per ISA behind a registry (``VARIANTS``, best first: ``amx_gemm.cpp`` on
+AMX-BF16 tiles, ``avx512_gemm.cpp`` on AVX512-BF16 dot products), with one Python API (``entry.h``).
+``load_fused`` returns the best variant's built module that runs here, or None
 (``fused_unavailable`` says why; ``fused_variant`` names it); ``moetune.engine.gemm`` routes experts with few
 rows to it.
 """
