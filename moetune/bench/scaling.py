@@ -3,10 +3,12 @@
 For every selected case (E, T, mode, policy) and every thread count N it times one engine step (forward +
 backward) two ways on the same weights and batch:
 
-- ``experts``: the engine's default, experts computed in parallel on a pool of N workers of one intra-op thread
-  each (``moetune.engine.threads.ExpertPool``);
+- ``experts``: the engine's default, experts computed in parallel on a pool of W = min(N, 4) workers of N / W
+  intra-op threads each (``moetune.engine.threads.ExpertPool``, ``split_threads``);
 - ``intra``: one expert at a time, every GEMM on N intra-op threads (``EngineOptions(expert_workers=1)``: the
-  engine before it had a pool, and what torch's threading alone gives).
+  engine before it had a pool, and what torch's threading alone gives);
+- ``W-workers`` for each W of ``workers`` (``--workers``): W experts at a time, each on N / W intra-op threads
+  (``EngineOptions(expert_workers=W)``), at every N >= W.
 
 The variants and thread counts are interleaved: each round times one step of every (variant, N) before the next
 round starts, so a change in machine load hits all of them alike. Per (case, variant, N) it reports the median
@@ -31,6 +33,11 @@ from moetune.sysinfo import cpu_info
 VARIANTS = {"experts": None, "intra": 1}  # variant -> EngineOptions.expert_workers
 
 
+def variants(workers: tuple[int, ...] = ()) -> dict[str, int | None]:
+    """The variants timed: ``VARIANTS`` and one ``{W}-workers`` per W of ``workers`` (W > 1)."""
+    return {**VARIANTS, **{f"{w}-workers": w for w in sorted(set(workers)) if w > 1}}
+
+
 def _step_s(step: Step, threads: int) -> float:
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
@@ -51,7 +58,7 @@ def _case_records(
     med = {key: statistics.median(s) * 1e3 for key, s in samples.items()}
     records = []
     for (variant, n), s in samples.items():
-        one = med.get((variant, 1))
+        one = med.get((variant, 1)) if (variant, 1) in med else med.get(("intra", 1))
         speedup = None if one is None else one / med[(variant, n)]
         records.append(
             {
@@ -74,10 +81,12 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def run_thread_scaling(config: Any, thread_counts: tuple[int, ...], out: TextIO) -> list[dict[str, Any]]:
+def run_thread_scaling(
+    config: Any, thread_counts: tuple[int, ...], out: TextIO, workers: tuple[int, ...] = ()
+) -> list[dict[str, Any]]:
     """Time every case of ``config`` (an ``EngineBenchConfig``; its baselines and roofline are not measured) on
-    each of ``thread_counts``, both variants interleaved; print a table and return one record per
-    (case, variant, thread count). Restores the process's thread count afterwards."""
+    each of ``thread_counts``, the variants (:func:`variants` of ``workers``) interleaved; print a table and
+    return one record per (case, variant, thread count). Restores the process's thread count afterwards."""
     from moetune.bench.engine import WEIGHT_DTYPE, select_cases  # the grid is the engine benchmark's
 
     config.validate()
@@ -94,7 +103,8 @@ def run_thread_scaling(config: Any, thread_counts: tuple[int, ...], out: TextIO)
     )
     if counts[-1] > cpu.logical_cpus:
         print(f"warning: {counts[-1]} threads on {cpu.logical_cpus} CPUs oversubscribes them", file=out)
-    head = f"{'case':28}{'variant':>9}{'N':>4}{'median ms':>11}{'min-max ms':>17}{'speedup':>9}{'eff.':>7}{'vs intra':>10}"
+    timed = variants(workers)
+    head = f"{'case':28}{'variant':>11}{'N':>4}{'median ms':>11}{'min-max ms':>17}{'speedup':>9}{'eff.':>7}{'vs intra':>10}"
     print(head + "\n" + "-" * len(head), file=out, flush=True)
     records: list[dict[str, Any]] = []
     try:
@@ -125,7 +135,8 @@ def run_thread_scaling(config: Any, thread_counts: tuple[int, ...], out: TextIO)
                     weights, batch, case.mode, EngineOptions(policy=case.policy, expert_workers=workers)
                 )
                 for n in counts
-                for variant, workers in VARIANTS.items()
+                for variant, workers in timed.items()
+                if workers is None or workers <= n
             }
             base = {
                 "case": case.name,
@@ -139,7 +150,7 @@ def run_thread_scaling(config: Any, thread_counts: tuple[int, ...], out: TextIO)
             for rec in recs:
                 spread = f"{rec['min_ms']:.1f}-{rec['max_ms']:.1f}"
                 print(
-                    f"{rec['case']:28}{rec['variant']:>9}{rec['threads']:>4}{rec['step_ms']:>11.1f}{spread:>17}"
+                    f"{rec['case']:28}{rec['variant']:>11}{rec['threads']:>4}{rec['step_ms']:>11.1f}{spread:>17}"
                     f"{_fmt(rec['speedup'], '.2f'):>9}{_fmt(rec['efficiency'], '.0%'):>7}"
                     f"{_fmt(rec['vs_intra'], '.2f'):>9}x",
                     file=out,
@@ -151,8 +162,9 @@ def run_thread_scaling(config: Any, thread_counts: tuple[int, ...], out: TextIO)
         torch.set_num_threads(before)
     print(
         "\nspeedup = the variant's median on 1 thread / on N; eff. = speedup / N; vs intra = intra's median / "
-        "this variant's at the same N. experts: N workers x 1 intra-op thread (the engine's default); intra: "
-        "one expert at a time on N intra-op threads. Other processes on the machine make every number noisy: "
+        "this variant's at the same N. experts: the engine's default (min(N, 4) workers of N / min(N, 4) intra-op threads); intra: "
+        "one expert at a time on N intra-op threads; W-workers: W experts at a time on N / W intra-op threads each "
+        "(speedup over intra on 1 thread). Other processes on the machine make every number noisy: "
         "compare the rows of one run, not runs.",
         file=out,
     )

@@ -74,6 +74,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "instead: each case's step on every count, the engine's expert pool against one expert at a time",
     )
     p.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        metavar="W",
+        help="with two or more --threads: also time W experts at a time on N / W intra-op threads each, per W",
+    )
+    p.add_argument(
         "--baseline-dtype",
         choices=["bfloat16", "float32"],
         help="dtype the loop/HF baselines compute in (default: the engine's compute dtype for bf16 experts "
@@ -163,7 +170,9 @@ def run(args: argparse.Namespace) -> int:
 
         if any(n < 1 for n in args.threads):
             raise ConfigError(f"--threads must be positive integers; got {args.threads}")
-        records = run_thread_scaling(config, tuple(args.threads), sys.stdout)
+        if args.workers and any(w < 1 for w in args.workers):
+            raise ConfigError(f"--workers must be positive integers; got {args.workers}")
+        records = run_thread_scaling(config, tuple(args.threads), sys.stdout, tuple(args.workers or ()))
     else:
         records = run_engine_bench(config)
     if args.json is not None:

@@ -4,10 +4,12 @@ The engine multiplies with torch on the CPU, so its threads are torch's intra-op
 process: sizing it is the caller's decision, made once (``load_model``, ``moetune convert``, the benchmarks),
 never a side effect of building an engine.
 
-Within that budget the engine runs experts in parallel (``ExpertPool``): with P threads, P worker threads each
-compute whole experts on one intra-op thread (``split_threads``), instead of one expert at a time with every
-GEMM split over P threads. Experts that received 8-64 rows make GEMMs too small to split well, and the
-per-expert Python of one worker overlaps the GEMMs of the others (torch releases the GIL in its ops).
+Within that budget the engine runs experts in parallel (``ExpertPool``): with P threads, W = min(P, 4) worker
+threads each compute whole experts on P // W intra-op threads (``split_threads``), instead of one expert at a
+time with every GEMM split over P threads. Experts that received 8-64 rows make GEMMs too small to split well
+over many threads, and the per-expert Python of one worker overlaps the GEMMs of the others (torch releases
+the GIL in its ops). More than 4 workers cost more than they gain: each torch op a worker calls takes the GIL
+back when it returns, and with many workers those hand-offs queue (``DEFAULT_MAX_WORKERS``).
 """
 
 from __future__ import annotations
@@ -49,17 +51,27 @@ def set_engine_threads(requested: int | None = None) -> int:
 MIN_POOL_EXPERT_PARAMS = 1 << 20
 
 
+# Workers of the expert pool unless asked for. Measured with `moetune bench engine --threads 1 16 --workers 2 4 8`
+# (E = 128, H = 2048, I = 768, k = 8, T = 128/512/2048, lora and frozen) on a 16-core AMX Xeon: 4 workers of 4
+# intra-op threads were the fastest of 1, 2, 4, 8 and 16 workers in all six cases, 1.2-2.4x faster than 16
+# workers of one thread (which ran slower than 4 such workers: GIL hand-offs) and 1.3-2.1x faster than one
+# expert at a time on 16 threads; on 2 and 4 threads one worker per thread beat one expert at a time
+# (docs/performance.md, "Thread scaling on 16 cores").
+DEFAULT_MAX_WORKERS = 4
+
+
 def split_threads(threads: int, tasks: int, workers: int | None = None) -> tuple[int, int]:
     """``(workers, intra)``: how ``threads`` CPU threads run ``tasks`` independent expert tasks.
 
     ``workers`` experts run at once, each on ``intra`` intra-op threads (``workers * intra <= threads``).
-    Unset, one worker per thread: one GEMM per core needs no synchronisation between cores, which a GEMM
-    of an expert with 8-64 rows split over many cores does at every block. Fewer tasks than workers: the
-    largest power of two of the tasks, each worker on a share of the threads, so a process keeps at most
+    Unset, ``min(threads, DEFAULT_MAX_WORKERS)`` workers sharing the threads evenly (a count not divisible by
+    the workers leaves the remainder idle): a GEMM of an expert with 8-64 rows split over a few cores needs
+    little synchronisation between them, and a few workers keep their Python out of each other's way. Fewer
+    tasks than workers: the largest power of two of the tasks, each worker on a share of the threads, so a process keeps at most
     log2(threads) such pools however the number of active experts varies. 1: the experts one after another in
     the calling thread on all its threads (the sequential path).
     """
-    want = threads if workers is None else max(1, min(workers, threads))
+    want = min(threads, DEFAULT_MAX_WORKERS) if workers is None else max(1, min(workers, threads))
     if tasks >= want:
         return want, max(1, threads // want)
     n = 1 << (max(1, tasks).bit_length() - 1)  # a power of two: few distinct pools

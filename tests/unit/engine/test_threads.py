@@ -83,12 +83,16 @@ def test_engines_leave_the_thread_pool_alone(set_calls):
 @pytest.mark.parametrize(
     "threads,tasks,workers,expected",
     [
-        (16, 128, None, (16, 1)),  # one worker per thread
-        (16, 6, None, (4, 4)),  # fewer experts than threads: a power of two of them, the threads shared
+        (16, 128, None, (4, 4)),  # DEFAULT_MAX_WORKERS workers sharing the threads
+        (8, 128, None, (4, 2)),
+        (2, 128, None, (2, 1)),  # up to DEFAULT_MAX_WORKERS threads: one worker per thread
+        (6, 128, None, (4, 1)),  # the remainder stays idle
+        (16, 3, None, (2, 8)),  # fewer experts than workers: a power of two of them, the threads shared
         (16, 128, 1, (1, 16)),  # the sequential path
         (16, 128, 4, (4, 4)),
         (3, 128, None, (3, 1)),  # not a power of two: every thread still gets a worker
         (12, 6, None, (4, 3)),
+        (16, 128, 16, (16, 1)),  # asked for: one worker per thread
         (2, 1, None, (1, 2)),
         (1, 0, None, (1, 1)),
     ],

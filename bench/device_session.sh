@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The checks that need a lent device machine (a CUDA GPU and its host's cores), as one script, in order of
+# priority: the machine, the gpu-marked tests, the engine's thread scaling on every core, a training step's
+# device time hidden behind the engine, the hot experts' overlap, the fused kernels' tests and thresholds on
+# that host's CPU, and the engine's roofline there. Each step has its own time limit, cut to what is left of
+# the whole budget (DEVICE_BUDGET_S, default 420 s); full logs go to $OUT (or /tmp/device-out), a short tail of
+# each to stdout; ONLY="name ..." runs only the steps named; SCALING_ARGS and DEVICE_STEP_ARGS replace the
+# scaling step's and the device step's arguments. Packages the machine lacks are installed from wheels in .whl/ when that folder exists.
+#
+#   bash bench/device_session.sh            # from the repository root on the device machine
+set -u
+OUT=${OUT:-/tmp/device-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+deadline=$(( $(date +%s) + ${DEVICE_BUDGET_S:-420} ))
+
+step() {  # step NAME LIMIT_S COMMAND...: run COMMAND into $OUT/NAME.txt within LIMIT_S and what is left
+  local name=$1 limit=$2 left start rc
+  shift 2
+  if [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]]; then return; fi
+  left=$(( deadline - $(date +%s) - 5 ))
+  if (( left < 20 )); then echo "=== $name: skipped, ${left}s left"; return; fi
+  (( limit > left )) && limit=$left
+  echo "=== $name (limit ${limit}s)"
+  start=$(date +%s)
+  timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
+  rc=$?
+  echo "rc=$rc after $(( $(date +%s) - start ))s"
+  grep -v -E "Warning|warnings.warn|USDT|^\s*$" "$OUT/$name.txt" | tail -n "${TAIL:-14}"
+}
+
+machine() {
+  nvidia-smi -L 2>&1
+  lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|NUMA node\(s\)"
+  echo "ISA: $(grep -o -w -E 'amx_bf16|amx_int8|avx512_bf16|avx512f|avx2' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+  free -g | head -2
+  g++ --version | head -1
+  python3 - <<'EOF'
+import importlib
+for name in ("torch", "transformers", "peft", "trl", "datasets", "accelerate", "tokenizers", "huggingface_hub",
+             "safetensors", "pyarrow", "fsspec"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as e:  # noqa: BLE001 - report, go on
+        print(name, "MISSING", e)
+EOF
+  python3 -m moetune.cli.main doctor
+}
+
+export -f machine
+mt="python3 -m moetune.cli.main"
+amx=$(grep -c -w amx_bf16 /proc/cpuinfo)
+
+TAIL=30 step machine 90 bash -c machine
+step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -W ignore -m gpu tests -rfEs
+# shellcheck disable=SC2086  # word splitting of the argument lists is meant
+TAIL=60 step scaling 200 $mt bench engine ${SCALING_ARGS:---threads 1 2 4 8 16 --experts 128 --tokens 512 2048 \
+  --modes lora frozen --policies retain --reps 3}
+step device_step 120 python3 bench/device_step.py --device cuda ${DEVICE_STEP_ARGS:-}
+step hot_overlap 60 python3 bench/hot_overlap.py --device cuda
+step kernels 150 python3 -m pytest -q -p no:cacheprovider -W ignore tests/unit/engine/test_fused_kernels.py \
+  tests/unit/engine/test_fused_fp8_mxfp4.py -rfEs
+if (( amx > 0 )); then
+  step formats 120 python3 bench/formats.py --experts 16 --tokens 128 256 512 --formats fp8_block mxfp4 \
+    --fused-max-rows 100000 --threads 1 --reps 3
+fi
+step engine 150 $mt bench engine --experts 128 --tokens 128 512 2048 --modes lora frozen --policies retain --reps 3
+# the default suite with CUDA present (paths that pick the GPU when there is one), spread over the cores
+step suite 300 python3 -m pytest -q -p no:cacheprovider -W ignore -n "${SUITE_WORKERS:-8}" -rfE tests
