@@ -72,4 +72,6 @@ if (( amx > 0 )); then
 fi
 step engine 150 $mt bench engine --experts 128 --tokens 128 512 2048 --modes lora frozen --policies retain --reps 3
 # the default suite with CUDA present (paths that pick the GPU when there is one), spread over the cores
-step suite 300 python3 -m pytest -q -p no:cacheprovider -W ignore -n "${SUITE_WORKERS:-8}" -rfE tests
+# (-v: each test's outcome is in the log as it finishes, so a run cut off by its limit still names its failures)
+step suite 300 python3 -m pytest -v -p no:cacheprovider -W ignore -n "${SUITE_WORKERS:-8}" -rfE tests
+grep -E "(FAILED|ERROR) tests/" "$OUT/suite.txt" | sed 's/^.*\(FAILED\|ERROR\)/\1/' | sort -u | head -40
