@@ -13,16 +13,34 @@ import threading
 import torch
 
 
+MAX_VIEWS = 4096  # views kept per workspace (a few hundred bytes each)
+
+
 class Workspace:
     """Named, growable scratch buffers. A view handed out is valid until the same name is asked for again with
     more elements (then a larger buffer replaces it); asked for with as many or fewer, the name hands out the same
-    memory, also to threads asking at once (the engine's chunks on the expert pool each write their own part)."""
+    memory, also to threads asking at once (the engine's chunks on the expert pool each write their own part).
+
+    The views are kept per (name, dtype, shape, inference mode) and handed out again while their buffer stays:
+    the engine asks for a few hundred scratch views per expert and step, and each new view is two torch ops
+    (a slice and a view; each takes the GIL back when it returns). Callers may write into a view, never change
+    its shape or strides in place."""
 
     def __init__(self) -> None:
         self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._views: dict[tuple[str, torch.dtype, tuple[int, ...], bool], torch.Tensor] = {}
         self._lock = threading.Lock()
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        # a view made under inference_mode must not be written outside it (and the other way round is fine, but
+        # one key per mode keeps the two apart simply)
+        vkey = (name, dtype, tuple(shape), torch.is_inference_mode_enabled())
+        view = self._views.get(vkey)  # a dict read is atomic under the GIL; entries only go under the lock
+        if view is not None:
+            return view
+        if len(self._views) >= MAX_VIEWS:  # row counts vary per expert: bound what is kept
+            with self._lock:
+                self._views = {}
         numel = math.prod(shape)
         key = (name, dtype)
         with self._lock:  # two threads growing one name at once would each get a buffer of their own
@@ -33,12 +51,16 @@ class Workspace:
                 with torch.inference_mode(False):
                     buf = torch.empty(numel, dtype=dtype)
                 self._bufs[key] = buf
-        return buf[:numel].view(shape)
+                # views of the replaced buffer stay valid for whoever holds them, but are not handed out again
+                self._views = {k: v for k, v in self._views.items() if k[:2] != key}
+            view = self._views[vkey] = buf[:numel].view(shape)
+        return view
 
     def __getstate__(self) -> dict[str, object]:
         # a copy (copy.deepcopy of a model, its engines with it) gets a lock of its own: locks cannot be copied
         state = self.__dict__.copy()
         del state["_lock"]
+        state["_views"] = {}  # views of the copy's buffers are made again on demand
         return state
 
     def __setstate__(self, state: dict[str, object]) -> None:
