@@ -12,7 +12,6 @@ import threading
 
 import torch
 
-
 MAX_VIEWS = 4096  # views kept per workspace (a few hundred bytes each)
 
 
