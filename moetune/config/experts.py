@@ -98,6 +98,9 @@ class ExpertOptions:
         num_threads: CPU threads of the expert engine (None: the physical cores visible to the process);
             ``load_model`` and ``moetune convert`` size torch's process-wide intra-op pool to it once
             (``moetune.engine.threads.set_engine_threads``).
+        expert_workers: experts the engine computes at once, each on ``num_threads // expert_workers``
+            intra-op threads (None: ``min(num_threads, 4)``, measured best on 2 to 16 cores; 1: one expert at a
+            time on every thread; ``moetune.engine.threads.split_threads``).
         check_finite: the engine raises ``NonFiniteError`` on NaN/Inf, naming tensor and expert.
         gpu_experts: routed experts held and computed on the model's device ("hot" experts,
             ``moetune.layer.hot``): None or 0 (default: none), an int N (experts ``0..N-1`` of every MoE
@@ -120,6 +123,7 @@ class ExpertOptions:
     expert_residency_budget: int | None = None
     activation_policy: ActivationPolicy = ActivationPolicy.RETAIN
     num_threads: int | None = None
+    expert_workers: int | None = None
     check_finite: bool = False
     gpu_experts: int | str | tuple[tuple[int, ...], ...] | None = None
     gpu_experts_budget: int | None = None
@@ -193,6 +197,7 @@ def _field_checks() -> dict[str, Callable[[object], str | None]]:
         ),
         "activation_policy": _one_of([p.value for p in ActivationPolicy]),
         "num_threads": lambda v: None if _is_int(v) and v >= 1 else "must be a positive integer",
+        "expert_workers": lambda v: None if _is_int(v) and v >= 1 else "must be a positive integer",
         "check_finite": lambda v: None if isinstance(v, bool) else "allowed: true or false",
         "gpu_experts": _gpu_experts_problem,
         "gpu_experts_budget": lambda v: (

@@ -234,6 +234,7 @@ def _parse_engine(raw: Mapping[str, Any], problems: Problems, origins: Mapping[s
 _EXPERT_OPTION_TYPES: dict[str, Any] = {
     "int4_group_size": int,
     "num_threads": int,
+    "expert_workers": int,
     "gpu_experts_warmup": int,
     "int4_symmetric": bool,
     "check_finite": bool,

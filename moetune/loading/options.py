@@ -145,6 +145,7 @@ class LoadOptions:
             policy=self.experts.activation_policy,
             compute_dtype=self.dtype if exact else None,
             check_finite=self.experts.check_finite,
+            expert_workers=self.experts.expert_workers,
         )
 
     def layer_format(

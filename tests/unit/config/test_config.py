@@ -231,15 +231,18 @@ def test_keys_switched_off_are_accepted(workdir: Path) -> None:
 
 def test_engine_options(workdir: Path) -> None:
     engine = {"activation_policy": "recompute", "num_threads": 4, "device": "cuda:1", "check_finite": True}
-    cfg = parse_config(minimal(moetune=engine))
+    cfg = parse_config(minimal(moetune={**engine, "expert_workers": 2}))
     assert cfg.engine.experts.activation_policy is ActivationPolicy.RECOMPUTE
+    assert cfg.engine.experts.expert_workers == 2
+    assert parse_config(minimal(moetune=engine)).engine.experts.expert_workers is None
     assert (cfg.engine.experts.num_threads, cfg.engine.device, cfg.engine.experts.check_finite) == (
         4,
         "cuda:1",
         True,
     )
-    text = problems_of(minimal(moetune={"device": "gpu", "expert_format": "int3"}))
+    text = problems_of(minimal(moetune={"device": "gpu", "expert_format": "int3", "expert_workers": 0}))
     assert "moetune.device: got 'gpu'; must be auto, cpu, cuda or cuda:N" in text
+    assert "moetune.expert_workers: got 0; must be a positive integer" in text
     assert "moetune.expert_format: got 'int3'; allowed: auto, dense" in text  # then the registered formats
     assert parse_config(minimal(moetune={"expert_format": "dense"})).engine.experts.expert_format == "dense"
     assert parse_config(minimal()).engine.bind_cpus is True

@@ -245,6 +245,7 @@ def test_train_config_reaches_load_model(tmp_path, one_thread):
             "expert_format": "int8",
             "activation_policy": "recompute",
             "check_finite": True,
+            "expert_workers": 1,
         },
     }
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
@@ -252,9 +253,10 @@ def test_train_config_reaches_load_model(tmp_path, one_thread):
     peft_model, _, _ = setup(load_config(tmp_path / "cfg.yaml"), progress=False)
     assert torch.get_num_threads() == 1
     assert {e.weights.name for e in engines(peft_model).values()} == {"int8"}
-    assert {(e.options.policy, e.options.check_finite) for e in engines(peft_model).values()} == {
-        (ActivationPolicy.RECOMPUTE, True)
-    }
+    assert {
+        (e.options.policy, e.options.check_finite, e.options.expert_workers)
+        for e in engines(peft_model).values()
+    } == {(ActivationPolicy.RECOMPUTE, True, 1)}
 
 
 # Peak memory: a model whose experts dominate, loaded as int4 in a fresh process after a warm-up load of a small
