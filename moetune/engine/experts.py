@@ -42,19 +42,12 @@ from moetune.engine.routing import (
     validate_routing,
 )
 from moetune.engine.saved import ExpertGrads, SavedForward
+from moetune.engine.schedule import ExpertSchedule
 from moetune.engine.shapes import RowSplit
-from moetune.engine.threads import MIN_POOL_EXPERT_PARAMS, expert_pool, split_threads
 from moetune.engine.workspace import Workspace, thread_workspace
 from moetune.errors import EngineError, EngineStateError, NonFiniteError
 
 _engine_ids = itertools.count()
-
-# A run's rows at most (``Dispatch.runs``): the activation, router dot and weighting run once per run of experts
-# instead of once per expert (about 10 ops each, ~40-60 us of dispatch per expert at T = 128, E = 128), while a
-# run's [rows, 2I] activations stay about L2-sized (256 x 1536 bf16: 768 KiB).
-RUN_ROWS = 256
-# With the expert pool, runs are cut to give each worker at least this many, so largest-first can balance them.
-RUNS_PER_WORKER = 4
 
 
 def _rows(t: torch.Tensor | None, s0: int, s1: int) -> torch.Tensor | None:
@@ -74,7 +67,8 @@ class ExpertEngine:
         options: policy, compute dtype, finiteness checks.
 
     The GEMMs run on the CPU threads the caller sized torch's intra-op pool to (``set_engine_threads``):
-    several experts at once, each on a share of them (``threads.ExpertPool``, ``options.expert_workers``).
+    several experts at once, each on a share of them (``schedule.ExpertSchedule`` on ``threads.ExpertPool``,
+    ``options.expert_workers``).
     """
 
     def __init__(
@@ -119,6 +113,7 @@ class ExpertEngine:
         self.gemm = BlockedGemm(weights, self.compute_dtype, split=self.split)
         if self.options.expert_workers is not None and self.options.expert_workers < 1:
             raise EngineError(f"expert_workers must be >= 1 or None; got {self.options.expert_workers}")
+        self.schedule = ExpertSchedule(self.options.expert_workers, 3 * h * i)
 
     @property
     def weights(self) -> ExpertFormat:
@@ -208,40 +203,6 @@ class ExpertEngine:
         if bias is not None:
             out.add_(bias)
 
-    def _each_run(self, disp: Dispatch, fn: Callable[[Run], object]) -> None:
-        """``fn(run)`` for runs of consecutive active experts (``Dispatch.runs``) covering them all: one after
-        another in this thread, or in parallel on an ``ExpertPool`` (largest first, so the last to finish are
-        small). A run's experts each take their own GEMMs; the elementwise work between them (activation, router
-        dot, weighting) runs once over the run's rows. Every run writes only its own rows (and its experts' LoRA
-        or base gradient slices), so the order changes no result."""
-        workers, _ = self._workers(len(disp.counts) - disp.counts.count(0))
-        rows = RUN_ROWS
-        if workers > 1:  # several runs per worker, so that largest-first can balance them
-            rows = min(RUN_ROWS, max(1, sum(disp.counts) // (RUNS_PER_WORKER * workers)))
-        runs = disp.runs(rows)
-        workers, intra = self._workers(len(runs))
-        if workers == 1:
-            for run in runs:
-                fn(run)
-            return
-        expert_pool(workers, intra).run(fn, sorted(runs, key=lambda run: run.start - run.end))
-
-    def _workers(self, tasks: int) -> tuple[int, int]:
-        """``(workers, intra)`` for ``tasks`` expert tasks (``threads.split_threads``)."""
-        requested = self.options.expert_workers
-        if requested is None and 3 * self.hidden_size * self.intermediate_size < MIN_POOL_EXPERT_PARAMS:
-            requested = 1  # tiny experts: the pool's hand-offs would cost more than their GEMMs
-        return split_threads(torch.get_num_threads(), tasks, requested)
-
-    def _each_chunk(self, batch: LoraBatch, fn: Callable[[Chunk], object]) -> None:
-        """``fn(chunk)`` for chunks of consecutive experts covering all E, one per worker of the expert pool."""
-        workers, intra = self._workers(batch.num_experts)
-        chunks = batch.chunks(workers)
-        if workers == 1:
-            fn(chunks[0])
-            return
-        expert_pool(workers, intra).run(fn, chunks)
-
     def _check_finite(self, what: str, t: torch.Tensor, disp: Dispatch | None = None) -> None:
         """With ``check_finite``: raise NonFiniteError for NaN/Inf in t (rows first: ``[T, ...]``, or ``[N, ...]``
         sorted by expert when ``disp`` is given, which names the expert)."""
@@ -312,7 +273,7 @@ class ExpertEngine:
         batch = self._lora_batch(lora_pass, disp)
         each = self._own_lora(lora_pass, batch)  # each(e): expert e's LoRA terms, unless batched
         if batch is not None:
-            self._each_chunk(batch, lambda ch: batch.forward(ch, "gate_up", xs, gu, xa))
+            self.schedule.each_chunk(batch, lambda ch: batch.forward(ch, "gate_up", xs, gu, xa))
 
         def gate_up_forward(run: Run) -> None:
             for e, s0, s1 in run.segments:
@@ -330,11 +291,11 @@ class ExpertEngine:
             down_forward(run)
 
         if batch is None:
-            self._each_run(disp, expert_forward)
+            self.schedule.each_run(disp, expert_forward)
         else:  # the down projection's LoRA needs every expert's h first
-            self._each_run(disp, gate_up_forward)
-            self._each_chunk(batch, lambda ch: batch.forward(ch, "down", hid, ys, ha))
-            self._each_run(disp, down_forward)
+            self.schedule.each_run(disp, gate_up_forward)
+            self.schedule.each_chunk(batch, lambda ch: batch.forward(ch, "down", hid, ys, ha))
+            self.schedule.each_run(disp, down_forward)
         self._check_finite("expert outputs", ys, disp)
         y = combine(ys, disp, topk_weights, self.ws.get("slots", (n, h), cd)).to(x.dtype)
 
@@ -420,8 +381,8 @@ class ExpertEngine:
         if batch is not None:
             if plan.recompute_gate_up:
                 assert xs is not None  # gathered whenever LoRA runs
-                self._each_chunk(batch, lambda ch: batch.forward(ch, "gate_up", xs, gu_all, xa_all))
-            self._each_chunk(batch, lambda ch: batch.backward_input(ch, "down", gs, gh_all))
+                self.schedule.each_chunk(batch, lambda ch: batch.forward(ch, "gate_up", xs, gu_all, xa_all))
+            self.schedule.each_chunk(batch, lambda ch: batch.backward_input(ch, "down", gs, gh_all))
             ggu_all = self.ws.get("ggu", (n, 2 * i), cd)
 
         def down_backward(run: Run) -> torch.Tensor:
@@ -480,10 +441,10 @@ class ExpertEngine:
                         mine["gate_up_bias"] = ggu_e.sum(0).to(gdt)
 
         if batch is None:
-            self._each_run(disp, lambda run: gate_up_backward(run, down_backward(run)))
+            self.schedule.each_run(disp, lambda run: gate_up_backward(run, down_backward(run)))
         else:  # the batched LoRA products need every expert's h, then every expert's grad at gate_up
             assert ggu_all is not None and xs is not None
-            self._each_run(disp, down_backward)
+            self.schedule.each_run(disp, down_backward)
             xs_all, ggu = xs, ggu_all  # narrowed for the closures
 
             def lora_grads(ch: Chunk) -> None:
@@ -491,8 +452,8 @@ class ExpertEngine:
                 batch.backward_input(ch, "gate_up", ggu, gxs)
                 batch.backward_weights(ch, "gate_up", xs_all, xa_all, None, lora_g)
 
-            self._each_chunk(batch, lora_grads)
-            self._each_run(disp, lambda run: gate_up_backward(run, ggu_all[run.start : run.end]))
+            self.schedule.each_chunk(batch, lora_grads)
+            self.schedule.each_run(disp, lambda run: gate_up_backward(run, ggu_all[run.start : run.end]))
         if lora_pass is not None:
             lora_g = lora_pass.in_call_order(lora_g)
         grad_x = sum_slots(gxs, disp, self.ws.get("slots", (n, h), cd))  # [T, H]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import moetune.engine.experts as experts_module
+import moetune.engine.schedule as schedule_module
 from moetune.engine import ActivationPolicy
 from moetune.engine.routing import dispatch
 from tests.unit.engine_cases import build_module, make_layer, make_routing, rel_err, run_module, run_reference
@@ -32,7 +32,7 @@ def test_runs_cover_the_active_experts_in_order_within_the_row_cap():
 
 
 def _run(monkeypatch, run_rows: int, mode: str, policy, workers: int, dtype: torch.dtype):
-    monkeypatch.setattr(experts_module, "RUN_ROWS", run_rows)
+    monkeypatch.setattr(schedule_module, "RUN_ROWS", run_rows)
     layer = make_layer(E=16, lora="lora" in mode, bias=True)
     x, ids, w = make_routing(T=40, E=16, k=3, H=24)
     gy = torch.randn(40, 24, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
