@@ -28,11 +28,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import moetune
+from moetune.bench.schedule import Interval, overlap_s
 from moetune.layer import CpuExperts
 from moetune.sysinfo import cpu_info, default_num_threads
 from moetune.testing.tiny import save_tiny_model
-
-Interval = tuple[float, float]
 
 
 def merged(intervals: Iterable[Interval]) -> list[Interval]:
@@ -48,20 +47,6 @@ def merged(intervals: Iterable[Interval]) -> list[Interval]:
 
 def total(intervals: list[Interval]) -> float:
     return sum(end - start for start, end in intervals)
-
-
-def overlap(a: list[Interval], b: list[Interval]) -> float:
-    """Length of the intersection of two disjoint sorted interval lists."""
-    i = j = 0
-    out = 0.0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        out += max(0.0, hi - lo)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
 
 
 def timelines(prof: profile) -> tuple[list[Interval], list[Interval]]:
@@ -152,7 +137,7 @@ def main() -> None:
             step()
         dev, eng = timelines(prof)
         busy = total(dev) / 1e3
-        hidden = f"{overlap(dev, eng) / total(dev):.0%}" if dev else "n/a"
+        hidden = f"{overlap_s(dev, eng) / total(dev):.0%}" if dev else "n/a"
         print(
             f"{name:<8} {statistics.median(times[name]):8.1f}   {busy:14.1f}   {total(eng) / 1e3:9.1f}   {hidden}"
         )
