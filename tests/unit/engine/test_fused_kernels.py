@@ -198,11 +198,11 @@ def test_no_build_on_a_cpu_without_any_variants_isa(monkeypatch):
 
     monkeypatch.setattr(loader, "_state", {})
     monkeypatch.setattr(cpp_extension, "load", must_not_build)
-    monkeypatch.setattr(loader, "cpu_info", lambda: replace(AMX, isa=("AVX2",)))
+    monkeypatch.setattr(loader, "cpu_info", lambda: replace(AMX, isa=("SSE4.2",)))
     monkeypatch.delenv(KERNELS_ENV, raising=False)
     assert load_fused() is None
     wanted = ", ".join(v.isa for v in loader.VARIANTS)
-    assert fused_unavailable() == f"the CPU has none of {wanted} (found: AVX2)"
+    assert fused_unavailable() == f"the CPU has none of {wanted} (found: SSE4.2)"
 
 
 def _fake_builds(monkeypatch, isa: tuple[str, ...], refuse: dict[str, str] | None = None) -> list[str]:
@@ -233,6 +233,8 @@ def _fake_builds(monkeypatch, isa: tuple[str, ...], refuse: dict[str, str] | Non
         (("AMX-BF16", "AVX512-BF16", "AVX512F", "AVX2"), "AMX-BF16"),
         (("AVX512-BF16", "AVX512F", "AVX2"), "AVX512-BF16"),
         (("AMX-BF16",), "AMX-BF16"),
+        (("AVX512F", "AVX2"), "AVX2"),  # AVX512 without BF16 (Skylake-X, Cascade Lake): fp32 compute
+        (("AVX2",), "AVX2"),
     ],
 )
 def test_the_registry_builds_the_best_variant_the_cpu_has(monkeypatch, isa, expected):
@@ -253,11 +255,11 @@ def test_a_variant_that_cannot_run_falls_back_to_the_next(monkeypatch, caplog):
 
 
 def test_a_cpu_with_neither_isa_takes_the_torch_path_and_says_why(monkeypatch, caplog):
-    built = _fake_builds(monkeypatch, ("AVX512F", "AVX2"))
+    built = _fake_builds(monkeypatch, ("AVX512F", "SSE4.2"))
     with caplog.at_level(logging.WARNING, logger=loader.__name__):
         assert load_fused() is None and fused_variant() == ""
     assert built == []
-    why = "the CPU has none of AMX-BF16, AVX512-BF16 (found: AVX512F, AVX2)"
+    why = "the CPU has none of AMX-BF16, AVX512-BF16, AVX2 (found: AVX512F, SSE4.2)"
     assert fused_unavailable() == why
     assert [r.getMessage() for r in caplog.records if r.name == loader.__name__] == [
         f"moetune fused kernels not used ({why}); the engine uses the torch path"
