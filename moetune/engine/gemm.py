@@ -248,7 +248,9 @@ class BlockedGemm:
                 + (f" (computes in {spec.compute})" if spec is not None else "")
             )
         kernels = load_fused()
-        if kernels is None or kernels.variant != variant:  # another variant than the default: build it by name
+        if (
+            kernels is None or kernels.variant != variant
+        ):  # another variant than the default: build it by name
             kernels = load_variant(variant)
         assert out.stride(-1) == 1, "the fused kernels write rows of out in place"
         a = a if a.stride(-1) == 1 else a.contiguous()

@@ -150,7 +150,9 @@ def load_variant(name: str) -> ModuleType:
 
     variant = next((v for v in VARIANTS if v.name == name), None)
     if variant is None:
-        raise EngineError(f"no kernel variant {name!r}; the variants are {', '.join(v.name for v in VARIANTS)}")
+        raise EngineError(
+            f"no kernel variant {name!r}; the variants are {', '.join(v.name for v in VARIANTS)}"
+        )
     with _lock:
         if name not in _state:
             _state[name] = _build_variant(variant)
