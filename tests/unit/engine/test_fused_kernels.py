@@ -269,11 +269,13 @@ def test_a_cpu_with_neither_isa_takes_the_torch_path_and_says_why(monkeypatch, c
 
 
 def test_the_build_key_covers_every_header_a_variant_includes():
-    """A changed shared header must rebuild every variant: each variant's hashed files include all of them."""
+    """A changed shared header must rebuild every variant: each variant's hashed files include all of them (the
+    fp32 AVX2 variant all but layouts.h, the bf16 pair layouts it does not use)."""
     headers = {p.name for p in loader.HERE.glob("*.h")}
     for variant in loader.VARIANTS:
         names = [p.name for p in variant.sources()]
-        assert names[0] == variant.source and set(names[1:]) == headers, (variant, names)
+        wanted = headers - {"layouts.h"} if variant.compute == torch.float32 else headers
+        assert names[0] == variant.source and set(names[1:]) == wanted, (variant, names)
 
 
 def test_build_failure_falls_back_to_the_torch_path_with_one_warning(monkeypatch, caplog):
