@@ -6,8 +6,8 @@
 //             4 x kChunk block decoded once into L1 and used by every row of x, kRows rows per register block,
 //             lanes along k (acc[r][j] += x[r, k..k+8) * W[o0 + j, k..k+8)), each sum reduced once per chunk.
 //   backward: out[n, K] (+)= (g[n, O] * row_scale) @ W      32-column strips: kOChunk x 32 blocks of W decoded
-//             once into L1 and used by every row of g, lanes along k (acc[r][k..k+8) += bcast(g[r, o]) *
-//             W[o, k..k+8)), the strip's [n, 32] sums in a per-thread buffer.
+//             once into L1 and used by every row of g, kGRows rows x 16 columns per register block, lanes along
+//             k (acc[r][k..k+8) += bcast(g[r, o]) * W[o, k..k+8)), the strip's [n, 32] sums in a per-thread buffer.
 //
 // Every weight is decoded once per call whatever n is, so the loops stream the codes once; all sums are fp32.
 #define MOETUNE_VARIANT "AVX2"
@@ -27,18 +27,25 @@
 
 namespace {
 
-constexpr int kRows = 3;  // rows of x / g per register block: 3 x 4 accumulators + operands fit 16 ymm
+constexpr int kRows = 3;  // forward: rows of x per register block: 3 x 4 accumulators + operands fit 16 ymm
+// backward: rows of g per register block, 16 columns at a time: 6 x 2 accumulators, 2 weight vectors and a
+// broadcast fit 16 ymm (8 loads per 12 FMAs; 4 columns x 3 rows reloaded W per row: 2x slower at n = 64)
+constexpr int kGRows = 6;
 constexpr int kWRows = 4;  // forward: weight rows (output columns) per block
 constexpr int64_t kChunk = 512;  // forward: columns of W per decoded block (4 x 512 fp32 = 8 KiB of L1)
 constexpr int64_t kOChunk = 128;  // backward: rows of W per decoded block (128 x 32 fp32 = 16 KiB of L1)
 
-// f(std::integral_constant<int, R>{}) with R = min(rows, kRows): register blocks' row counts as template arguments
-template <class F>
+// f(std::integral_constant<int, R>{}) with R = min(rows, Max) (Max <= 6): register blocks' row counts as
+// template arguments
+template <int Max, class F>
 MOETUNE_AVX2 inline void with_rows(int64_t rows, F&& f) {
-  switch (std::min<int64_t>(kRows, rows)) {
+  switch (std::min<int64_t>(Max, rows)) {
     case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, kRows>{}); break;
+    case 2: f(std::integral_constant<int, std::min(2, Max)>{}); break;
+    case 3: f(std::integral_constant<int, std::min(3, Max)>{}); break;
+    case 4: f(std::integral_constant<int, std::min(4, Max)>{}); break;
+    case 5: f(std::integral_constant<int, std::min(5, Max)>{}); break;
+    default: f(std::integral_constant<int, Max>{}); break;
   }
 }
 
@@ -119,7 +126,7 @@ MOETUNE_AVX2 void forward_range(const Dec& dec, const float* row_scale, const fl
                           j < rows ? dec.eight(o0 + j, k0 + c, static_cast<int>(K - k0 - c)) : _mm256_setzero_ps());
       const int64_t full = cols / 8 * 8;
       for (int64_t r0 = 0; r0 < n; r0 += kRows)
-        with_rows(n - r0, [&](auto R) MOETUNE_AVX2 {
+        with_rows<kRows>(n - r0, [&](auto R) MOETUNE_AVX2 {
           forward_block<decltype(R)::value>(w, x + r0 * ldx + k0, ldx, full, static_cast<int>(cols - full),
                                             res.data() + r0 * kWRows);
         });
@@ -134,19 +141,28 @@ MOETUNE_AVX2 void forward_range(const Dec& dec, const float* row_scale, const fl
 }
 
 // acc[r][0 .. 32) += g[r, o0 .. o0 + rows) @ w[0 .. rows) for r < R: w the decoded [kOChunk, 32] block, g row r
-// at g + r * ldg (already at o0), acc row r at acc + 32 r.
+// at g + r * ldg (already at o0), acc row r at acc + 32 r; 16 columns per pass.
 template <int R>
 MOETUNE_AVX2 void backward_block(const float* w, int rows, const float* g, int64_t ldg, float* acc) {
-  __m256 c[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int q = 0; q < 4; ++q) c[r][q] = _mm256_loadu_ps(acc + r * 32 + q * 8);
-  for (int o = 0; o < rows; ++o)
+  for (int h = 0; h < 32; h += 16) {
+    __m256 c0[R], c1[R];
     for (int r = 0; r < R; ++r) {
-      const __m256 b = _mm256_broadcast_ss(g + r * ldg + o);
-      for (int q = 0; q < 4; ++q) c[r][q] = _mm256_fmadd_ps(b, _mm256_load_ps(w + o * 32 + q * 8), c[r][q]);
+      c0[r] = _mm256_loadu_ps(acc + r * 32 + h);
+      c1[r] = _mm256_loadu_ps(acc + r * 32 + h + 8);
     }
-  for (int r = 0; r < R; ++r)
-    for (int q = 0; q < 4; ++q) _mm256_storeu_ps(acc + r * 32 + q * 8, c[r][q]);
+    for (int o = 0; o < rows; ++o) {
+      const __m256 w0 = _mm256_load_ps(w + o * 32 + h), w1 = _mm256_load_ps(w + o * 32 + h + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 b = _mm256_broadcast_ss(g + r * ldg + o);
+        c0[r] = _mm256_fmadd_ps(b, w0, c0[r]);
+        c1[r] = _mm256_fmadd_ps(b, w1, c1[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(acc + r * 32 + h, c0[r]);
+      _mm256_storeu_ps(acc + r * 32 + h + 8, c1[r]);
+    }
+  }
 }
 
 // Backward, output columns [32 s0, 32 s1), a strip of 32 at a time (g: [n, O] already times the row scale).
@@ -163,8 +179,8 @@ MOETUNE_AVX2 void backward_range(const Dec& dec, const float* g, int64_t ldg, in
       for (int o = 0; o < rows; ++o)
         for (int q = 0; q < 4; ++q)
           _mm256_store_ps(w + o * 32 + q * 8, dec.eight(o0 + o, k0 + q * 8, static_cast<int>(K - k0 - q * 8)));
-      for (int64_t r0 = 0; r0 < n; r0 += kRows)
-        with_rows(n - r0, [&](auto R) MOETUNE_AVX2 {
+      for (int64_t r0 = 0; r0 < n; r0 += kGRows)
+        with_rows<kGRows>(n - r0, [&](auto R) MOETUNE_AVX2 {
           backward_block<decltype(R)::value>(w, rows, g + r0 * ldg + o0, ldg, acc.data() + r0 * 32);
         });
     }

@@ -5,7 +5,7 @@ scale applied to the sums forward and to g backward, as its scaled-codes path do
 
 Bound per element: ``2^-21 |ref|`` (the scale's and the accumulate's fp32 roundings) plus ``K * 2^-23`` times
 the product of magnitudes (K fp32 additions); a wrong scale, nibble or block is off by a factor, far outside it.
-Row counts cover one to several register blocks of 3 rows and a remainder; odd shapes cover K off the 8-column
+Row counts cover one to several register blocks (3 rows forward, 6 backward) and each remainder; odd shapes cover K off the 8-column
 lanes (int8 and fp8_block tails), partial 4-row output blocks and 32-column strips. The engine with fp32 compute
 on this variant equals the torch path; the registry's choice of it is in ``test_fused_kernels``.
 """
@@ -87,7 +87,7 @@ FORMATS = ["int8", "int4-g32-sym", "int4-g128-asym", "fp8_block", "mxfp4"]
 @pytest.mark.parametrize("accumulate", [True, False], ids=["accumulate", "overwrite"])
 def test_avx2_kernel_matches_float64(name, forward, accumulate):
     fmt = _weights(name, 256, 384)
-    for n in (1, 2, 3, 4, 5, 7, 10, 11, 17, 64, 130):  # blocks of 3 rows: none to many, each remainder
+    for n in (1, 2, 3, 4, 5, 7, 10, 11, 14, 15, 17, 64, 130):  # blocks of 3 and 6 rows, every remainder
         assert _check(fmt, forward, n, accumulate) < 1e-5
 
 
