@@ -5,9 +5,10 @@ scale applied to the sums forward and to g backward, as its scaled-codes path do
 
 Bound per element: ``2^-21 |ref|`` (the scale's and the accumulate's fp32 roundings) plus ``K * 2^-23`` times
 the product of magnitudes (K fp32 additions); a wrong scale, nibble or block is off by a factor, far outside it.
-Row counts cover one to several register blocks (3 rows forward, 6 backward) and each remainder; odd shapes cover K off the 8-column
-lanes (int8 and fp8_block tails), partial 4-row output blocks and 32-column strips. The engine with fp32 compute
-on this variant equals the torch path; the registry's choice of it is in ``test_fused_kernels``.
+Row counts cover one to several register blocks (3 rows forward, 6 backward) and each remainder; odd shapes
+cover K off the 8-column lanes (int8 and fp8_block tails), partial 4-row output blocks and 32-column strips.
+The engine with fp32 compute on this variant equals the torch path; the registry's choice of it is in
+``test_fused_kernels``.
 """
 
 from __future__ import annotations
