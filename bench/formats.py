@@ -2,6 +2,7 @@
 
     python bench/formats.py [--experts 16 --hidden 2048 --inter 768 --tokens 128 2048 --top-k 8 --rank 8 --reps 5]
                       [--formats int8 int4-g64 ...] [--fused-max-rows N]
+                      [--compute-dtype float32] [--variant AVX2]
 
 One fp32 Gaussian layer is stored as bf16 (the baseline), int8, int4 (group 64, symmetric), fp8_block, mxfp4
 (gpt-oss's shipped format; H and I must be multiples of 32) and compressed-int4: int4 as a compressed-tensors
@@ -12,6 +13,9 @@ too).
 Formats with a fused kernel in use on this machine (``moetune.engine.kernels``: int8, int4, fp8_block and
 mxfp4 on AMX-BF16 or AVX512-BF16 CPUs) run twice, as themselves and as ``<label> torch`` with the kernels off
 (the torch path, pinned per engine), and a line per format gives the fused / torch CPU-time ratio.
+``--compute-dtype`` sets the engines' compute dtype (default: this CPU's, ``resolve_compute_dtype``) and
+``--variant`` names the kernel variant to run (default: the one that loads here), built by name whatever the CPU
+prefers: ``--compute-dtype float32 --variant AVX2`` measures the AVX2 variant on an AVX512 machine.
 Each rep runs every format once, in turn, so machine noise falls on all of them alike. Printed per format
 (first its GEMM path on this CPU, ``moetune.engine.gemm.GemmPath``), per token count: resident bytes per
 parameter, relative Frobenius error of the dequantized weights, the time the engine's path takes to convert
@@ -32,11 +36,11 @@ from dataclasses import replace
 
 import torch
 
-from moetune.engine import ExpertEngine, ExpertFormat, ExpertLoRA
+from moetune.engine import EngineOptions, ExpertEngine, ExpertFormat, ExpertLoRA
 from moetune.engine.formats import FORMATS, Int4Experts
 from moetune.engine.formats.base import Projection
 from moetune.engine.gemm import resolve_gemm_path
-from moetune.engine.kernels import fused_unavailable
+from moetune.engine.kernels import VARIANTS, fused_unavailable
 from moetune.engine.threads import set_engine_threads
 from moetune.loading.quant.compressed_tensors import repack
 from moetune.sysinfo import cpu_info
@@ -108,7 +112,15 @@ def main() -> None:
         help="experts with at most this many rows take the fused kernels, for every format that has one here "
         "(default: each format's FUSED_MAX_ROWS for this CPU's variant); for crossover sweeps",
     )
+    ap.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default=None)
+    ap.add_argument(
+        "--variant",
+        choices=[v.name for v in VARIANTS],
+        default=None,
+        help="the kernel variant the formats with a fused kernel run on (it must compute in the compute dtype)",
+    )
     args = ap.parse_args()
+    options = EngineOptions(compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None)
     e, h, i, k = args.experts, args.hidden, args.inter, args.top_k
     threads = set_engine_threads(args.threads)  # every format on the same threads
 
@@ -130,13 +142,17 @@ def main() -> None:
         err /= float(torch.cat([gate_up.flatten(), down.flatten()]).norm())
         del gq, dq
         info[label] = (fmt.bytes_per_param, err)
-        engines[label] = ExpertEngine(fmt, lora=lora)
+        engines[label] = ExpertEngine(fmt, lora=lora, options=options)
         path = engines[label].gemm.path
+        if args.variant is not None and fmt.FUSED_MAX_ROWS:  # the named variant, built by name
+            rows = fmt.FUSED_MAX_ROWS.get(args.variant, 0)
+            path = replace(path, fused_rows=rows, fused_variant=args.variant if rows else "")
+            engines[label].gemm.path = path
         if path.fused_rows and args.fused_max_rows is not None:
             engines[label].gemm.path = replace(path, fused_rows=args.fused_max_rows)
         if engines[label].gemm.path.fused_rows:  # the same weights on the torch path, side by side
             torch_label = f"{label} torch"
-            engines[torch_label] = ExpertEngine(fmt, lora=lora)
+            engines[torch_label] = ExpertEngine(fmt, lora=lora, options=options)
             engines[torch_label].gemm.path = resolve_gemm_path(fmt, engines[label].compute_dtype, fused=False)
             info[torch_label] = info[label]
 

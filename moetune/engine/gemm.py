@@ -13,9 +13,10 @@ CPU (``resolve_gemm_path``; ``moetune doctor`` prints it per format):
   0.04 ms at n = 64), so those experts take dequantized tiles.
 * ``dequantized tiles``: the others (``ExpertFormat.tile``) write the effective weight in the compute dtype.
 
-Before either, with bf16 compute: experts with at most ``fused_rows`` rows (the format's ``FUSED_MAX_ROWS`` for
-the kernel variant that loads here) go to the compiled kernels (``moetune.engine.kernels``: int8, int4,
-fp8_block and mxfp4; an AMX-BF16 and an AVX512-BF16 variant), which read the codes and dequantize them in
+Before either, when the kernel variant that loads here computes in the compute dtype (``KernelVariant.compute``:
+AMX-BF16 and AVX512-BF16 in bf16, AVX2 in fp32): experts with at most ``fused_rows`` rows (the format's
+``FUSED_MAX_ROWS`` for that variant) go to the compiled kernels (``moetune.engine.kernels``: int8, int4,
+fp8_block and mxfp4), which read the codes and dequantize them in
 registers: no converted tile is written at all. Above that, and wherever the kernels are missing or turned off
 (``MOETUNE_KERNELS=off``), the torch path above runs; it is the kernels' reference.
 
@@ -34,7 +35,7 @@ import torch
 
 from moetune.engine.formats import ExpertFormat
 from moetune.engine.formats.base import Projection
-from moetune.engine.kernels import VARIANTS, fused_kernels, fused_unavailable, load_fused
+from moetune.engine.kernels import VARIANTS, fused_kernels, load_fused, load_variant
 from moetune.engine.shapes import RowSplit, padded_rows
 from moetune.engine.workspace import thread_workspace
 from moetune.errors import EngineError
@@ -98,9 +99,9 @@ def resolve_gemm_path(
 ) -> GemmPath:
     """The GEMM path for ``weights`` computed in ``compute_dtype`` on ``cpu`` (default: this machine's).
 
-    ``fused``: route few-row experts to the compiled kernels when the format has a threshold for the variant
-    that loads here (building it on first use; ``kernels.fused_kernels``) and ``cpu`` has that variant's ISA;
-    False resolves the torch path alone. ``whole_tiles`` (the torch path's) depends on ``cpu`` alone.
+    ``fused``: route few-row experts to the compiled kernels when the variant that loads here (building it on
+    first use; ``kernels.fused_kernels``) computes in ``compute_dtype``, the format has a threshold for it and
+    ``cpu`` has its ISA; False resolves the torch path alone. ``whole_tiles`` (the torch path's) depends on ``cpu`` alone.
     """
     if not weights.needs_buffer(compute_dtype):
         return GemmPath(Conversion.VIEW, whole_tiles=True)
@@ -108,10 +109,11 @@ def resolve_gemm_path(
     conversion = Conversion.SCALED_CODES if scaled else Conversion.DEQUANTIZED
     amx = "AMX-BF16" in (cpu or cpu_info()).isa
     bf16 = compute_dtype == torch.bfloat16
-    kernels = fused_kernels() if bf16 and fused and weights.FUSED_MAX_ROWS else None
+    kernels = fused_kernels() if fused and weights.FUSED_MAX_ROWS else None
     variant = str(kernels.variant) if kernels is not None else ""
-    needs = next((v.isa for v in VARIANTS if v.name == variant), None)
-    rows = weights.FUSED_MAX_ROWS.get(variant, 0) if needs in (cpu or cpu_info()).isa else 0
+    spec = next((v for v in VARIANTS if v.name == variant), None)
+    fits = spec is not None and spec.compute == compute_dtype and spec.isa in (cpu or cpu_info()).isa
+    rows = weights.FUSED_MAX_ROWS.get(variant, 0) if fits else 0
     return GemmPath(
         conversion, whole_tiles=amx and bf16, fused_rows=rows, fused_variant=variant if rows else ""
     )
@@ -234,16 +236,22 @@ class BlockedGemm:
     def _fused(
         self, forward: bool, proj: Projection, e: int, a: torch.Tensor, out: torch.Tensor, accumulate: bool
     ) -> None:
-        """matmul_wt (``forward``) or matmul_w on the fused kernels: a ``[n, D_in]`` or ``[n, D_out]``, out the
-        other, bf16 with contiguous rows (``a`` is made so; ``out`` is written in place, so it must be)."""
+        """matmul_wt (``forward``) or matmul_w on the fused kernels of ``path.fused_variant``: a ``[n, D_in]`` or
+        ``[n, D_out]``, out the other, in the compute dtype with contiguous rows (``a`` is made so; ``out`` is
+        written in place, so it must be)."""
+        variant = self.path.fused_variant
+        spec = next((v for v in VARIANTS if v.name == variant), None)
+        if spec is None or spec.compute != self.compute_dtype:  # a path pinned by hand (tests, benchmarks)
+            raise EngineError(
+                f"GemmPath.fused_rows = {self.path.fused_rows} needs a kernel variant computing in "
+                f"{self.compute_dtype}; got variant {variant!r}"
+                + (f" (computes in {spec.compute})" if spec is not None else "")
+            )
         kernels = load_fused()
         if (
-            kernels is None or self.compute_dtype != torch.bfloat16
-        ):  # a path pinned by hand (tests, benchmarks)
-            raise EngineError(
-                f"GemmPath.fused_rows = {self.path.fused_rows} needs the fused kernels and bf16 compute; got "
-                f"{self.compute_dtype}, kernels {'loaded' if kernels else 'not loaded: ' + fused_unavailable()}"
-            )
+            kernels is None or kernels.variant != variant
+        ):  # another variant than the default: build it by name
+            kernels = load_variant(variant)
         assert out.stride(-1) == 1, "the fused kernels write rows of out in place"
         a = a if a.stride(-1) == 1 else a.contiguous()
         self.weights.fused_gemm(kernels, forward, proj, e, a, out, accumulate)

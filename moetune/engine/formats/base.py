@@ -87,8 +87,8 @@ class ExpertFormat(ABC):
         raise NotImplementedError(f"{self.name} offers no scaled tiles")
 
     # per kernel variant (``kernels.loader.VARIANTS``' names), the rows per expert up to which ``fused_gemm`` is
-    # used with bf16 compute (a variant not listed, or an empty mapping: no fused kernel for this format); an
-    # instance attribute where a wrapper takes its format's
+    # used with the compute dtype that variant computes in (``KernelVariant.compute``; a variant not listed, or an
+    # empty mapping: no fused kernel for this format); an instance attribute where a wrapper takes its format's
     FUSED_MAX_ROWS: Mapping[str, int] = MappingProxyType({})
 
     def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
@@ -108,10 +108,11 @@ class ExpertFormat(ABC):
         accumulate: bool,
     ) -> None:
         """One product with expert ``expert``'s ``proj`` matrix W ``[D_out, D_in]`` on the compiled kernels
-        (``kernels``: ``moetune.engine.kernels.load_fused()``), the codes dequantized in registers; bf16 only.
+        (``kernels``: a built variant, ``kernels.load_fused()`` or ``load_variant(name)``), the codes dequantized
+        in registers; a and out in the variant's compute dtype (bf16, or fp32 for AVX2).
 
         forward: out ``[n, D_out]`` = a ``[n, D_in]`` @ W^T; backward: out ``[n, D_in]`` = a ``[n, D_out]`` @ W
-        (``accumulate``: out +=). fp32 sums, rounded once into out; W's values are those of ``tile(.., bf16)``
+        (``accumulate``: out +=). fp32 sums, rounded once into out; W's values are those of ``tile(.., dtype)``
         (int8: the codes times the fp32 row scale applied to the fp32 sums, as ``scaled_tile``'s path does).
         """
         kernel, weights = self.fused_operands(proj, expert)

@@ -272,7 +272,11 @@ class Int4Experts(QuantizedExperts):
 
     # per kernel variant, the fused kernel beats dequantize-then-GEMM up to here (bench/formats.py;
     # docs/performance.md, "Fused kernels")
-    FUSED_MAX_ROWS = MappingProxyType({"AMX-BF16": 256, "AVX512-BF16": 256})
+    # AVX2 (fp32 compute): fused / torch CPU time int4-g64 1.36x at 128, 1.14x at 256 rows per expert (AMD EPYC Zen 4,
+    # 1 thread, other jobs running; docs/performance.md, "AVX2 variant"):
+    # `python bench/formats.py --threads 1 --reps 3 --experts 8 --top-k 4 --tokens 16 32 64 128 256 512 --formats int8
+    # int4-g64 fp8_block mxfp4 --compute-dtype float32 --variant AVX2 --fused-max-rows 100000`
+    FUSED_MAX_ROWS = MappingProxyType({"AMX-BF16": 256, "AVX512-BF16": 256, "AVX2": 256})
 
     def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
         packed, scale, zero = self._stored(proj)

@@ -2,9 +2,10 @@
 
 GEMMs that read int8 / int4 / fp8_block / mxfp4 expert codes from memory and dequantize them in registers
 (``decoders.h``), in one variant per ISA behind a registry (``VARIANTS``, best first: ``amx_gemm.cpp`` on
-AMX-BF16 tiles, ``avx512_gemm.cpp`` on AVX512-BF16 dot products), with one Python API (``entry.h``).
+AMX-BF16 tiles, ``avx512_gemm.cpp`` on AVX512-BF16 dot products, both in bf16; ``avx2_gemm.cpp`` on AVX2 + FMA in
+fp32), with one Python API (``entry.h``).
 ``load_fused`` returns the best variant's built module that runs here, or None
-(``fused_unavailable`` says why; ``fused_variant`` names it); ``moetune.engine.gemm`` routes experts with few
+(``fused_unavailable`` says why; ``fused_variant`` names it; ``load_variant`` builds one by name); ``moetune.engine.gemm`` routes experts with few
 rows to it.
 """
 
@@ -17,6 +18,7 @@ from moetune.engine.kernels.loader import (
     fused_unavailable,
     fused_variant,
     load_fused,
+    load_variant,
 )
 
 __all__ = [
@@ -28,4 +30,5 @@ __all__ = [
     "fused_unavailable",
     "fused_variant",
     "load_fused",
+    "load_variant",
 ]

@@ -1,5 +1,5 @@
 // Weight decoders shared by every kernel variant: each turns a format's stored codes into fp32 values of the
-// dequantized matrix W [O, K], 16 columns at a time, in registers.
+// dequantized matrix W [O, K], 16 columns at a time (AVX512 variants) or 8 (the AVX2 one), in registers.
 //
 // Contract (a later format adds one struct with these two members, and an entry point in entry.h):
 //   __m512 operator()(int64_t o, int64_t k0, int valid) const
@@ -7,10 +7,14 @@
 //       <= 0 or >= 16); each value is exactly the one the format's torch path multiplies with (int8: the code,
 //       its row scale applied by the caller; int4: (u - z) * s in fp32, rounded to bf16 by the caller; fp8_block:
 //       code * scale_inv in fp32; mxfp4: FP4[code] * 2^(s - 127), exact).
+//   __m256 eight(int64_t o, int64_t k0, int valid) const
+//       the same for W[o, k0 .. k0 + 8) (k0 % 8 == 0) on AVX2 + FMA + F16C, 8 fp32 lanes: the same values (one
+//       scalar helper per format gives both widths their scale), lanes at and past `valid` zero.
 //   void prefetch(int64_t o, int64_t k) const
 //       bring the cache line holding W[o, k]'s codes towards L1 (k < K); no effect on results.
 // Compiled for AVX512F/BW/VL (+BF16) through target attributes, so a variant compiled with other flags (the
-// AMX one adds amx-tile/amx-bf16) inlines them into its own target-attributed loops.
+// AMX one adds amx-tile/amx-bf16) inlines them into its own target-attributed loops; ``eight`` for AVX2 + FMA +
+// F16C, the flags avx2_gemm.cpp is compiled with.
 #pragma once
 
 #include <torch/extension.h>
@@ -20,8 +24,17 @@
 #include <cstring>
 
 #define MOETUNE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define MOETUNE_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 namespace moetune {
+
+// the 8 bytes at p, or its first `valid` (< 8) bytes and zeros: no read past a row's end (AVX2 has no masked
+// byte loads)
+MOETUNE_AVX2 inline __m128i load8(const void* p, int valid) {
+  uint64_t v = 0;
+  std::memcpy(&v, p, valid >= 8 ? 8 : (valid > 0 ? valid : 0));
+  return _mm_cvtsi64_si128(static_cast<long long>(v));
+}
 
 // the first `valid` of 16 lanes (none for valid <= 0, all for valid >= 16)
 MOETUNE_AVX512 inline __mmask16 first(int valid) {
@@ -46,6 +59,9 @@ struct Int8Rows {
         valid >= 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)) : _mm_maskz_loadu_epi8(first(valid), p);
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
   }
+  MOETUNE_AVX2 inline __m256 eight(int64_t o, int64_t k0, int valid) const {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(codes + o * K + k0, valid)));
+  }
   inline void prefetch(int64_t o, int64_t k) const {
     _mm_prefetch(reinterpret_cast<const char*>(codes + o * K + k), _MM_HINT_T0);
   }
@@ -67,10 +83,19 @@ struct Int4Rows {
     __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     u = high ? _mm512_srli_epi32(u, 4) : _mm512_and_si512(u, _mm512_set1_epi32(0x0F));
     const int64_t gi = o * groups + (k0 >> shift);
-    const int z = zero ? zero[gi] : 8;
-    __m512 w = _mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(z)));
+    __m512 w = _mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(zero_point(gi))));
     return _mm512_mul_ps(w, _mm512_set1_ps(bf16_to_float(scale[gi])));
   }
+  MOETUNE_AVX2 inline __m256 eight(int64_t o, int64_t k0, int valid) const {
+    if (valid <= 0) return _mm256_setzero_ps();  // K is a multiple of 32: valid >= 8 or <= 0
+    const bool high = k0 >= half;
+    __m256i u = _mm256_cvtepu8_epi32(load8(packed + o * half + (high ? k0 - half : k0), 8));
+    u = high ? _mm256_srli_epi32(u, 4) : _mm256_and_si256(u, _mm256_set1_epi32(0x0F));
+    const int64_t gi = o * groups + (k0 >> shift);
+    __m256 w = _mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(zero_point(gi))));
+    return _mm256_mul_ps(w, _mm256_set1_ps(bf16_to_float(scale[gi])));
+  }
+  inline int zero_point(int64_t gi) const { return zero ? zero[gi] : 8; }
   inline void prefetch(int64_t o, int64_t k) const {
     _mm_prefetch(reinterpret_cast<const char*>(packed + o * half + (k >= half ? k - half : k)), _MM_HINT_T0);
   }
@@ -94,10 +119,20 @@ struct Fp8BlockRows {
         whole ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)) : _mm_maskz_loadu_epi8(first(valid), p);
     __m256i h = _mm256_cvtepi8_epi16(b);  // sign-extends
     h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
-    const int64_t row = o < seg ? o >> 7 : seg_grid + ((o - seg) >> 7);
-    const float mult = scale_inv[row * cols + (k0 >> 7)] * 256.0f;  // 2^(fp16 bias 15 - e4m3 bias 7)
-    const __m512 w = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(mult));
+    const __m512 w = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(mult(o, k0)));
     return whole ? w : _mm512_maskz_mov_ps(first(valid), w);
+  }
+  MOETUNE_AVX2 inline __m256 eight(int64_t o, int64_t k0, int valid) const {
+    if (valid <= 0) return _mm256_setzero_ps();
+    // bytes past valid load as 0, the code of +0: no mask on the result
+    __m128i h = _mm_cvtepi8_epi16(load8(codes + o * K + k0, valid));
+    h = _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(mult(o, k0)));
+  }
+  // the block's scale_inv times 2^8 = 2^(fp16 bias 15 - e4m3 bias 7)
+  inline float mult(int64_t o, int64_t k0) const {
+    const int64_t row = o < seg ? o >> 7 : seg_grid + ((o - seg) >> 7);
+    return scale_inv[row * cols + (k0 >> 7)] * 256.0f;
   }
   inline void prefetch(int64_t o, int64_t k) const {
     _mm_prefetch(reinterpret_cast<const char*>(codes + o * K + k), _MM_HINT_T0);
@@ -119,11 +154,28 @@ struct Mxfp4Rows {
     const __m512 fp4 = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f,
                                       -4.f, -6.f);
     const __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c), fp4);
+    return _mm512_mul_ps(v, _mm512_set1_ps(pow2(o, k0)));
+  }
+  MOETUNE_AVX2 inline __m256 eight(int64_t o, int64_t k0, int valid) const {
+    if (valid <= 0) return _mm256_setzero_ps();  // K is a multiple of 32: valid >= 8 or <= 0
+    uint32_t b;
+    std::memcpy(&b, packed + o * half + k0 / 2, 4);
+    // element j's code: nibble j of the 32 bits (low nibble first)
+    const __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(b)),
+                                                         _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                       _mm256_set1_epi32(0x0F));
+    // magnitude FP4[c & 7] from an 8-entry table, the sign bit (c & 8) moved to bit 31
+    const __m256 mag = _mm256_permutevar8x32_ps(_mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f), c);
+    const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(c, 3), 31));
+    return _mm256_mul_ps(_mm256_or_ps(mag, sign), _mm256_set1_ps(pow2(o, k0)));
+  }
+  // 2^(s - 127), s the block's e8m0 byte; s = 0: the subnormal 2^-127
+  inline float pow2(int64_t o, int64_t k0) const {
     const uint32_t s = scale[o * blocks + (k0 >> 5)];
-    const uint32_t bits = s ? s << 23 : 0x00400000u;  // 2^(s - 127); s = 0: the subnormal 2^-127
-    float pow2;
-    std::memcpy(&pow2, &bits, 4);
-    return _mm512_mul_ps(v, _mm512_set1_ps(pow2));
+    const uint32_t bits = s ? s << 23 : 0x00400000u;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
   }
   inline void prefetch(int64_t o, int64_t k) const {
     _mm_prefetch(reinterpret_cast<const char*>(packed + o * half + k / 2), _MM_HINT_T0);

@@ -2,13 +2,14 @@
 // tensors, and the module's functions. A variant's .cpp defines, before including this header (once, last):
 //
 //   #define MOETUNE_VARIANT "<name>"   // its name in loader.py's registry; the module's `variant`
+//   #define MOETUNE_OPERANDS at::kFloat  // optional: the dtype of a and out (default at::kBFloat16)
 //   std::string variant_unavailable(); // why it cannot run on this CPU / process, or ""
 //   template <class Dec>               // one product with the decoded weight W [O, K] (decoders.h), a and out
-//   void run_gemm(bool forward, const Dec& dec, const float* row_scale,  // bf16 with contiguous rows, already
-//                 const torch::Tensor& a, torch::Tensor& out,          // checked, at least one row:
+//   void run_gemm(bool forward, const Dec& dec, const float* row_scale,  // MOETUNE_OPERANDS with contiguous rows,
+//                 const torch::Tensor& a, torch::Tensor& out,          // already checked, at least one row:
 //                 int64_t O, int64_t K, bool accumulate);
 //       forward : out[n, O] (+)= a[n, K] @ W^T, times row_scale[o] (fp32, may be null) on the fp32 sums
-//       backward: out[n, K] (+)= (a[n, O] * row_scale, rounded once to bf16) @ W
+//       backward: out[n, K] (+)= (a[n, O] * row_scale, rounded once to the operands' dtype) @ W
 //       fp32 sums, rounded once into out (accumulate: added to out's values first).
 //
 // A new format adds its decoder to decoders.h and one entry point here, and no variant changes.
@@ -17,6 +18,10 @@
 #include <string>
 
 #include "decoders.h"
+
+#ifndef MOETUNE_OPERANDS
+#define MOETUNE_OPERANDS at::kBFloat16
+#endif
 
 namespace {
 
@@ -28,7 +33,9 @@ const std::string& unavailable_here() {
 void require_variant() { TORCH_CHECK(unavailable_here().empty(), "moetune fused kernels: ", unavailable_here()); }
 
 void check_operands(const torch::Tensor& a, const torch::Tensor& out, int64_t a_cols, int64_t out_cols) {
-  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "bf16 operands only");
+  TORCH_CHECK(a.scalar_type() == MOETUNE_OPERANDS && out.scalar_type() == MOETUNE_OPERANDS,
+              "operands must be ", c10::toString(MOETUNE_OPERANDS), " (this variant's compute dtype); got ",
+              c10::toString(a.scalar_type()), " and ", c10::toString(out.scalar_type()));
   TORCH_CHECK(a.dim() == 2 && out.dim() == 2 && a.size(0) == out.size(0), "2-D operands with equal rows");
   TORCH_CHECK(a.size(1) == a_cols && out.size(1) == out_cols, "operand widths do not match the weight");
   TORCH_CHECK(a.stride(1) == 1 && out.stride(1) == 1, "operands need contiguous rows");

@@ -3,8 +3,10 @@ be used.
 
 Variants (``VARIANTS``, best first) share the weight decoders (``decoders.h``) and the Python entry points
 (``entry.h``) and differ in their GEMM loops: ``amx_gemm.cpp`` (AMX-BF16 tiles), ``avx512_gemm.cpp``
-(AVX512-BF16 dot products). The first variant whose ISA flag ``cpu_info()`` reports and that builds and loads is
-used (the ones that failed before it are logged at INFO).
+(AVX512-BF16 dot products), both computing in bf16, and ``avx2_gemm.cpp`` (AVX2 + FMA, 8 fp32 lanes), computing in
+fp32 (``KernelVariant.compute``: the compute dtype a variant takes). The first variant whose ISA flag ``cpu_info()`` reports and that builds and loads is
+used (the ones that failed before it are logged at INFO). ``load_variant`` builds one variant by name (tests,
+benchmarks, and engines whose ``GemmPath`` names a variant other than the default one).
 
 The build is torch's ``cpp_extension.load`` (g++ and ninja; ``pip install moetune`` brings ninja) into
 ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) under a name keyed by a hash of the variant's
@@ -43,12 +45,15 @@ CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 
 @dataclass(frozen=True)
 class KernelVariant:
-    """One build of the fused kernels: its name (the module's ``variant``), its source in this folder, and the
-    ``cpu_info().isa`` flag the CPU needs for it to run."""
+    """One build of the fused kernels: its name (the module's ``variant``), its source in this folder, the
+    ``cpu_info().isa`` flag the CPU needs for it to run, the dtype its operands and sums are in (the engine's
+    compute dtype it serves), and the compile flags its source needs (beyond ``CFLAGS``)."""
 
     name: str
     source: str
     isa: str
+    compute: torch.dtype = torch.bfloat16
+    flags: tuple[str, ...] = ()
 
     def sources(self) -> list[Path]:
         """The variant's source and every header it includes from this folder (transitively), in include order."""
@@ -66,6 +71,8 @@ class KernelVariant:
 VARIANTS: tuple[KernelVariant, ...] = (
     KernelVariant("AMX-BF16", "amx_gemm.cpp", "AMX-BF16"),
     KernelVariant("AVX512-BF16", "avx512_gemm.cpp", "AVX512-BF16"),
+    # fp32 compute (CPUs without AVX512-BF16 compute in fp32: ``resolve_compute_dtype``)
+    KernelVariant("AVX2", "avx2_gemm.cpp", "AVX2", torch.float32, ("-mavx2", "-mfma", "-mf16c")),
 )
 
 _lock = threading.Lock()
@@ -88,14 +95,15 @@ def _build_variant(variant: KernelVariant) -> tuple[ModuleType | None, str]:
     """(module, "") or (None, why not)."""
     paths = variant.sources()
     text = b"".join(p.read_bytes() for p in paths)
-    key = hashlib.sha256(text + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    cflags = CFLAGS + list(variant.flags)
+    key = hashlib.sha256(text + torch.__version__.encode() + " ".join(cflags).encode()).hexdigest()[:16]
     try:
         from torch.utils import cpp_extension
 
         module = cpp_extension.load(
             name=f"moetune_fused_{key}",
             sources=[str(paths[0])],
-            extra_cflags=CFLAGS,
+            extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
@@ -133,6 +141,25 @@ def _resolve() -> tuple[ModuleType | None, str]:
                 log.warning("moetune fused kernels not used (%s); the engine uses the torch path", why)
             _state["fused"] = (module, why)
         return _state["fused"]
+
+
+def load_variant(name: str) -> ModuleType:
+    """The built module of the variant named ``name`` (``VARIANTS``), built once per process; raises
+    ``EngineError`` naming the variants when there is none of that name, or why it does not build or run here."""
+    from moetune.errors import EngineError
+
+    variant = next((v for v in VARIANTS if v.name == name), None)
+    if variant is None:
+        raise EngineError(
+            f"no kernel variant {name!r}; the variants are {', '.join(v.name for v in VARIANTS)}"
+        )
+    with _lock:
+        if name not in _state:
+            _state[name] = _build_variant(variant)
+        module, why = _state[name]
+    if module is None:
+        raise EngineError(f"the fused kernel variant {name} does not run here: {why}")
+    return module
 
 
 def load_fused() -> ModuleType | None:

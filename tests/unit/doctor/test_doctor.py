@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from functools import partial
 
 import pytest
@@ -230,3 +231,24 @@ def test_onednn_verbose_parsing_and_gemm_verdict():
     emulated = check_gemm(0.015, 0.09, None)
     assert emulated.status is Status.WARN and "does not run on AMX" in emulated.summary
     assert "fp32 tiles" in " ".join(emulated.details)
+
+
+@pytest.mark.skipif(not shutil.which("c++") and not shutil.which("g++"), reason="no C++ compiler on PATH")
+def test_gemm_paths_name_the_avx2_variant_on_an_avx2_cpu(monkeypatch):
+    """On a CPU whose isa is only AVX2 (mocked; this machine runs AVX2 code too) quantized experts compute in fp32
+    on the AVX2 variant, and the doctor's lines say so."""
+    from moetune.doctor.engine import gemm_paths
+    from moetune.engine import gemm, plan
+    from moetune.engine.kernels import KERNELS_ENV, loader
+
+    avx2 = cpu()
+    for module in (plan, gemm, loader):
+        monkeypatch.setattr(module, "cpu_info", lambda: avx2)
+    monkeypatch.setattr(loader, "_state", {})
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    if loader.fused_unavailable():
+        pytest.skip(f"the AVX2 variant does not run here: {loader.fused_unavailable()}")
+    lines = gemm_paths()
+    int8 = next(line for line in lines if line.startswith("int8:"))
+    assert "computes in float32" in int8 and "fused kernel (AVX2," in int8, lines
+    assert lines[-1] == "fused kernels: AVX2 variant built and used"

@@ -198,11 +198,11 @@ def test_no_build_on_a_cpu_without_any_variants_isa(monkeypatch):
 
     monkeypatch.setattr(loader, "_state", {})
     monkeypatch.setattr(cpp_extension, "load", must_not_build)
-    monkeypatch.setattr(loader, "cpu_info", lambda: replace(AMX, isa=("AVX2",)))
+    monkeypatch.setattr(loader, "cpu_info", lambda: replace(AMX, isa=("SSE4.2",)))
     monkeypatch.delenv(KERNELS_ENV, raising=False)
     assert load_fused() is None
     wanted = ", ".join(v.isa for v in loader.VARIANTS)
-    assert fused_unavailable() == f"the CPU has none of {wanted} (found: AVX2)"
+    assert fused_unavailable() == f"the CPU has none of {wanted} (found: SSE4.2)"
 
 
 def _fake_builds(monkeypatch, isa: tuple[str, ...], refuse: dict[str, str] | None = None) -> list[str]:
@@ -233,6 +233,8 @@ def _fake_builds(monkeypatch, isa: tuple[str, ...], refuse: dict[str, str] | Non
         (("AMX-BF16", "AVX512-BF16", "AVX512F", "AVX2"), "AMX-BF16"),
         (("AVX512-BF16", "AVX512F", "AVX2"), "AVX512-BF16"),
         (("AMX-BF16",), "AMX-BF16"),
+        (("AVX512F", "AVX2"), "AVX2"),  # AVX512 without BF16 (Skylake-X, Cascade Lake): fp32 compute
+        (("AVX2",), "AVX2"),
     ],
 )
 def test_the_registry_builds_the_best_variant_the_cpu_has(monkeypatch, isa, expected):
@@ -253,11 +255,11 @@ def test_a_variant_that_cannot_run_falls_back_to_the_next(monkeypatch, caplog):
 
 
 def test_a_cpu_with_neither_isa_takes_the_torch_path_and_says_why(monkeypatch, caplog):
-    built = _fake_builds(monkeypatch, ("AVX512F", "AVX2"))
+    built = _fake_builds(monkeypatch, ("AVX512F", "SSE4.2"))
     with caplog.at_level(logging.WARNING, logger=loader.__name__):
         assert load_fused() is None and fused_variant() == ""
     assert built == []
-    why = "the CPU has none of AMX-BF16, AVX512-BF16 (found: AVX512F, AVX2)"
+    why = "the CPU has none of AMX-BF16, AVX512-BF16, AVX2 (found: AVX512F, SSE4.2)"
     assert fused_unavailable() == why
     assert [r.getMessage() for r in caplog.records if r.name == loader.__name__] == [
         f"moetune fused kernels not used ({why}); the engine uses the torch path"
@@ -267,11 +269,13 @@ def test_a_cpu_with_neither_isa_takes_the_torch_path_and_says_why(monkeypatch, c
 
 
 def test_the_build_key_covers_every_header_a_variant_includes():
-    """A changed shared header must rebuild every variant: each variant's hashed files include all of them."""
+    """A changed shared header must rebuild every variant: each variant's hashed files include all of them (the
+    fp32 AVX2 variant all but layouts.h, the bf16 pair layouts it does not use)."""
     headers = {p.name for p in loader.HERE.glob("*.h")}
     for variant in loader.VARIANTS:
         names = [p.name for p in variant.sources()]
-        assert names[0] == variant.source and set(names[1:]) == headers, (variant, names)
+        wanted = headers - {"layouts.h"} if variant.compute == torch.float32 else headers
+        assert names[0] == variant.source and set(names[1:]) == wanted, (variant, names)
 
 
 def test_build_failure_falls_back_to_the_torch_path_with_one_warning(monkeypatch, caplog):

@@ -1,0 +1,219 @@
+// Fused quantized-weight GEMMs on AVX2 + FMA (CPUs without AVX512-BF16 or AMX, where the engine computes in
+// fp32): codes read from memory, dequantized in registers by the shared decoders' 8-lane form (decoders.h,
+// ``eight``), multiplied in fp32 by FMA. Operands and out are fp32 (entry.h's API with MOETUNE_OPERANDS fp32):
+//
+//   forward : out[n, O] (+)= (x[n, K] @ W^T) * row_scale   4 weight rows at a time, K in chunks of kChunk: the
+//             4 x kChunk block decoded once into L1 and used by every row of x, kRows rows per register block,
+//             lanes along k (acc[r][j] += x[r, k..k+8) * W[o0 + j, k..k+8)), each sum reduced once per chunk.
+//   backward: out[n, K] (+)= (g[n, O] * row_scale) @ W      32-column strips: kOChunk x 32 blocks of W decoded
+//             once into L1 and used by every row of g, kGRows rows x 16 columns per register block, lanes along
+//             k (acc[r][k..k+8) += bcast(g[r, o]) * W[o, k..k+8)), the strip's [n, 32] sums in a per-thread buffer.
+//
+// Every weight is decoded once per call whatever n is, so the loops stream the codes once; all sums are fp32.
+#define MOETUNE_VARIANT "AVX2"
+#define MOETUNE_OPERANDS at::kFloat
+
+#include "decoders.h"
+
+#include <ATen/Parallel.h>
+#include <cpuid.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int kRows = 3;  // forward: rows of x per register block: 3 x 4 accumulators + operands fit 16 ymm
+// backward: rows of g per register block, 16 columns at a time: 6 x 2 accumulators, 2 weight vectors and a
+// broadcast fit 16 ymm (8 loads per 12 FMAs; 4 columns x 3 rows reloaded W per row: 2x slower at n = 64)
+constexpr int kGRows = 6;
+constexpr int kWRows = 4;  // forward: weight rows (output columns) per block
+constexpr int64_t kChunk = 512;  // forward: columns of W per decoded block (4 x 512 fp32 = 8 KiB of L1)
+constexpr int64_t kOChunk = 128;  // backward: rows of W per decoded block (128 x 32 fp32 = 16 KiB of L1)
+
+// f(std::integral_constant<int, R>{}) with R = min(rows, Max) (Max <= 6): register blocks' row counts as
+// template arguments
+template <int Max, class F>
+MOETUNE_AVX2 inline void with_rows(int64_t rows, F&& f) {
+  switch (std::min<int64_t>(Max, rows)) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, std::min(2, Max)>{}); break;
+    case 3: f(std::integral_constant<int, std::min(3, Max)>{}); break;
+    case 4: f(std::integral_constant<int, std::min(4, Max)>{}); break;
+    case 5: f(std::integral_constant<int, std::min(5, Max)>{}); break;
+    default: f(std::integral_constant<int, Max>{}); break;
+  }
+}
+
+// Why not usable here, or "" when AVX2, FMA and F16C are.
+std::string variant_unavailable() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return "CPUID leaf 1 is missing";
+  if (!((c & (1u << 12)) && (c & (1u << 29)))) return "the CPU has no FMA/F16C";
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b & (1u << 5))) return "the CPU has no AVX2";
+  return "";
+}
+
+// lanes below `valid` (0 .. 8) all ones: maskload / maskstore's mask
+MOETUNE_AVX2 inline __m256i lanes(int valid) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+MOETUNE_AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// v (+ the values at dst) -> dst for the first `valid` lanes (<= 8)
+MOETUNE_AVX2 inline void store_lanes(float* dst, __m256 v, int valid, bool accumulate) {
+  if (valid >= 8) {
+    _mm256_storeu_ps(dst, accumulate ? _mm256_add_ps(_mm256_loadu_ps(dst), v) : v);
+    return;
+  }
+  const __m256i m = lanes(valid);
+  if (accumulate) v = _mm256_add_ps(_mm256_maskload_ps(dst, m), v);
+  _mm256_maskstore_ps(dst, m, v);
+}
+
+// res[r * 4 + j] += sum over the chunk's columns of x[r, k0 + c] w[j * kChunk + c] for r < R, j < 4: x row r
+// at x + r * ldx (already at k0), `full` columns in whole 8s then `tail` (< 8) more (x past them not read).
+template <int R>
+MOETUNE_AVX2 void forward_block(const float* w, const float* x, int64_t ldx, int64_t full, int tail, float* res) {
+  __m256 acc[R][kWRows];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kWRows; ++j) acc[r][j] = _mm256_setzero_ps();
+  auto step = [&](int64_t c, __m256 xr[R]) MOETUNE_AVX2 {
+    for (int j = 0; j < kWRows; ++j) {
+      const __m256 wj = _mm256_load_ps(w + j * kChunk + c);
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(xr[r], wj, acc[r][j]);
+    }
+  };
+  for (int64_t c = 0; c < full; c += 8) {
+    __m256 xr[R];
+    for (int r = 0; r < R; ++r) xr[r] = _mm256_loadu_ps(x + r * ldx + c);
+    step(c, xr);
+  }
+  if (tail) {
+    __m256 xr[R];
+    for (int r = 0; r < R; ++r) xr[r] = _mm256_maskload_ps(x + r * ldx + full, lanes(tail));
+    step(full, xr);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kWRows; ++j) res[r * kWRows + j] += hsum(acc[r][j]);
+}
+
+// Forward, output columns [4 ob0, 4 ob1).
+template <class Dec>
+MOETUNE_AVX2 void forward_range(const Dec& dec, const float* row_scale, const float* x, int64_t ldx, int64_t n,
+                                int64_t K, int64_t O, float* out, int64_t ldo, bool accumulate, int64_t ob0,
+                                int64_t ob1) {
+  alignas(32) float w[kWRows * kChunk];
+  std::vector<float> res(n * kWRows);
+  for (int64_t ob = ob0; ob < ob1; ++ob) {
+    const int64_t o0 = ob * kWRows;
+    const int rows = static_cast<int>(std::min<int64_t>(kWRows, O - o0));
+    std::fill(res.begin(), res.end(), 0.0f);
+    for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+      const int64_t cols = std::min<int64_t>(kChunk, K - k0);
+      for (int j = 0; j < kWRows; ++j)
+        for (int64_t c = 0; c < cols; c += 8)
+          _mm256_store_ps(w + j * kChunk + c,
+                          j < rows ? dec.eight(o0 + j, k0 + c, static_cast<int>(K - k0 - c)) : _mm256_setzero_ps());
+      const int64_t full = cols / 8 * 8;
+      for (int64_t r0 = 0; r0 < n; r0 += kRows)
+        with_rows<kRows>(n - r0, [&](auto R) MOETUNE_AVX2 {
+          forward_block<decltype(R)::value>(w, x + r0 * ldx + k0, ldx, full, static_cast<int>(cols - full),
+                                            res.data() + r0 * kWRows);
+        });
+    }
+    for (int64_t r = 0; r < n; ++r)
+      for (int j = 0; j < rows; ++j) {
+        const float v = res[r * kWRows + j] * (row_scale ? row_scale[o0 + j] : 1.0f);
+        float& dst = out[r * ldo + o0 + j];
+        dst = accumulate ? dst + v : v;
+      }
+  }
+}
+
+// acc[r][0 .. 32) += g[r, o0 .. o0 + rows) @ w[0 .. rows) for r < R: w the decoded [kOChunk, 32] block, g row r
+// at g + r * ldg (already at o0), acc row r at acc + 32 r; 16 columns per pass.
+template <int R>
+MOETUNE_AVX2 void backward_block(const float* w, int rows, const float* g, int64_t ldg, float* acc) {
+  for (int h = 0; h < 32; h += 16) {
+    __m256 c0[R], c1[R];
+    for (int r = 0; r < R; ++r) {
+      c0[r] = _mm256_loadu_ps(acc + r * 32 + h);
+      c1[r] = _mm256_loadu_ps(acc + r * 32 + h + 8);
+    }
+    for (int o = 0; o < rows; ++o) {
+      const __m256 w0 = _mm256_load_ps(w + o * 32 + h), w1 = _mm256_load_ps(w + o * 32 + h + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 b = _mm256_broadcast_ss(g + r * ldg + o);
+        c0[r] = _mm256_fmadd_ps(b, w0, c0[r]);
+        c1[r] = _mm256_fmadd_ps(b, w1, c1[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(acc + r * 32 + h, c0[r]);
+      _mm256_storeu_ps(acc + r * 32 + h + 8, c1[r]);
+    }
+  }
+}
+
+// Backward, output columns [32 s0, 32 s1), a strip of 32 at a time (g: [n, O] already times the row scale).
+template <class Dec>
+MOETUNE_AVX2 void backward_range(const Dec& dec, const float* g, int64_t ldg, int64_t n, int64_t K, int64_t O,
+                                 float* out, int64_t ldo, bool accumulate, int64_t s0, int64_t s1) {
+  alignas(32) float w[kOChunk * 32];
+  std::vector<float> acc(n * 32);
+  for (int64_t s = s0; s < s1; ++s) {
+    const int64_t k0 = s * 32;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t o0 = 0; o0 < O; o0 += kOChunk) {
+      const int rows = static_cast<int>(std::min<int64_t>(kOChunk, O - o0));
+      for (int o = 0; o < rows; ++o)
+        for (int q = 0; q < 4; ++q)
+          _mm256_store_ps(w + o * 32 + q * 8, dec.eight(o0 + o, k0 + q * 8, static_cast<int>(K - k0 - q * 8)));
+      for (int64_t r0 = 0; r0 < n; r0 += kGRows)
+        with_rows<kGRows>(n - r0, [&](auto R) MOETUNE_AVX2 {
+          backward_block<decltype(R)::value>(w, rows, g + r0 * ldg + o0, ldg, acc.data() + r0 * 32);
+        });
+    }
+    for (int q = 0; q < 4 && k0 + q * 8 < K; ++q)
+      for (int64_t r = 0; r < n; ++r)
+        store_lanes(out + r * ldo + k0 + q * 8, _mm256_loadu_ps(acc.data() + r * 32 + q * 8),
+                    static_cast<int>(std::min<int64_t>(8, K - k0 - q * 8)), accumulate);
+  }
+}
+
+template <class Dec>
+void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch::Tensor& a, torch::Tensor& out,
+              int64_t O, int64_t K, bool accumulate) {
+  const int64_t n = a.size(0);
+  auto* op = out.data_ptr<float>();
+  const int64_t ldo = out.stride(0);
+  if (forward) {
+    const auto* ap = a.data_ptr<float>();
+    const int64_t lda = a.stride(0);
+    at::parallel_for(0, (O + kWRows - 1) / kWRows, 1, [&](int64_t b0, int64_t b1) {
+      forward_range(dec, row_scale, ap, lda, n, K, O, op, ldo, accumulate, b0, b1);
+    });
+  } else {
+    // g * row_scale in fp32 (the torch path's scaled gradient), else g itself
+    const torch::Tensor g = row_scale ? a * torch::from_blob(const_cast<float*>(row_scale), {O}) : a;
+    const auto* gp = g.data_ptr<float>();
+    const int64_t ldg = g.stride(0);
+    at::parallel_for(0, (K + 31) / 32, 1, [&](int64_t s0, int64_t s1) {
+      backward_range(dec, gp, ldg, n, K, O, op, ldo, accumulate, s0, s1);
+    });
+  }
+}
+
+}  // namespace
+
+#include "entry.h"

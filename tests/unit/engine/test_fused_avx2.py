@@ -1,0 +1,149 @@
+"""The AVX2 variant of the fused kernels (``kernels/avx2_gemm.cpp``: fp32 operands, 8-lane decoders, FMA) built
+by name (``load_variant``: this CPU may load a better variant by default) against float64 products on each
+format's own fp32 weights (``dequantize(float32)``, the torch path's fp32 tiles; int8: the codes, the fp32 row
+scale applied to the sums forward and to g backward, as its scaled-codes path does).
+
+Bound per element: ``2^-21 |ref|`` (the scale's and the accumulate's fp32 roundings) plus ``K * 2^-23`` times
+the product of magnitudes (K fp32 additions); a wrong scale, nibble or block is off by a factor, far outside it.
+Row counts cover one to several register blocks (3 rows forward, 6 backward) and each remainder; odd shapes
+cover K off the 8-column lanes (int8 and fp8_block tails), partial 4-row output blocks and 32-column strips.
+The engine with fp32 compute on this variant equals the torch path; the registry's choice of it is in
+``test_fused_kernels``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetune.engine import ExpertFormat
+from moetune.engine.formats import Int8Experts
+from moetune.engine.gemm import Conversion, GemmPath, resolve_gemm_path
+from moetune.engine.kernels import load_variant
+from moetune.errors import EngineError
+from tests.unit.engine import test_fused_fp8_mxfp4, test_fused_kernels
+from tests.unit.engine.test_formats import _lora, _module, gaussian
+from tests.unit.engine_cases import make_routing, run_module
+
+
+def _avx2_or_why() -> str:
+    if not test_fused_kernels.HAS_COMPILER:
+        return "no C++ compiler (c++/g++) on PATH"
+    try:
+        load_variant("AVX2")
+    except EngineError as err:
+        return str(err)
+    return ""
+
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(bool(_avx2_or_why()), reason=_avx2_or_why()),
+]
+
+
+def _weights(name: str, o: int, k: int) -> ExpertFormat:
+    """gate_up ``[o, k]`` of one expert in ``name`` (test_fused_kernels' or test_fused_fp8_mxfp4's builder)."""
+    if name in ("fp8_block", "mxfp4"):
+        return test_fused_fp8_mxfp4._weights(name, o, k, seed=o + k)
+    return test_fused_kernels._weights(name, o, k, seed=o + k)
+
+
+def _reference(fmt: ExpertFormat, forward: bool, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the float64 product with gate_up of expert 0, the same product of magnitudes)."""
+    a = a.double()
+    if isinstance(fmt, Int8Experts):
+        codes, scale = fmt.gate_up[0].double(), fmt.gate_up_scale[0].double()
+        if forward:
+            return (a @ codes.t()) * scale, (a.abs() @ codes.abs().t()) * scale
+        scaled = (a * scale).float().double()  # g * scale, rounded once to fp32
+        return scaled @ codes, scaled.abs() @ codes.abs()
+    w = fmt.dequantize(torch.float32)[0][0].double()
+    return (a @ w.t(), a.abs() @ w.abs().t()) if forward else (a @ w, a.abs() @ w.abs())
+
+
+def _check(fmt: ExpertFormat, forward: bool, n: int, accumulate: bool) -> float:
+    """The kernel's worst error over the bound (at most 1), and its worst relative error returned."""
+    o, k = fmt.shape("gate_up")
+    gen = torch.Generator().manual_seed(n)
+    a = torch.randn(n, k if forward else o, generator=gen)
+    out = torch.randn(n, o if forward else k, generator=gen)
+    before = out.double()
+    fmt.fused_gemm(load_variant("AVX2"), forward, "gate_up", 0, a, out, accumulate)
+    ref, mag = _reference(fmt, forward, a)
+    if accumulate:
+        ref, mag = ref + before, mag + before.abs()
+    bound = 2.0**-21 * ref.abs() + (k if forward else o) * 2.0**-23 * mag
+    err = (out.double() - ref).abs()
+    worst = float((err / bound).max())
+    assert worst <= 1.0, (fmt.name, forward, n, accumulate, worst)
+    return float((err / mag.clamp_min(1e-30)).max())
+
+
+FORMATS = ["int8", "int4-g32-sym", "int4-g128-asym", "fp8_block", "mxfp4"]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("forward", [True, False], ids=["forward", "backward"])
+@pytest.mark.parametrize("accumulate", [True, False], ids=["accumulate", "overwrite"])
+def test_avx2_kernel_matches_float64(name, forward, accumulate):
+    fmt = _weights(name, 256, 384)
+    for n in (1, 2, 3, 4, 5, 7, 10, 11, 14, 15, 17, 64, 130):  # blocks of 3 and 6 rows, every remainder
+        assert _check(fmt, forward, n, accumulate) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "name,o,k",
+    [
+        ("int8", 66, 75),  # K off the 8 lanes, O off the 4-row blocks and 32-column strips
+        ("int8", 130, 1030),  # K past one 512-column chunk, a tail of 6
+        ("fp8_block", 258, 75),  # K odd: a masked fp8 tail; up's grid rows start one row past a block
+        ("fp8_block", 400, 200),
+        ("int4-g32-sym", 64, 96),  # K = 96: three 32-column strips, three 8-lane chunks of the 512 columns
+        ("mxfp4", 192, 160),
+    ],
+)
+@pytest.mark.parametrize("forward", [True, False], ids=["forward", "backward"])
+def test_avx2_kernel_odd_shapes(name, o, k, forward):
+    for n in (1, 5, 40):
+        _check(_weights(name, o, k), forward, n, accumulate=n != 5)
+
+
+def test_avx2_kernel_refuses_bf16_operands():
+    fmt = _weights("int8", 64, 64)
+    a, out = torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="operands must be Float"):
+        fmt.fused_gemm(load_variant("AVX2"), True, "gate_up", 0, a, out, False)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_engine_fp32_on_avx2_equals_the_torch_path(name):
+    """The LoRA engine module with fp32 compute (T = 40, E = 4, k = 2: about 20 rows per expert), forward and
+    every gradient, AVX2 kernels forced vs the torch path: both fp32 with fp32 sums in another order. Bound
+    2^-16 of each quantity's max; a kernel decoding another weight would be off by the quantization error."""
+    gate_up, down = gaussian()
+    fmt = test_fused_kernels.Int8Experts.from_dense(gate_up, down)
+    if name == "int4":
+        fmt = test_fused_kernels.Int4Experts.from_dense(gate_up, down, group_size=64, symmetric=False)
+    x, ids, w = make_routing(T=40, E=gate_up.shape[0], k=2, H=gate_up.shape[2], dtype=torch.float32)
+    gy = torch.randn(40, gate_up.shape[2], generator=torch.Generator().manual_seed(5))
+    on, off = (_module(fmt, _lora(), compute_dtype=torch.float32) for _ in range(2))
+    torch_path = resolve_gemm_path(fmt, torch.float32, fused=False)
+    off.engine.gemm.path = torch_path
+    on.engine.gemm.path = GemmPath(torch_path.conversion, torch_path.whole_tiles, 256, "AVX2")
+    (y_on, g_on), (y_off, g_off) = (run_module(m, x, ids, w, gy) for m in (on, off))
+    for label, a, b in [("y", y_on, y_off)] + [(n, g_on[n], g_off[n]) for n in g_off]:
+        err = float((a.double() - b.double()).abs().max() / b.double().abs().max())
+        assert err <= 2.0**-16, (name, label, err)
+    assert torch_path.conversion is not Conversion.VIEW
+
+
+def test_bf16_compute_never_takes_the_fp32_variant():
+    fmt = _weights("int8", 64, 64)
+    path = GemmPath(Conversion.SCALED_CODES, False, 8, "AVX2")
+    from moetune.engine.gemm import BlockedGemm
+
+    gemm = BlockedGemm(fmt, torch.bfloat16, path)
+    a, out = torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(EngineError, match="computing in torch.bfloat16; got variant 'AVX2'"):
+        gemm.matmul_wt("gate_up", 0, a, out)
