@@ -357,7 +357,12 @@ class IdentityExperts(CpuExperts):
         """hidden_states ``[T, H]``, top_k_index ``[T, k]``, top_k_weights ``[T, k]`` -> ``[T, H]``; ``lora`` as in
         :meth:`CpuExperts.forward`."""
         real = top_k_index < self.num_experts  # [T, k]; E of the layer (ShardedExperts: over every rank)
-        identity = (top_k_weights * ~real).sum(dim=-1, keepdim=True).to(hidden_states.dtype)  # [T, 1]
+        # summed in the wider of the two dtypes, as transformers adds each slot's w * x: float32 weights of a
+        # float64 model are not rounded to float32 again
+        wide = torch.promote_types(top_k_weights.dtype, hidden_states.dtype)
+        identity = (
+            (top_k_weights.to(wide) * ~real).sum(dim=-1, keepdim=True).to(hidden_states.dtype)
+        )  # [T, 1]
         out = identity * hidden_states
         token, slot = real.nonzero(as_tuple=True)  # [N] each: a device sync, as transformers' own loop
         # also with N = 0: the engine computes no row, and a sharded module still joins its layer's exchange
