@@ -2,7 +2,7 @@
 
 ``moetune.testing.survey.survey_family`` saves a tiny random checkpoint of the family's real config class with
 ``save_pretrained``, loads it with ``moetune.load_model`` (float64, CPU) and compares with transformers' own
-model of the same folder: every expert weight in the engines, logits, and the gradient of every non-expert
+model of the same folder (float64; the tolerances and why in ``survey.TOL``): every expert weight in the engines, logits, and the gradient of every non-expert
 parameter (routers included). The outcome of each family is pinned below, so a family that stops loading, or
 starts to, fails here until this file says so.
 
