@@ -30,12 +30,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
+from types import ModuleType
 
 import torch
 
 from moetune.engine.formats import ExpertFormat
 from moetune.engine.formats.base import Projection
-from moetune.engine.kernels import VARIANTS, fused_kernels, load_fused, load_variant
+from moetune.engine.kernels import fused_kernels, load_fused, load_variant, variant_named
 from moetune.engine.shapes import RowSplit, padded_rows
 from moetune.engine.workspace import thread_workspace
 from moetune.errors import EngineError
@@ -111,7 +112,7 @@ def resolve_gemm_path(
     bf16 = compute_dtype == torch.bfloat16
     kernels = fused_kernels() if fused and weights.FUSED_MAX_ROWS else None
     variant = str(kernels.variant) if kernels is not None else ""
-    spec = next((v for v in VARIANTS if v.name == variant), None)
+    spec = variant_named(variant)
     fits = spec is not None and spec.compute == compute_dtype and spec.isa in (cpu or cpu_info()).isa
     rows = weights.FUSED_MAX_ROWS.get(variant, 0) if fits else 0
     return GemmPath(
@@ -142,6 +143,7 @@ class BlockedGemm:
         self.weights = weights
         self.compute_dtype = compute_dtype
         self.path = path or resolve_gemm_path(weights, compute_dtype)
+        self._kernels: tuple[GemmPath, ModuleType] | None = None  # _kernels_for's cache
         # fp32/fp64 partial sums lose nothing, so backward may sum block by block (see matmul_w)
         self.exact_sums = compute_dtype in (torch.float32, torch.float64)
         # row counts from a fixed set (``engine.shapes``); default: where the compute dtype needs it
@@ -233,17 +235,21 @@ class BlockedGemm:
                 g = torch.mul(g, scale, out=thread_workspace().get("w_scaled_grad", (n, r1 - r0), grad.dtype))
             self.split.mm(g, w, out, beta=0.0 if r0 == 0 and not accumulate else 1.0)
 
-    def _fused(
-        self, forward: bool, proj: Projection, e: int, a: torch.Tensor, out: torch.Tensor, accumulate: bool
-    ) -> None:
-        """matmul_wt (``forward``) or matmul_w on the fused kernels of ``path.fused_variant``: a ``[n, D_in]`` or
-        ``[n, D_out]``, out the other, in the compute dtype with contiguous rows (``a`` is made so; ``out`` is
-        written in place, so it must be)."""
-        variant = self.path.fused_variant
-        spec = next((v for v in VARIANTS if v.name == variant), None)
+    def __getstate__(self) -> dict[str, object]:
+        # a copy (copy.deepcopy of a model) resolves its kernels again: a module object cannot be copied
+        return {**self.__dict__, "_kernels": None}
+
+    def _kernels_for(self, path: GemmPath) -> ModuleType:
+        """The built kernels of ``path.fused_variant``, resolved once per path (not on every GEMM: the loader
+        takes a lock); ``EngineError`` when that variant does not compute in the compute dtype."""
+        cached = self._kernels
+        if cached is not None and cached[0] is path:
+            return cached[1]
+        variant = path.fused_variant
+        spec = variant_named(variant)
         if spec is None or spec.compute != self.compute_dtype:  # a path pinned by hand (tests, benchmarks)
             raise EngineError(
-                f"GemmPath.fused_rows = {self.path.fused_rows} needs a kernel variant computing in "
+                f"GemmPath.fused_rows = {path.fused_rows} needs a kernel variant computing in "
                 f"{self.compute_dtype}; got variant {variant!r}"
                 + (f" (computes in {spec.compute})" if spec is not None else "")
             )
@@ -252,6 +258,16 @@ class BlockedGemm:
             kernels is None or kernels.variant != variant
         ):  # another variant than the default: build it by name
             kernels = load_variant(variant)
+        self._kernels = (path, kernels)
+        return kernels
+
+    def _fused(
+        self, forward: bool, proj: Projection, e: int, a: torch.Tensor, out: torch.Tensor, accumulate: bool
+    ) -> None:
+        """matmul_wt (``forward``) or matmul_w on the fused kernels of ``path.fused_variant``: a ``[n, D_in]`` or
+        ``[n, D_out]``, out the other, in the compute dtype with contiguous rows (``a`` is made so; ``out`` is
+        written in place, so it must be)."""
+        kernels = self._kernels_for(self.path)
         assert out.stride(-1) == 1, "the fused kernels write rows of out in place"
         a = a if a.stride(-1) == 1 else a.contiguous()
         self.weights.fused_gemm(kernels, forward, proj, e, a, out, accumulate)

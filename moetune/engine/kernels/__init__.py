@@ -19,6 +19,7 @@ from moetune.engine.kernels.loader import (
     fused_variant,
     load_fused,
     load_variant,
+    variant_named,
 )
 
 __all__ = [
@@ -31,4 +32,5 @@ __all__ = [
     "fused_variant",
     "load_fused",
     "load_variant",
+    "variant_named",
 ]

@@ -79,6 +79,19 @@ _lock = threading.Lock()
 _state: dict[str, tuple[ModuleType | None, str]] = {}
 
 
+def variant_named(name: str) -> KernelVariant | None:
+    """The registered variant called ``name``, or None."""
+    return next((v for v in VARIANTS if v.name == name), None)
+
+
+def _built(variant: KernelVariant) -> tuple[ModuleType | None, str]:
+    """``_build_variant(variant)``, once per process and variant (the caller holds ``_lock``): the default
+    path and ``load_variant`` share the build."""
+    if variant.name not in _state:
+        _state[variant.name] = _build_variant(variant)
+    return _state[variant.name]
+
+
 def _disabled() -> str:
     """Why ``MOETUNE_KERNELS`` turns the kernels off, or "" (unset, "on", "1"); other values are refused."""
     value = os.environ.get(KERNELS_ENV, "on").strip().lower()
@@ -124,7 +137,7 @@ def _build() -> tuple[ModuleType | None, str]:
         return None, f"the CPU has none of {wanted} (found: {', '.join(isa) or 'no SIMD flags'})"
     reasons: list[str] = []
     for variant in fits:
-        module, why = _build_variant(variant)
+        module, why = _built(variant)
         if module is not None:
             if reasons:
                 log.info("moetune fused kernels: %s used (%s)", variant.name, "; ".join(reasons))
@@ -148,15 +161,13 @@ def load_variant(name: str) -> ModuleType:
     ``EngineError`` naming the variants when there is none of that name, or why it does not build or run here."""
     from moetune.errors import EngineError
 
-    variant = next((v for v in VARIANTS if v.name == name), None)
+    variant = variant_named(name)
     if variant is None:
         raise EngineError(
             f"no kernel variant {name!r}; the variants are {', '.join(v.name for v in VARIANTS)}"
         )
     with _lock:
-        if name not in _state:
-            _state[name] = _build_variant(variant)
-        module, why = _state[name]
+        module, why = _built(variant)
     if module is None:
         raise EngineError(f"the fused kernel variant {name} does not run here: {why}")
     return module
