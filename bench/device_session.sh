@@ -5,7 +5,7 @@
 # that host's CPU, and the engine's roofline there. Each step has its own time limit, cut to what is left of
 # the whole budget (DEVICE_BUDGET_S, default 420 s); full logs go to $OUT (or /tmp/device-out), a short tail of
 # each to stdout; ONLY="name ..." runs only the steps named; SCALING_ARGS and DEVICE_STEP_ARGS replace the
-# scaling step's and the device step's arguments. Packages the machine lacks are installed from wheels in .whl/ when that folder exists.
+# scaling step's and the device step's arguments; SUITE_WORKERS and SUITE_LIMIT set the suite step's workers and limit. Packages the machine lacks are installed from wheels in .whl/ when that folder exists.
 #
 #   bash bench/device_session.sh            # from the repository root on the device machine
 set -u
@@ -73,5 +73,5 @@ fi
 step engine 150 $mt bench engine --experts 128 --tokens 128 512 2048 --modes lora frozen --policies retain --reps 3
 # the default suite with CUDA present (paths that pick the GPU when there is one), spread over the cores
 # (-v: each test's outcome is in the log as it finishes, so a run cut off by its limit still names its failures)
-step suite 300 python3 -m pytest -v -p no:cacheprovider -W ignore -n "${SUITE_WORKERS:-8}" -rfE tests
+step suite "${SUITE_LIMIT:-300}" python3 -m pytest -v -p no:cacheprovider -W ignore -n "${SUITE_WORKERS:-8}" -rfE tests
 grep -E "(FAILED|ERROR) tests/" "$OUT/suite.txt" | sed 's/^.*\(FAILED\|ERROR\)/\1/' | sort -u | head -40

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from moetune.testing.child import child_env
 from tests.integration import test_train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +23,7 @@ LAUNCHER = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return child_env(OMP_NUM_THREADS="1")
 
 
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:

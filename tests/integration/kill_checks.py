@@ -10,7 +10,6 @@ as one whole earlier state (never a mix) and that a rerun or resume completes.
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from moetune.cli.main import main
 from moetune.errors import CheckpointError, LoadError
 from moetune.loading import hf
 from moetune.loading.checkpoint import Checkpoint
+from moetune.testing.child import child_env
 from moetune.testing.tiny import save_tiny_model
 from tests.integration import test_train
 
@@ -37,7 +37,7 @@ def tiny_model(path: Path) -> Path:
 
 
 def _child(code: str, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = child_env(OMP_NUM_THREADS="1")
     return subprocess.Popen(
         [sys.executable, "-c", code, *args],
         stdout=subprocess.PIPE,

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from moetune.atomic import temp_path, write_atomically
 from moetune.tensorfile import read_header, write_streamed
-
-ROOT = Path(__file__).resolve().parents[2]
+from moetune.testing.child import child_env
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -116,7 +114,7 @@ def test_a_kill_mid_write_leaves_the_old_file(tmp_path) -> None:
     old = {"w0": torch.ones(2, 2)}
     save_file(old, str(target), metadata={"format": "pt"})
     before = target.read_bytes()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(target), str(marker)], env=env)
     try:
         for _ in range(1200):  # the child is in its second fetch: the temporary file holds a header and 32 MB

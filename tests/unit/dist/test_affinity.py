@@ -12,8 +12,8 @@ import pytest
 
 from moetune.dist.affinity import rank_cpus
 from moetune.sysinfo import Core, parse_cpu_list, read_cores
+from moetune.testing.child import child_env
 
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def _fake_sysfs(tmp: Path, nodes: int, cores_per_node: int, smt: int) -> tuple[Path, Path, list[int]]:
@@ -93,7 +93,7 @@ print(json.dumps([got, sorted(os.sched_getaffinity(0))]))
 
 
 def _child(*args: int) -> tuple[list[int] | None, list[int]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     out = subprocess.run(
         [sys.executable, "-c", CHILD, *map(str, args)], capture_output=True, text=True, env=env
     )
