@@ -5,7 +5,7 @@
 # that host's CPU, and the engine's roofline there. Each step has its own time limit, cut to what is left of
 # the whole budget (DEVICE_BUDGET_S, default 420 s); full logs go to $OUT (or /tmp/device-out), a short tail of
 # each to stdout; ONLY="name ..." runs only the steps named; SCALING_ARGS and DEVICE_STEP_ARGS replace the
-# scaling step's and the device step's arguments; SUITE_WORKERS and SUITE_LIMIT set the suite step's workers and limit. Packages the machine lacks are installed from wheels in .whl/ when that folder exists.
+# scaling step's and the device step's arguments, TESTS the tests step's; SUITE_WORKERS and SUITE_LIMIT set the suite step's workers and limit, SCALING_LIMIT the scaling step's limit. Packages the machine lacks are installed from wheels in .whl/ when that folder exists.
 #
 #   bash bench/device_session.sh            # from the repository root on the device machine
 set -u
@@ -60,8 +60,12 @@ amx=$(grep -c -w amx_bf16 /proc/cpuinfo)
 TAIL=30 step machine 90 bash -c machine
 step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -W ignore -m gpu tests -rfEs
 # shellcheck disable=SC2086  # word splitting of the argument lists is meant
-TAIL=60 step scaling 200 $mt bench engine ${SCALING_ARGS:---threads 1 2 4 8 16 --experts 128 --tokens 512 2048 \
+TAIL=60 step scaling "${SCALING_LIMIT:-200}" $mt bench engine ${SCALING_ARGS:---threads 1 2 4 8 16 --experts 128 --tokens 512 2048 \
   --modes lora frozen --policies retain --reps 3}
+# tests named in TESTS (default: the compiled op sequences' and the tests whose children once lost PYTHONPATH)
+# shellcheck disable=SC2086
+step tests 200 python3 -m pytest -q -p no:cacheprovider -W ignore -n 8 -rfEs ${TESTS:-tests/unit/engine/test_native_ops.py \
+  tests/integration/test_dist_exchange.py tests/integration/test_dist_failures.py tests/integration/test_kill_saves.py}
 step device_step 120 python3 bench/device_step.py --device cuda ${DEVICE_STEP_ARGS:-}
 step hot_overlap 60 python3 bench/hot_overlap.py --device cuda
 step kernels 150 python3 -m pytest -q -p no:cacheprovider -W ignore tests/unit/engine/test_fused_kernels.py \

@@ -6,7 +6,8 @@ A layer so narrow (H = 64, I = 32 by default) that its GEMMs cost next to nothin
 with every expert active, in lora and frozen mode; step time / active experts is then the per-expert overhead
 the engine adds to any layer. Variants, interleaved round by round so machine noise falls on all alike:
 ``sequential-1``: one expert at a time on 1 thread; ``pool-N``: the expert pool with N workers (N = 2 ..
-``--threads``). Printed per variant: median wall-clock ms per step and per expert (us), and the process CPU time
+``--threads``); each also as ``...-py`` with the per-expert op sequences in Python (``EngineOptions.native_ops``
+False) instead of compiled where the kernels load. Printed per variant: median wall-clock ms per step and per expert (us), and the process CPU time
 per step (steadier on a shared machine: time spent descheduled does not count), with min-max over the rounds.
 """
 
@@ -57,8 +58,14 @@ def main() -> None:
     for mode in (TrainMode.LORA, TrainMode.FROZEN):
         variants = {"sequential-1": (1, 1)} | {f"pool-{n}": (n, n) for n in range(2, args.threads + 1)}
         steps = {
-            name: (RUNNERS.get("engine")(weights, batch, mode, EngineOptions(expert_workers=w)), n)
+            name + suffix: (
+                RUNNERS.get("engine")(
+                    weights, batch, mode, EngineOptions(expert_workers=w, native_ops=native)
+                ),
+                n,
+            )
             for name, (n, w) in variants.items()
+            for suffix, native in (("", None), ("-py", False))
         }
         samples: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
         for rnd in range(args.reps + 1):  # round 0 warms up

@@ -8,7 +8,9 @@ backward) two ways on the same weights and batch:
 - ``intra``: one expert at a time, every GEMM on N intra-op threads (``EngineOptions(expert_workers=1)``: the
   engine before it had a pool, and what torch's threading alone gives);
 - ``W-workers`` for each W of ``workers`` (``--workers``): W experts at a time, each on N / W intra-op threads
-  (``EngineOptions(expert_workers=W)``), at every N >= W.
+  (``EngineOptions(expert_workers=W)``), at every N >= W;
+- ``experts-py`` with ``python_ops`` (``--python-ops``): the default with each expert's op sequences run in Python
+  (``EngineOptions(native_ops=False)``), the reference the compiled sequences (``kernels/ops.h``) replace.
 
 The variants and thread counts are interleaved: each round times one step of every (variant, N) before the next
 round starts, so a change in machine load hits all of them alike. Per (case, variant, N) it reports the median
@@ -30,12 +32,17 @@ from moetune.bench.runners import RUNNERS, Step, make_batch, make_weights
 from moetune.engine import EngineOptions, TrainMode, resolve_compute_dtype
 from moetune.sysinfo import cpu_info
 
-VARIANTS = {"experts": None, "intra": 1}  # variant -> EngineOptions.expert_workers
+# variant -> EngineOptions.expert_workers, EngineOptions.native_ops
+VARIANTS: dict[str, tuple[int | None, bool | None]] = {"experts": (None, None), "intra": (1, None)}
 
 
-def variants(workers: tuple[int, ...] = ()) -> dict[str, int | None]:
-    """The variants timed: ``VARIANTS`` and one ``{W}-workers`` per W of ``workers`` (W > 1)."""
-    return {**VARIANTS, **{f"{w}-workers": w for w in sorted(set(workers)) if w > 1}}
+def variants(
+    workers: tuple[int, ...] = (), python_ops: bool = False
+) -> dict[str, tuple[int | None, bool | None]]:
+    """The variants timed: ``VARIANTS``, one ``{W}-workers`` per W of ``workers`` (W > 1) and, with
+    ``python_ops``, ``experts-py``."""
+    out = {**VARIANTS, **{f"{w}-workers": (w, None) for w in sorted(set(workers)) if w > 1}}
+    return out | ({"experts-py": (None, False)} if python_ops else {})
 
 
 def _step_s(step: Step, threads: int) -> float:
@@ -82,10 +89,14 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def run_thread_scaling(
-    config: Any, thread_counts: tuple[int, ...], out: TextIO, workers: tuple[int, ...] = ()
+    config: Any,
+    thread_counts: tuple[int, ...],
+    out: TextIO,
+    workers: tuple[int, ...] = (),
+    python_ops: bool = False,
 ) -> list[dict[str, Any]]:
     """Time every case of ``config`` (an ``EngineBenchConfig``; its baselines and roofline are not measured) on
-    each of ``thread_counts``, the variants (:func:`variants` of ``workers``) interleaved; print a table and
+    each of ``thread_counts``, the variants (:func:`variants` of ``workers`` and ``python_ops``) interleaved; print a table and
     return one record per (case, variant, thread count). Restores the process's thread count afterwards."""
     from moetune.bench.engine import WEIGHT_DTYPE, select_cases  # the grid is the engine benchmark's
 
@@ -103,7 +114,7 @@ def run_thread_scaling(
     )
     if counts[-1] > cpu.logical_cpus:
         print(f"warning: {counts[-1]} threads on {cpu.logical_cpus} CPUs oversubscribes them", file=out)
-    timed = variants(workers)
+    timed = variants(workers, python_ops)
     head = f"{'case':28}{'variant':>11}{'N':>4}{'median ms':>11}{'min-max ms':>17}{'speedup':>9}{'eff.':>7}{'vs intra':>10}"
     print(head + "\n" + "-" * len(head), file=out, flush=True)
     records: list[dict[str, Any]] = []
@@ -132,11 +143,14 @@ def run_thread_scaling(
             )
             steps = {
                 (variant, n): RUNNERS.get("engine")(
-                    weights, batch, case.mode, EngineOptions(policy=case.policy, expert_workers=workers)
+                    weights,
+                    batch,
+                    case.mode,
+                    EngineOptions(policy=case.policy, expert_workers=pool, native_ops=native),
                 )
                 for n in counts
-                for variant, workers in timed.items()
-                if workers is None or workers <= n
+                for variant, (pool, native) in timed.items()
+                if pool is None or pool <= n
             }
             base = {
                 "case": case.name,
@@ -164,7 +178,7 @@ def run_thread_scaling(
         "\nspeedup = the variant's median on 1 thread / on N; eff. = speedup / N; vs intra = intra's median / "
         "this variant's at the same N. experts: the engine's default (min(N, 4) workers of N / min(N, 4) intra-op threads); intra: "
         "one expert at a time on N intra-op threads; W-workers: W experts at a time on N / W intra-op threads each "
-        "(speedup over intra on 1 thread). Other processes on the machine make every number noisy: "
+        "(speedup over intra on 1 thread); experts-py: experts with the per-expert op sequences in Python. Other processes on the machine make every number noisy: "
         "compare the rows of one run, not runs.",
         file=out,
     )

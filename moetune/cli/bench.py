@@ -81,6 +81,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="with two or more --threads: also time W experts at a time on N / W intra-op threads each, per W",
     )
     p.add_argument(
+        "--python-ops",
+        action="store_true",
+        help="with two or more --threads: also time the default with each expert's op sequences in Python "
+        "(experts-py) instead of compiled, the A/B of kernels/ops.h",
+    )
+    p.add_argument(
         "--baseline-dtype",
         choices=["bfloat16", "float32"],
         help="dtype the loop/HF baselines compute in (default: the engine's compute dtype for bf16 experts "
@@ -172,7 +178,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--threads must be positive integers; got {args.threads}")
         if args.workers and any(w < 1 for w in args.workers):
             raise ConfigError(f"--workers must be positive integers; got {args.workers}")
-        records = run_thread_scaling(config, tuple(args.threads), sys.stdout, tuple(args.workers or ()))
+        records = run_thread_scaling(
+            config, tuple(args.threads), sys.stdout, tuple(args.workers or ()), args.python_ops
+        )
     else:
         records = run_engine_bench(config)
     if args.json is not None:

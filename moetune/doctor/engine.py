@@ -34,7 +34,11 @@ def gemm_paths() -> list[str]:
     why = fused_unavailable()
     lines.append(
         f"{KERNELS_LINE}: "
-        + (f"not used ({why}); the torch path runs" if why else f"{fused_variant()} variant built and used")
+        + (
+            f"not used ({why}); the torch path runs, each expert's op sequences in Python"
+            if why
+            else f"{fused_variant()} variant built and used, with each expert's op sequences (kernels/ops.h)"
+        )
     )
     return lines
 

@@ -18,7 +18,7 @@ Using it twice, on another engine, or after the trained weights changed in place
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -33,6 +33,7 @@ from moetune.engine.plan import EngineOptions, EnginePlan, TrainMode, resolve_co
 from moetune.engine.routing import (
     Dispatch,
     Run,
+    Segment,
     combine,
     dispatch,
     gather_sorted,
@@ -43,16 +44,11 @@ from moetune.engine.routing import (
 )
 from moetune.engine.saved import ExpertGrads, SavedForward
 from moetune.engine.schedule import ExpertSchedule
-from moetune.engine.shapes import RowSplit
+from moetune.engine.shapes import RowSplit, native_ops_available
 from moetune.engine.workspace import Workspace, thread_workspace
 from moetune.errors import EngineError, EngineStateError, NonFiniteError
 
 _engine_ids = itertools.count()
-
-
-def _rows(t: torch.Tensor | None, s0: int, s1: int) -> torch.Tensor | None:
-    """Rows s0:s1 (one expert's segment) of an optional ``[N, ...]`` tensor."""
-    return None if t is None else t[s0:s1]
 
 
 class ExpertEngine:
@@ -108,8 +104,11 @@ class ExpertEngine:
         self._id = next(_engine_ids)
         self._forwards = 0
         self.ws = Workspace()
-        split = self.options.split_rows
-        self.split = RowSplit.for_dtype(self.compute_dtype) if split is None else RowSplit(split)
+        split, native = self.options.split_rows, self.options.native_ops
+        native = native_ops_available() if native is None else native
+        self.split = (
+            RowSplit.for_dtype(self.compute_dtype, native) if split is None else RowSplit(split, native)
+        )
         self.gemm = BlockedGemm(weights, self.compute_dtype, split=self.split)
         if self.options.expert_workers is not None and self.options.expert_workers < 1:
             raise EngineError(f"expert_workers must be >= 1 or None; got {self.options.expert_workers}")
@@ -157,12 +156,15 @@ class ExpertEngine:
         return LoraPass(lora, self.compute_dtype, seed, self.split, thread_workspace())
 
     @staticmethod
-    def _own_lora(lora: LoraPass | None, batch: LoraBatch | None) -> Callable[[int], LoraPass | None]:
-        """Expert e -> its per-expert LoRA terms: the pass's, unless ``batch`` computes them (its few-row experts).
-        The batch writes before the per-expert terms of its other experts, which overwrite their rows."""
+    def _own_lora(lora: LoraPass | None, batch: LoraBatch | None) -> Callable[[Run], Sequence[Segment]]:
+        """A run -> its segments whose experts take per-expert LoRA terms (``lora``'s): all of them, none without
+        LoRA, or those ``batch`` leaves out (its large experts). The batch writes before the per-expert terms of
+        its other experts, which overwrite their rows."""
+        if lora is None:
+            return lambda run: ()
         if batch is None:
-            return lambda e: lora
-        return lambda e: lora if batch.large[e] else None
+            return lambda run: run.segments
+        return lambda run: [seg for seg in run.segments if batch.large[seg[0]]]
 
     def _lora_batch(self, lora: LoraPass | None, disp: Dispatch) -> LoraBatch | None:
         """The pass's LoRA products for all experts at once (``lora_batch``), or None: per expert."""
@@ -181,27 +183,30 @@ class ExpertEngine:
         bias = self.gate_up_bias if proj == "gate_up" else self.down_bias
         return None if bias is None else bias[e].detach().to(self.compute_dtype)
 
-    def _project(
+    def _project_run(
         self,
         proj: Projection,
-        e: int,
+        run: Run,
         inp: torch.Tensor,
         out: torch.Tensor,
         lora_a: torch.Tensor | None,
         lora: LoraPass | None,
-        written: bool = False,
+        own: Sequence[Segment],
     ) -> None:
-        """out ``[n, D_out]`` = inp ``[n, D_in]`` @ W_e^T (+ bias) (+ LoRA term, its A-projection ``[n, r]``
-        into ``lora_a``), all in the compute dtype, for expert e's n rows. The LoRA term is written first and
-        the base GEMM accumulates into it: one pass over out fewer than adding it afterwards. ``written``: the
-        term is in out already (``LoraBatch`` wrote every expert's), so ``lora`` is None and the GEMM adds."""
-        if lora is not None:
-            assert lora_a is not None
-            lora.forward(proj, e, inp, out, lora_a)
-        self.gemm.matmul_wt(proj, e, inp, out, accumulate=written or lora is not None)
-        bias = self._bias(proj, e)
-        if bias is not None:
-            out.add_(bias)
+        """For every expert e of ``run``: out ``[N, D_out]``'s rows of e = inp ``[N, D_in]``'s rows of e @ W_e^T
+        (+ bias) (+ LoRA term, its A-projection ``[n, r]`` into ``lora_a``'s rows), all in the compute dtype.
+        The LoRA terms of the experts in ``own`` (``lora``'s) are written first, those of the others by
+        ``LoraBatch`` before, and the base GEMMs of the whole run (``BlockedGemm.run``) accumulate into them: one
+        pass over out fewer than adding them afterwards."""
+        if own:
+            assert lora is not None and lora_a is not None
+            lora.forward_run(proj, own, inp, out, lora_a)
+        self.gemm.run(True, proj, run.segments, inp, out, lora is not None)
+        for e, s0, s1 in run.segments:
+            bias = self._bias(proj, e)
+            if bias is None:
+                break  # none of them has one
+            out[s0:s1].add_(bias)
 
     def _check_finite(self, what: str, t: torch.Tensor, disp: Dispatch | None = None) -> None:
         """With ``check_finite``: raise NonFiniteError for NaN/Inf in t (rows first: ``[T, ...]``, or ``[N, ...]``
@@ -271,20 +276,16 @@ class ExpertEngine:
         ha = buffer("ha", lora_pass.rank) if lora_pass is not None else None  # [N, r]
 
         batch = self._lora_batch(lora_pass, disp)
-        each = self._own_lora(lora_pass, batch)  # each(e): expert e's LoRA terms, unless batched
+        own = self._own_lora(lora_pass, batch)  # own(run): its experts with per-expert LoRA terms
         if batch is not None:
             self.schedule.each_chunk(batch, lambda ch: batch.forward(ch, "gate_up", xs, gu, xa))
 
         def gate_up_forward(run: Run) -> None:
-            for e, s0, s1 in run.segments:
-                self._project(
-                    "gate_up", e, xs[s0:s1], gu[s0:s1], _rows(xa, s0, s1), each(e), batch is not None
-                )
+            self._project_run("gate_up", run, xs, gu, xa, lora_pass, own(run))
             self.act(gu[run.start : run.end], out=hid[run.start : run.end])
 
         def down_forward(run: Run) -> None:
-            for e, s0, s1 in run.segments:
-                self._project("down", e, hid[s0:s1], ys[s0:s1], _rows(ha, s0, s1), each(e), batch is not None)
+            self._project_run("down", run, hid, ys, ha, lora_pass, own(run))
 
         def expert_forward(run: Run) -> None:
             gate_up_forward(run)
@@ -375,8 +376,7 @@ class ExpertEngine:
         gdt = torch.promote_types(cd, torch.float32)
 
         batch = self._lora_batch(lora_pass, disp)
-        batched = batch is not None
-        each = self._own_lora(lora_pass, batch)  # each(e): expert e's LoRA terms, unless batched
+        own = self._own_lora(lora_pass, batch)  # own(run): its experts with per-expert LoRA terms
         ggu_all = None  # [N, 2I] grad at gate_up, kept between the two loops when LoRA runs batched
         if batch is not None:
             if plan.recompute_gate_up:
@@ -390,10 +390,7 @@ class ExpertEngine:
             r0, r1 = run.start, run.end
             if plan.recompute_gate_up:
                 assert xs is not None
-                for e, s0, s1 in run.segments:
-                    self._project(
-                        "gate_up", e, xs[s0:s1], gu_all[s0:s1], _rows(xa_all, s0, s1), each(e), batched
-                    )
+                self._project_run("gate_up", run, xs, gu_all, xa_all, lora_pass, own(run))
             # per-thread scratch (runs may be computed in parallel): what the vjp reuses of the activation, and its
             # result; both live only inside this run's backward
             scratch = thread_workspace()
@@ -402,20 +399,11 @@ class ExpertEngine:
             h = self.act.forward_saving(gu, hid[r0:r1], memo)  # [rows, I]
 
             # down projection: gh = g @ (W2 + s B2 A2 (dropout)) ; all unweighted by w until the router grad is taken
-            for e, s0, s1 in run.segments:
-                own = each(e)
-                if own is not None:  # writes its term into gh's rows; the base GEMM accumulates into it
-                    own.backward(
-                        "down",
-                        e,
-                        gs[s0:s1],
-                        gh_all[s0:s1],
-                        hid[s0:s1],
-                        _rows(ha_all, s0, s1),
-                        w_sorted[s0:s1],
-                        lora_g,
-                    )
-                self.gemm.matmul_w("down", e, gs[s0:s1], gh_all[s0:s1], accumulate=lora_pass is not None)
+            segs = own(run)
+            if segs:  # writes their terms into gh's rows; the base GEMMs accumulate into them
+                assert lora_pass is not None
+                lora_pass.backward_run("down", segs, gs, gh_all, hid, ha_all, w_sorted, lora_g)
+            self.gemm.run(False, "down", run.segments, gs, gh_all, accumulate=lora_pass is not None)
             # d y / d w[t, j] = <grad_y[t], FFN_e(x_t)> = <gh_unweighted, h> (+ <g, b2_e>): no [N, H] output kept
             torch.sum(gh * h, dim=1, out=gw_sorted[r0:r1])
             if self.down_bias is not None or base_g is not None:
@@ -426,17 +414,26 @@ class ExpertEngine:
 
         def gate_up_backward(run: Run, ggu: torch.Tensor) -> None:
             """A run's gate_up projection backward from its grad at gate_up ggu ``[rows, 2I]``."""
-            for e, s0, s1 in run.segments:
-                ggu_e, xs_e, gxs_e = ggu[s0 - run.start : s1 - run.start], _rows(xs, s0, s1), gxs[s0:s1]
-                own = each(e)
-                if own is not None:
-                    assert xs_e is not None
-                    own.backward("gate_up", e, ggu_e, gxs_e, xs_e, _rows(xa_all, s0, s1), None, lora_g)
-                self.gemm.matmul_w("gate_up", e, ggu_e, gxs_e, accumulate=lora_pass is not None)
-                if base_g is not None:
-                    assert xs_e is not None
-                    mine = base_g.by_expert[e]
-                    mine["gate_up"] = self._sum_rows(ggu_e, xs_e, gdt)
+            segs = own(run)
+            if segs:
+                assert lora_pass is not None and xs is not None
+                lora_pass.backward_run(
+                    "gate_up", segs, ggu, gxs, xs, xa_all, None, lora_g, g_out_offset=run.start
+                )
+            self.gemm.run(
+                False,
+                "gate_up",
+                run.segments,
+                ggu,
+                gxs,
+                accumulate=lora_pass is not None,
+                inp_offset=run.start,
+            )
+            if base_g is not None:
+                assert xs is not None
+                for e, s0, s1 in run.segments:
+                    ggu_e, mine = ggu[s0 - run.start : s1 - run.start], base_g.by_expert[e]
+                    mine["gate_up"] = self._sum_rows(ggu_e, xs[s0:s1], gdt)
                     if self.gate_up_bias is not None:
                         mine["gate_up_bias"] = ggu_e.sum(0).to(gdt)
 

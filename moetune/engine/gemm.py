@@ -27,7 +27,7 @@ measured faster than on 128/256-row blocks, conversion included (int8, 16 expert
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from types import ModuleType
@@ -37,7 +37,8 @@ import torch
 from moetune.engine.formats import ExpertFormat
 from moetune.engine.formats.base import Projection
 from moetune.engine.kernels import fused_kernels, load_fused, load_variant, variant_named
-from moetune.engine.shapes import RowSplit, padded_rows
+from moetune.engine.routing import Segment
+from moetune.engine.shapes import RowSplit, native_ops, padded_rows
 from moetune.engine.workspace import thread_workspace
 from moetune.errors import EngineError
 from moetune.sysinfo import CpuInfo, cpu_info
@@ -148,6 +149,8 @@ class BlockedGemm:
         self.exact_sums = compute_dtype in (torch.float32, torch.float64)
         # row counts from a fixed set (``engine.shapes``); default: where the compute dtype needs it
         self.split = split if split is not None else RowSplit.for_dtype(compute_dtype)
+        # runs of experts take one compiled call (``run``): weights stored in the compute dtype, op sequences compiled
+        self._native_runs = self.split.native and self.path.conversion is Conversion.VIEW
 
     def row_blocks(self, proj: Projection, e: int, n: int, whole: bool = False) -> Iterator[Block]:
         """Expert e's ``proj`` matrix ``[D_out, D_in]`` as ``(r0, r1, W, scale)`` blocks in the compute dtype:
@@ -193,7 +196,7 @@ class BlockedGemm:
         rounded once into ``out`` (added to it when accumulating).
         """
         n = inp.shape[0]
-        if n <= self.path.fused_rows:
+        if 0 < n <= self.path.fused_rows:  # (no rows: nothing for a kernel to do, whatever the path)
             self._fused(True, proj, e, inp, out, accumulate)
             return
         for r0, r1, w, scale in self.row_blocks(proj, e, n):
@@ -201,6 +204,9 @@ class BlockedGemm:
             if n > SMALL_ROWS:  # weights themselves (scaled codes only come with few rows)
                 assert scale is None
                 self.split.mm(inp, w.t(), dst, beta=1.0 if accumulate else 0.0)
+                continue
+            if self.split.native:  # the loop below as one compiled call (engine.shapes)
+                native_ops().mm_wt(w, inp, dst, scale, accumulate, self.split.enabled)
                 continue
             for piece in self.split.pieces(n):
                 c0, c1, rows = piece
@@ -226,7 +232,7 @@ class BlockedGemm:
         """
         # no weight-left form here: W^T @ grad^T measured 1.3-12x slower than grad @ W for n <= 24
         n = grad.shape[0]
-        if n <= self.path.fused_rows:
+        if 0 < n <= self.path.fused_rows:  # (no rows: nothing for a kernel to do, whatever the path)
             self._fused(False, proj, e, grad, out, accumulate)
             return
         for r0, r1, w, scale in self.row_blocks(proj, e, n, whole=not self.exact_sums):
@@ -234,6 +240,32 @@ class BlockedGemm:
             if scale is not None:
                 g = torch.mul(g, scale, out=thread_workspace().get("w_scaled_grad", (n, r1 - r0), grad.dtype))
             self.split.mm(g, w, out, beta=0.0 if r0 == 0 and not accumulate else 1.0)
+
+    def run(
+        self,
+        forward: bool,
+        proj: Projection,
+        segments: Sequence[Segment],
+        inp: torch.Tensor,
+        out: torch.Tensor,
+        accumulate: bool,
+        inp_offset: int = 0,
+    ) -> None:
+        """``matmul_wt`` (``forward``) or ``matmul_w`` of every expert of a run: for each ``(e, s0, s1)`` of
+        ``segments``, rows s0:s1 of out ``[N, D]`` from rows ``s0 - inp_offset : s1 - inp_offset`` of inp. Weights
+        stored in the compute dtype take one compiled call for the whole run (``kernels/ops.h``'s ``dense_run``: the
+        same ops as the per-expert calls, one GIL hand-off); the others one call per expert."""
+        # asked on every call, never kept: a module may swap the tensors (full mode's nn.Parameters)
+        stored = self.weights.stored_in(proj, self.compute_dtype) if self._native_runs else None
+        if stored is not None:
+            flat = [v for seg in segments for v in seg]
+            native_ops().dense_run(
+                forward, stored, inp, inp_offset, out, flat, accumulate, SMALL_ROWS, self.split.enabled
+            )
+            return
+        one = self.matmul_wt if forward else self.matmul_w
+        for e, s0, s1 in segments:
+            one(proj, e, inp[s0 - inp_offset : s1 - inp_offset], out[s0:s1], accumulate)
 
     def __getstate__(self) -> dict[str, object]:
         # a copy (copy.deepcopy of a model) resolves its kernels again: a module object cannot be copied

@@ -12,12 +12,14 @@ PEFT stores the same numbers as ``lora_A.weight = A.reshape(E * r, in)`` and
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from moetune.engine.formats.base import Projection
-from moetune.engine.shapes import RowSplit
+from moetune.engine.routing import Segment
+from moetune.engine.shapes import RowSplit, native_ops
 from moetune.engine.workspace import Workspace
 from moetune.errors import ConfigError, EngineError
 
@@ -218,6 +220,30 @@ class LoraPass:
         """out ``[n, D_out]`` = s * drop(inp) A_e^T B_e^T for inp ``[n, D_in]`` (written, not added: the caller's
         base GEMM then accumulates into it, saving a pass over out); the A-projection drop(inp) A_e^T ``[n, r]``
         is written to ``a_out`` (backward reuses it under the retain policy)."""
+        self.forward_run(proj, ((e, 0, inp.shape[0]),), inp, out, a_out)
+
+    def forward_run(
+        self,
+        proj: Projection,
+        segments: Sequence[Segment],
+        inp: torch.Tensor,
+        out: torch.Tensor,
+        a_out: torch.Tensor,
+    ) -> None:
+        """:meth:`forward` for each ``(e, s0, s1)`` of ``segments`` on rows s0:s1 of inp ``[N, D_in]``, out
+        ``[N, D_out]`` and a_out ``[N, r]``: one compiled call for them all without dropout (``engine.shapes``)."""
+        if self.seed is None and self.split.native:
+            a, b = self._ab[proj]
+            flat = [v for seg in segments for v in seg]
+            native_ops().lora_forward_run(inp, a, b, flat, out, a_out, self.lora.scaling, self.split.enabled)
+            return
+        for e, s0, s1 in segments:
+            self._forward_one(proj, e, inp[s0:s1], out[s0:s1], a_out[s0:s1])
+
+    def _forward_one(
+        self, proj: Projection, e: int, inp: torch.Tensor, out: torch.Tensor, a_out: torch.Tensor
+    ) -> None:
+        """:meth:`forward` in Python: the reference of the compiled sequence, and the only path with dropout."""
         a, b = self._ab[proj]
         mask = self._mask(proj, e, inp)
         dropped = inp if mask is None else inp * mask
@@ -225,6 +251,62 @@ class LoraPass:
         self.split.mm(a_out, b[e].t(), out, alpha=self.lora.scaling)  # beta 0: out's old values are ignored
 
     def backward(
+        self,
+        proj: Projection,
+        e: int,
+        g_out: torch.Tensor,
+        g_in: torch.Tensor,
+        inp: torch.Tensor,
+        a_proj: torch.Tensor | None,
+        w_e: torch.Tensor | None,
+        grads: dict[str, torch.Tensor],
+    ) -> None:
+        """The LoRA part of one projection's backward for expert e (``_backward_one`` says what), compiled where
+        :meth:`backward_run` is."""
+        self.backward_run(proj, ((e, 0, g_out.shape[0]),), g_out, g_in, inp, a_proj, w_e, grads)
+
+    def backward_run(
+        self,
+        proj: Projection,
+        segments: Sequence[Segment],
+        g_out: torch.Tensor,
+        g_in: torch.Tensor,
+        inp: torch.Tensor,
+        a_proj: torch.Tensor | None,
+        w: torch.Tensor | None,
+        grads: dict[str, torch.Tensor],
+        g_out_offset: int = 0,
+    ) -> None:
+        """:meth:`backward` for each ``(e, s0, s1)`` of ``segments`` on rows s0:s1 of g_in, inp, a_proj and w
+        (``[N, ...]``, sorted by expert) and rows ``s0 - g_out_offset : s1 - g_out_offset`` of g_out (which may hold
+        the run's rows alone): one compiled call for them all without dropout (``engine.shapes``)."""
+        if self.seed is None and self.split.native:
+            a, b = self._ab[proj]
+            flat = [v for seg in segments for v in seg]
+            ga, gb = grads[f"{proj}_A"], grads[f"{proj}_B"]
+            native_ops().lora_backward_run(
+                g_out,
+                g_out_offset,
+                g_in,
+                inp,
+                a_proj,
+                w,
+                a,
+                b,
+                flat,
+                ga,
+                gb,
+                self.lora.scaling,
+                self.split.enabled,
+            )
+            return
+        for e, s0, s1 in segments:
+            a_e = None if a_proj is None else a_proj[s0:s1]
+            w_e = None if w is None else w[s0:s1]
+            g = g_out[s0 - g_out_offset : s1 - g_out_offset]
+            self._backward_one(proj, e, g, g_in[s0:s1], inp[s0:s1], a_e, w_e, grads)
+
+    def _backward_one(
         self,
         proj: Projection,
         e: int,

@@ -46,6 +46,10 @@ class EngineOptions:
     # LoRA products of experts with few rows as one bmm over all experts (``engine.lora_batch``) where GEMMs run
     # on oneDNN (bf16, fp16) and no dropout applies; False: per expert (the benchmarks' A/B)
     batch_lora: bool = True
+    # each expert's op sequences (row-split GEMMs, LoRA terms) as one compiled call that releases the GIL once
+    # (``engine.shapes``, ``kernels/ops.h``); None: wherever the kernels load, False: the Python reference (the
+    # benchmarks' A/B)
+    native_ops: bool | None = None
 
 
 def resolve_compute_dtype(storage: torch.dtype, requested: torch.dtype | None = None) -> torch.dtype:

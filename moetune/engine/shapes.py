@@ -22,15 +22,22 @@ dtype once, summed in fp32.
 
 fp32 and fp64 GEMMs run through BLAS (no per-shape kernels), so they are never split (``RowSplit.for_dtype``)
 and keep their results bit for bit.
+
+Where the compiled kernels load (``moetune.engine.kernels``), ``RowSplit.native`` runs each of these sequences,
+and the LoRA and few-row GEMM sequences built on them, as one compiled call (``kernels/ops.h``) that releases the
+GIL once instead of once per op: the same ops in the same order, so the same bits. The Python code here stays the
+reference and the fallback (``MOETUNE_KERNELS=off``).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
+from moetune.engine.kernels import fused_kernels, load_fused
 from moetune.engine.workspace import thread_workspace
 
 # 512 rows: larger pieces gained <= 10% on the layer shapes measured (H = 512 to 2048, AMX bf16), while every
@@ -73,16 +80,34 @@ def padded_rows(t: torch.Tensor, piece: Piece, name: str) -> torch.Tensor:
     return buf
 
 
+def native_ops_available() -> bool:
+    """Whether the compiled op sequences (``kernels/ops.h``) run here: the kernels load and ``MOETUNE_KERNELS``
+    does not turn them off (builds them on first use)."""
+    return fused_kernels() is not None
+
+
+@functools.cache
+def native_ops() -> ModuleType:
+    """The module with the compiled op sequences (any variant has them); only after ``native_ops_available``."""
+    module = load_fused()
+    assert module is not None, "native_ops() before native_ops_available()"
+    return module
+
+
 @dataclass(frozen=True)
 class RowSplit:
-    """Whether one engine's GEMMs split their rows (``row_pieces``) or run whole; resolved once per engine."""
+    """Whether one engine's GEMMs split their rows (``row_pieces``) or run whole, and whether the op sequences run
+    compiled (``native``, see the module docstring); resolved once per engine."""
 
     enabled: bool
+    native: bool = False
 
     @staticmethod
-    def for_dtype(compute_dtype: torch.dtype) -> RowSplit:
-        """Split where torch runs the GEMMs through oneDNN's per-shape kernels: bf16 and fp16."""
-        return RowSplit(compute_dtype in (torch.bfloat16, torch.float16))
+    def for_dtype(compute_dtype: torch.dtype, native: bool | None = None) -> RowSplit:
+        """Split where torch runs the GEMMs through oneDNN's per-shape kernels: bf16 and fp16. ``native``: None
+        runs the sequences compiled wherever they load (``native_ops_available``)."""
+        split = compute_dtype in (torch.bfloat16, torch.float16)
+        return RowSplit(split, native_ops_available() if native is None else native)
 
     def pieces(self, n: int) -> Pieces:
         """The pieces of n rows: ``row_pieces(n)``, or the whole when not splitting."""
@@ -95,6 +120,9 @@ class RowSplit:
 
         beta 0 ignores out's old contents (NaN included), as ``addmm_`` does. A padded piece runs on scratch
         rows (out's rows copied in first when beta is not 0, so the sum is still formed inside the GEMM)."""
+        if self.native:
+            native_ops().split_mm(a, b, out, beta, alpha, self.enabled)
+            return
         plain = beta == 0.0 and alpha == 1.0
         for piece in self.pieces(a.shape[0]):
             r0, r1, rows = piece
@@ -115,6 +143,9 @@ class RowSplit:
     def mm_t(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         """out ``[P, D]`` (any dtype, may be a transposed view) = a ``[n, P]``^T @ b ``[n, D]``: the pieces' products
         in the compute dtype (padding rows are zero in both), written then added into out."""
+        if self.native:
+            native_ops().split_mm_t(a, b, out, self.enabled)
+            return
         for i, piece in enumerate(self.pieces(a.shape[0])):
             part = padded_rows(a, piece, "split_a").t() @ padded_rows(b, piece, "split_b")
             out.copy_(part) if i == 0 else out.add_(part)

@@ -22,15 +22,18 @@ ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = [sys.executable, "-m", "torch.distributed.run"]
 
 
-def env() -> dict[str, str]:
-    return child_env(OMP_NUM_THREADS="1")
+def env(gpus: bool = False) -> dict[str, str]:
+    """The ranks' environment: one intra-op thread; no CUDA device visible unless ``gpus`` (the CPU runs these
+    tests stand for; on a machine with one GPU, two ranks would otherwise each be given a device, rank 1 one that
+    does not exist)."""
+    return child_env(OMP_NUM_THREADS="1", **({} if gpus else {"CUDA_VISIBLE_DEVICES": ""}))
 
 
-def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """``cmd`` in its own session; on timeout the whole session (launcher and ranks) is killed."""
+def _run(cmd: list[str], timeout: float, gpus: bool = False) -> subprocess.CompletedProcess:
+    """``cmd`` in its own session (``env(gpus)``); on timeout the whole session (launcher and ranks) is killed."""
     with subprocess.Popen(
         cmd,
-        env=env(),
+        env=env(gpus),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -48,10 +51,12 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def torchrun(*args: str, timeout: float = 240, nproc: int = 2) -> subprocess.CompletedProcess:
+def torchrun(
+    *args: str, timeout: float = 240, nproc: int = 2, gpus: bool = False
+) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node NPROC ARGS`` (``-m moetune.cli.main train CFG`` or this module's
     checks); --standalone: a rendezvous on a free local port, so tests running side by side do not collide."""
-    return _run([*LAUNCHER, "--standalone", "--nproc-per-node", str(nproc), *args], timeout)
+    return _run([*LAUNCHER, "--standalone", "--nproc-per-node", str(nproc), *args], timeout, gpus)
 
 
 def nodes(
@@ -85,9 +90,9 @@ def nodes(
         return [r.result() for r in runs]
 
 
-def single(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def single(*args: str, timeout: float = 240, gpus: bool = False) -> subprocess.CompletedProcess:
     """One process: ``python ARGS``."""
-    return _run([sys.executable, *args], timeout)
+    return _run([sys.executable, *args], timeout, gpus)
 
 
 def config(tmp: Path, model: Path, name: str, **over: Any) -> Path:

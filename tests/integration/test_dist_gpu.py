@@ -25,8 +25,8 @@ def test_two_gpu_processes_equal_one(tmp_path) -> None:
     model = make_demo_model(tmp_path / "tiny", ROOT / "examples/data/demo_tokenizer")
     one = dist_checks.config(tmp_path, model, "one", **SGD, **ON_GPU)
     two = dist_checks.config(tmp_path, model, "two", **SGD, **ON_GPU, per_device_train_batch_size=2)
-    dist_checks.check(dist_checks.single(*CLI, str(one)))
-    dist_checks.check(dist_checks.torchrun(*CLI, str(two)))
+    dist_checks.check(dist_checks.single(*CLI, str(one), gpus=True))
+    dist_checks.check(dist_checks.torchrun(*CLI, str(two), gpus=True))
     got, want = dict(dist_checks.losses(tmp_path / "two/out")), dict(dist_checks.losses(tmp_path / "one/out"))
     assert sorted(got) == [1, 2, 3]
     assert all(got[s] == pytest.approx(want[s], rel=1e-4) for s in got), (got, want)

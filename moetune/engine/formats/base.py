@@ -126,6 +126,11 @@ class ExpertFormat(ABC):
     def needs_buffer(self, dtype: torch.dtype) -> bool:
         """Whether ``tile(..., dtype, ...)`` writes into a caller buffer (False: it returns views)."""
 
+    def stored_in(self, proj: Projection, dtype: torch.dtype) -> torch.Tensor | None:
+        """Every expert's ``proj`` matrix ``[E, D_out, D_in]`` as stored, where it is stored in ``dtype`` in host
+        memory (``tile`` would return its views); else None (the default)."""
+        return None
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """All experts as dense tensors: gate_up ``[E, 2I, H]`` and down ``[E, H, I]`` in ``dtype``."""
         out = []

@@ -65,6 +65,10 @@ class DenseExperts(ExpertFormat):
         assert buf is not None, "caller must pass a buffer when a conversion is needed"
         return buf.copy_(w)
 
+    def stored_in(self, proj: Projection, dtype: torch.dtype) -> torch.Tensor | None:
+        w = self._stored(proj)
+        return w if w.dtype == dtype else None
+
     def needs_buffer(self, dtype: torch.dtype) -> bool:
         return self.gate_up.dtype != dtype
 

@@ -18,6 +18,7 @@
 #include <string>
 
 #include "decoders.h"
+#include "ops.h"
 
 #ifndef MOETUNE_OPERANDS
 #define MOETUNE_OPERANDS at::kBFloat16
@@ -128,5 +129,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_block_gemm", &fp8_block_gemm, "fp8 e4m3 128x128-block GEMM (forward: x @ W^T, backward: g @ W)",
         py::call_guard<py::gil_scoped_release>());
   m.def("mxfp4_gemm", &mxfp4_gemm, "mxfp4 GEMM (forward: x @ W^T, backward: g @ W)",
+        py::call_guard<py::gil_scoped_release>());
+  // the engine's per-expert op sequences (ops.h), any dtype, whatever the variant's ISA
+  m.def("split_mm", &moetune_ops::split_mm, "RowSplit.mm", py::call_guard<py::gil_scoped_release>());
+  m.def("split_mm_t", &moetune_ops::split_mm_t, "RowSplit.mm_t", py::call_guard<py::gil_scoped_release>());
+  m.def("mm_wt", &moetune_ops::mm_wt, "BlockedGemm.matmul_wt, few rows", py::call_guard<py::gil_scoped_release>());
+  m.def("dense_run", &moetune_ops::dense_run, "BlockedGemm.matmul_wt / matmul_w over a run of experts",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("lora_forward_run", &moetune_ops::lora_forward_run, "LoraPass.forward_run without dropout",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("lora_backward_run", &moetune_ops::lora_backward_run, "LoraPass.backward_run without dropout",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -110,11 +110,18 @@ def _build_variant(variant: KernelVariant) -> tuple[ModuleType | None, str]:
     text = b"".join(p.read_bytes() for p in paths)
     cflags = CFLAGS + list(variant.flags)
     key = hashlib.sha256(text + torch.__version__.encode() + " ".join(cflags).encode()).hexdigest()[:16]
+    name = f"moetune_fused_{key}"
     try:
         from torch.utils import cpp_extension
 
+        if not _cached(cpp_extension, name):  # say why the first engine takes a while
+            log.warning(
+                "moetune: compiling the %s kernels for this CPU and torch (once; about 30-60 s, then cached under %s)",
+                variant.name,
+                os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root(),
+            )
         module = cpp_extension.load(
-            name=f"moetune_fused_{key}",
+            name=name,
             sources=[str(paths[0])],
             extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
@@ -126,6 +133,15 @@ def _build_variant(variant: KernelVariant) -> tuple[ModuleType | None, str]:
     assert module.variant == variant.name, (module.variant, variant)
     why = module.unavailable()
     return (None, f"{variant.name}: {why}") if why else (module, "")
+
+
+def _cached(cpp_extension: ModuleType, name: str) -> bool:
+    """Whether torch's builder has ``name`` built already (its folder holds the library), so loading is quick."""
+    try:
+        folder = Path(cpp_extension._get_build_directory(name, False))  # torch's own rule for the folder
+    except Exception:  # noqa: BLE001 - a private helper: when it changes, only the notice is lost
+        return True
+    return (folder / f"{name}.so").exists()
 
 
 def _build() -> tuple[ModuleType | None, str]:

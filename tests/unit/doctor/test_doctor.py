@@ -251,4 +251,7 @@ def test_gemm_paths_name_the_avx2_variant_on_an_avx2_cpu(monkeypatch):
     lines = gemm_paths()
     int8 = next(line for line in lines if line.startswith("int8:"))
     assert "computes in float32" in int8 and "fused kernel (AVX2," in int8, lines
-    assert lines[-1] == "fused kernels: AVX2 variant built and used"
+    assert (
+        lines[-1]
+        == "fused kernels: AVX2 variant built and used, with each expert's op sequences (kernels/ops.h)"
+    )

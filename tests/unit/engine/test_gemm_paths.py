@@ -174,7 +174,9 @@ def test_doctor_names_each_formats_path(monkeypatch, isa, int8_line):
     monkeypatch.setattr("moetune.engine.gemm.cpu_info", lambda: cpu)
     lines = gemm_paths()
     by_name = {line.split(":")[0]: line for line in lines}
-    assert by_name.pop(KERNELS_LINE) == f"{KERNELS_LINE}: not used ({KERNELS_ENV}=off); the torch path runs"
+    assert by_name.pop(KERNELS_LINE) == (
+        f"{KERNELS_LINE}: not used ({KERNELS_ENV}=off); the torch path runs, each expert's op sequences in Python"
+    )
     assert set(by_name) == {"bf16 (dense)" if n == "dense" else n for n in FORMATS.names()}
     assert by_name["int8"].startswith(int8_line)
     whole = "AMX-BF16" in isa
@@ -192,7 +194,9 @@ def test_doctor_names_the_fused_kernels(monkeypatch):
     monkeypatch.setattr("moetune.engine.gemm.cpu_info", lambda: amx)
     by_name = {line.split(":")[0]: line for line in gemm_paths()}
     variant = fused_variant()
-    assert by_name[KERNELS_LINE] == f"{KERNELS_LINE}: {variant} variant built and used"
+    assert by_name[KERNELS_LINE] == (
+        f"{KERNELS_LINE}: {variant} variant built and used, with each expert's op sequences (kernels/ops.h)"
+    )
     for name in ("int8", "int4", "fp8_block", "mxfp4"):
         rows = FORMATS.get(name).FUSED_MAX_ROWS[variant]
         assert f"experts with <= {rows} rows: fused kernel ({variant}, codes" in by_name[name]
