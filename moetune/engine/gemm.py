@@ -254,7 +254,8 @@ class BlockedGemm:
         """``matmul_wt`` (``forward``) or ``matmul_w`` of every expert of a run: for each ``(e, s0, s1)`` of
         ``segments``, rows s0:s1 of out ``[N, D]`` from rows ``s0 - inp_offset : s1 - inp_offset`` of inp. Weights
         stored in the compute dtype take one compiled call for the whole run (``kernels/ops.h``'s ``dense_run``: the
-        same ops as the per-expert calls, one GIL hand-off); the others one call per expert."""
+        same ops as the per-expert calls, one GIL hand-off), and so do the experts of a run that go to the fused
+        kernels (``entry.h``'s ``<kernel>_run``); the others one call per expert."""
         # asked on every call, never kept: a module may swap the tensors (full mode's nn.Parameters)
         stored = self.weights.stored_in(proj, self.compute_dtype) if self._native_runs else None
         if stored is not None:
@@ -263,6 +264,14 @@ class BlockedGemm:
                 forward, stored, inp, inp_offset, out, flat, accumulate, SMALL_ROWS, self.split.enabled
             )
             return
+        fused = self.path.fused_rows
+        if fused and self.split.native:  # the fused experts of the run: one call (entry.h's <kernel>_run)
+            few = [v for seg in segments if seg[2] - seg[1] <= fused for v in seg]
+            if few:
+                kernel, operands = self.weights.fused_run_operands(proj)
+                run = getattr(self._kernels_for(self.path), kernel)
+                run(forward, inp, inp_offset, out, few, *operands, accumulate)
+            segments = [seg for seg in segments if seg[2] - seg[1] > fused]
         one = self.matmul_wt if forward else self.matmul_w
         for e, s0, s1 in segments:
             one(proj, e, inp[s0 - inp_offset : s1 - inp_offset], out[s0:s1], accumulate)

@@ -97,6 +97,11 @@ class ExpertFormat(ABC):
         an entry in ``FUSED_MAX_ROWS``)."""
         raise NotImplementedError(f"{self.name} has no fused kernel")
 
+    def fused_run_operands(self, proj: Projection) -> tuple[str, tuple[Any, ...]]:
+        """:meth:`fused_operands` for every expert at once: the kernel's run form (``<kernel>_run``, over a run of
+        experts, ``entry.h``) and the weight arguments with their leading ``[E]`` dimension."""
+        raise NotImplementedError(f"{self.name} has no fused kernel")
+
     def fused_gemm(
         self,
         kernels: Any,

@@ -295,6 +295,11 @@ class Fp8BlockExperts(QuantizedExperts):
         seg, seg_grid = self._segments[proj][-1]  # where up's rows and grid rows start (down: 0, 0)
         return "fp8_block_gemm", (codes[expert], scale_inv[expert], seg, seg_grid)
 
+    def fused_run_operands(self, proj: Projection) -> tuple[str, tuple[Any, ...]]:
+        codes, scale_inv = self._stored(proj)
+        seg, seg_grid = self._segments[proj][-1]
+        return "fp8_block_gemm_run", (codes, scale_inv, seg, seg_grid)
+
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.gate_up, self.gate_up_scale_inv, self.down, self.down_scale_inv))

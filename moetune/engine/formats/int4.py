@@ -283,6 +283,10 @@ class Int4Experts(QuantizedExperts):
         z = None if zero is None else zero[expert]
         return "int4_gemm", (packed[expert], scale[expert], z, self.group_size)
 
+    def fused_run_operands(self, proj: Projection) -> tuple[str, tuple[Any, ...]]:
+        packed, scale, zero = self._stored(proj)
+        return "int4_gemm_run", (packed, scale, zero, self.group_size)
+
     @property
     def nbytes(self) -> int:
         stored = (

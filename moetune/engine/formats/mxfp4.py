@@ -256,6 +256,9 @@ class Mxfp4Experts(QuantizedExperts):
         codes, scale = self._stored(proj)
         return "mxfp4_gemm", (codes[expert], scale[expert])
 
+    def fused_run_operands(self, proj: Projection) -> tuple[str, tuple[Any, ...]]:
+        return "mxfp4_gemm_run", self._stored(proj)
+
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.gate_up, self.gate_up_scale, self.down, self.down_scale))

@@ -12,7 +12,8 @@
 //       backward: out[n, K] (+)= (a[n, O] * row_scale, rounded once to the operands' dtype) @ W
 //       fp32 sums, rounded once into out (accumulate: added to out's values first).
 //
-// A new format adds its decoder to decoders.h and one entry point here, and no variant changes.
+// A new format adds its decoder to decoders.h and one entry point here (and its _run form over a run of experts),
+// and no variant changes.
 #pragma once
 
 #include <string>
@@ -116,6 +117,53 @@ void mxfp4_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const t
   run_checked(forward, dec, nullptr, a, out, O, K, accumulate);
 }
 
+// The four kernels over a run of experts, one call (and one GIL hand-off) for the run: for each (e, s0, s1) of
+// segs, rows s0:s1 of out from rows s0 - a_offset : s1 - a_offset of a, with expert e's weights (the first
+// dimension of every weight tensor, [E, ...]).
+template <class F>
+void each_segment(const std::vector<int64_t>& segs, const torch::Tensor& a, int64_t a_offset, const torch::Tensor& out,
+                  F&& one) {
+  TORCH_CHECK(segs.size() % 3 == 0, "segs: (expert, start, end) triples");
+  for (size_t i = 0; i < segs.size(); i += 3) {
+    const int64_t e = segs[i], s0 = segs[i + 1], s1 = segs[i + 2];
+    one(e, a.slice(0, s0 - a_offset, s1 - a_offset), out.slice(0, s0, s1));
+  }
+}
+
+void int8_gemm_run(bool forward, const torch::Tensor& a, int64_t a_offset, const torch::Tensor& out,
+                   const std::vector<int64_t>& segs, const torch::Tensor& codes, const torch::Tensor& scale,
+                   bool accumulate) {
+  each_segment(segs, a, a_offset, out, [&](int64_t e, const torch::Tensor& a_e, const torch::Tensor& out_e) {
+    int8_gemm(forward, a_e, out_e, codes.select(0, e), scale.select(0, e), accumulate);
+  });
+}
+
+void int4_gemm_run(bool forward, const torch::Tensor& a, int64_t a_offset, const torch::Tensor& out,
+                   const std::vector<int64_t>& segs, const torch::Tensor& packed, const torch::Tensor& scale,
+                   const c10::optional<torch::Tensor>& zero, int64_t group, bool accumulate) {
+  each_segment(segs, a, a_offset, out, [&](int64_t e, const torch::Tensor& a_e, const torch::Tensor& out_e) {
+    c10::optional<torch::Tensor> z;
+    if (zero.has_value()) z = zero->select(0, e);
+    int4_gemm(forward, a_e, out_e, packed.select(0, e), scale.select(0, e), z, group, accumulate);
+  });
+}
+
+void fp8_block_gemm_run(bool forward, const torch::Tensor& a, int64_t a_offset, const torch::Tensor& out,
+                        const std::vector<int64_t>& segs, const torch::Tensor& codes, const torch::Tensor& scale_inv,
+                        int64_t seg, int64_t seg_grid, bool accumulate) {
+  each_segment(segs, a, a_offset, out, [&](int64_t e, const torch::Tensor& a_e, const torch::Tensor& out_e) {
+    fp8_block_gemm(forward, a_e, out_e, codes.select(0, e), scale_inv.select(0, e), seg, seg_grid, accumulate);
+  });
+}
+
+void mxfp4_gemm_run(bool forward, const torch::Tensor& a, int64_t a_offset, const torch::Tensor& out,
+                    const std::vector<int64_t>& segs, const torch::Tensor& packed, const torch::Tensor& scale,
+                    bool accumulate) {
+  each_segment(segs, a, a_offset, out, [&](int64_t e, const torch::Tensor& a_e, const torch::Tensor& out_e) {
+    mxfp4_gemm(forward, a_e, out_e, packed.select(0, e), scale.select(0, e), accumulate);
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -129,6 +177,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_block_gemm", &fp8_block_gemm, "fp8 e4m3 128x128-block GEMM (forward: x @ W^T, backward: g @ W)",
         py::call_guard<py::gil_scoped_release>());
   m.def("mxfp4_gemm", &mxfp4_gemm, "mxfp4 GEMM (forward: x @ W^T, backward: g @ W)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int8_gemm_run", &int8_gemm_run, "int8_gemm over a run of experts", py::call_guard<py::gil_scoped_release>());
+  m.def("int4_gemm_run", &int4_gemm_run, "int4_gemm over a run of experts", py::call_guard<py::gil_scoped_release>());
+  m.def("fp8_block_gemm_run", &fp8_block_gemm_run, "fp8_block_gemm over a run of experts",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("mxfp4_gemm_run", &mxfp4_gemm_run, "mxfp4_gemm over a run of experts",
         py::call_guard<py::gil_scoped_release>());
   // the engine's per-expert op sequences (ops.h), any dtype, whatever the variant's ISA
   m.def("split_mm", &moetune_ops::split_mm, "RowSplit.mm", py::call_guard<py::gil_scoped_release>());

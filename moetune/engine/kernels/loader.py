@@ -26,6 +26,7 @@ import hashlib
 import logging
 import os
 import re
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,11 +115,15 @@ def _build_variant(variant: KernelVariant) -> tuple[ModuleType | None, str]:
     try:
         from torch.utils import cpp_extension
 
-        if not _cached(cpp_extension, name):  # say why the first engine takes a while
-            log.warning(
-                "moetune: compiling the %s kernels for this CPU and torch (once; about 30-60 s, then cached under %s)",
-                variant.name,
-                os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root(),
+        if not _cached(
+            cpp_extension, name
+        ):  # progress, as a bar would show it: why the first engine takes a while
+            where = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+            print(
+                f"moetune: compiling the {variant.name} kernels for this CPU and torch (once; about 30-60 s, then "
+                f"cached under {where})",
+                file=sys.stderr,
+                flush=True,
             )
         module = cpp_extension.load(
             name=name,

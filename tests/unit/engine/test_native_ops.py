@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetune.engine import ExpertLoRA
+from moetune.engine import EngineOptions, ExpertLoRA
 from moetune.engine.formats import DenseExperts
 from moetune.engine.gemm import BlockedGemm
 from moetune.engine.lora import LoraPass
@@ -259,3 +259,59 @@ def test_lora_runs_equal_their_reference(dtype: torch.dtype) -> None:
         assert torch.equal(x, y)
     assert not results[1][0][:10].any() and not results[1][0][100:].any()  # rows outside the run untouched
     assert bool(results[1][3][[1, 2, 4]].ne(0).any()) and not bool(results[1][3][[0, 3]].any())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8_block", "mxfp4"])
+def test_quantized_engines_with_run_calls_equal_per_expert_calls(fmt: str, monkeypatch) -> None:
+    """Quantized experts with few rows go to the fused kernels: a run of them takes one compiled call
+    (``entry.h``'s ``<kernel>_run``) instead of one per expert and projection; forward and every gradient equal
+    the per-expert calls' bit for bit (experts above the kernels' row limit stay per expert in both)."""
+    from moetune.engine import ExpertEngine
+    from moetune.engine.formats import FORMATS
+    from moetune.engine.kernels import fused_variant, variant_named
+    from moetune.layer import CpuExperts
+
+    spec = variant_named(fused_variant())
+    assert spec is not None
+    e, h, i = 6, 256, 128  # every format's block sizes divide these
+    gen = _gen(5)
+    gate_up, down = (
+        torch.randn(e, 2 * i, h, generator=gen) / h**0.5,
+        torch.randn(e, h, i, generator=gen) / i**0.5,
+    )
+    weights = FORMATS.get(fmt).from_dense(gate_up, down)
+    rows = weights.FUSED_MAX_ROWS.get(spec.name, 0)
+    assert rows, f"{fmt} has no fused kernel on {spec.name}"
+    t = rows + 40
+    x, _, w = make_routing(t, e, 2, h, seed=8)
+    # expert 0 in every token's top-2: above the row limit (per expert in both); 1-5 share the rest: below it
+    ids = torch.stack([torch.zeros(t, dtype=torch.long), 1 + torch.arange(t) % (e - 1)], dim=1)
+    gy = torch.randn(rows + 40, h, generator=_gen(9), dtype=torch.float64)
+    lora = _lora(e, h, i, 4, seed=2)
+    kernels, (run_name, _) = native_ops(), weights.fused_run_operands("down")
+    calls: list[int] = []
+    real = getattr(kernels, run_name)
+
+    def counted(*args: object) -> None:
+        calls.append(len(args[4]) // 3)  # the experts of the run given to the kernel
+        real(*args)
+
+    monkeypatch.setattr(kernels, run_name, counted)
+    runs = []
+    for native in (False, True):
+        tensors = {
+            n: t.clone() for n, t in zip(("gate_up_A", "gate_up_B", "down_A", "down_B"), lora.tensors())
+        }
+        engine = ExpertEngine(
+            weights,
+            lora=ExpertLoRA(**tensors, scaling=lora.scaling),
+            options=EngineOptions(native_ops=native),
+        )
+        assert engine.compute_dtype == spec.compute and engine.gemm.path.fused_rows == rows
+        runs.append(run_module(CpuExperts(engine), x.to(spec.compute), ids, w.to(spec.compute), gy))
+    (y0, g0), (y1, g1) = runs
+    # the compiled engine's fused experts (1-5, expert 0 being above the limit) went in run calls
+    assert calls and sum(calls) >= 4 * 5 and all(0 < c <= 5 for c in calls), calls
+    assert torch.equal(y0, y1)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
