@@ -402,7 +402,7 @@ class ExpertEngine:
             segs = own(run)
             if segs:  # writes their terms into gh's rows; the base GEMMs accumulate into them
                 assert lora_pass is not None
-                lora_pass.backward_run("down", segs, gs, gh_all, hid, ha_all, w_sorted, lora_g)
+                lora_pass.backward_run("down", segs, lora_g, gs, gh_all, hid, ha_all, w_sorted)
             self.gemm.run(False, "down", run.segments, gs, gh_all, accumulate=lora_pass is not None)
             # d y / d w[t, j] = <grad_y[t], FFN_e(x_t)> = <gh_unweighted, h> (+ <g, b2_e>): no [N, H] output kept
             torch.sum(gh * h, dim=1, out=gw_sorted[r0:r1])
@@ -418,7 +418,7 @@ class ExpertEngine:
             if segs:
                 assert lora_pass is not None and xs is not None
                 lora_pass.backward_run(
-                    "gate_up", segs, ggu, gxs, xs, xa_all, None, lora_g, g_out_offset=run.start
+                    "gate_up", segs, lora_g, ggu, gxs, xs, xa_all, None, g_out_offset=run.start
                 )
             self.gemm.run(
                 False,

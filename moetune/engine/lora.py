@@ -214,14 +214,6 @@ class LoraPass:
             return None
         return dropout_mask(self.seed, e, proj == "down", tuple(inp.shape), self.lora.dropout, inp.dtype)
 
-    def forward(
-        self, proj: Projection, e: int, inp: torch.Tensor, out: torch.Tensor, a_out: torch.Tensor
-    ) -> None:
-        """out ``[n, D_out]`` = s * drop(inp) A_e^T B_e^T for inp ``[n, D_in]`` (written, not added: the caller's
-        base GEMM then accumulates into it, saving a pass over out); the A-projection drop(inp) A_e^T ``[n, r]``
-        is written to ``a_out`` (backward reuses it under the retain policy)."""
-        self.forward_run(proj, ((e, 0, inp.shape[0]),), inp, out, a_out)
-
     def forward_run(
         self,
         proj: Projection,
@@ -238,46 +230,35 @@ class LoraPass:
             native_ops().lora_forward_run(inp, a, b, flat, out, a_out, self.lora.scaling, self.split.enabled)
             return
         for e, s0, s1 in segments:
-            self._forward_one(proj, e, inp[s0:s1], out[s0:s1], a_out[s0:s1])
+            self.forward(proj, e, inp[s0:s1], out[s0:s1], a_out[s0:s1])
 
-    def _forward_one(
+    def forward(
         self, proj: Projection, e: int, inp: torch.Tensor, out: torch.Tensor, a_out: torch.Tensor
     ) -> None:
-        """:meth:`forward` in Python: the reference of the compiled sequence, and the only path with dropout."""
+        """out ``[n, D_out]`` = s * drop(inp) A_e^T B_e^T for inp ``[n, D_in]`` (written, not added: the caller's
+        base GEMM then accumulates into it, saving a pass over out); the A-projection drop(inp) A_e^T ``[n, r]``
+        is written to ``a_out`` (backward reuses it under the retain policy). In Python, one expert: the reference
+        of :meth:`forward_run`'s compiled call, and the only path with dropout."""
         a, b = self._ab[proj]
         mask = self._mask(proj, e, inp)
         dropped = inp if mask is None else inp * mask
         self.split.mm(dropped, a[e].t(), a_out)
         self.split.mm(a_out, b[e].t(), out, alpha=self.lora.scaling)  # beta 0: out's old values are ignored
 
-    def backward(
-        self,
-        proj: Projection,
-        e: int,
-        g_out: torch.Tensor,
-        g_in: torch.Tensor,
-        inp: torch.Tensor,
-        a_proj: torch.Tensor | None,
-        w_e: torch.Tensor | None,
-        grads: dict[str, torch.Tensor],
-    ) -> None:
-        """The LoRA part of one projection's backward for expert e (``_backward_one`` says what), compiled where
-        :meth:`backward_run` is."""
-        self.backward_run(proj, ((e, 0, g_out.shape[0]),), g_out, g_in, inp, a_proj, w_e, grads)
-
     def backward_run(
         self,
         proj: Projection,
         segments: Sequence[Segment],
+        grads: dict[str, torch.Tensor],
         g_out: torch.Tensor,
         g_in: torch.Tensor,
         inp: torch.Tensor,
         a_proj: torch.Tensor | None,
         w: torch.Tensor | None,
-        grads: dict[str, torch.Tensor],
         g_out_offset: int = 0,
     ) -> None:
-        """:meth:`backward` for each ``(e, s0, s1)`` of ``segments`` on rows s0:s1 of g_in, inp, a_proj and w
+        """:meth:`backward` for each ``(e, s0, s1)`` of ``segments`` (their grads into ``grads``) on rows s0:s1 of g_in,
+        inp, a_proj and w
         (``[N, ...]``, sorted by expert) and rows ``s0 - g_out_offset : s1 - g_out_offset`` of g_out (which may hold
         the run's rows alone): one compiled call for them all without dropout (``engine.shapes``)."""
         if self.seed is None and self.split.native:
@@ -304,9 +285,9 @@ class LoraPass:
             a_e = None if a_proj is None else a_proj[s0:s1]
             w_e = None if w is None else w[s0:s1]
             g = g_out[s0 - g_out_offset : s1 - g_out_offset]
-            self._backward_one(proj, e, g, g_in[s0:s1], inp[s0:s1], a_e, w_e, grads)
+            self.backward(proj, e, g, g_in[s0:s1], inp[s0:s1], a_e, w_e, grads)
 
-    def _backward_one(
+    def backward(
         self,
         proj: Projection,
         e: int,
@@ -317,7 +298,8 @@ class LoraPass:
         w_e: torch.Tensor | None,
         grads: dict[str, torch.Tensor],
     ) -> None:
-        """The LoRA part of one projection's backward for expert e, all in the compute dtype.
+        """The LoRA part of one projection's backward for expert e, all in the compute dtype (in Python: the
+        reference of :meth:`backward_run`'s compiled call, and the only path with dropout).
 
         g_out ``[n, D_out]`` is the gradient at the projection's output: unweighted for down, with the routing
         weights w_e ``[n, 1]`` applied to the LoRA grads here; already weighted for gate_up (w_e None).
