@@ -188,6 +188,9 @@ class PagedExperts(ExpertFormat):
         self.index = window.add(pages)
         self.name = inner.name
         self.SCALED_TILE_DTYPES = inner.SCALED_TILE_DTYPES  # the GEMMs read it as the wrapped format's
+        # the fused kernels read the wrapped format's (memory-mapped) codes as they read them in RAM: an engine
+        # over the paged store takes the same GEMM path, so it computes the same numbers
+        self.FUSED_MAX_ROWS = inner.FUSED_MAX_ROWS
         self.num_experts, self.hidden_size = inner.num_experts, inner.hidden_size
         self.intermediate_size = inner.intermediate_size
 
@@ -218,6 +221,18 @@ class PagedExperts(ExpertFormat):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._enter()
         return self.inner.scaled_tile(proj, expert, dtype, buf, rows)
+
+    def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
+        self._enter()
+        return self.inner.fused_operands(proj, expert)
+
+    def fused_run_operands(self, proj: Projection) -> tuple[str, tuple[Any, ...]]:
+        self._enter()
+        return self.inner.fused_run_operands(proj)
+
+    def stored_in(self, proj: Projection, dtype: torch.dtype) -> torch.Tensor | None:
+        self._enter()
+        return self.inner.stored_in(proj, dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         self._enter()
