@@ -243,3 +243,37 @@ def test_bench_engine_thread_scaling(tmp_path, capsys):
     first = printed.splitlines()[0]
     assert first.startswith("moetune bench engine, thread scaling |") and "threads [1, 2]" in first
     assert "AVX" in first or "no SIMD flags found" in first  # the ISA it ran on
+
+
+def test_bench_engine_thread_scaling_python_ops_variant(tmp_path, monkeypatch):
+    """--python-ops adds experts-py, the default pool with each expert's op sequences in Python (the A/B of the
+    compiled sequences); its engines are built with native_ops=False, the others with the default."""
+    from moetune.bench import scaling
+
+    built: list[bool | None] = []
+    real = scaling.RUNNERS.get("engine")
+
+    def spy(weights, batch, mode, options):
+        built.append(options.native_ops)
+        return real(weights, batch, mode, options)
+
+    monkeypatch.setattr(scaling.RUNNERS, "get", lambda name: spy)
+    out = tmp_path / "scaling.json"
+    tiny = "--experts 4 --tokens 8 --hidden 32 --intermediate 16 --top-k 2 --rank 2 --policies retain --modes lora"
+    argv = [
+        "bench",
+        "engine",
+        *tiny.split(),
+        "--reps",
+        "1",
+        "--warmup",
+        "0",
+        "--threads",
+        "2",
+        "1",
+        "--python-ops",
+    ]
+    assert main([*argv, "--json", str(out)]) == 0
+    variants = {(r["variant"], r["threads"]) for r in json.loads(out.read_text())}
+    assert variants == {(v, n) for v in ("experts", "intra", "experts-py") for n in (1, 2)}
+    assert sorted(built, key=str) == [False, False] + [None] * 4
