@@ -60,8 +60,9 @@ amx=$(grep -c -w amx_bf16 /proc/cpuinfo)
 TAIL=30 step machine 90 bash -c machine
 step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -W ignore -m gpu tests -rfEs
 # shellcheck disable=SC2086  # word splitting of the argument lists is meant
-TAIL=60 step scaling "${SCALING_LIMIT:-200}" $mt bench engine ${SCALING_ARGS:---threads 1 2 4 8 16 --experts 128 --tokens 512 2048 \
-  --modes lora frozen --policies retain --reps 3}
+# --python-ops: the compiled per-expert sequences (kernels/ops.h) against the same engine with them in Python
+TAIL=60 step scaling "${SCALING_LIMIT:-240}" $mt bench engine ${SCALING_ARGS:---threads 1 4 8 16 --workers 8 --experts 128 \
+  --tokens 512 2048 --modes lora frozen --policies retain --reps 3 --python-ops}
 # tests named in TESTS (default: the compiled op sequences' and the tests whose children once lost PYTHONPATH)
 # shellcheck disable=SC2086
 step tests 200 python3 -m pytest -q -p no:cacheprovider -W ignore -n 8 -rfEs ${TESTS:-tests/unit/engine/test_native_ops.py \
