@@ -260,19 +260,7 @@ def test_bench_engine_thread_scaling_python_ops_variant(tmp_path, monkeypatch):
     monkeypatch.setattr(scaling.RUNNERS, "get", lambda name: spy)
     out = tmp_path / "scaling.json"
     tiny = "--experts 4 --tokens 8 --hidden 32 --intermediate 16 --top-k 2 --rank 2 --policies retain --modes lora"
-    argv = [
-        "bench",
-        "engine",
-        *tiny.split(),
-        "--reps",
-        "1",
-        "--warmup",
-        "0",
-        "--threads",
-        "2",
-        "1",
-        "--python-ops",
-    ]
+    argv = ["bench", "engine", *f"{tiny} --reps 1 --warmup 0 --threads 2 1 --python-ops".split()]
     assert main([*argv, "--json", str(out)]) == 0
     variants = {(r["variant"], r["threads"]) for r in json.loads(out.read_text())}
     assert variants == {(v, n) for v in ("experts", "intra", "experts-py") for n in (1, 2)}
