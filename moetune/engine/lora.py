@@ -208,6 +208,10 @@ class LoraPass:
         self._ab: dict[Projection, tuple[torch.Tensor, torch.Tensor]]
         self._ab = {"gate_up": (a1, b1), "down": (a2, b2)}
 
+    def _dropout(self, proj: Projection) -> tuple[int, float, int]:
+        """The compiled calls' dropout arguments: this pass's seed (-1: none), p and the projection's mask index."""
+        return (-1 if self.seed is None else self.seed), self.lora.dropout, int(proj == "down")
+
     def _mask(self, proj: Projection, e: int, inp: torch.Tensor) -> torch.Tensor | None:
         """The keep-mask ``[n, D_in]`` forward applied to expert e's input of ``proj``, or None."""
         if self.seed is None:
@@ -223,11 +227,13 @@ class LoraPass:
         a_out: torch.Tensor,
     ) -> None:
         """:meth:`forward` for each ``(e, s0, s1)`` of ``segments`` on rows s0:s1 of inp ``[N, D_in]``, out
-        ``[N, D_out]`` and a_out ``[N, r]``: one compiled call for them all without dropout (``engine.shapes``)."""
-        if self.seed is None and self.split.native:
+        ``[N, D_out]`` and a_out ``[N, r]``: one compiled call for them all (``engine.shapes``)."""
+        if self.split.native:
             a, b = self._ab[proj]
             flat = [v for seg in segments for v in seg]
-            native_ops().lora_forward_run(inp, a, b, flat, out, a_out, self.lora.scaling, self.split.enabled)
+            native_ops().lora_forward_run(
+                inp, a, b, flat, out, a_out, self.lora.scaling, self.split.enabled, *self._dropout(proj)
+            )
             return
         for e, s0, s1 in segments:
             self.forward(proj, e, inp[s0:s1], out[s0:s1], a_out[s0:s1])
@@ -238,7 +244,7 @@ class LoraPass:
         """out ``[n, D_out]`` = s * drop(inp) A_e^T B_e^T for inp ``[n, D_in]`` (written, not added: the caller's
         base GEMM then accumulates into it, saving a pass over out); the A-projection drop(inp) A_e^T ``[n, r]``
         is written to ``a_out`` (backward reuses it under the retain policy). In Python, one expert: the reference
-        of :meth:`forward_run`'s compiled call, and the only path with dropout."""
+        of :meth:`forward_run`'s compiled call."""
         a, b = self._ab[proj]
         mask = self._mask(proj, e, inp)
         dropped = inp if mask is None else inp * mask
@@ -260,8 +266,8 @@ class LoraPass:
         """:meth:`backward` for each ``(e, s0, s1)`` of ``segments`` (their grads into ``grads``) on rows s0:s1 of g_in,
         inp, a_proj and w
         (``[N, ...]``, sorted by expert) and rows ``s0 - g_out_offset : s1 - g_out_offset`` of g_out (which may hold
-        the run's rows alone): one compiled call for them all without dropout (``engine.shapes``)."""
-        if self.seed is None and self.split.native:
+        the run's rows alone): one compiled call for them all (``engine.shapes``)."""
+        if self.split.native:
             a, b = self._ab[proj]
             flat = [v for seg in segments for v in seg]
             ga, gb = grads[f"{proj}_A"], grads[f"{proj}_B"]
@@ -279,6 +285,7 @@ class LoraPass:
                 gb,
                 self.lora.scaling,
                 self.split.enabled,
+                *self._dropout(proj),
             )
             return
         for e, s0, s1 in segments:
@@ -299,7 +306,7 @@ class LoraPass:
         grads: dict[str, torch.Tensor],
     ) -> None:
         """The LoRA part of one projection's backward for expert e, all in the compute dtype (in Python: the
-        reference of :meth:`backward_run`'s compiled call, and the only path with dropout).
+        reference of :meth:`backward_run`'s compiled call).
 
         g_out ``[n, D_out]`` is the gradient at the projection's output: unweighted for down, with the routing
         weights w_e ``[n, 1]`` applied to the LoRA grads here; already weighted for gate_up (w_e None).

@@ -190,8 +190,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm_wt", &moetune_ops::mm_wt, "BlockedGemm.matmul_wt, few rows", py::call_guard<py::gil_scoped_release>());
   m.def("dense_run", &moetune_ops::dense_run, "BlockedGemm.matmul_wt / matmul_w over a run of experts",
         py::call_guard<py::gil_scoped_release>());
-  m.def("lora_forward_run", &moetune_ops::lora_forward_run, "LoraPass.forward_run without dropout",
+  m.def("lora_forward_run", &moetune_ops::lora_forward_run, "LoraPass.forward_run",
         py::call_guard<py::gil_scoped_release>());
-  m.def("lora_backward_run", &moetune_ops::lora_backward_run, "LoraPass.backward_run without dropout",
+  m.def("lora_backward_run", &moetune_ops::lora_backward_run, "LoraPass.backward_run",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -4,8 +4,9 @@
 //
 //   split_mm, split_mm_t   moetune/engine/shapes.py   RowSplit.mm, RowSplit.mm_t
 //   mm_wt                  moetune/engine/gemm.py     BlockedGemm.matmul_wt's few-row form (weight as left operand)
-//   lora_forward_run       moetune/engine/lora.py     LoraPass.forward_run without dropout
-//   lora_backward_run      moetune/engine/lora.py     LoraPass.backward_run without dropout
+//   dropout_mask           moetune/engine/lora.py     dropout_mask (the same generator seed, the same draws)
+//   lora_forward_run       moetune/engine/lora.py     LoraPass.forward_run
+//   lora_backward_run      moetune/engine/lora.py     LoraPass.backward_run
 //   dense_run              moetune/engine/gemm.py     BlockedGemm.matmul_wt / matmul_w over a run of experts whose
 //                                                     weights are stored in the compute dtype
 //
@@ -156,71 +157,102 @@ void dense_run(bool forward, const at::Tensor& w, const at::Tensor& inp, int64_t
   }
 }
 
-// out [n, D_out] = s * inp A_e^T B_e^T (written: the base GEMM accumulates into it); the A-projection inp A_e^T
-// [n, r] into a_out (LoraPass.forward, no dropout). a [E, r, D_in], b [E, D_out, r]: expert e's are used.
+// LoRA dropout of one pass: seed < 0 none; else expert e's keep-mask of projection proj_id (0 gate_up, 1 down)
+struct Dropout {
+  int64_t seed;
+  double p;
+  int64_t proj_id;
+};
+
+// lora.py's dropout_mask: bernoulli(1 - p) / (1 - p) over `shape`, drawn from a CPU generator seeded with
+// (seed * 1000003 + expert * 2 + proj) mod 2^63 (unsigned arithmetic wraps mod 2^64, of which 2^63 divides)
+at::Tensor dropout_mask(const Dropout& d, int64_t e, at::IntArrayRef shape, at::ScalarType dtype) {
+  const uint64_t mixed = static_cast<uint64_t>(d.seed) * 1000003ULL + static_cast<uint64_t>(e) * 2ULL +
+                         static_cast<uint64_t>(d.proj_id);
+  at::Generator gen = at::detail::createCPUGenerator(mixed & ((1ULL << 63) - 1));
+  at::Tensor mask = at::empty(shape, at::TensorOptions().dtype(dtype));
+  mask.bernoulli_(1.0 - d.p, gen);
+  return mask.div_(1.0 - d.p);
+}
+
+// LoraPass.forward: out [n, D_out] = s * drop(inp) A_e^T B_e^T (written: the base GEMM accumulates into it); the
+// A-projection drop(inp) A_e^T [n, r] into a_out. a [E, r, D_in], b [E, D_out, r]: expert e's are used.
 void lora_forward(const at::Tensor& inp, const at::Tensor& a, const at::Tensor& b, int64_t e, at::Tensor out,
-                  at::Tensor a_out, double scaling, bool split) {
+                  at::Tensor a_out, double scaling, bool split, const Dropout& drop) {
   const at::Tensor a_e = a.select(0, e), b_e = b.select(0, e);
-  split_mm(inp, a_e.t(), a_out, 0.0, 1.0, split);
+  const at::Tensor dropped = drop.seed < 0 ? inp : inp * dropout_mask(drop, e, inp.sizes(), inp.scalar_type());
+  split_mm(dropped, a_e.t(), a_out, 0.0, 1.0, split);
   split_mm(a_out, b_e.t(), out, 0.0, scaling, split);
 }
 
-// LoraPass.backward without dropout, for expert e of a [E, r, D_in] and b [E, D_out, r]: g_in [n, D_in] =
-// s (g_out B_e) A_e (written), and expert e's grads in grad_a [E, r, D_in] and grad_b [E, D_out, r] (fp32, written)
+// LoraPass.backward, for expert e of a [E, r, D_in] and b [E, D_out, r]: g_in [n, D_in] = s (g_out B_e) A_e (times
+// the dropout mask; written), and expert e's grads in grad_a [E, r, D_in] and grad_b [E, D_out, r] (fp32, written)
 // from g_out [n, D_out], inp [n, D_in], the forward's A-projection a_proj [n, r] (or None: recomputed) and the
 // routing weights w_e [n, 1] (or None: g_out is weighted already).
 void lora_backward(const at::Tensor& g_out, at::Tensor g_in, const at::Tensor& inp,
                    const c10::optional<at::Tensor>& a_proj, const c10::optional<at::Tensor>& w_e,
                    const at::Tensor& a, const at::Tensor& b, int64_t e, const at::Tensor& grad_a,
-                   const at::Tensor& grad_b, double scaling, bool split) {
+                   const at::Tensor& grad_b, double scaling, bool split, const Dropout& drop) {
   const at::Tensor a_e = a.select(0, e), b_e = b.select(0, e);
   at::Tensor grad_a_e = grad_a.select(0, e), grad_b_e = grad_b.select(0, e);
   const int64_t n = g_out.size(0), rank = a_e.size(0);
   at::Tensor gb = scratch(kLoraGb, n, rank, g_out.scalar_type());
   split_mm(g_out, b_e, gb, 0.0, 1.0, split);
-  split_mm(gb, a_e, g_in, 0.0, scaling, split);
+  at::Tensor dropped = inp;
+  if (drop.seed < 0) {
+    split_mm(gb, a_e, g_in, 0.0, scaling, split);
+  } else {  // the mask applies to the gradient flowing back into the input too
+    const at::Tensor mask = dropout_mask(drop, e, inp.sizes(), inp.scalar_type());
+    dropped = inp * mask;
+    split_mm(gb, a_e, g_in, 0.0, 1.0, split);
+    g_in.mul_(mask).mul_(scaling);
+  }
   at::Tensor ap;
   if (a_proj.has_value()) {
     ap = *a_proj;
   } else {
     ap = scratch(kLoraProj, n, rank, inp.scalar_type());
-    split_mm(inp, a_e.t(), ap, 0.0, 1.0, split);
+    split_mm(dropped, a_e.t(), ap, 0.0, 1.0, split);
   }
   if (w_e.has_value()) {
     gb = gb * *w_e;
     ap = ap * *w_e;
   }
-  split_mm_t(gb, inp, grad_a_e, split);
+  split_mm_t(gb, dropped, grad_a_e, split);
   grad_a_e.mul_(scaling);
   // (a^T g)^T, not g^T a: the [r, n] x [n, D] form runs faster (see LoraPass.backward)
   split_mm_t(ap, g_out, grad_b_e.t(), split);
   grad_b_e.mul_(scaling);
 }
 
-// lora_forward for each (e, s0, s1) of segs on rows s0:s1 of inp, out and a_out
+// lora_forward for each (e, s0, s1) of segs on rows s0:s1 of inp, out and a_out; seed < 0: no dropout
 void lora_forward_run(const at::Tensor& inp, const at::Tensor& a, const at::Tensor& b, const std::vector<int64_t>& segs,
-                      const at::Tensor& out, const at::Tensor& a_out, double scaling, bool split) {
+                      const at::Tensor& out, const at::Tensor& a_out, double scaling, bool split, int64_t seed,
+                      double dropout, int64_t proj_id) {
   TORCH_CHECK(segs.size() % 3 == 0, "segs: (expert, start, end) triples");
+  const Dropout drop{seed, dropout, proj_id};
   for (size_t i = 0; i < segs.size(); i += 3) {
     const int64_t e = segs[i], s0 = segs[i + 1], s1 = segs[i + 2];
-    lora_forward(inp.slice(0, s0, s1), a, b, e, out.slice(0, s0, s1), a_out.slice(0, s0, s1), scaling, split);
+    lora_forward(inp.slice(0, s0, s1), a, b, e, out.slice(0, s0, s1), a_out.slice(0, s0, s1), scaling, split, drop);
   }
 }
 
 // lora_backward for each (e, s0, s1) of segs on rows s0:s1 of g_in, inp, a_proj and w, and rows
-// s0 - g_out_offset : s1 - g_out_offset of g_out (which may hold the run's rows alone)
+// s0 - g_out_offset : s1 - g_out_offset of g_out (which may hold the run's rows alone); seed < 0: no dropout
 void lora_backward_run(const at::Tensor& g_out, int64_t g_out_offset, const at::Tensor& g_in, const at::Tensor& inp,
                        const c10::optional<at::Tensor>& a_proj, const c10::optional<at::Tensor>& w,
                        const at::Tensor& a, const at::Tensor& b, const std::vector<int64_t>& segs,
-                       const at::Tensor& grad_a, const at::Tensor& grad_b, double scaling, bool split) {
+                       const at::Tensor& grad_a, const at::Tensor& grad_b, double scaling, bool split, int64_t seed,
+                       double dropout, int64_t proj_id) {
   TORCH_CHECK(segs.size() % 3 == 0, "segs: (expert, start, end) triples");
+  const Dropout drop{seed, dropout, proj_id};
   for (size_t i = 0; i < segs.size(); i += 3) {
     const int64_t e = segs[i], s0 = segs[i + 1], s1 = segs[i + 2];
     c10::optional<at::Tensor> ap, we;
     if (a_proj.has_value()) ap = a_proj->slice(0, s0, s1);
     if (w.has_value()) we = w->slice(0, s0, s1);
     lora_backward(g_out.slice(0, s0 - g_out_offset, s1 - g_out_offset), g_in.slice(0, s0, s1), inp.slice(0, s0, s1),
-                  ap, we, a, b, e, grad_a, grad_b, scaling, split);
+                  ap, we, a, b, e, grad_a, grad_b, scaling, split, drop);
   }
 }
 
