@@ -123,11 +123,9 @@ void mxfp4_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const t
 template <class F>
 void each_segment(const std::vector<int64_t>& segs, const torch::Tensor& a, int64_t a_offset, const torch::Tensor& out,
                   F&& one) {
-  TORCH_CHECK(segs.size() % 3 == 0, "segs: (expert, start, end) triples");
-  for (size_t i = 0; i < segs.size(); i += 3) {
-    const int64_t e = segs[i], s0 = segs[i + 1], s1 = segs[i + 2];
+  moetune_ops::for_each_segment(segs, [&](int64_t e, int64_t s0, int64_t s1) {
     one(e, a.slice(0, s0 - a_offset, s1 - a_offset), out.slice(0, s0, s1));
-  }
+  });
 }
 
 void int8_gemm_run(bool forward, const torch::Tensor& a, int64_t a_offset, const torch::Tensor& out,

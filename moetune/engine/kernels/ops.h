@@ -74,6 +74,13 @@ inline at::Tensor padded_rows(const at::Tensor& t, const Piece& p, Slot slot) {
   return buf;
 }
 
+// fn(e, s0, s1) for each (expert, first row, end row) triple of segs, a run of experts' rows sorted by expert
+template <class F>
+void for_each_segment(const std::vector<int64_t>& segs, F&& fn) {
+  TORCH_CHECK(segs.size() % 3 == 0, "segs: (expert, start, end) triples");
+  for (size_t i = 0; i < segs.size(); i += 3) fn(segs[i], segs[i + 1], segs[i + 2]);
+}
+
 // out [n, D] = beta * out + alpha * a [n, K] @ b [K, D], piece by piece of the n rows (RowSplit.mm)
 void split_mm(const at::Tensor& a, const at::Tensor& b, at::Tensor out, double beta, double alpha, bool split) {
   const bool plain = beta == 0.0 && alpha == 1.0;
@@ -142,9 +149,7 @@ void mm_wt(const at::Tensor& w, const at::Tensor& inp, at::Tensor dst, const c10
 // backward: out[s0:s1] (+)= inp[s0:s1] @ w[e] (inp: the gradient at the output), as split_mm.
 void dense_run(bool forward, const at::Tensor& w, const at::Tensor& inp, int64_t inp_offset, at::Tensor out,
                const std::vector<int64_t>& segs, bool accumulate, int64_t small_rows, bool split) {
-  TORCH_CHECK(segs.size() % 3 == 0, "segs: (expert, start, end) triples");
-  for (size_t i = 0; i < segs.size(); i += 3) {
-    const int64_t e = segs[i], s0 = segs[i + 1], s1 = segs[i + 2];
+  for_each_segment(segs, [&](int64_t e, int64_t s0, int64_t s1) {
     const at::Tensor w_e = w.select(0, e), a = inp.slice(0, s0 - inp_offset, s1 - inp_offset);
     at::Tensor o = out.slice(0, s0, s1);
     if (!forward) {
@@ -154,7 +159,7 @@ void dense_run(bool forward, const at::Tensor& w, const at::Tensor& inp, int64_t
     } else {
       mm_wt(w_e, a, o, c10::nullopt, accumulate, split);
     }
-  }
+  });
 }
 
 // LoRA dropout of one pass: seed < 0 none; else expert e's keep-mask of projection proj_id (0 gate_up, 1 down)
@@ -229,12 +234,10 @@ void lora_backward(const at::Tensor& g_out, at::Tensor g_in, const at::Tensor& i
 void lora_forward_run(const at::Tensor& inp, const at::Tensor& a, const at::Tensor& b, const std::vector<int64_t>& segs,
                       const at::Tensor& out, const at::Tensor& a_out, double scaling, bool split, int64_t seed,
                       double dropout, int64_t proj_id) {
-  TORCH_CHECK(segs.size() % 3 == 0, "segs: (expert, start, end) triples");
   const Dropout drop{seed, dropout, proj_id};
-  for (size_t i = 0; i < segs.size(); i += 3) {
-    const int64_t e = segs[i], s0 = segs[i + 1], s1 = segs[i + 2];
+  for_each_segment(segs, [&](int64_t e, int64_t s0, int64_t s1) {
     lora_forward(inp.slice(0, s0, s1), a, b, e, out.slice(0, s0, s1), a_out.slice(0, s0, s1), scaling, split, drop);
-  }
+  });
 }
 
 // lora_backward for each (e, s0, s1) of segs on rows s0:s1 of g_in, inp, a_proj and w, and rows
@@ -244,16 +247,14 @@ void lora_backward_run(const at::Tensor& g_out, int64_t g_out_offset, const at::
                        const at::Tensor& a, const at::Tensor& b, const std::vector<int64_t>& segs,
                        const at::Tensor& grad_a, const at::Tensor& grad_b, double scaling, bool split, int64_t seed,
                        double dropout, int64_t proj_id) {
-  TORCH_CHECK(segs.size() % 3 == 0, "segs: (expert, start, end) triples");
   const Dropout drop{seed, dropout, proj_id};
-  for (size_t i = 0; i < segs.size(); i += 3) {
-    const int64_t e = segs[i], s0 = segs[i + 1], s1 = segs[i + 2];
+  for_each_segment(segs, [&](int64_t e, int64_t s0, int64_t s1) {
     c10::optional<at::Tensor> ap, we;
     if (a_proj.has_value()) ap = a_proj->slice(0, s0, s1);
     if (w.has_value()) we = w->slice(0, s0, s1);
     lora_backward(g_out.slice(0, s0 - g_out_offset, s1 - g_out_offset), g_in.slice(0, s0, s1), inp.slice(0, s0, s1),
                   ap, we, a, b, e, grad_a, grad_b, scaling, split, drop);
-  }
+  });
 }
 
 }  // namespace moetune_ops
