@@ -185,7 +185,9 @@ def _train_folded(config_path: str, experts: str) -> None:
         )
         trainer = recipe.train(cfg, model, tokenizer, data)
         recipe.save(cfg, trainer, tokenizer, time.perf_counter() - start)
-    print(f"rank {ranks.rank} of {ranks.world} (local {ranks.local_rank}): trained", flush=True)
+    # one write per line (print under python -u writes the newline apart: the ranks' lines interleaved)
+    sys.stdout.write(f"rank {ranks.rank} of {ranks.world} (local {ranks.local_rank}): trained\n")
+    sys.stdout.flush()
 
 
 def _adapter_saves_on_every_rank(folder: str) -> None:

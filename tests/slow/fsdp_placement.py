@@ -31,7 +31,9 @@ def main(config_path: str) -> None:
             f"rank {ranks.rank}: misplaced (expert or LoRA expert sharded, or dense not): {wrong[:4]}"
         )
         assert all(p.device.type == "cpu" for n, p in trained if n in host)
-    print(f"rank {ranks.rank}: placement ok ({len(host)} host tensors whole)", flush=True)
+    # one write per line (print under python -u writes the newline apart: the ranks' lines interleaved)
+    sys.stdout.write(f"rank {ranks.rank}: placement ok ({len(host)} host tensors whole)\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
