@@ -37,7 +37,7 @@ import torch
 from moetune.engine.formats import ExpertFormat
 from moetune.engine.formats.base import Projection
 from moetune.engine.kernels import fused_kernels, load_fused, load_variant, variant_named
-from moetune.engine.routing import Segment
+from moetune.engine.routing import Segment, flat_segments
 from moetune.engine.shapes import RowSplit, native_ops, padded_rows
 from moetune.engine.workspace import thread_workspace
 from moetune.errors import EngineError
@@ -259,14 +259,21 @@ class BlockedGemm:
         # asked on every call, never kept: a module may swap the tensors (full mode's nn.Parameters)
         stored = self.weights.stored_in(proj, self.compute_dtype) if self._native_runs else None
         if stored is not None:
-            flat = [v for seg in segments for v in seg]
             native_ops().dense_run(
-                forward, stored, inp, inp_offset, out, flat, accumulate, SMALL_ROWS, self.split.enabled
+                forward,
+                stored,
+                inp,
+                inp_offset,
+                out,
+                flat_segments(segments),
+                accumulate,
+                SMALL_ROWS,
+                self.split.enabled,
             )
             return
         fused = self.path.fused_rows
         if fused and self.split.native:  # the fused experts of the run: one call (entry.h's <kernel>_run)
-            few = [v for seg in segments if seg[2] - seg[1] <= fused for v in seg]
+            few = flat_segments(seg for seg in segments if seg[2] - seg[1] <= fused)
             if few:
                 kernel, operands = self.weights.fused_run_operands(proj)
                 run = getattr(self._kernels_for(self.path), kernel)

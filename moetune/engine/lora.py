@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from moetune.engine.formats.base import Projection
-from moetune.engine.routing import Segment
+from moetune.engine.routing import Segment, flat_segments
 from moetune.engine.shapes import RowSplit, native_ops
 from moetune.engine.workspace import Workspace
 from moetune.errors import ConfigError, EngineError
@@ -230,7 +230,7 @@ class LoraPass:
         ``[N, D_out]`` and a_out ``[N, r]``: one compiled call for them all (``engine.shapes``)."""
         if self.split.native:
             a, b = self._ab[proj]
-            flat = [v for seg in segments for v in seg]
+            flat = flat_segments(segments)
             native_ops().lora_forward_run(
                 inp, a, b, flat, out, a_out, self.lora.scaling, self.split.enabled, *self._dropout(proj)
             )
@@ -263,13 +263,12 @@ class LoraPass:
         w: torch.Tensor | None,
         g_out_offset: int = 0,
     ) -> None:
-        """:meth:`backward` for each ``(e, s0, s1)`` of ``segments`` (their grads into ``grads``) on rows s0:s1 of g_in,
-        inp, a_proj and w
-        (``[N, ...]``, sorted by expert) and rows ``s0 - g_out_offset : s1 - g_out_offset`` of g_out (which may hold
-        the run's rows alone): one compiled call for them all (``engine.shapes``)."""
+        """:meth:`backward` for each ``(e, s0, s1)`` of ``segments`` (their grads into ``grads``) on rows s0:s1 of
+        g_in, inp, a_proj and w (``[N, ...]``, sorted by expert) and rows ``s0 - g_out_offset : s1 - g_out_offset``
+        of g_out (which may hold the run's rows alone): one compiled call for them all (``engine.shapes``)."""
         if self.split.native:
             a, b = self._ab[proj]
-            flat = [v for seg in segments for v in seg]
+            flat = flat_segments(segments)
             ga, gb = grads[f"{proj}_A"], grads[f"{proj}_B"]
             native_ops().lora_backward_run(
                 g_out,

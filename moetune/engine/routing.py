@@ -7,6 +7,7 @@ rows one contiguous segment, so its GEMMs run on views with no further copies.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -15,6 +16,12 @@ import torch
 from moetune.errors import EngineError
 
 Segment = tuple[int, int, int]  # expert, first sorted row, end row
+
+
+def flat_segments(segments: Iterable[Segment]) -> list[int]:
+    """``segments`` as one list of ``(expert, start, end)`` triples, the form the compiled run calls take
+    (``kernels/ops.h``, ``entry.h``)."""
+    return [v for seg in segments for v in seg]
 
 
 class Run(NamedTuple):
