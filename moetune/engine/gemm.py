@@ -13,11 +13,12 @@ CPU (``resolve_gemm_path``; ``moetune doctor`` prints it per format):
   0.04 ms at n = 64), so those experts take dequantized tiles.
 * ``dequantized tiles``: the others (``ExpertFormat.tile``) write the effective weight in the compute dtype.
 
-Before either, when the kernel variant that loads here computes in the compute dtype (``KernelVariant.compute``:
-AMX-BF16 and AVX512-BF16 in bf16, AVX2 in fp32): experts with at most ``fused_rows`` rows (the format's
-``FUSED_MAX_ROWS`` for that variant) go to the compiled kernels (``moetune.engine.kernels``: int8, int4,
-fp8_block and mxfp4), which read the codes and dequantize them in
-registers: no converted tile is written at all. Above that, and wherever the kernels are missing or turned off
+Before any of these, when the kernel variant that loads here computes in the compute dtype
+(``KernelVariant.compute``: AMX-BF16 and AVX512-BF16 in bf16, AVX2 in fp32): experts with at most ``fused_rows``
+rows (the format's ``FUSED_MAX_ROWS`` for that variant) go to the compiled kernels (``moetune.engine.kernels``:
+int8, int4, fp8_block and mxfp4, which read the codes and dequantize them in registers: no converted tile is
+written at all; and dense bf16 weights on AVX512-BF16, which the kernel reads once per product where oneDNN
+re-lays them out on every call). Above that, and wherever the kernels are missing or turned off
 (``MOETUNE_KERNELS=off``), the torch path above runs; it is the kernels' reference.
 
 Converted weights come whole or in row blocks: on CPUs with AMX-BF16 a bf16 GEMM on a whole converted matrix
@@ -77,7 +78,13 @@ class GemmPath:
     def describe(self) -> str:
         """One line for ``moetune doctor`` and the benchmarks."""
         if self.conversion is Conversion.VIEW:
-            return "GEMMs on the stored weights (no conversion)"
+            stored = "GEMMs on the stored weights (no conversion)"
+            if not self.fused_rows:
+                return stored
+            return (
+                f"experts with <= {self.fused_rows} rows: bf16 kernel ({self.fused_variant}, each weight read once "
+                f"per product); more rows: {stored}"
+            )
         size = "whole matrices" if self.whole_tiles else "cache-sized row blocks"
         what = (
             f"experts with <= {SMALL_ROWS} rows: codes converted exactly, per-row scale applied to the GEMM's "
@@ -105,20 +112,19 @@ def resolve_gemm_path(
     first use; ``kernels.fused_kernels``) computes in ``compute_dtype``, the format has a threshold for it and
     ``cpu`` has its ISA; False resolves the torch path alone. ``whole_tiles`` (the torch path's) depends on ``cpu`` alone.
     """
-    if not weights.needs_buffer(compute_dtype):
-        return GemmPath(Conversion.VIEW, whole_tiles=True)
-    scaled = compute_dtype in weights.SCALED_TILE_DTYPES
-    conversion = Conversion.SCALED_CODES if scaled else Conversion.DEQUANTIZED
-    amx = "AMX-BF16" in (cpu or cpu_info()).isa
-    bf16 = compute_dtype == torch.bfloat16
     kernels = fused_kernels() if fused and weights.FUSED_MAX_ROWS else None
     variant = str(kernels.variant) if kernels is not None else ""
     spec = variant_named(variant)
     fits = spec is not None and spec.compute == compute_dtype and spec.isa in (cpu or cpu_info()).isa
     rows = weights.FUSED_MAX_ROWS.get(variant, 0) if fits else 0
-    return GemmPath(
-        conversion, whole_tiles=amx and bf16, fused_rows=rows, fused_variant=variant if rows else ""
-    )
+    variant = variant if rows else ""
+    if not weights.needs_buffer(compute_dtype):
+        return GemmPath(Conversion.VIEW, whole_tiles=True, fused_rows=rows, fused_variant=variant)
+    scaled = compute_dtype in weights.SCALED_TILE_DTYPES
+    conversion = Conversion.SCALED_CODES if scaled else Conversion.DEQUANTIZED
+    amx = "AMX-BF16" in (cpu or cpu_info()).isa
+    bf16 = compute_dtype == torch.bfloat16
+    return GemmPath(conversion, whole_tiles=amx and bf16, fused_rows=rows, fused_variant=variant)
 
 
 class BlockedGemm:
@@ -256,21 +262,6 @@ class BlockedGemm:
         stored in the compute dtype take one compiled call for the whole run (``kernels/ops.h``'s ``dense_run``: the
         same ops as the per-expert calls, one GIL hand-off), and so do the experts of a run that go to the fused
         kernels (``entry.h``'s ``<kernel>_run``); the others one call per expert."""
-        # asked on every call, never kept: a module may swap the tensors (full mode's nn.Parameters)
-        stored = self.weights.stored_in(proj, self.compute_dtype) if self._native_runs else None
-        if stored is not None:
-            native_ops().dense_run(
-                forward,
-                stored,
-                inp,
-                inp_offset,
-                out,
-                flat_segments(segments),
-                accumulate,
-                SMALL_ROWS,
-                self.split.enabled,
-            )
-            return
         fused = self.path.fused_rows
         if fused and self.split.native:  # the fused experts of the run: one call (entry.h's <kernel>_run)
             few = flat_segments(seg for seg in segments if seg[2] - seg[1] <= fused)
@@ -279,6 +270,22 @@ class BlockedGemm:
                 run = getattr(self._kernels_for(self.path), kernel)
                 run(forward, inp, inp_offset, out, few, *operands, accumulate)
             segments = [seg for seg in segments if seg[2] - seg[1] > fused]
+        # asked on every call, never kept: a module may swap the tensors (full mode's nn.Parameters)
+        stored = self.weights.stored_in(proj, self.compute_dtype) if self._native_runs else None
+        if stored is not None:
+            if segments:
+                native_ops().dense_run(
+                    forward,
+                    stored,
+                    inp,
+                    inp_offset,
+                    out,
+                    flat_segments(segments),
+                    accumulate,
+                    SMALL_ROWS,
+                    self.split.enabled,
+                )
+            return
         one = self.matmul_wt if forward else self.matmul_w
         for e, s0, s1 in segments:
             one(proj, e, inp[s0 - inp_offset : s1 - inp_offset], out[s0:s1], accumulate)

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+from typing import Any
+
 import torch
 
 from moetune.engine.formats.base import FORMATS, ExpertFormat, Projection
 from moetune.errors import EngineError
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+# Weights stored in bf16, per kernel variant: experts with at most this many rows take the kernels' bf16_gemm
+# (kernels/few_rows.h on AVX512-BF16: each weight read once per product, 1.3-2.4x oneDNN's speed per product up to 24
+# rows, level at 32: `python bench/bf16_products.py`; engine step at T = 256, E = 128: 1.22x with 16, 1.51x with 24,
+# 1.56x with 32, T = 512: 1.00x / 1.01x / 1.06x, `python bench/formats.py --experts 128 --tokens 256 512 --formats
+# bf16 --fused-max-rows N`; docs/performance.md, "Dense bf16 experts with few rows"). Not measured against AMX's
+# oneDNN GEMMs yet: no AMX-BF16 entry.
+BF16_FUSED_MAX_ROWS = MappingProxyType({"AVX512-BF16": 32})
 
 
 @FORMATS.register("dense")
@@ -40,6 +51,9 @@ class DenseExperts(ExpertFormat):
         self.gate_up = gate_up if gate_up.is_contiguous() else gate_up.contiguous()
         self.down = down if down.is_contiguous() else down.contiguous()
         self.num_experts, self.hidden_size, self.intermediate_size = e, h, two_i // 2
+        # the kernels' bf16_gemm reads bf16 weights only
+        bf16 = self.gate_up.dtype == torch.bfloat16
+        self.FUSED_MAX_ROWS = dict(BF16_FUSED_MAX_ROWS) if bf16 else {}  # (a dict: copy.deepcopy takes it)
 
     @classmethod
     def from_dense(cls, gate_up: torch.Tensor, down: torch.Tensor) -> DenseExperts:
@@ -71,6 +85,12 @@ class DenseExperts(ExpertFormat):
 
     def needs_buffer(self, dtype: torch.dtype) -> bool:
         return self.gate_up.dtype != dtype
+
+    def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
+        return "bf16_gemm", (self._stored(proj)[expert],)
+
+    def fused_run_operands(self, proj: Projection) -> tuple[str, tuple[Any, ...]]:
+        return "bf16_gemm_run", (self._stored(proj),)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_up.to(dtype), self.down.to(dtype)

@@ -7,15 +7,18 @@
 //             weight rows at a time, each accumulator summed across its lanes once at the end of the row; more
 //             rows: 16 x 32 blocks of W decoded once, transposed to lanes along o, x pairs broadcast.
 //   backward: out[n, K] (+)= g[n, O] @ W      lanes along k: acc[r][k..k+16) += bcast(g[r, o:o+2]) . pairs
-//             (W[o, k..k+16), W[o+1, k..k+16)) (layouts.h's pair layout), decoded in registers where they are
-//             used for up to 8 rows of g, else once per 32 x 64 block into L1 and used by every row of g; each
-//             64-column strip's fp32 sums in a per-thread [n, 64] buffer.
+//             (W[o, k..k+16), W[o+1, k..k+16)) (layouts.h's pair layout); up to 8 rows of g: few_rows.h's band
+//             walk, each pair decoded in registers where it is used; more: decoded once per 32 x 64 block into L1
+//             and used by every row of g, each 64-column strip's fp32 sums in a per-thread [n, 64] buffer.
+//
+// Weights stored in bf16 (dense experts, moetune::Bf16Rows) take few_rows.h's own loops (no decoding).
 //
 // Each weight is decoded once per call for up to 8 rows (the engine's few-row experts), so the loops stream the
 // codes once.
 #define MOETUNE_VARIANT "AVX512-BF16"
 
 #include "decoders.h"
+#include "few_rows.h"  // the band walk (backward, <= 8 rows) and run_gemm for dense bf16 weights
 #include "layouts.h"
 
 #include <ATen/Parallel.h>
@@ -43,21 +46,7 @@ constexpr int kAheadPairs = 2;
 // forward_panel (each weight decoded once)
 constexpr int kDotRows = 16;
 
-// f(std::integral_constant<int, R>{}) with R = min(rows, kRows), 1 .. kRows: the register blocks' row counts are
-// template arguments (their accumulator arrays live in registers), chosen here at run time
-template <class F>
-MOETUNE_AVX512 inline void with_rows(int64_t rows, F&& f) {
-  switch (std::min<int64_t>(kRows, rows)) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, kRows>{}); break;
-  }
-}
+using moetune_few_rows::with_rows8;
 
 // Why not usable here, or "" when AVX512F/BW/VL and AVX512-BF16 are.
 std::string variant_unavailable() {
@@ -181,7 +170,7 @@ MOETUNE_AVX512 void forward_panel(const Dec& dec, const at::BFloat16* x, int64_t
     for (int64_t r0 = 0; r0 < n; r0 += kRows) {
       const at::BFloat16* xk = x + r0 * ldx + k0;
       float* a = acc + r0 * 16;
-      with_rows(n - r0, [&](auto R) MOETUNE_AVX512 {
+      with_rows8(n - r0, [&](auto R) MOETUNE_AVX512 {
         forward_block<decltype(R)::value>(w, pairs, odd, xk, ldx, a);
       });
     }
@@ -208,7 +197,7 @@ MOETUNE_AVX512 void forward_range(const Dec& dec, const float* row_scale, const 
       for (int64_t r0 = 0; r0 < n; r0 += kRows) {  // a second block finds the 16 weight rows in L1
         const at::BFloat16* xr = x + r0 * ldx;
         float* res = acc + r0 * 16;
-        with_rows(n - r0, [&](auto R) MOETUNE_AVX512 {
+        with_rows8(n - r0, [&](auto R) MOETUNE_AVX512 {
           forward_rows<decltype(R)::value>(dec, xr, ldx, K, o0, rows, res, ahead);
         });
       }
@@ -246,7 +235,7 @@ MOETUNE_AVX512 void backward_rows(const Pairs& pair, const uint16_t* g, float* a
 // backward_rows for n rows of g, from the pair vectors `pair` hands out
 template <class Pairs>
 MOETUNE_AVX512 void backward_block(const Pairs& pair, int64_t n, const uint16_t* g, float* acc) {
-  with_rows(n, [&](auto R) MOETUNE_AVX512 { backward_rows<decltype(R)::value>(pair, g, acc); });
+  with_rows8(n, [&](auto R) MOETUNE_AVX512 { backward_rows<decltype(R)::value>(pair, g, acc); });
 }
 
 // the pairs decoded into L1 by decode_pairs (four 16-column tiles of 16 pairs)
@@ -257,20 +246,9 @@ struct TilePairs {
   }
 };
 
-// the pairs decoded in registers where they are used (one block of rows of g: no round trip through L1)
-template <class Dec>
-struct DecodedPairs {
-  const Dec& dec;
-  int64_t os, s, K, O;
-  MOETUNE_AVX512 __m512bh operator()(int p, int q) const {
-    return moetune::decode_pair(dec, os * 32 + 2 * p, s * 64 + q * 16, K, O);
-  }
-};
-
-// Backward, output columns [64 s0, 64 s1) a strip of 64 at a time: with up to 8 rows of g each pair decoded in
-// registers where it is used (0.76 -> 0.65 ms per [1536, 2048] int8 matrix at n = 8, one thread, against the
-// L1 round trip); more rows: each 32-row block of W decoded once into L1 (decode_pairs) and multiplied with
-// every row of g (gt: scaled_rows' layout, opad = O rounded up to 32).
+// Backward with more than 8 rows of g (fewer: few_rows.h's band walk), output columns [64 s0, 64 s1) a strip of
+// 64 at a time: each 32-row block of W decoded once into L1 (decode_pairs) and multiplied with every row of g (gt:
+// scaled_rows' layout, opad = O rounded up to 32).
 template <class Dec>
 MOETUNE_AVX512 void backward_range(const Dec& dec, const uint16_t* gt, int64_t opad, int64_t n, int64_t K,
                                    int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate, int64_t s0,
@@ -281,11 +259,6 @@ MOETUNE_AVX512 void backward_range(const Dec& dec, const uint16_t* gt, int64_t o
   for (int64_t s = s0; s < s1; ++s) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t os = 0; os < steps; ++os) {
-      if (n <= kRows) {  // one block of rows: each pair decoded where it is used
-        moetune::prefetch_strip(dec, os, s, O);  // as decode_pairs does
-        backward_block(DecodedPairs<Dec>{dec, os, s, K, O}, n, gt + os * 512, acc.data());
-        continue;
-      }
       decode_pairs(dec, os, s, K, O, bt, 512);
       for (int64_t r0 = 0; r0 < n; r0 += kRows)  // r0 % 8 == 0: a chunk stays in one 16-row block of gt
         backward_block(TilePairs{bt}, std::min<int64_t>(kRows, n - r0),
@@ -311,6 +284,9 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
     at::parallel_for(0, (O + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
       forward_range(dec, row_scale, ap, lda, n, K, O, op, ldo, accumulate, b0, b1);
     });
+  } else if (n <= kRows) {  // bands of weight rows walked along k, each pair decoded in registers (few_rows.h)
+    moetune_few_rows::backward(moetune_few_rows::DecodedPairs32<Dec>{dec, K, O}, ap, lda, n, K, O, row_scale, op, ldo,
+                               accumulate);
   } else {
     const int64_t opad = (O + 31) / 32 * 32;
     std::vector<uint16_t> gt((n + 15) / 16 * 16 * opad);

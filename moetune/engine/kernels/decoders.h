@@ -4,9 +4,9 @@
 // Contract (a later format adds one struct with these two members, and an entry point in entry.h):
 //   __m512 operator()(int64_t o, int64_t k0, int valid) const
 //       the 16 fp32 values W[o, k0 .. k0 + 16) (k0 % 16 == 0), lanes at and past `valid` zero (valid may be
-//       <= 0 or >= 16); each value is exactly the one the format's torch path multiplies with (int8: the code,
-//       its row scale applied by the caller; int4: (u - z) * s in fp32, rounded to bf16 by the caller; fp8_block:
-//       code * scale_inv in fp32; mxfp4: FP4[code] * 2^(s - 127), exact).
+//       <= 0 or >= 16); each value is exactly the one the format's torch path multiplies with (bf16: the stored
+//       value; int8: the code, its row scale applied by the caller; int4: (u - z) * s in fp32, rounded to bf16 by
+//       the caller; fp8_block: code * scale_inv in fp32; mxfp4: FP4[code] * 2^(s - 127), exact).
 //   __m256 eight(int64_t o, int64_t k0, int valid) const
 //       the same for W[o, k0 .. k0 + 8) (k0 % 8 == 0) on AVX2 + FMA + F16C, 8 fp32 lanes: the same values (one
 //       scalar helper per format gives both widths their scale), lanes at and past `valid` zero.
@@ -47,6 +47,26 @@ MOETUNE_AVX512 inline float bf16_to_float(const at::BFloat16 v) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
+
+// bf16: W [O, K] stored in bf16 (dense experts), each value widened exactly to fp32. The AVX512-BF16 variant
+// multiplies these weights without this decoder (few_rows.h: its loops load them as they are); the other variants'
+// generic loops take it.
+struct Bf16Rows {
+  const at::BFloat16* w;  // [O, K]
+  int64_t K;
+  MOETUNE_AVX512 inline __m512 operator()(int64_t o, int64_t k0, int valid) const {
+    const __m256i b = _mm256_maskz_loadu_epi16(first(valid), w + o * K + k0);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+  }
+  MOETUNE_AVX2 inline __m256 eight(int64_t o, int64_t k0, int valid) const {
+    __m128i b = _mm_setzero_si128();
+    std::memcpy(&b, w + o * K + k0, 2 * (valid >= 8 ? 8 : (valid > 0 ? valid : 0)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+  }
+  inline void prefetch(int64_t o, int64_t k) const {
+    _mm_prefetch(reinterpret_cast<const char*>(w + o * K + k), _MM_HINT_T0);
+  }
+};
 
 // int8: codes [O, K] int8; W = diag(row scale) @ codes, the scale applied by the caller (exact codes here).
 struct Int8Rows {

@@ -51,6 +51,14 @@ void run_checked(bool forward, const Dec& dec, const float* row_scale, const tor
   run_gemm(forward, dec, row_scale, a, out, O, K, accumulate);
 }
 
+// a: x [n, K] (forward) or g [n, O] (backward); out: [n, O] or [n, K]; w [O, K] bf16 (dense weights).
+void bf16_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& w, bool accumulate) {
+  require_variant();
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(), "w: bf16 [O, K], contiguous");
+  run_checked(forward, moetune::Bf16Rows{w.data_ptr<at::BFloat16>(), w.size(1)}, nullptr, a, out, w.size(0),
+              w.size(1), accumulate);
+}
+
 // a: x [n, K] (forward) or g [n, O] (backward); out: [n, O] or [n, K]; codes [O, K] int8; scale [O] fp32.
 void int8_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& codes,
                const torch::Tensor& scale, bool accumulate) {
@@ -117,7 +125,7 @@ void mxfp4_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const t
   run_checked(forward, dec, nullptr, a, out, O, K, accumulate);
 }
 
-// The four kernels over a run of experts, one call (and one GIL hand-off) for the run: for each (e, s0, s1) of
+// The kernels over a run of experts, one call (and one GIL hand-off) for the run: for each (e, s0, s1) of
 // segs, rows s0:s1 of out from rows s0 - a_offset : s1 - a_offset of a, with expert e's weights (the first
 // dimension of every weight tensor, [E, ...]).
 template <class F>
@@ -125,6 +133,13 @@ void each_segment(const std::vector<int64_t>& segs, const torch::Tensor& a, int6
                   F&& one) {
   moetune_ops::for_each_segment(segs, [&](int64_t e, int64_t s0, int64_t s1) {
     one(e, a.slice(0, s0 - a_offset, s1 - a_offset), out.slice(0, s0, s1));
+  });
+}
+
+void bf16_gemm_run(bool forward, const torch::Tensor& a, int64_t a_offset, const torch::Tensor& out,
+                   const std::vector<int64_t>& segs, const torch::Tensor& w, bool accumulate) {
+  each_segment(segs, a, a_offset, out, [&](int64_t e, const torch::Tensor& a_e, const torch::Tensor& out_e) {
+    bf16_gemm(forward, a_e, out_e, w.select(0, e), accumulate);
   });
 }
 
@@ -168,6 +183,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("variant") = MOETUNE_VARIANT;
   m.def("unavailable", [] { return unavailable_here(); }, "why the kernels cannot run here, or '' when they can");
   // the GIL is released, as torch's own ops do: the engine runs experts in parallel Python threads
+  m.def("bf16_gemm", &bf16_gemm, "bf16 (dense weights) GEMM (forward: x @ W^T, backward: g @ W)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("int8_gemm", &int8_gemm, "int8 per-row-scale GEMM (forward: x @ W^T, backward: g @ W)",
         py::call_guard<py::gil_scoped_release>());
   m.def("int4_gemm", &int4_gemm, "int4 group-wise GEMM (forward: x @ W^T, backward: g @ W)",
@@ -176,6 +193,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("mxfp4_gemm", &mxfp4_gemm, "mxfp4 GEMM (forward: x @ W^T, backward: g @ W)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_gemm_run", &bf16_gemm_run, "bf16_gemm over a run of experts", py::call_guard<py::gil_scoped_release>());
   m.def("int8_gemm_run", &int8_gemm_run, "int8_gemm over a run of experts", py::call_guard<py::gil_scoped_release>());
   m.def("int4_gemm_run", &int4_gemm_run, "int4_gemm over a run of experts", py::call_guard<py::gil_scoped_release>());
   m.def("fp8_block_gemm_run", &fp8_block_gemm_run, "fp8_block_gemm over a run of experts",

@@ -206,12 +206,15 @@ def test_engine_equals_dense_engine_on_dequantized_weights(
     opts = {"policy": policy, "compute_dtype": compute}
     module = _module(fmt, lora, **opts, expert_workers=workers)
     path = module.engine.gemm.path
-    # the torch path on dequantized tiles; int8's scaled codes and the fused kernels compute the same weights
-    # in another order: against float64 in test_gemm_paths.py, and test_fused_kernels.py
+    # the torch path on dequantized tiles (and the dense engine's on its stored weights); int8's scaled codes and
+    # the fused kernels compute the same weights in another order: against float64 in test_gemm_paths.py, and test_fused_kernels.py
     conversion = Conversion.DEQUANTIZED if path.conversion is Conversion.SCALED_CODES else path.conversion
     module.engine.gemm.path = replace(path, conversion=conversion, fused_rows=0)
     y_q, g_q = run_module(module, x, ids, w, gy)
-    y_d, g_d = run_module(_module(dense, lora, **opts, expert_workers=1), x, ids, w, gy)
+    reference = _module(dense, lora, **opts, expert_workers=1)
+    # bf16: oneDNN's GEMMs, not the kernels' bf16_gemm
+    reference.engine.gemm.path = replace(reference.engine.gemm.path, fused_rows=0)
+    y_d, g_d = run_module(reference, x, ids, w, gy)
     # fp32: 1e-5 relative (summation order differs: quantized tiles arrive in row blocks, dense ones whole;
     # a different effective weight would show as ~1e-2, the quantization error)
     bound = 1e-5 if compute == torch.float32 else 1e-3

@@ -1,0 +1,304 @@
+// Loops for few rows of activations (the engine's small experts) on AVX512-BF16 that stream each weight row once,
+// in order, so that memory, not the loops, sets the pace:
+//
+//   forward (dense bf16 weights): out[n, O] (+)= x[n, K] @ W^T   two weight rows at a time against blocks of up to
+//             8 rows of x, lanes along k (acc[j][r] += x[r, k..k+32) . W[o + j, k..k+32)), the 16 accumulators
+//             summed across their lanes at once at the end of the row pair (reduce16). The next pair's rows are
+//             prefetched as the current ones stream: a pair's two rows are K apart, too short a run for the
+//             hardware prefetcher to lock on for K = 768-2048.
+//   backward (dense bf16, and the AVX512 variant's quantized decoders up to 8 rows): out[n, K] (+)= g[n, O] @ W
+//             bands of weight row pairs walked along k 32 columns at a time, rows o and o + 1 interleaved in
+//             registers into (W[o, k], W[o + 1, k]) pairs (bf16: vpunpck{l,h}wd, which leaves the columns in
+//             another order, undone once at the end; decoders: layouts.h's decode_pair), g's pair (g[r, o],
+//             g[r, o + 1]) broadcast; the fp32 sums of all n rows in a per-call buffer, read and written once per
+//             band and 32 columns, rounded into out once at the end.
+//
+// The run_gemm overload at the end replaces the AVX512 variant's decoding loops for moetune::Bf16Rows (entry.h's
+// contract). Why (docs/performance.md, "Dense bf16 experts with few rows"): with up to 32 rows oneDNN's bf16 GEMM
+// re-lays out the weight on every call and streams it at about half the rate these loops do (AMD EPYC Zen 4, one
+// thread, [1536, 2048] at n = 8: forward 0.57 vs 1.21 ms, backward 0.51 vs 1.02 ms; `python bench/bf16_products.py`).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "decoders.h"
+#include "layouts.h"
+
+namespace moetune_few_rows {
+
+using moetune::first;
+using moetune::store_row;
+
+// backward: weight row pairs per band (with up to 8 rows of g, more with more: the fp32 sums are read and written
+// once per band and 32 columns, so wider bands halve that traffic where there are many rows to sum)
+constexpr int kBandPairs = 8, kWideBandPairs = 32;
+// backward: bytes ahead of each weight row's current 64 that a step prefetches
+constexpr int kAheadBytes = 128;
+
+MOETUNE_AVX512 inline __mmask32 first32(int64_t valid) {
+  return valid >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << (valid > 0 ? valid : 0)) - 1u);
+}
+
+// f(std::integral_constant<int, R>{}) with R = min(rows, 8): a register block's rows as a template argument
+template <class F>
+MOETUNE_AVX512 inline void with_rows8(int64_t rows, F&& f) {
+  switch (std::min<int64_t>(8, rows)) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+// 16 vectors -> one, lane i the sum of v[i]'s 16 lanes (45 instructions, against 16 x ~8 for one reduce each)
+MOETUNE_AVX512 inline __m512 reduce16(const __m512 v[16]) {
+  __m512 u[8], s[4], t[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: (a0 + a2, b0 + b2, a1 + a3, b1 + b3)
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: one partial sum of each of 4 sources
+    const __m512d a = _mm512_castps_pd(u[2 * i]), b = _mm512_castps_pd(u[2 * i + 1]);
+    s[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes pairwise: (s0 lanes 0 + 1, s0 2 + 3, s1 0 + 1, s1 2 + 3)
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x88), _mm512_shuffle_f32x4(t[0], t[1], 0xDD));
+}
+
+// sums[r] = x[r] . W[o], sums[8 + r] = x[r] . W[o + 1] over K columns, for r < R (the others zero; 64-byte
+// aligned): w0, w1 the two weight rows (w1 = w0 for an odd last row), x's rows ldx apart (masked tail: no read past
+// a row); `next` (or null): the pair computed next, whose two rows (K_w apart) are prefetched along the same columns
+template <int R>
+MOETUNE_AVX512 inline void forward_pair(const uint16_t* w0, const uint16_t* w1, const uint16_t* x, int64_t ldx,
+                                        int64_t K, const uint16_t* next, int64_t K_w, float* sums) {
+  __m512 acc[16];  // local, so that they live in registers (through a caller's array they went through memory)
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  auto step = [&](int64_t k0, __mmask32 m, bool whole) MOETUNE_AVX512 {
+    const __m512bh a = (__m512bh)(whole ? _mm512_loadu_si512(w0 + k0) : _mm512_maskz_loadu_epi16(m, w0 + k0));
+    const __m512bh b = (__m512bh)(whole ? _mm512_loadu_si512(w1 + k0) : _mm512_maskz_loadu_epi16(m, w1 + k0));
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* xr = x + r * ldx + k0;
+      const __m512bh v = (__m512bh)(whole ? _mm512_loadu_si512(xr) : _mm512_maskz_loadu_epi16(m, xr));
+      acc[r] = _mm512_dpbf16_ps(acc[r], v, a);
+      acc[8 + r] = _mm512_dpbf16_ps(acc[8 + r], v, b);
+    }
+  };
+  int64_t k0 = 0;
+  for (; k0 + 32 <= K; k0 += 32) {
+    if (next) {  // a prefetch never faults: past W's end it does nothing
+      _mm_prefetch(reinterpret_cast<const char*>(next + k0), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next + K_w + k0), _MM_HINT_T0);
+    }
+    step(k0, ~(__mmask32)0, true);
+  }
+  if (k0 < K) step(k0, first32(K - k0), false);
+  _mm512_store_ps(sums, reduce16(acc));
+}
+
+// forward for output columns (weight rows) [16 ob0, 16 ob1): each 16-row block's [n, 16] fp32 sums, then rounded.
+// (Passes over 256 or 512 columns at a time, x's rows of them in L1, measured 1.2-1.6x slower at n = 8-32 on Zen 4:
+// each pass's lane sums cost more than reading x from L2.)
+MOETUNE_AVX512 inline void forward_range(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t n, int64_t K,
+                                         int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate, int64_t ob0,
+                                         int64_t ob1) {
+  std::vector<float> res(n * 16);
+  for (int64_t ob = ob0; ob < ob1; ++ob) {
+    const int64_t o0 = ob * 16;
+    const int rows = static_cast<int>(std::min<int64_t>(16, O - o0));
+    for (int j = 0; j < rows; j += 2) {
+      const bool two = j + 1 < rows;
+      const uint16_t* w0 = w + (o0 + j) * K;
+      const uint16_t* w1 = two ? w0 + K : w0;
+      for (int64_t r0 = 0; r0 < n; r0 += 8) {  // a second block of x finds the pair's rows in L1 or L2
+        alignas(64) float sums[16];
+        with_rows8(n - r0, [&](auto R) MOETUNE_AVX512 {  // the next pair: the next two rows
+          forward_pair<decltype(R)::value>(w0, w1, x + r0 * ldx, ldx, K, r0 == 0 ? w0 + 2 * K : nullptr, K, sums);
+        });
+        for (int64_t r = 0; r < std::min<int64_t>(8, n - r0); ++r) {
+          res[(r0 + r) * 16 + j] = sums[r];
+          if (two) res[(r0 + r) * 16 + j + 1] = sums[8 + r];
+        }
+      }
+    }
+    for (int64_t r = 0; r < n; ++r)
+      store_row(out + r * ldo + o0, _mm512_loadu_ps(res.data() + r * 16), first(rows), accumulate);
+  }
+}
+
+// Rows o and o + 1 of W stored in bf16, columns [k0, k0 + 32), as two pair vectors (vpunpck{l,h}wd within each
+// 128-bit lane: lo holds columns 0-3, 8-11, 16-19, 24-27 of the 32, hi 4-7, 12-15, 20-23, 28-31; kPermuted); a zero
+// row past O
+struct Bf16Pairs {
+  static constexpr bool kPermuted = true;
+  const uint16_t* w;
+  int64_t K, O;
+  const uint16_t* zero;  // K + 32 zeros
+  MOETUNE_AVX512 inline void operator()(int64_t o, int64_t k0, int64_t valid, __m512bh& lo, __m512bh& hi) const {
+    const uint16_t* a = (o < O ? w + o * K : zero) + k0;
+    const uint16_t* b = (o + 1 < O ? w + (o + 1) * K : zero) + k0;
+    __m512i va, vb;
+    if (valid >= 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(a) + kAheadBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b) + kAheadBytes, _MM_HINT_T0);
+      va = _mm512_loadu_si512(a);
+      vb = _mm512_loadu_si512(b);
+    } else {
+      va = _mm512_maskz_loadu_epi16(first32(valid), a);
+      vb = _mm512_maskz_loadu_epi16(first32(valid), b);
+    }
+    lo = (__m512bh)_mm512_unpacklo_epi16(va, vb);
+    hi = (__m512bh)_mm512_unpackhi_epi16(va, vb);
+  }
+};
+
+// The same from a quantized format's decoder (decoders.h), in column order: each 16 columns decoded in registers
+// (layouts.h's decode_pair), the rows' next codes prefetched
+template <class Dec>
+struct DecodedPairs32 {
+  static constexpr bool kPermuted = false;
+  const Dec& dec;
+  int64_t K, O;
+  MOETUNE_AVX512 inline void operator()(int64_t o, int64_t k0, int64_t valid, __m512bh& lo, __m512bh& hi) const {
+    if (valid >= 32 && k0 + 64 < K) {
+      if (o < O) dec.prefetch(o, k0 + 64);
+      if (o + 1 < O) dec.prefetch(o + 1, k0 + 64);
+    }
+    lo = moetune::decode_pair(dec, o, k0, K, O);
+    hi = moetune::decode_pair(dec, o, k0 + 16, K, O);
+  }
+};
+
+// acc rows r < R, columns [k0, k0 + 32) (lo: the first 16 lanes, hi: the next, in the pairs' column order)
+// += g[r, o0 .. o0 + 2 np) @ W[o0 .. o0 + 2 np, k0 .. k0 + 32)
+template <int R, class Pairs>
+MOETUNE_AVX512 inline void backward_chunk(const Pairs& pairs, int64_t o0, int np, int64_t k0, int64_t valid,
+                                          const uint16_t* g, int64_t ldg, float* acc, int64_t ldacc) {
+  __m512 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) {
+    lo[r] = _mm512_loadu_ps(acc + r * ldacc + k0);
+    hi[r] = _mm512_loadu_ps(acc + r * ldacc + k0 + 16);
+  }
+  for (int p = 0; p < np; ++p) {
+    __m512bh wl, wh;
+    pairs(o0 + 2 * p, k0, valid, wl, wh);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, g + r * ldg + 2 * p, 4);
+      const __m512bh gp = (__m512bh)_mm512_set1_epi32(pair);
+      lo[r] = _mm512_dpbf16_ps(lo[r], gp, wl);
+      hi[r] = _mm512_dpbf16_ps(hi[r], gp, wh);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(acc + r * ldacc + k0, lo[r]);
+    _mm512_storeu_ps(acc + r * ldacc + k0 + 16, hi[r]);
+  }
+}
+
+// backward for output columns [32 c0, 32 c1): g [n, Oe] bf16 with Oe even (pairs; columns past W's rows zero),
+// bands of weight row pairs walked along k, the fp32 sums of all n rows in a per-call buffer, rounded into out
+// once at the end
+template <class Pairs>
+MOETUNE_AVX512 inline void backward_range(const Pairs& pairs, const uint16_t* g, int64_t ldg, int64_t n, int64_t K,
+                                          int64_t Oe, at::BFloat16* out, int64_t ldo, bool accumulate, int64_t c0,
+                                          int64_t c1) {
+  const int64_t width = (c1 - c0) * 32;
+  std::vector<float> accv(n * width, 0.0f);
+  float* acc = accv.data() - c0 * 32;  // acc + r * width + k for k in [32 c0, 32 c1)
+  const int band = n <= 8 ? kBandPairs : kWideBandPairs;
+  for (int64_t ob = 0; ob < Oe; ob += 2 * band) {
+    const int np = static_cast<int>(std::min<int64_t>(band, (Oe - ob) / 2));
+    for (int64_t c = c0; c < c1; ++c)
+      for (int64_t r0 = 0; r0 < n; r0 += 8)
+        with_rows8(n - r0, [&](auto R) MOETUNE_AVX512 {
+          backward_chunk<decltype(R)::value>(pairs, ob, np, c * 32, K - c * 32, g + r0 * ldg + ob, ldg,
+                                             acc + r0 * width, width);
+        });
+  }
+  // back to column order where the pairs came permuted: lo holds columns 0-3, 8-11, 16-19, 24-27, hi the others
+  const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i next16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t c = c0; c < c1; ++c) {
+    const int64_t k0 = c * 32;
+    for (int64_t r = 0; r < n; ++r) {
+      __m512 lo = _mm512_loadu_ps(acc + r * width + k0), hi = _mm512_loadu_ps(acc + r * width + k0 + 16);
+      if (Pairs::kPermuted) {
+        const __m512 a = _mm512_permutex2var_ps(lo, first16, hi);
+        hi = _mm512_permutex2var_ps(lo, next16, hi);
+        lo = a;
+      }
+      at::BFloat16* dst = out + r * ldo + k0;
+      store_row(dst, lo, first(static_cast<int>(K - k0)), accumulate);
+      if (K - k0 > 16) store_row(dst + 16, hi, first(static_cast<int>(K - k0 - 16)), accumulate);
+    }
+  }
+}
+
+// g [n, O] (times the fp32 row scale where given, rounded once to bf16, as layouts.h's scaled_rows) into a
+// row-major [n, Oe] copy, Oe = O rounded up to even, the last column zero for an odd O
+MOETUNE_AVX512 inline std::vector<uint16_t> even_rows(const at::BFloat16* g, int64_t ldg, int64_t n, int64_t O,
+                                                      const float* row_scale) {
+  const int64_t Oe = (O + 1) / 2 * 2;
+  std::vector<uint16_t> dst(n * Oe, 0);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t o = 0; o < O; o += 16) {
+      const __mmask16 m = first(static_cast<int>(O - o));
+      __m512 v = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, g + r * ldg + o)), 16));
+      if (row_scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, row_scale + o));
+      _mm256_mask_storeu_epi16(dst.data() + r * Oe + o, m, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  return dst;
+}
+
+// out[n, K] (+)= (g[n, O] * row_scale) @ W, the band walk above: W's pairs from `pairs`
+template <class Pairs>
+MOETUNE_AVX512 inline void backward(const Pairs& pairs, const at::BFloat16* g, int64_t ldg, int64_t n, int64_t K,
+                                    int64_t O, const float* row_scale, at::BFloat16* out, int64_t ldo,
+                                    bool accumulate) {
+  const int64_t Oe = (O + 1) / 2 * 2;
+  std::vector<uint16_t> copy;
+  const uint16_t* gp = reinterpret_cast<const uint16_t*>(g);
+  if (row_scale || O % 2) {
+    copy = even_rows(g, ldg, n, O, row_scale);
+    gp = copy.data();
+    ldg = Oe;
+  }
+  at::parallel_for(0, (K + 31) / 32, 1, [&](int64_t c0, int64_t c1) {
+    backward_range(pairs, gp, ldg, n, K, Oe, out, ldo, accumulate, c0, c1);
+  });
+}
+
+}  // namespace moetune_few_rows
+
+namespace {
+
+// run_gemm (entry.h's contract) for weights stored in bf16: these loops instead of a variant's decoding ones
+void run_gemm(bool forward, const moetune::Bf16Rows& dec, const float* /*row_scale: none*/, const torch::Tensor& a,
+              torch::Tensor& out, int64_t O, int64_t K, bool accumulate) {
+  const int64_t n = a.size(0), lda = a.stride(0), ldo = out.stride(0);
+  const auto* w = reinterpret_cast<const uint16_t*>(dec.w);
+  const auto* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+  auto* op = out.data_ptr<at::BFloat16>();
+  if (forward) {
+    at::parallel_for(0, (O + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
+      moetune_few_rows::forward_range(w, ap, lda, n, K, O, op, ldo, accumulate, b0, b1);
+    });
+    return;
+  }
+  const std::vector<uint16_t> zero(K + 32, 0);
+  moetune_few_rows::backward(moetune_few_rows::Bf16Pairs{w, K, O, zero.data()}, a.data_ptr<at::BFloat16>(), lda, n,
+                             K, O, nullptr, op, ldo, accumulate);
+}
+
+}  // namespace
