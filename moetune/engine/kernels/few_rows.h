@@ -16,7 +16,7 @@
 // The run_gemm overload at the end replaces the AVX512 variant's decoding loops for moetune::Bf16Rows (entry.h's
 // contract). Why (docs/performance.md, "Dense bf16 experts with few rows"): with up to 32 rows oneDNN's bf16 GEMM
 // re-lays out the weight on every call and streams it at about half the rate these loops do (AMD EPYC Zen 4, one
-// thread, [1536, 2048] at n = 8: forward 0.57 vs 1.21 ms, backward 0.51 vs 1.02 ms; `python bench/bf16_products.py`).
+// thread, [1536, 2048] at n = 8: forward 0.56 vs 1.21 ms, backward 0.51 vs 1.02 ms; `python bench/bf16_products.py`).
 #pragma once
 
 #include <ATen/Parallel.h>
