@@ -13,12 +13,12 @@ from moetune.errors import EngineError
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 # Weights stored in bf16, per kernel variant: experts with at most this many rows take the kernels' bf16_gemm
-# (kernels/few_rows.h on AVX512-BF16: each weight read once per product, 1.3-2.4x oneDNN's speed per product up to 24
-# rows, level at 32: `python bench/bf16_products.py`; engine step at T = 256, E = 128: 1.22x with 16, 1.51x with 24,
-# 1.56x with 32, T = 512: 1.00x / 1.01x / 1.06x, `python bench/formats.py --experts 128 --tokens 256 512 --formats
-# bf16 --fused-max-rows N`; docs/performance.md, "Dense bf16 experts with few rows"). Not measured against AMX's
-# oneDNN GEMMs yet: no AMX-BF16 entry.
-BF16_FUSED_MAX_ROWS = MappingProxyType({"AVX512-BF16": 32})
+# (kernels/few_rows.h on AVX512-BF16: each weight read once per product, 1.4-2.8x oneDNN's speed per product up to
+# 24 rows, 1.0-1.45x at 32, level at 48: `python bench/bf16_products.py`; engine step, fused / torch path at T =
+# 128 / 256 / 512, E = 128: 1.68x / 1.37x / 1.10x with 32, 1.74x / 1.50x / 1.16x with 48, `python bench/formats.py
+# --experts 128 --tokens 128 256 512 --formats bf16 --fused-max-rows N`; docs/performance.md, "Dense bf16 experts
+# with few rows"). Not measured against AMX's oneDNN GEMMs yet: no AMX-BF16 entry.
+BF16_FUSED_MAX_ROWS = MappingProxyType({"AVX512-BF16": 48})
 
 
 @FORMATS.register("dense")

@@ -46,7 +46,7 @@ constexpr int kAheadPairs = 2;
 // forward_panel (each weight decoded once)
 constexpr int kDotRows = 16;
 
-using moetune_few_rows::with_rows8;
+using moetune_few_rows::with_rows;
 
 // Why not usable here, or "" when AVX512F/BW/VL and AVX512-BF16 are.
 std::string variant_unavailable() {
@@ -170,7 +170,7 @@ MOETUNE_AVX512 void forward_panel(const Dec& dec, const at::BFloat16* x, int64_t
     for (int64_t r0 = 0; r0 < n; r0 += kRows) {
       const at::BFloat16* xk = x + r0 * ldx + k0;
       float* a = acc + r0 * 16;
-      with_rows8(n - r0, [&](auto R) MOETUNE_AVX512 {
+      with_rows<kRows>(n - r0, [&](auto R) MOETUNE_AVX512 {
         forward_block<decltype(R)::value>(w, pairs, odd, xk, ldx, a);
       });
     }
@@ -197,7 +197,7 @@ MOETUNE_AVX512 void forward_range(const Dec& dec, const float* row_scale, const 
       for (int64_t r0 = 0; r0 < n; r0 += kRows) {  // a second block finds the 16 weight rows in L1
         const at::BFloat16* xr = x + r0 * ldx;
         float* res = acc + r0 * 16;
-        with_rows8(n - r0, [&](auto R) MOETUNE_AVX512 {
+        with_rows<kRows>(n - r0, [&](auto R) MOETUNE_AVX512 {
           forward_rows<decltype(R)::value>(dec, xr, ldx, K, o0, rows, res, ahead);
         });
       }
@@ -235,7 +235,7 @@ MOETUNE_AVX512 void backward_rows(const Pairs& pair, const uint16_t* g, float* a
 // backward_rows for n rows of g, from the pair vectors `pair` hands out
 template <class Pairs>
 MOETUNE_AVX512 void backward_block(const Pairs& pair, int64_t n, const uint16_t* g, float* acc) {
-  with_rows8(n, [&](auto R) MOETUNE_AVX512 { backward_rows<decltype(R)::value>(pair, g, acc); });
+  with_rows<kRows>(n, [&](auto R) MOETUNE_AVX512 { backward_rows<decltype(R)::value>(pair, g, acc); });
 }
 
 // the pairs decoded into L1 by decode_pairs (four 16-column tiles of 16 pairs)

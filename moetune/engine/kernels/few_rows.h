@@ -1,11 +1,12 @@
 // Loops for few rows of activations (the engine's small experts) on AVX512-BF16 that stream each weight row once,
 // in order, so that memory, not the loops, sets the pace:
 //
-//   forward (dense bf16 weights): out[n, O] (+)= x[n, K] @ W^T   two weight rows at a time against blocks of up to
-//             8 rows of x, lanes along k (acc[j][r] += x[r, k..k+32) . W[o + j, k..k+32)), the 16 accumulators
-//             summed across their lanes at once at the end of the row pair (reduce16). The next pair's rows are
-//             prefetched as the current ones stream: a pair's two rows are K apart, too short a run for the
-//             hardware prefetcher to lock on for K = 768-2048.
+//   forward (dense bf16 weights): out[n, O] (+)= x[n, K] @ W^T   four weight rows at a time against blocks of up
+//             to 4 rows of x, lanes along k (acc[j][r] += x[r, k..k+32) . W[o + j, k..k+32)), the 16 accumulators
+//             summed across their lanes at once at the end of the rows (reduce16). The next group's rows are
+//             prefetched as the current ones stream: a row is K apart from the next, too short a run for the
+//             hardware prefetcher to lock on for K = 768-2048. (Two weight rows against 8 rows of x read each row of
+//             x twice as often: 15-20% slower at 16-32 rows.)
 //   backward (dense bf16, and the AVX512 variant's quantized decoders up to 8 rows): out[n, K] (+)= g[n, O] @ W
 //             bands of weight row pairs walked along k 32 columns at a time, rows o and o + 1 interleaved in
 //             registers into (W[o, k], W[o + 1, k]) pairs (bf16: vpunpck{l,h}wd, which leaves the columns in
@@ -14,7 +15,7 @@
 //             band and 32 columns, rounded into out once at the end.
 //
 // The run_gemm overload at the end replaces the AVX512 variant's decoding loops for moetune::Bf16Rows (entry.h's
-// contract). Why (docs/performance.md, "Dense bf16 experts with few rows"): with up to 32 rows oneDNN's bf16 GEMM
+// contract). Why (docs/performance.md, "Dense bf16 experts with few rows"): with up to 48 rows oneDNN's bf16 GEMM
 // re-lays out the weight on every call and streams it at about half the rate these loops do (AMD EPYC Zen 4, one
 // thread, [1536, 2048] at n = 8: forward 0.56 vs 1.21 ms, backward 0.51 vs 1.02 ms; `python bench/bf16_products.py`).
 #pragma once
@@ -25,6 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "decoders.h"
@@ -45,18 +47,16 @@ MOETUNE_AVX512 inline __mmask32 first32(int64_t valid) {
   return valid >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << (valid > 0 ? valid : 0)) - 1u);
 }
 
-// f(std::integral_constant<int, R>{}) with R = min(rows, 8): a register block's rows as a template argument
-template <class F>
-MOETUNE_AVX512 inline void with_rows8(int64_t rows, F&& f) {
-  switch (std::min<int64_t>(8, rows)) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;
+// f(std::integral_constant<int, R>{}) with R = min(rows, MAX), rows >= 1: a register block's rows as a template
+// argument (its accumulator arrays then live in registers), chosen at run time
+template <int MAX, int R = 1, class F>
+MOETUNE_AVX512 inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (R == MAX) {
+    f(std::integral_constant<int, MAX>{});
+  } else if (rows <= R) {
+    f(std::integral_constant<int, R>{});
+  } else {
+    with_rows<MAX, R + 1>(rows, std::forward<F>(f));
   }
 }
 
@@ -75,29 +75,29 @@ MOETUNE_AVX512 inline __m512 reduce16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x88), _mm512_shuffle_f32x4(t[0], t[1], 0xDD));
 }
 
-// sums[r] = x[r] . W[o], sums[8 + r] = x[r] . W[o + 1] over K columns, for r < R (the others zero; 64-byte
-// aligned): w0, w1 the two weight rows (w1 = w0 for an odd last row), x's rows ldx apart (masked tail: no read past
-// a row); `next` (or null): the pair computed next, whose two rows (K_w apart) are prefetched along the same columns
+// sums[j * 4 + r] = x[r] . W[o + j] over K columns, for j < 4 weight rows (w[j]; a repeated pointer past a block's
+// end) and r < R <= 4 rows of x (the others zero; 64-byte aligned), x's rows ldx apart (masked tail: no read past a
+// row); `next` (or null): the group computed next, whose four rows (K_w apart) are prefetched along the same columns
 template <int R>
-MOETUNE_AVX512 inline void forward_pair(const uint16_t* w0, const uint16_t* w1, const uint16_t* x, int64_t ldx,
-                                        int64_t K, const uint16_t* next, int64_t K_w, float* sums) {
+MOETUNE_AVX512 inline void forward_group(const uint16_t* const w[4], const uint16_t* x, int64_t ldx, int64_t K,
+                                         const uint16_t* next, int64_t K_w, float* sums) {
   __m512 acc[16];  // local, so that they live in registers (through a caller's array they went through memory)
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   auto step = [&](int64_t k0, __mmask32 m, bool whole) MOETUNE_AVX512 {
-    const __m512bh a = (__m512bh)(whole ? _mm512_loadu_si512(w0 + k0) : _mm512_maskz_loadu_epi16(m, w0 + k0));
-    const __m512bh b = (__m512bh)(whole ? _mm512_loadu_si512(w1 + k0) : _mm512_maskz_loadu_epi16(m, w1 + k0));
+    __m512bh v[R];
     for (int r = 0; r < R; ++r) {
       const uint16_t* xr = x + r * ldx + k0;
-      const __m512bh v = (__m512bh)(whole ? _mm512_loadu_si512(xr) : _mm512_maskz_loadu_epi16(m, xr));
-      acc[r] = _mm512_dpbf16_ps(acc[r], v, a);
-      acc[8 + r] = _mm512_dpbf16_ps(acc[8 + r], v, b);
+      v[r] = (__m512bh)(whole ? _mm512_loadu_si512(xr) : _mm512_maskz_loadu_epi16(m, xr));
+    }
+    for (int j = 0; j < 4; ++j) {
+      const __m512bh a = (__m512bh)(whole ? _mm512_loadu_si512(w[j] + k0) : _mm512_maskz_loadu_epi16(m, w[j] + k0));
+      for (int r = 0; r < R; ++r) acc[j * 4 + r] = _mm512_dpbf16_ps(acc[j * 4 + r], v[r], a);
     }
   };
   int64_t k0 = 0;
   for (; k0 + 32 <= K; k0 += 32) {
     if (next) {  // a prefetch never faults: past W's end it does nothing
-      _mm_prefetch(reinterpret_cast<const char*>(next + k0), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(next + K_w + k0), _MM_HINT_T0);
+      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * K_w + k0), _MM_HINT_T0);
     }
     step(k0, ~(__mmask32)0, true);
   }
@@ -106,8 +106,6 @@ MOETUNE_AVX512 inline void forward_pair(const uint16_t* w0, const uint16_t* w1, 
 }
 
 // forward for output columns (weight rows) [16 ob0, 16 ob1): each 16-row block's [n, 16] fp32 sums, then rounded.
-// (Passes over 256 or 512 columns at a time, x's rows of them in L1, measured 1.2-1.6x slower at n = 8-32 on Zen 4:
-// each pass's lane sums cost more than reading x from L2.)
 MOETUNE_AVX512 inline void forward_range(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t n, int64_t K,
                                          int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate, int64_t ob0,
                                          int64_t ob1) {
@@ -115,19 +113,16 @@ MOETUNE_AVX512 inline void forward_range(const uint16_t* w, const uint16_t* x, i
   for (int64_t ob = ob0; ob < ob1; ++ob) {
     const int64_t o0 = ob * 16;
     const int rows = static_cast<int>(std::min<int64_t>(16, O - o0));
-    for (int j = 0; j < rows; j += 2) {
-      const bool two = j + 1 < rows;
-      const uint16_t* w0 = w + (o0 + j) * K;
-      const uint16_t* w1 = two ? w0 + K : w0;
-      for (int64_t r0 = 0; r0 < n; r0 += 8) {  // a second block of x finds the pair's rows in L1 or L2
+    for (int j0 = 0; j0 < rows; j0 += 4) {
+      const uint16_t* wr[4];
+      for (int j = 0; j < 4; ++j) wr[j] = w + (o0 + std::min(j0 + j, rows - 1)) * K;
+      for (int64_t r0 = 0; r0 < n; r0 += 4) {  // a second block of x finds the group's rows in L1
         alignas(64) float sums[16];
-        with_rows8(n - r0, [&](auto R) MOETUNE_AVX512 {  // the next pair: the next two rows
-          forward_pair<decltype(R)::value>(w0, w1, x + r0 * ldx, ldx, K, r0 == 0 ? w0 + 2 * K : nullptr, K, sums);
+        with_rows<4>(n - r0, [&](auto R) MOETUNE_AVX512 {  // the next group: the next four rows
+          forward_group<decltype(R)::value>(wr, x + r0 * ldx, ldx, K, r0 == 0 ? wr[0] + 4 * K : nullptr, K, sums);
         });
-        for (int64_t r = 0; r < std::min<int64_t>(8, n - r0); ++r) {
-          res[(r0 + r) * 16 + j] = sums[r];
-          if (two) res[(r0 + r) * 16 + j + 1] = sums[8 + r];
-        }
+        for (int64_t r = 0; r < std::min<int64_t>(4, n - r0); ++r)
+          for (int j = 0; j < 4 && j0 + j < rows; ++j) res[(r0 + r) * 16 + j0 + j] = sums[j * 4 + r];
       }
     }
     for (int64_t r = 0; r < n; ++r)
@@ -220,7 +215,7 @@ MOETUNE_AVX512 inline void backward_range(const Pairs& pairs, const uint16_t* g,
     const int np = static_cast<int>(std::min<int64_t>(band, (Oe - ob) / 2));
     for (int64_t c = c0; c < c1; ++c)
       for (int64_t r0 = 0; r0 < n; r0 += 8)
-        with_rows8(n - r0, [&](auto R) MOETUNE_AVX512 {
+        with_rows<8>(n - r0, [&](auto R) MOETUNE_AVX512 {
           backward_chunk<decltype(R)::value>(pairs, ob, np, c * 32, K - c * 32, g + r0 * ldg + ob, ldg,
                                              acc + r0 * width, width);
         });

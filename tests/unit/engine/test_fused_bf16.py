@@ -5,8 +5,8 @@ Each product is compared with float64 on the same bf16 weights and operands, per
 (the output's one rounding to bf16) plus ``K 2^-22 (|a| @ |W| + |out before|)`` (fp32 sums, with room): a lost
 accumulation, a transposed or shifted weight, a column of the interleaved backward written to the wrong place or
 another row of ``a`` are off by O(1). Shapes cover the loops' edges: 16-row weight blocks and 2-row pairs (O odd,
-O < 16), 32-column steps (K off 32, K < 32), 8-row register blocks of ``a`` (n = 1..8, 9, 16, 17, 40), rows of
-``a`` and ``out`` further apart than their width.
+O < 16), 32-column steps (K off 32, K < 32), register blocks of 4 (forward) and 8 (backward) rows of ``a`` (n =
+1, 2, 7, 8, 9, 16, 17, 40), rows of ``a`` and ``out`` further apart than their width.
 
 The engines (lora, frozen, full; one expert at a time and on the pool) run with experts below and above the
 threshold in one routing, against the float64 per-expert loop, within twice what the same engine on oneDNN's
