@@ -83,7 +83,7 @@ MOETUNE_AVX512 void forward_rows(const Dec& dec, const at::BFloat16* x, int64_t 
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
     // valid: K - k0, at most 32 (a literal 32 in the main loop, so the decoders' masks fold to constants)
     auto step = [&](int64_t k0, int valid) MOETUNE_AVX512 {
-      const __mmask32 m = valid >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << valid) - 1u);
+      const __mmask32 m = moetune::first32(valid);
       if (k0 % 64 == 0 && j + 2 * kAheadPairs + 1 < rows_ahead) {  // the rows kAheadPairs ahead, this column
         dec.prefetch(o + 2 * kAheadPairs, k0);
         dec.prefetch(o + 2 * kAheadPairs + 1, k0);

@@ -41,6 +41,11 @@ MOETUNE_AVX512 inline __mmask16 first(int valid) {
   return valid >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (valid > 0 ? valid : 0)) - 1u);
 }
 
+// the first `valid` of 32 16-bit lanes (none for valid <= 0, all for valid >= 32)
+MOETUNE_AVX512 inline __mmask32 first32(int64_t valid) {
+  return valid >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << (valid > 0 ? valid : 0)) - 1u);
+}
+
 MOETUNE_AVX512 inline float bf16_to_float(const at::BFloat16 v) {
   uint32_t bits = static_cast<uint32_t>(v.x) << 16;
   float f;

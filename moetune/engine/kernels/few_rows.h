@@ -35,6 +35,7 @@
 namespace moetune_few_rows {
 
 using moetune::first;
+using moetune::first32;
 using moetune::store_row;
 
 // backward: weight row pairs per band (with up to 8 rows of g, more with more: the fp32 sums are read and written
@@ -42,10 +43,6 @@ using moetune::store_row;
 constexpr int kBandPairs = 8, kWideBandPairs = 32;
 // backward: bytes ahead of each weight row's current 64 that a step prefetches
 constexpr int kAheadBytes = 128;
-
-MOETUNE_AVX512 inline __mmask32 first32(int64_t valid) {
-  return valid >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << (valid > 0 ? valid : 0)) - 1u);
-}
 
 // f(std::integral_constant<int, R>{}) with R = min(rows, MAX), rows >= 1: a register block's rows as a template
 // argument (its accumulator arrays then live in registers), chosen at run time
@@ -239,7 +236,7 @@ MOETUNE_AVX512 inline void backward_range(const Pairs& pairs, const uint16_t* g,
   }
 }
 
-// g [n, O] (times the fp32 row scale where given, rounded once to bf16, as layouts.h's scaled_rows) into a
+// g [n, O] (times the fp32 row scale where given, rounded once to bf16: layouts.h's scaled16) into a
 // row-major [n, Oe] copy, Oe = O rounded up to even, the last column zero for an odd O
 MOETUNE_AVX512 inline std::vector<uint16_t> even_rows(const at::BFloat16* g, int64_t ldg, int64_t n, int64_t O,
                                                       const float* row_scale) {
@@ -247,11 +244,8 @@ MOETUNE_AVX512 inline std::vector<uint16_t> even_rows(const at::BFloat16* g, int
   std::vector<uint16_t> dst(n * Oe, 0);
   for (int64_t r = 0; r < n; ++r)
     for (int64_t o = 0; o < O; o += 16) {
-      const __mmask16 m = first(static_cast<int>(O - o));
-      __m512 v = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, g + r * ldg + o)), 16));
-      if (row_scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, row_scale + o));
-      _mm256_mask_storeu_epi16(dst.data() + r * Oe + o, m, (__m256i)_mm512_cvtneps_pbh(v));
+      _mm256_mask_storeu_epi16(dst.data() + r * Oe + o, first(static_cast<int>(O - o)),
+                               moetune::scaled16(g + r * ldg, o, O, row_scale));
     }
   return dst;
 }
@@ -283,17 +277,18 @@ void run_gemm(bool forward, const moetune::Bf16Rows& dec, const float* /*row_sca
               torch::Tensor& out, int64_t O, int64_t K, bool accumulate) {
   const int64_t n = a.size(0), lda = a.stride(0), ldo = out.stride(0);
   const auto* w = reinterpret_cast<const uint16_t*>(dec.w);
-  const auto* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+  const at::BFloat16* ap = a.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
   if (forward) {
     at::parallel_for(0, (O + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
-      moetune_few_rows::forward_range(w, ap, lda, n, K, O, op, ldo, accumulate, b0, b1);
+      moetune_few_rows::forward_range(w, reinterpret_cast<const uint16_t*>(ap), lda, n, K, O, op, ldo, accumulate,
+                                      b0, b1);
     });
     return;
   }
   const std::vector<uint16_t> zero(K + 32, 0);
-  moetune_few_rows::backward(moetune_few_rows::Bf16Pairs{w, K, O, zero.data()}, a.data_ptr<at::BFloat16>(), lda, n,
-                             K, O, nullptr, op, ldo, accumulate);
+  moetune_few_rows::backward(moetune_few_rows::Bf16Pairs{w, K, O, zero.data()}, ap, lda, n, K, O, nullptr, op, ldo,
+                             accumulate);
 }
 
 }  // namespace
