@@ -177,7 +177,7 @@ MOETUNE_AMX void forward_range(const Dec& dec, const float* row_scale, const uin
     auto decode = [&](int64_t ks) MOETUNE_AMX_LAMBDA {
       const int64_t k0 = ks * 32;
       if (ks % 2 == 0 && k0 + kAheadColumns < K)  // one 64-byte line of int8 codes per two steps
-        for (int r = 0; r < rows; ++r) dec.prefetch(o0 + r, k0 + kAheadColumns);
+        for (int r = 0; r < rows; ++r) moetune::prefetch<_MM_HINT_T0>(dec, o0 + r, k0 + kAheadColumns);
       for (int r = 0; r < 16; ++r) {
         __m512bh w = r < rows ? _mm512_cvtne2ps_pbh(dec(o0 + r, k0 + 16, static_cast<int>(K - k0 - 16)),
                                                     dec(o0 + r, k0, static_cast<int>(K - k0)))
@@ -217,7 +217,7 @@ MOETUNE_AMX void backward_one_block(const Dec& dec, const uint16_t* gt, int64_t 
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t os = 0; os < steps; ++os) {
-      decode_pairs(dec, os, s, K, O, bt[0], 512);
+      decode_pairs<_MM_HINT_T0>(dec, os, s, K, O, bt[0], 512);
       _tile_loadd(5, gt + os * 512, 64);
       _tile_loadd(4, bt[0], 64);
       _tile_dpbf16ps(0, 5, 4);
@@ -256,7 +256,8 @@ MOETUNE_AMX void backward_range(const Dec& dec, const uint16_t* gt, int64_t opad
   std::vector<uint16_t> panel(steps * 4 * 512);  // [q][os][16 pairs of o][16 k x 2]
   alignas(64) float c[kMaxBlocks][256];
   for (int64_t s = s0; s < s1; ++s) {
-    for (int64_t os = 0; os < steps; ++os) decode_pairs(dec, os, s, K, O, panel.data() + os * 512, steps * 512);
+    for (int64_t os = 0; os < steps; ++os)
+      decode_pairs<_MM_HINT_T0>(dec, os, s, K, O, panel.data() + os * 512, steps * 512);
     for (int q = 0; q < 4 && s * 64 + q * 16 < K; ++q) {
       const int64_t k0 = s * 64 + q * 16;
       const __mmask16 m = first(static_cast<int>(K - k0));

@@ -85,8 +85,8 @@ MOETUNE_AVX512 void forward_rows(const Dec& dec, const at::BFloat16* x, int64_t 
     auto step = [&](int64_t k0, int valid) MOETUNE_AVX512 {
       const __mmask32 m = moetune::first32(valid);
       if (k0 % 64 == 0 && j + 2 * kAheadPairs + 1 < rows_ahead) {  // the rows kAheadPairs ahead, this column
-        dec.prefetch(o + 2 * kAheadPairs, k0);
-        dec.prefetch(o + 2 * kAheadPairs + 1, k0);
+        moetune::prefetch<_MM_HINT_T2>(dec, o + 2 * kAheadPairs, k0);
+        moetune::prefetch<_MM_HINT_T2>(dec, o + 2 * kAheadPairs + 1, k0);
       }
       const __m512bh w0 = chunk(dec, o, k0, valid);
       const __m512bh w1 = two ? chunk(dec, o + 1, k0, valid) : (__m512bh)_mm512_setzero_si512();
@@ -259,7 +259,7 @@ MOETUNE_AVX512 void backward_range(const Dec& dec, const uint16_t* gt, int64_t o
   for (int64_t s = s0; s < s1; ++s) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t os = 0; os < steps; ++os) {
-      decode_pairs(dec, os, s, K, O, bt, 512);
+      decode_pairs<_MM_HINT_T2>(dec, os, s, K, O, bt, 512);
       for (int64_t r0 = 0; r0 < n; r0 += kRows)  // r0 % 8 == 0: a chunk stays in one 16-row block of gt
         backward_block(TilePairs{bt}, std::min<int64_t>(kRows, n - r0),
                        gt + (((r0 / 16) * steps + os) * 16 + r0 % 16) * 32, acc.data() + r0 * 64);

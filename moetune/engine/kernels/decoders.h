@@ -10,8 +10,8 @@
 //   __m256 eight(int64_t o, int64_t k0, int valid) const
 //       the same for W[o, k0 .. k0 + 8) (k0 % 8 == 0) on AVX2 + FMA + F16C, 8 fp32 lanes: the same values (one
 //       scalar helper per format gives both widths their scale), lanes at and past `valid` zero.
-//   void prefetch(int64_t o, int64_t k) const
-//       bring the cache line holding W[o, k]'s codes towards L1 (k < K); no effect on results.
+//   const void* code(int64_t o, int64_t k) const
+//       the address of W[o, k]'s code (k < K), for prefetch below; no effect on results.
 // Compiled for AVX512F/BW/VL (+BF16) through target attributes, so a variant compiled with other flags (the
 // AMX one adds amx-tile/amx-bf16) inlines them into its own target-attributed loops; ``eight`` for AVX2 + FMA +
 // F16C, the flags avx2_gemm.cpp is compiled with.
@@ -68,9 +68,7 @@ struct Bf16Rows {
     std::memcpy(&b, w + o * K + k0, 2 * (valid >= 8 ? 8 : (valid > 0 ? valid : 0)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
   }
-  inline void prefetch(int64_t o, int64_t k) const {
-    _mm_prefetch(reinterpret_cast<const char*>(w + o * K + k), _MM_HINT_T0);
-  }
+  inline const void* code(int64_t o, int64_t k) const { return w + o * K + k; }
 };
 
 // int8: codes [O, K] int8; W = diag(row scale) @ codes, the scale applied by the caller (exact codes here).
@@ -87,9 +85,7 @@ struct Int8Rows {
   MOETUNE_AVX2 inline __m256 eight(int64_t o, int64_t k0, int valid) const {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(codes + o * K + k0, valid)));
   }
-  inline void prefetch(int64_t o, int64_t k) const {
-    _mm_prefetch(reinterpret_cast<const char*>(codes + o * K + k), _MM_HINT_T0);
-  }
+  inline const void* code(int64_t o, int64_t k) const { return codes + o * K + k; }
 };
 
 // int4: W[o, k] = (u - z) * s with u the 4-bit code, z the group's zero point (8 when symmetric), s its bf16 scale.
@@ -121,9 +117,7 @@ struct Int4Rows {
     return _mm256_mul_ps(w, _mm256_set1_ps(bf16_to_float(scale[gi])));
   }
   inline int zero_point(int64_t gi) const { return zero ? zero[gi] : 8; }
-  inline void prefetch(int64_t o, int64_t k) const {
-    _mm_prefetch(reinterpret_cast<const char*>(packed + o * half + (k >= half ? k - half : k)), _MM_HINT_T0);
-  }
+  inline const void* code(int64_t o, int64_t k) const { return packed + o * half + (k >= half ? k - half : k); }
 };
 
 // fp8_block: W[o, k] = the e4m3fn code times scale_inv of its 128 x 128 block, rounded once to fp32, as the torch
@@ -159,9 +153,7 @@ struct Fp8BlockRows {
     const int64_t row = o < seg ? o >> 7 : seg_grid + ((o - seg) >> 7);
     return scale_inv[row * cols + (k0 >> 7)] * 256.0f;
   }
-  inline void prefetch(int64_t o, int64_t k) const {
-    _mm_prefetch(reinterpret_cast<const char*>(codes + o * K + k), _MM_HINT_T0);
-  }
+  inline const void* code(int64_t o, int64_t k) const { return codes + o * K + k; }
 };
 
 // mxfp4: W[o, k] = FP4[e2m1 code] * 2^(s - 127), s the e8m0 scale byte of k's block of 32 (exact in fp32).
@@ -202,9 +194,15 @@ struct Mxfp4Rows {
     std::memcpy(&f, &bits, 4);
     return f;
   }
-  inline void prefetch(int64_t o, int64_t k) const {
-    _mm_prefetch(reinterpret_cast<const char*>(packed + o * half + k / 2), _MM_HINT_T0);
-  }
+  inline const void* code(int64_t o, int64_t k) const { return packed + o * half + k / 2; }
 };
+
+// Bring the cache line holding W[o, k]'s code towards L1 (Hint _MM_HINT_T0) or into L2 (_MM_HINT_T2). The AVX512
+// loops prefetch into L2: on Zen 4 a prefetch into L1 holds one of L1's few miss buffers until memory answers, which
+// held a weight's stream to ~16 of the ~27 GB/s one core reads (docs/performance.md, "Prefetching into L2").
+template <int Hint, class Dec>
+inline void prefetch(const Dec& dec, int64_t o, int64_t k) {
+  _mm_prefetch(static_cast<const char*>(dec.code(o, k)), static_cast<_mm_hint>(Hint));
+}
 
 }  // namespace moetune

@@ -4,15 +4,19 @@
 //   forward (dense bf16 weights): out[n, O] (+)= x[n, K] @ W^T   four weight rows at a time against blocks of up
 //             to 4 rows of x, lanes along k (acc[j][r] += x[r, k..k+32) . W[o + j, k..k+32)), the 16 accumulators
 //             summed across their lanes at once at the end of the rows (reduce16). The next group's rows are
-//             prefetched as the current ones stream: a row is K apart from the next, too short a run for the
-//             hardware prefetcher to lock on for K = 768-2048. (Two weight rows against 8 rows of x read each row of
-//             x twice as often: 15-20% slower at 16-32 rows.)
+//             prefetched into L2 as the current ones stream, spread over the passes of x's blocks (each pass
+//             one share of the four rows: the rate the memory is asked for stays level): a row is K apart from the
+//             next, too short a run for the hardware prefetcher to lock on for K = 768-2048. (Two weight rows against
+//             8 rows of x read each row of x twice as often: 15-20% slower at 16-32 rows.)
 //   backward (dense bf16, and the AVX512 variant's quantized decoders up to 8 rows): out[n, K] (+)= g[n, O] @ W
 //             bands of weight row pairs walked along k 32 columns at a time, rows o and o + 1 interleaved in
 //             registers into (W[o, k], W[o + 1, k]) pairs (bf16: vpunpck{l,h}wd, which leaves the columns in
 //             another order, undone once at the end; decoders: layouts.h's decode_pair), g's pair (g[r, o],
 //             g[r, o + 1]) broadcast; the fp32 sums of all n rows in a per-call buffer, read and written once per
-//             band and 32 columns, rounded into out once at the end.
+//             band and 32 columns (above 8 rows, rows one cache line apart from a 4 KiB multiple: 4 KiB-apart rows
+//             share one L1 set), rounded into out once at the end; the next band's rows prefetched into L2 along
+//             the same columns (bf16 also a T0 prefetch 128 bytes ahead in each row: both measured best,
+//             docs/performance.md).
 //
 // The run_gemm overload at the end replaces the AVX512 variant's decoding loops for moetune::Bf16Rows (entry.h's
 // contract). Why (docs/performance.md, "Dense bf16 experts with few rows"): with up to 48 rows oneDNN's bf16 GEMM
@@ -41,7 +45,7 @@ using moetune::store_row;
 // backward: weight row pairs per band (with up to 8 rows of g, more with more: the fp32 sums are read and written
 // once per band and 32 columns, so wider bands halve that traffic where there are many rows to sum)
 constexpr int kBandPairs = 8, kWideBandPairs = 32;
-// backward: bytes ahead of each weight row's current 64 that a step prefetches
+// backward, bf16: bytes ahead of each weight row's current 64 that a step prefetches towards L1
 constexpr int kAheadBytes = 128;
 
 // f(std::integral_constant<int, R>{}) with R = min(rows, MAX), rows >= 1: a register block's rows as a template
@@ -74,10 +78,11 @@ MOETUNE_AVX512 inline __m512 reduce16(const __m512 v[16]) {
 
 // sums[j * 4 + r] = x[r] . W[o + j] over K columns, for j < 4 weight rows (w[j]; a repeated pointer past a block's
 // end) and r < R <= 4 rows of x (the others zero; 64-byte aligned), x's rows ldx apart (masked tail: no read past a
-// row); `next` (or null): the group computed next, whose four rows (K_w apart) are prefetched along the same columns
+// row); next: the group computed next, rows [j0, j1) of whose four (K apart) are prefetched into L2 along the same
+// columns (a prefetch never faults: past W's end it does nothing)
 template <int R>
 MOETUNE_AVX512 inline void forward_group(const uint16_t* const w[4], const uint16_t* x, int64_t ldx, int64_t K,
-                                         const uint16_t* next, int64_t K_w, float* sums) {
+                                         const uint16_t* next, int j0, int j1, float* sums) {
   __m512 acc[16];  // local, so that they live in registers (through a caller's array they went through memory)
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   auto step = [&](int64_t k0, __mmask32 m, bool whole) MOETUNE_AVX512 {
@@ -93,9 +98,7 @@ MOETUNE_AVX512 inline void forward_group(const uint16_t* const w[4], const uint1
   };
   int64_t k0 = 0;
   for (; k0 + 32 <= K; k0 += 32) {
-    if (next) {  // a prefetch never faults: past W's end it does nothing
-      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * K_w + k0), _MM_HINT_T0);
-    }
+    for (int j = j0; j < j1; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * K + k0), _MM_HINT_T2);
     step(k0, ~(__mmask32)0, true);
   }
   if (k0 < K) step(k0, first32(K - k0), false);
@@ -107,6 +110,7 @@ MOETUNE_AVX512 inline void forward_range(const uint16_t* w, const uint16_t* x, i
                                          int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate, int64_t ob0,
                                          int64_t ob1) {
   std::vector<float> res(n * 16);
+  const int64_t blocks = (n + 3) / 4;  // of x's rows: pass b prefetches the next group's rows [4b / blocks, ...)
   for (int64_t ob = ob0; ob < ob1; ++ob) {
     const int64_t o0 = ob * 16;
     const int rows = static_cast<int>(std::min<int64_t>(16, O - o0));
@@ -115,8 +119,10 @@ MOETUNE_AVX512 inline void forward_range(const uint16_t* w, const uint16_t* x, i
       for (int j = 0; j < 4; ++j) wr[j] = w + (o0 + std::min(j0 + j, rows - 1)) * K;
       for (int64_t r0 = 0; r0 < n; r0 += 4) {  // a second block of x finds the group's rows in L1
         alignas(64) float sums[16];
+        const int64_t b = r0 / 4;
         with_rows<4>(n - r0, [&](auto R) MOETUNE_AVX512 {  // the next group: the next four rows
-          forward_group<decltype(R)::value>(wr, x + r0 * ldx, ldx, K, r0 == 0 ? wr[0] + 4 * K : nullptr, K, sums);
+          forward_group<decltype(R)::value>(wr, x + r0 * ldx, ldx, K, wr[0] + 4 * K, static_cast<int>(4 * b / blocks),
+                                            static_cast<int>(4 * (b + 1) / blocks), sums);
         });
         for (int64_t r = 0; r < std::min<int64_t>(4, n - r0); ++r)
           for (int j = 0; j < 4 && j0 + j < rows; ++j) res[(r0 + r) * 16 + j0 + j] = sums[j * 4 + r];
@@ -151,30 +157,36 @@ struct Bf16Pairs {
     lo = (__m512bh)_mm512_unpacklo_epi16(va, vb);
     hi = (__m512bh)_mm512_unpackhi_epi16(va, vb);
   }
+  // rows o and o + 1 (those before O), columns from k0, into L2
+  MOETUNE_AVX512 inline void prefetch(int64_t o, int64_t k0) const {
+    for (int64_t r = o; r < std::min(o + 2, O); ++r)
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k0), _MM_HINT_T2);
+  }
 };
 
 // The same from a quantized format's decoder (decoders.h), in column order: each 16 columns decoded in registers
-// (layouts.h's decode_pair), the rows' next codes prefetched
+// (layouts.h's decode_pair). (A prefetch 64 columns ahead in each row as well: int4's backward 1.4-1.6x slower at
+// n = 8, int8's up to 1.1x faster; dropped.)
 template <class Dec>
 struct DecodedPairs32 {
   static constexpr bool kPermuted = false;
   const Dec& dec;
   int64_t K, O;
   MOETUNE_AVX512 inline void operator()(int64_t o, int64_t k0, int64_t valid, __m512bh& lo, __m512bh& hi) const {
-    if (valid >= 32 && k0 + 64 < K) {
-      if (o < O) dec.prefetch(o, k0 + 64);
-      if (o + 1 < O) dec.prefetch(o + 1, k0 + 64);
-    }
     lo = moetune::decode_pair(dec, o, k0, K, O);
     hi = moetune::decode_pair(dec, o, k0 + 16, K, O);
+  }
+  MOETUNE_AVX512 inline void prefetch(int64_t o, int64_t k0) const {
+    for (int64_t r = o; r < std::min(o + 2, O); ++r) moetune::prefetch<_MM_HINT_T2>(dec, r, k0);
   }
 };
 
 // acc rows r < R, columns [k0, k0 + 32) (lo: the first 16 lanes, hi: the next, in the pairs' column order)
-// += g[r, o0 .. o0 + 2 np) @ W[o0 .. o0 + 2 np, k0 .. k0 + 32)
+// += g[r, o0 .. o0 + 2 np) @ W[o0 .. o0 + 2 np, k0 .. k0 + 32); ahead > 0: the rows that many below each pair
+// prefetched along the same columns (the next band's)
 template <int R, class Pairs>
 MOETUNE_AVX512 inline void backward_chunk(const Pairs& pairs, int64_t o0, int np, int64_t k0, int64_t valid,
-                                          const uint16_t* g, int64_t ldg, float* acc, int64_t ldacc) {
+                                          const uint16_t* g, int64_t ldg, float* acc, int64_t ldacc, int64_t ahead) {
   __m512 lo[R], hi[R];
   for (int r = 0; r < R; ++r) {
     lo[r] = _mm512_loadu_ps(acc + r * ldacc + k0);
@@ -182,6 +194,7 @@ MOETUNE_AVX512 inline void backward_chunk(const Pairs& pairs, int64_t o0, int np
   }
   for (int p = 0; p < np; ++p) {
     __m512bh wl, wh;
+    if (ahead) pairs.prefetch(o0 + 2 * p + ahead, k0);
     pairs(o0 + 2 * p, k0, valid, wl, wh);
     for (int r = 0; r < R; ++r) {
       int32_t pair;
@@ -204,7 +217,9 @@ template <class Pairs>
 MOETUNE_AVX512 inline void backward_range(const Pairs& pairs, const uint16_t* g, int64_t ldg, int64_t n, int64_t K,
                                           int64_t Oe, at::BFloat16* out, int64_t ldo, bool accumulate, int64_t c0,
                                           int64_t c1) {
-  const int64_t width = (c1 - c0) * 32;
+  // with wide bands (n > 8) a row's columns and one line, so that the rows are not 4 KiB apart (1.1-1.25x at n = 16
+  // to 32 for [1536, 2048]); with up to 8 rows that measured 5-10% slower
+  const int64_t width = (c1 - c0) * 32 + (n > 8 ? 16 : 0);
   std::vector<float> accv(n * width, 0.0f);
   float* acc = accv.data() - c0 * 32;  // acc + r * width + k for k in [32 c0, 32 c1)
   const int band = n <= 8 ? kBandPairs : kWideBandPairs;
@@ -214,7 +229,7 @@ MOETUNE_AVX512 inline void backward_range(const Pairs& pairs, const uint16_t* g,
       for (int64_t r0 = 0; r0 < n; r0 += 8)
         with_rows<8>(n - r0, [&](auto R) MOETUNE_AVX512 {
           backward_chunk<decltype(R)::value>(pairs, ob, np, c * 32, K - c * 32, g + r0 * ldg + ob, ldg,
-                                             acc + r0 * width, width);
+                                             acc + r0 * width, width, r0 == 0 ? 2 * band : 0);
         });
   }
   // back to column order where the pairs came permuted: lo holds columns 0-3, 8-11, 16-19, 24-27, hi the others

@@ -37,20 +37,21 @@ MOETUNE_AVX512 inline __m512bh decode_pair(const Dec& dec, int64_t o, int64_t k0
   return (__m512bh)_mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
-// The rows kAheadSteps 32-row steps below step os of the 64-column strip s, towards L1: a strip walks down the
-// rows, 32 per step, K bytes apart, and no hardware prefetcher follows that.
-template <class Dec>
+// The rows kAheadSteps 32-row steps below step os of the 64-column strip s, towards L1 or into L2 (Hint: decoders.h's
+// prefetch): a strip walks down the rows, 32 per step, K bytes apart, and no hardware prefetcher follows that.
+template <int Hint, class Dec>
 inline void prefetch_strip(const Dec& dec, int64_t os, int64_t s, int64_t O) {
   for (int64_t o = (os + kAheadSteps) * 32; o < std::min<int64_t>((os + kAheadSteps + 1) * 32, O); ++o)
-    dec.prefetch(o, s * 64);
+    prefetch<Hint>(dec, o, s * 64);
 }
 
 // W' tiles of rows [32 os, 32 os + 32) and columns [64 s, 64 s + 64): dst + q * q_stride is the 16 x 64-byte
-// tile of columns 64 s + 16 q, row p holding rows 32 os + 2p and + 1 interleaved (zero past O and K).
-template <class Dec>
+// tile of columns 64 s + 16 q, row p holding rows 32 os + 2p and + 1 interleaved (zero past O and K); the rows
+// ahead prefetched with Hint.
+template <int Hint, class Dec>
 MOETUNE_AVX512 inline void decode_pairs(const Dec& dec, int64_t os, int64_t s, int64_t K, int64_t O,
                                         uint16_t* dst, int64_t q_stride) {
-  prefetch_strip(dec, os, s, O);
+  prefetch_strip<Hint>(dec, os, s, O);
   for (int p = 0; p < 16; ++p) {
     const int64_t o = os * 32 + 2 * p;
     for (int q = 0; q < 4; ++q)
