@@ -68,7 +68,7 @@ MOETUNE_AVX512 inline __m512 dp_pair(__m512 acc, __m512bh w, const void* pair) {
 // W[o, k0 .. k0 + 32) as 32 bf16 in k order (zero past K: valid = K - k0)
 template <class Dec>
 MOETUNE_AVX512 inline __m512bh chunk(const Dec& dec, int64_t o, int64_t k0, int valid) {
-  return _mm512_cvtne2ps_pbh(dec(o, k0 + 16, valid - 16), dec(o, k0, valid));
+  return (__m512bh)moetune::bf16_chunk(dec, o, k0, valid);
 }
 
 // res[r * 16 + j] = sum_k x[r, k] W[o0 + j, k] (fp32) for r < R, j < rows (up to 16 weight rows from o0);

@@ -12,6 +12,11 @@
 //       scalar helper per format gives both widths their scale), lanes at and past `valid` zero.
 //   const void* code(int64_t o, int64_t k) const
 //       the address of W[o, k]'s code (k < K), for prefetch below; no effect on results.
+// and, where a format has few enough codes for a table (bf16_chunk below takes it when present):
+//   __m512i bf16x32(int64_t o, int64_t k0) const
+//       W[o, k0 .. k0 + 32) (k0 % 32 == 0, k0 + 32 <= K) rounded to bf16, bit for bit the values operator() gives
+//       rounded to nearest even: the 16 values of the block's codes computed once into a table, each code looked
+//       up (vpermw) instead of decoded.
 // Compiled for AVX512F/BW/VL (+BF16) through target attributes, so a variant compiled with other flags (the
 // AMX one adds amx-tile/amx-bf16) inlines them into its own target-attributed loops; ``eight`` for AVX2 + FMA +
 // F16C, the flags avx2_gemm.cpp is compiled with.
@@ -20,11 +25,16 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 
 #define MOETUNE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define MOETUNE_AVX2 __attribute__((target("avx2,fma,f16c")))
+// for the small helpers the loops call per chunk: GCC left some out of line (a call per 32 weights: 2x slower)
+#define MOETUNE_ALWAYS_INLINE inline __attribute__((always_inline))
 
 namespace moetune {
 
@@ -88,6 +98,16 @@ struct Int8Rows {
   inline const void* code(int64_t o, int64_t k) const { return codes + o * K + k; }
 };
 
+// the 16 bf16 values of the table f(0 .. 15) (fp32 values, rounded to nearest even) in a vpermw table's first 16 words
+MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i table16(__m512 values) {
+  return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
+}
+
+// 32 codes 0 .. 15 (one per byte) -> their 32 bf16 values from table16's table
+MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i lookup32(__m256i codes, __m512i table) {
+  return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
+}
+
 // int4: W[o, k] = (u - z) * s with u the 4-bit code, z the group's zero point (8 when symmetric), s its bf16 scale.
 struct Int4Rows {
   const uint8_t* packed;  // [O, K/2]: byte j holds u[j] (low nibble) and u[j + K/2] (high nibble)
@@ -115,6 +135,19 @@ struct Int4Rows {
     const int64_t gi = o * groups + (k0 >> shift);
     __m256 w = _mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(zero_point(gi))));
     return _mm256_mul_ps(w, _mm256_set1_ps(bf16_to_float(scale[gi])));
+  }
+  // groups of >= 32 columns (shift >= 5) and a chunk on one side of K/2: one table (else two 16-column decodes)
+  MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i bf16x32(int64_t o, int64_t k0) const {
+    const bool high = k0 >= half;
+    if (shift < 5 || (!high && k0 + 32 > half))
+      return (__m512i)_mm512_cvtne2ps_pbh((*this)(o, k0 + 16, 16), (*this)(o, k0, 16));
+    const int64_t gi = o * groups + (k0 >> shift);
+    const __m512i u = _mm512_sub_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                       _mm512_set1_epi32(zero_point(gi)));
+    const __m512i table = table16(_mm512_mul_ps(_mm512_cvtepi32_ps(u), _mm512_set1_ps(bf16_to_float(scale[gi]))));
+    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + o * half + (high ? k0 - half : k0)));
+    if (high) b = _mm256_srli_epi16(b, 4);
+    return lookup32(_mm256_and_si256(b, _mm256_set1_epi8(0x0F)), table);
   }
   inline int zero_point(int64_t gi) const { return zero ? zero[gi] : 8; }
   inline const void* code(int64_t o, int64_t k) const { return packed + o * half + (k >= half ? k - half : k); }
@@ -186,6 +219,16 @@ struct Mxfp4Rows {
     const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(c, 3), 31));
     return _mm256_mul_ps(_mm256_or_ps(mag, sign), _mm256_set1_ps(pow2(o, k0)));
   }
+  MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i bf16x32(int64_t o, int64_t k0) const {  // one block of 32: one table
+    const __m512 fp4 = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f,
+                                      -4.f, -6.f);
+    const __m512i table = table16(_mm512_mul_ps(fp4, _mm512_set1_ps(pow2(o, k0))));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + o * half + k0 / 2));
+    const __m128i nib = _mm_set1_epi8(0x0F), lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+    // element order: low nibble of byte 0, its high nibble, low nibble of byte 1, ...
+    const __m256i codes = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+    return lookup32(codes, table);
+  }
   // 2^(s - 127), s the block's e8m0 byte; s = 0: the subnormal 2^-127
   inline float pow2(int64_t o, int64_t k0) const {
     const uint32_t s = scale[o * blocks + (k0 >> 5)];
@@ -196,6 +239,22 @@ struct Mxfp4Rows {
   }
   inline const void* code(int64_t o, int64_t k) const { return packed + o * half + k / 2; }
 };
+
+// W[o, k0 .. k0 + 32) rounded to bf16, zero past K (valid = K - k0): the decoder's table (bf16x32) where it has one
+// and the chunk is whole, else two 16-column decodes
+template <class Dec, class = void>
+struct has_table : std::false_type {};
+template <class Dec>
+struct has_table<Dec, std::void_t<decltype(std::declval<const Dec&>().bf16x32(0, 0))>> : std::true_type {};
+
+template <class Dec>
+MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i bf16_chunk(const Dec& dec, int64_t o, int64_t k0, int64_t valid) {
+  if constexpr (has_table<Dec>::value) {
+    if (valid >= 32) return dec.bf16x32(o, k0);
+  }
+  const int v = static_cast<int>(std::min<int64_t>(valid, 32));
+  return (__m512i)_mm512_cvtne2ps_pbh(dec(o, k0 + 16, v - 16), dec(o, k0, v));
+}
 
 // Bring the cache line holding W[o, k]'s code towards L1 (Hint _MM_HINT_T0) or into L2 (_MM_HINT_T2). The AVX512
 // loops prefetch into L2: on Zen 4 a prefetch into L1 holds one of L1's few miss buffers until memory answers, which

@@ -11,7 +11,7 @@
 //   backward (dense bf16, and the AVX512 variant's quantized decoders up to 8 rows): out[n, K] (+)= g[n, O] @ W
 //             bands of weight row pairs walked along k 32 columns at a time, rows o and o + 1 interleaved in
 //             registers into (W[o, k], W[o + 1, k]) pairs (bf16: vpunpck{l,h}wd, which leaves the columns in
-//             another order, undone once at the end; decoders: layouts.h's decode_pair), g's pair (g[r, o],
+//             another order, undone once at the end; decoders: DecodedPairs32 below), g's pair (g[r, o],
 //             g[r, o + 1]) broadcast; the fp32 sums of all n rows in a per-call buffer, read and written once per
 //             band and 32 columns (above 8 rows, rows one cache line apart from a 4 KiB multiple: 4 KiB-apart rows
 //             share one L1 set), rounded into out once at the end; the next band's rows prefetched into L2 along
@@ -138,6 +138,7 @@ MOETUNE_AVX512 inline void forward_range(const uint16_t* w, const uint16_t* x, i
 // row past O
 struct Bf16Pairs {
   static constexpr bool kPermuted = true;
+  static constexpr bool kStaged = false;  // loaded as stored: nothing to decode ahead
   const uint16_t* w;
   int64_t K, O;
   const uint16_t* zero;  // K + 32 zeros
@@ -164,17 +165,27 @@ struct Bf16Pairs {
   }
 };
 
-// The same from a quantized format's decoder (decoders.h), in column order: each 16 columns decoded in registers
-// (layouts.h's decode_pair). (A prefetch 64 columns ahead in each row as well: int4's backward 1.4-1.6x slower at
-// n = 8, int8's up to 1.1x faster; dropped.)
+// The same from a quantized format's decoder (decoders.h): a decoder with a table (bf16x32: int4, mxfp4) gives each
+// row's 32 values at once, interleaved as Bf16Pairs' (kPermuted), and the band's pairs are decoded before its dot
+// products (kStaged: 1.05-1.4x at n = 1-8; decoded between them, as the others are, 0.7x); the others decode 16
+// columns at a time in column order (layouts.h's decode_pair). (A prefetch 64 columns ahead in each row as well:
+// int4's backward 1.4-1.6x slower at n = 8, int8's up to 1.1x faster; dropped.)
 template <class Dec>
 struct DecodedPairs32 {
-  static constexpr bool kPermuted = false;
+  static constexpr bool kPermuted = moetune::has_table<Dec>::value;
+  static constexpr bool kStaged = moetune::has_table<Dec>::value;
   const Dec& dec;
   int64_t K, O;
   MOETUNE_AVX512 inline void operator()(int64_t o, int64_t k0, int64_t valid, __m512bh& lo, __m512bh& hi) const {
-    lo = moetune::decode_pair(dec, o, k0, K, O);
-    hi = moetune::decode_pair(dec, o, k0 + 16, K, O);
+    if constexpr (kPermuted) {
+      const __m512i a = o < O ? moetune::bf16_chunk(dec, o, k0, valid) : _mm512_setzero_si512();
+      const __m512i b = o + 1 < O ? moetune::bf16_chunk(dec, o + 1, k0, valid) : _mm512_setzero_si512();
+      lo = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    } else {
+      lo = moetune::decode_pair(dec, o, k0, K, O);
+      hi = moetune::decode_pair(dec, o, k0 + 16, K, O);
+    }
   }
   MOETUNE_AVX512 inline void prefetch(int64_t o, int64_t k0) const {
     for (int64_t r = o; r < std::min(o + 2, O); ++r) moetune::prefetch<_MM_HINT_T2>(dec, r, k0);
@@ -192,10 +203,23 @@ MOETUNE_AVX512 inline void backward_chunk(const Pairs& pairs, int64_t o0, int np
     lo[r] = _mm512_loadu_ps(acc + r * ldacc + k0);
     hi[r] = _mm512_loadu_ps(acc + r * ldacc + k0 + 16);
   }
+  constexpr bool kStage = Pairs::kStaged;
+  alignas(64) __m512bh staged[kStage ? 2 * kWideBandPairs : 1];  // the band's pairs, decoded first
+  if constexpr (kStage) {
+    for (int p = 0; p < np; ++p) {
+      if (ahead) pairs.prefetch(o0 + 2 * p + ahead, k0);
+      pairs(o0 + 2 * p, k0, valid, staged[2 * p], staged[2 * p + 1]);
+    }
+  }
   for (int p = 0; p < np; ++p) {
     __m512bh wl, wh;
-    if (ahead) pairs.prefetch(o0 + 2 * p + ahead, k0);
-    pairs(o0 + 2 * p, k0, valid, wl, wh);
+    if constexpr (kStage) {
+      wl = staged[2 * p];
+      wh = staged[2 * p + 1];
+    } else {
+      if (ahead) pairs.prefetch(o0 + 2 * p + ahead, k0);
+      pairs(o0 + 2 * p, k0, valid, wl, wh);
+    }
     for (int r = 0; r < R; ++r) {
       int32_t pair;
       std::memcpy(&pair, g + r * ldg + 2 * p, 4);

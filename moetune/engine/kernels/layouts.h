@@ -37,6 +37,28 @@ MOETUNE_AVX512 inline __m512bh decode_pair(const Dec& dec, int64_t o, int64_t k0
   return (__m512bh)_mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
+// Rows o and o + 1 of W, columns [k0, k0 + 32), interleaved as decode_pair's: lo columns k0 .. k0 + 16, hi the
+// next 16. With a decoder's table (decoders.h's bf16x32) each row's 32 values looked up at once and the two rows
+// interleaved by two vpermt2w; else two decode_pairs.
+template <class Dec>
+MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void decode_pair32(const Dec& dec, int64_t o, int64_t k0, int64_t K, int64_t O,
+                                                        __m512bh& lo, __m512bh& hi) {
+  if constexpr (has_table<Dec>::value) {
+    if (K - k0 >= 32) {
+      const __m512i a = o < O ? dec.bf16x32(o, k0) : _mm512_setzero_si512();
+      const __m512i b = o + 1 < O ? dec.bf16x32(o + 1, k0) : _mm512_setzero_si512();
+      const __m512i first = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                             38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+      const __m512i next = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+      lo = (__m512bh)_mm512_permutex2var_epi16(a, first, b);
+      hi = (__m512bh)_mm512_permutex2var_epi16(a, next, b);
+      return;
+    }
+  }
+  lo = decode_pair(dec, o, k0, K, O);
+  hi = decode_pair(dec, o, k0 + 16, K, O);
+}
+
 // The rows kAheadSteps 32-row steps below step os of the 64-column strip s, towards L1 or into L2 (Hint: decoders.h's
 // prefetch): a strip walks down the rows, 32 per step, K bytes apart, and no hardware prefetcher follows that.
 template <int Hint, class Dec>
@@ -54,8 +76,12 @@ MOETUNE_AVX512 inline void decode_pairs(const Dec& dec, int64_t os, int64_t s, i
   prefetch_strip<Hint>(dec, os, s, O);
   for (int p = 0; p < 16; ++p) {
     const int64_t o = os * 32 + 2 * p;
-    for (int q = 0; q < 4; ++q)
-      _mm512_storeu_si512(dst + q * q_stride + p * 32, (__m512i)decode_pair(dec, o, s * 64 + q * 16, K, O));
+    for (int q = 0; q < 4; q += 2) {
+      __m512bh lo, hi;
+      decode_pair32(dec, o, s * 64 + q * 16, K, O, lo, hi);
+      _mm512_storeu_si512(dst + q * q_stride + p * 32, (__m512i)lo);
+      _mm512_storeu_si512(dst + (q + 1) * q_stride + p * 32, (__m512i)hi);
+    }
   }
 }
 

@@ -130,6 +130,31 @@ def test_kernel_shapes(name, o, k, accumulate):
 
 
 @needs_kernels
+@pytest.mark.parametrize("group,k", [(16, 128), (16, 96), (32, 96)])
+def test_int4_kernel_off_the_table_path(group, k):
+    """The int4 kernel entry with groups the format does not make (16: two per 32-column step) and a step across
+    K/2 (K = 96) decodes without its one-table chunk (decoders.h's bf16x32 falls back): still the dequantized
+    weights, each (u - z) * s rounded once to bf16, against float64 within the bound of ``_check``."""
+    gen = torch.Generator().manual_seed(3)
+    o = 48
+    packed = torch.randint(0, 256, (o, k // 2), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(o, k // group, generator=gen) * 0.1 + 0.01).bfloat16()
+    zero = torch.randint(0, 16, (o, k // group), generator=gen, dtype=torch.uint8)
+    codes = torch.cat((packed & 15, packed >> 4), dim=1).double()  # byte j: column j (low), j + K/2 (high)
+    step = (codes - zero.double().repeat_interleave(group, 1)) * scale.double().repeat_interleave(group, 1)
+    w = step.float().bfloat16().double()
+    for forward in (True, False):
+        for n in (1, 9, 20):
+            a = torch.randn(n, k if forward else o, generator=gen).bfloat16()
+            out = torch.empty(n, o if forward else k, dtype=torch.bfloat16)
+            load_fused().int4_gemm(forward, a, out, packed, scale, zero, group, False)
+            ref = a.double() @ (w.t() if forward else w)
+            mag = a.double().abs() @ (w.abs().t() if forward else w.abs())
+            bound = 2.0**-8 * ref.abs() + (k if forward else o) * 2.0**-22 * mag
+            assert float(((out.double() - ref).abs() / bound).max()) <= 1.0, (group, k, forward, n)
+
+
+@needs_kernels
 def test_kernel_is_the_same_on_two_threads():
     """Each output element is summed by one thread in one order: 2 intra-op threads give the same bits."""
     fmt = _weights("int4-g64-asym", 256, 512)
