@@ -13,12 +13,14 @@ from moetune.errors import EngineError
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 # Weights stored in bf16, per kernel variant: experts with at most this many rows take the kernels' bf16_gemm
-# (kernels/few_rows.h on AVX512-BF16: each weight read once per product, 1.4-2.8x oneDNN's speed per product up to
-# 24 rows, 1.0-1.45x at 32, level at 48: `python bench/bf16_products.py`; engine step, fused / torch path at T =
-# 128 / 256 / 512, E = 128: 1.68x / 1.37x / 1.10x with 32, 1.74x / 1.50x / 1.16x with 48, `python bench/formats.py
-# --experts 128 --tokens 128 256 512 --formats bf16 --fused-max-rows N`; docs/performance.md, "Dense bf16 experts
-# with few rows"). Not measured against AMX's oneDNN GEMMs yet: no AMX-BF16 entry.
-BF16_FUSED_MAX_ROWS = MappingProxyType({"AVX512-BF16": 48})
+# (kernels/few_rows.h on AVX512-BF16: each weight read once per product, weights prefetched into L2). Per product
+# 2-3.9x oneDNN's speed up to 24 rows, 1.2-1.35x at 32, 1.05-1.2x at 48, level at 64 (`python
+# bench/bf16_products.py`); in the engine step, where a run of experts is one call and nothing is padded, fused /
+# torch path (E = 128, `python bench/formats.py --experts 128 --tokens 512 1024 2048 --formats bf16
+# --fused-max-rows N`): 48: 1.32x / 0.99x at T = 512 / 1024; 64: 1.36x / 1.07x; 96: 1.23x at T = 1024; 128: 1.19x /
+# 1.02x at T = 1024 / 2048; 256: 1.26x / 1.04x (docs/performance.md, "Prefetching into L2"). Not measured against
+# AMX's oneDNN GEMMs yet: no AMX-BF16 entry.
+BF16_FUSED_MAX_ROWS = MappingProxyType({"AVX512-BF16": 256})
 
 
 @FORMATS.register("dense")

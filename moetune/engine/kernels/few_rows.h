@@ -19,9 +19,10 @@
 //             docs/performance.md).
 //
 // The run_gemm overload at the end replaces the AVX512 variant's decoding loops for moetune::Bf16Rows (entry.h's
-// contract). Why (docs/performance.md, "Dense bf16 experts with few rows"): with up to 48 rows oneDNN's bf16 GEMM
-// re-lays out the weight on every call and streams it at about half the rate these loops do (AMD EPYC Zen 4, one
-// thread, [1536, 2048] at n = 8: forward 0.56 vs 1.21 ms, backward 0.51 vs 1.02 ms; `python bench/bf16_products.py`).
+// contract). Why (docs/performance.md, "Dense bf16 experts with few rows", "Prefetching into L2"): with few rows
+// oneDNN's bf16 GEMM re-lays out the weight on every call and streams it at a fraction of the rate these loops do
+// (AMD EPYC Zen 4, one thread, [1536, 2048] at n = 8: forward 0.41 vs 1.21 ms, backward 0.51 vs 1.02 ms; level at 64
+// rows; `python bench/bf16_products.py`), and in the engine a run of experts is one call, unpadded.
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -1,0 +1,156 @@
+"""The kernels of a git revision against the working tree's, per product, side by side in one process.
+
+    python bench/kernel_ab.py --base REV [--variant AVX512-BF16] [--formats bf16 int8 int4 int4-asym fp8 mxfp4]
+                              [--rows 1 8 16 32] [--experts 48] [--reps 5] [--threads 1]
+
+For work on ``moetune/engine/kernels``: the variant's sources at ``REV`` (``git show``, into a temporary folder)
+and in the working tree are both built (torch's ``cpp_extension``, keyed by their text, so a rebuild happens only
+when a source changed), then every product runs on both, reps interleaved so that machine noise falls on both
+alike. Shapes: a 2048-wide model's gate_up ``[1536, 2048]`` and down ``[2048, 768]``, ``--experts`` distinct
+weights multiplied in turn (each product streams its weight from memory, as an engine step does); forward
+``x [n, K] @ W^T``, backward ``g [n, O] @ W``. Per row: ms per product (minimum over reps of the mean over experts)
+for the revision and the tree, base / tree (> 1: the tree is faster), and whether the two outputs are equal bit
+for bit (``=``) or not (``!``, with the largest difference relative to the largest output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch.utils import cpp_extension
+
+from moetune.engine.kernels.loader import CFLAGS, HERE, variant_named
+from moetune.sysinfo import cpu_info
+
+ROOT = HERE.parents[2]
+SHAPES = {"gate_up": (1536, 2048), "down": (2048, 768)}  # W [O, K]
+FORMATS = ("bf16", "int8", "int4", "int4-asym", "fp8", "mxfp4")
+
+Product = Callable[[ModuleType, bool, torch.Tensor, torch.Tensor, int], None]
+
+
+def build(folder: Path, source: str, flags: list[str], tag: str) -> ModuleType:
+    """The kernel module built from ``folder / source`` (and the headers beside it)."""
+    text = b"".join(p.read_bytes() for p in sorted(folder.iterdir()) if p.suffix in (".h", ".cpp"))
+    name = f"moetune_ab_{tag}_{hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:12]}"
+    return cpp_extension.load(
+        name=name, sources=[str(folder / source)], extra_cflags=flags, extra_ldflags=["-fopenmp"]
+    )
+
+
+def sources_at(rev: str, dest: Path) -> Path:
+    """The kernel folder's C++ sources at git revision ``rev``, written under ``dest``."""
+    rel = HERE.relative_to(ROOT).as_posix()
+    names = subprocess.run(
+        ["git", "ls-tree", "--name-only", f"{rev}:{rel}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for name in names:
+        if name.endswith((".h", ".cpp")):
+            blob = subprocess.run(
+                ["git", "show", f"{rev}:{rel}/{name}"], cwd=ROOT, capture_output=True, check=True
+            )
+            (dest / name).write_bytes(blob.stdout)
+    return dest
+
+
+def weights(fmt: str, e: int, o: int, k: int, gen: torch.Generator) -> Product:
+    """``e`` experts' ``[o, k]`` weights in ``fmt`` (random codes and scales in the formats' ranges) and the call
+    that multiplies expert ``i``'s."""
+    if fmt == "bf16":
+        w = torch.randn(e, o, k, generator=gen).bfloat16()
+        return lambda m, fwd, a, out, i: m.bf16_gemm(fwd, a, out, w[i], False)
+    if fmt == "int8":
+        c8 = torch.randint(-127, 128, (e, o, k), generator=gen, dtype=torch.int8)
+        s8 = torch.rand(e, o, generator=gen) * 0.01
+        return lambda m, fwd, a, out, i: m.int8_gemm(fwd, a, out, c8[i], s8[i], False)
+    if fmt in ("int4", "int4-asym"):
+        group = 64 if fmt == "int4" else 32
+        p4 = torch.randint(0, 256, (e, o, k // 2), generator=gen, dtype=torch.uint8)
+        s4 = (torch.rand(e, o, k // group, generator=gen) * 0.01).bfloat16()
+        z4 = (
+            torch.randint(0, 16, (e, o, k // group), generator=gen, dtype=torch.uint8)
+            if fmt == "int4-asym"
+            else None
+        )
+        return lambda m, fwd, a, out, i: m.int4_gemm(
+            fwd, a, out, p4[i], s4[i], None if z4 is None else z4[i], group, False
+        )
+    if fmt == "fp8":
+        c = (torch.randn(e, o, k, generator=gen) * 0.5).to(torch.float8_e4m3fn)
+        s = torch.rand(e, (o + 127) // 128, (k + 127) // 128, generator=gen) * 0.01
+        return lambda m, fwd, a, out, i: m.fp8_block_gemm(fwd, a, out, c[i], s[i], 0, 0, False)
+    if fmt == "mxfp4":
+        pm = torch.randint(0, 256, (e, o, k // 2), generator=gen, dtype=torch.uint8)
+        sm = torch.randint(118, 128, (e, o, k // 32), generator=gen, dtype=torch.uint8)
+        return lambda m, fwd, a, out, i: m.mxfp4_gemm(fwd, a, out, pm[i], sm[i], False)
+    raise SystemExit(f"--formats: no format {fmt!r}; the formats are {', '.join(FORMATS)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="git revision whose kernels are the baseline (e.g. HEAD~1)")
+    ap.add_argument("--variant", default="AVX512-BF16")
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32])
+    ap.add_argument("--experts", type=int, default=48)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    variant = variant_named(args.variant)
+    if variant is None:
+        raise SystemExit(f"--variant: no kernel variant {args.variant!r}")
+    torch.set_num_threads(args.threads)
+    flags = CFLAGS + list(variant.flags)
+    with tempfile.TemporaryDirectory() as tmp:
+        base = build(sources_at(args.base, Path(tmp)), variant.source, flags, "base")
+    tree = build(HERE, variant.source, flags, "tree")
+    cpu = cpu_info()
+    print(f"bench/kernel_ab.py | {cpu.model} ({', '.join(cpu.isa) or 'no SIMD flags found'})")
+    print(
+        f"variant {args.variant}, {args.threads} thread(s), {args.experts} experts per shape; base {args.base}"
+    )
+    print(
+        f"{'format':9} {'shape':7} {'n':>3}  {'fwd base':>8} {'tree':>6} {'ratio':>6}    {'bwd base':>8} {'tree':>6} {'ratio':>6}"
+    )
+    gen = torch.Generator().manual_seed(0)
+    for fmt in args.formats:
+        for shape, (o, k) in SHAPES.items():
+            call = weights(fmt, args.experts, o, k, gen)
+            for n in args.rows:
+                x, g = (
+                    torch.randn(n, k, generator=gen).bfloat16(),
+                    torch.randn(n, o, generator=gen).bfloat16(),
+                )
+                line = f"{fmt:9} {shape:7} {n:>3}"
+                for fwd, a, width in ((True, x, o), (False, g, k)):
+                    outs = [torch.empty(n, width, dtype=torch.bfloat16) for _ in range(2)]
+                    for m, out in zip((base, tree), outs, strict=True):
+                        call(m, fwd, a, out, 0)  # warm-up, and the outputs compared
+                    same = torch.equal(outs[0], outs[1])
+                    diff = (outs[0].float() - outs[1].float()).abs().max() / outs[0].float().abs().max()
+                    best = [float("inf")] * 2
+                    for _ in range(args.reps):
+                        for j, (m, out) in enumerate(zip((base, tree), outs, strict=True)):
+                            t0 = time.perf_counter()
+                            for i in range(args.experts):
+                                call(m, fwd, a, out, i)
+                            best[j] = min(best[j], (time.perf_counter() - t0) / args.experts * 1e3)
+                    mark = "=" if same else f"! {float(diff):.1e}"
+                    line += f"  {best[0]:>8.3f} {best[1]:>6.3f} {best[0] / best[1]:>5.2f}x {mark:<2}"
+                print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
