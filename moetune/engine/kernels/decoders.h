@@ -201,9 +201,7 @@ struct Mxfp4Rows {
     const __m128i nib = _mm_set1_epi8(0x0F);
     // codes in element order: low nibble of byte 0, its high nibble, low nibble of byte 1, ...
     const __m128i c = _mm_unpacklo_epi8(_mm_and_si128(b, nib), _mm_and_si128(_mm_srli_epi16(b, 4), nib));
-    const __m512 fp4 = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f,
-                                      -4.f, -6.f);
-    const __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c), fp4);
+    const __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c), fp4());
     return _mm512_mul_ps(v, _mm512_set1_ps(pow2(o, k0)));
   }
   MOETUNE_AVX2 inline __m256 eight(int64_t o, int64_t k0, int valid) const {
@@ -220,14 +218,16 @@ struct Mxfp4Rows {
     return _mm256_mul_ps(_mm256_or_ps(mag, sign), _mm256_set1_ps(pow2(o, k0)));
   }
   MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i bf16x32(int64_t o, int64_t k0) const {  // one block of 32: one table
-    const __m512 fp4 = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f,
-                                      -4.f, -6.f);
-    const __m512i table = table16(_mm512_mul_ps(fp4, _mm512_set1_ps(pow2(o, k0))));
+    const __m512i table = table16(_mm512_mul_ps(fp4(), _mm512_set1_ps(pow2(o, k0))));
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + o * half + k0 / 2));
     const __m128i nib = _mm_set1_epi8(0x0F), lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
     // element order: low nibble of byte 0, its high nibble, low nibble of byte 1, ...
     const __m256i codes = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
     return lookup32(codes, table);
+  }
+  // FP4[code] for the 16 e2m1 codes (bit 3: the sign)
+  MOETUNE_AVX512 static MOETUNE_ALWAYS_INLINE __m512 fp4() {
+    return _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
   }
   // 2^(s - 127), s the block's e8m0 byte; s = 0: the subnormal 2^-127
   inline float pow2(int64_t o, int64_t k0) const {

@@ -159,11 +159,7 @@ struct Bf16Pairs {
     lo = (__m512bh)_mm512_unpacklo_epi16(va, vb);
     hi = (__m512bh)_mm512_unpackhi_epi16(va, vb);
   }
-  // rows o and o + 1 (those before O), columns from k0, into L2
-  MOETUNE_AVX512 inline void prefetch(int64_t o, int64_t k0) const {
-    for (int64_t r = o; r < std::min(o + 2, O); ++r)
-      _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k0), _MM_HINT_T2);
-  }
+  inline const void* code(int64_t o, int64_t k) const { return w + o * K + k; }  // for prefetch_pair
 };
 
 // The same from a quantized format's decoder (decoders.h): a decoder with a table (bf16x32: int4, mxfp4) gives each
@@ -188,10 +184,14 @@ struct DecodedPairs32 {
       hi = moetune::decode_pair(dec, o, k0 + 16, K, O);
     }
   }
-  MOETUNE_AVX512 inline void prefetch(int64_t o, int64_t k0) const {
-    for (int64_t r = o; r < std::min(o + 2, O); ++r) moetune::prefetch<_MM_HINT_T2>(dec, r, k0);
-  }
+  inline const void* code(int64_t o, int64_t k) const { return dec.code(o, k); }  // for prefetch_pair
 };
+
+// rows o and o + 1 of a Pairs' weight (those before its O), the line holding column k0, into L2
+template <class Pairs>
+MOETUNE_ALWAYS_INLINE void prefetch_pair(const Pairs& pairs, int64_t o, int64_t k0) {
+  for (int64_t r = o; r < std::min(o + 2, pairs.O); ++r) moetune::prefetch<_MM_HINT_T2>(pairs, r, k0);
+}
 
 // acc rows r < R, columns [k0, k0 + 32) (lo: the first 16 lanes, hi: the next, in the pairs' column order)
 // += g[r, o0 .. o0 + 2 np) @ W[o0 .. o0 + 2 np, k0 .. k0 + 32); ahead > 0: the rows that many below each pair
@@ -208,7 +208,7 @@ MOETUNE_AVX512 inline void backward_chunk(const Pairs& pairs, int64_t o0, int np
   alignas(64) __m512bh staged[kStage ? 2 * kWideBandPairs : 1];  // the band's pairs, decoded first
   if constexpr (kStage) {
     for (int p = 0; p < np; ++p) {
-      if (ahead) pairs.prefetch(o0 + 2 * p + ahead, k0);
+      if (ahead) prefetch_pair(pairs, o0 + 2 * p + ahead, k0);
       pairs(o0 + 2 * p, k0, valid, staged[2 * p], staged[2 * p + 1]);
     }
   }
@@ -218,7 +218,7 @@ MOETUNE_AVX512 inline void backward_chunk(const Pairs& pairs, int64_t o0, int np
       wl = staged[2 * p];
       wh = staged[2 * p + 1];
     } else {
-      if (ahead) pairs.prefetch(o0 + 2 * p + ahead, k0);
+      if (ahead) prefetch_pair(pairs, o0 + 2 * p + ahead, k0);
       pairs(o0 + 2 * p, k0, valid, wl, wh);
     }
     for (int r = 0; r < R; ++r) {
