@@ -17,12 +17,12 @@ AMX kernels).
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from types import ModuleType
 
 import torch
 
+from moetune.bench.timing import interleaved_min_ms
 from moetune.engine.kernels import load_variant
 from moetune.sysinfo import cpu_info
 
@@ -74,16 +74,9 @@ def main() -> None:
             x = torch.randn(n, k, generator=gen).bfloat16()
             g = torch.randn(n, o, generator=gen).bfloat16()
             variants = products(kernels, weights, x, g)
-            best = {label: float("inf") for label in variants}
             for fn in variants.values():  # warm-up: oneDNN builds its kernel for this shape
                 fn(0)
-            for _ in range(args.reps):
-                for label, fn in variants.items():
-                    t0 = time.perf_counter()
-                    for e in range(args.experts):
-                        fn(e)
-                    best[label] = min(best[label], (time.perf_counter() - t0) / args.experts * 1e3)
-            f0, f1, b0, b1 = best.values()
+            f0, f1, b0, b1 = interleaved_min_ms(variants, args.experts, args.reps).values()
             print(
                 f"{name:8} {n:>3} {f0:>10.3f} {f1:>7.3f} {f0 / f1:>5.2f}x   {b0:>10.3f} {b1:>7.3f} {b0 / b1:>5.2f}x"
             )

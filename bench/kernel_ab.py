@@ -19,14 +19,15 @@ import argparse
 import hashlib
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch.utils import cpp_extension
 
+from moetune.bench.timing import interleaved_min_ms
 from moetune.engine.kernels.loader import CFLAGS, HERE, variant_named
 from moetune.sysinfo import cpu_info
 
@@ -140,15 +141,16 @@ def main() -> None:
                         call(m, fwd, a, out, 0)  # warm-up, and the outputs compared
                     same = torch.equal(outs[0], outs[1])
                     diff = (outs[0].float() - outs[1].float()).abs().max() / outs[0].float().abs().max()
-                    best = [float("inf")] * 2
-                    for _ in range(args.reps):
-                        for j, (m, out) in enumerate(zip((base, tree), outs, strict=True)):
-                            t0 = time.perf_counter()
-                            for i in range(args.experts):
-                                call(m, fwd, a, out, i)
-                            best[j] = min(best[j], (time.perf_counter() - t0) / args.experts * 1e3)
+                    best = interleaved_min_ms(
+                        {
+                            "base": partial(call, base, fwd, a, outs[0]),
+                            "tree": partial(call, tree, fwd, a, outs[1]),
+                        },
+                        args.experts,
+                        args.reps,
+                    )
                     mark = "=" if same else f"! {float(diff):.1e}"
-                    line += f"  {best[0]:>8.3f} {best[1]:>6.3f} {best[0] / best[1]:>5.2f}x {mark:<2}"
+                    line += f"  {best['base']:>8.3f} {best['tree']:>6.3f} {best['base'] / best['tree']:>5.2f}x {mark:<2}"
                 print(line, flush=True)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,3 +102,17 @@ class CallBudget:
         last = self._last.get(key)
         if last is None or size >= last[0]:
             self._last[key] = (size, seconds)
+
+
+def interleaved_min_ms(calls: Mapping[str, Callable[[int], None]], items: int, reps: int) -> dict[str, float]:
+    """Milliseconds per item for each labelled call: the minimum over ``reps`` of the mean of ``call(i)`` over
+    ``i < items``. Each rep runs every call in turn, so machine noise falls on all of them alike (the side-by-side
+    ratios of ``bench/bf16_products.py`` and ``bench/kernel_ab.py``); warm-up is the caller's."""
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(reps):
+        for label, call in calls.items():
+            t0 = time.perf_counter()
+            for i in range(items):
+                call(i)
+            best[label] = min(best[label], (time.perf_counter() - t0) / items * 1e3)
+    return best

@@ -15,7 +15,7 @@ from moetune.adapters import lora_from_peft
 from moetune.bench.engine import REQUIRED_KEYS, EngineBenchConfig, select_cases
 from moetune.bench.flops import expert_flops, expert_weight_bytes
 from moetune.bench.runners import RUNNERS, hf_experts, make_batch, make_weights
-from moetune.bench.timing import CallBudget, TimingPolicy, measure
+from moetune.bench.timing import CallBudget, TimingPolicy, interleaved_min_ms, measure
 from moetune.cli.main import main
 from moetune.engine import LORA_NAMES, ActivationPolicy, DenseExperts, EngineOptions, ExpertEngine, TrainMode
 from moetune.errors import ConfigError
@@ -265,3 +265,16 @@ def test_bench_engine_thread_scaling_python_ops_variant(tmp_path, monkeypatch):
     variants = {(r["variant"], r["threads"]) for r in json.loads(out.read_text())}
     assert variants == {(v, n) for v in ("experts", "intra", "experts-py") for n in (1, 2)}
     assert sorted(built, key=str) == [False, False] + [None] * 4
+
+
+def test_interleaved_min_ms_runs_every_call_in_turn():
+    """Each rep runs every labelled call over all items before the next rep; the result is per label, per item."""
+    order: list[tuple[str, int]] = []
+
+    def slow(i: int) -> None:
+        order.append(("slow", i))
+        time.sleep(0.002)
+
+    best = interleaved_min_ms({"fast": lambda i: order.append(("fast", i)), "slow": slow}, items=3, reps=2)
+    assert order == [(label, i) for _ in range(2) for label in ("fast", "slow") for i in range(3)]
+    assert set(best) == {"fast", "slow"} and 0 <= best["fast"] < best["slow"] and best["slow"] >= 2.0
