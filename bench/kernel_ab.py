@@ -16,6 +16,7 @@ for bit (``=``) or not (``!``, with the largest difference relative to the large
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import subprocess
 import tempfile
@@ -41,7 +42,8 @@ Product = Callable[[ModuleType, bool, torch.Tensor, torch.Tensor, int], None]
 def build(folder: Path, source: str, flags: list[str], tag: str) -> ModuleType:
     """The kernel module built from ``folder / source`` (and the headers beside it)."""
     text = b"".join(p.read_bytes() for p in sorted(folder.iterdir()) if p.suffix in (".h", ".cpp"))
-    name = f"moetune_ab_{tag}_{hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:12]}"
+    key = text + torch.__version__.encode() + " ".join(flags).encode()
+    name = f"moetune_ab_{tag}_{hashlib.sha256(key).hexdigest()[:12]}"
     return cpp_extension.load(
         name=name, sources=[str(folder / source)], extra_cflags=flags, extra_ldflags=["-fopenmp"]
     )
@@ -64,6 +66,21 @@ def sources_at(rev: str, dest: Path) -> Path:
             )
             (dest / name).write_bytes(blob.stdout)
     return dest
+
+
+def cflags_at(rev: str) -> list[str]:
+    """The kernels' compile flags (loader.py's ``CFLAGS``) at git revision ``rev``: flags change code as much as
+    sources do (GCC's inlining limits, for one)."""
+    rel = (HERE / "loader.py").relative_to(ROOT).as_posix()
+    text = subprocess.run(
+        ["git", "show", f"{rev}:{rel}"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "CFLAGS" for t in node.targets
+        ):
+            return list(ast.literal_eval(node.value))
+    raise SystemExit(f"--base {rev}: its {rel} has no CFLAGS = [...]")
 
 
 def weights(fmt: str, e: int, o: int, k: int, gen: torch.Generator) -> Product:
@@ -113,10 +130,14 @@ def main() -> None:
     if variant is None:
         raise SystemExit(f"--variant: no kernel variant {args.variant!r}")
     torch.set_num_threads(args.threads)
-    flags = CFLAGS + list(variant.flags)
     with tempfile.TemporaryDirectory() as tmp:
-        base = build(sources_at(args.base, Path(tmp)), variant.source, flags, "base")
-    tree = build(HERE, variant.source, flags, "tree")
+        base = build(
+            sources_at(args.base, Path(tmp)),
+            variant.source,
+            cflags_at(args.base) + list(variant.flags),
+            "base",
+        )
+    tree = build(HERE, variant.source, CFLAGS + list(variant.flags), "tree")
     cpu = cpu_info()
     print(f"bench/kernel_ab.py | {cpu.model} ({', '.join(cpu.isa) or 'no SIMD flags found'})")
     print(

@@ -17,6 +17,7 @@
 // Each thread of at::parallel_for configures its own tiles (AMX state is per thread).
 // The weight decoders (decoders.h) and the Python entry points (entry.h) are shared with the other variants.
 #define MOETUNE_VARIANT "AMX-BF16"
+#define MOETUNE_TABLES  // fp8_block by table (entry.h)
 
 #include "decoders.h"
 #include "layouts.h"

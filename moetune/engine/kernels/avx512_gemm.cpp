@@ -4,18 +4,21 @@
 //
 //   forward : out[n, O] (+)= x[n, K] @ W^T     up to 16 rows: lanes along k, acc[r][o] += x[r, k..k+32) .
 //             W[o, k..k+32), W's 32 values of a row decoded once per 8 rows of x and used for all of them, two
-//             weight rows at a time, each accumulator summed across its lanes once at the end of the row; more
-//             rows: 16 x 32 blocks of W decoded once, transposed to lanes along o, x pairs broadcast.
+//             weight rows at a time, the accumulators summed across their lanes at the end of the rows (reduce16
+//             from 4 rows of x: 1.04-1.26x); more rows: 16 x 32 blocks of W decoded once, transposed to lanes
+//             along o, x pairs broadcast.
 //   backward: out[n, K] (+)= g[n, O] @ W      lanes along k: acc[r][k..k+16) += bcast(g[r, o:o+2]) . pairs
-//             (W[o, k..k+16), W[o+1, k..k+16)) (layouts.h's pair layout); up to 8 rows of g: few_rows.h's band
-//             walk, each pair decoded in registers where it is used; more: decoded once per 32 x 64 block into L1
-//             and used by every row of g, each 64-column strip's fp32 sums in a per-thread [n, 64] buffer.
+//             (W[o, k..k+16), W[o+1, k..k+16)) (layouts.h's pair layout); up to 8 rows of g (64 for the decoders
+//             with a table the band walk takes: int4, mxfp4): few_rows.h's band walk; more: decoded once per
+//             32 x 64 block into L1 and used by every row of g, each 64-column strip's fp32 sums in a per-thread
+//             [n, 64] buffer.
 //
 // Weights stored in bf16 (dense experts, moetune::Bf16Rows) take few_rows.h's own loops (no decoding).
 //
 // Each weight is decoded once per call for up to 8 rows (the engine's few-row experts), so the loops stream the
 // codes once.
 #define MOETUNE_VARIANT "AVX512-BF16"
+#define MOETUNE_TABLES  // fp8_block by table (entry.h)
 
 #include "decoders.h"
 #include "few_rows.h"  // the band walk (backward, <= 8 rows) and run_gemm for dense bf16 weights
@@ -45,6 +48,11 @@ constexpr int kAheadPairs = 2;
 // forward: up to this many rows of x by dot products (forward_rows, decoding W again per 8 rows), more by
 // forward_panel (each weight decoded once)
 constexpr int kDotRows = 16;
+// backward: up to kRows rows of g by few_rows.h's band walk, and up to this many where its pairs come staged (int4,
+// mxfp4: decoded once per band for all blocks of 8 rows; 1.13-1.5x / 1.0-1.08x against the strips at 9-64 rows,
+// [1536, 2048] and [2048, 768]); more by the strips below. (int8's and fp8's band walk decodes per block of 8
+// rows: 0.5-0.9x against the strips above 8.)
+constexpr int kStagedBandRows = 64;
 
 using moetune_few_rows::with_rows;
 
@@ -99,9 +107,23 @@ MOETUNE_AVX512 void forward_rows(const Dec& dec, const at::BFloat16* x, int64_t 
     int64_t k0 = 0;
     for (; k0 + 32 <= K; k0 += 32) step(k0, 32);
     if (k0 < K) step(k0, static_cast<int>(K - k0));
-    for (int r = 0; r < R; ++r) {
-      res[r * 16 + j] = _mm512_reduce_add_ps(acc0[r]);
-      if (two) res[r * 16 + j + 1] = _mm512_reduce_add_ps(acc1[r]);
+    if constexpr (R >= 4) {  // the 2 R sums at once (reduce16: 45 instructions, against ~8 per sum)
+      __m512 v[16];
+      for (int r = 0; r < 8; ++r) {
+        v[r] = r < R ? acc0[r] : _mm512_setzero_ps();
+        v[8 + r] = r < R ? acc1[r] : _mm512_setzero_ps();
+      }
+      alignas(64) float sums[16];
+      _mm512_store_ps(sums, moetune_few_rows::reduce16(v));
+      for (int r = 0; r < R; ++r) {
+        res[r * 16 + j] = sums[r];
+        if (two) res[r * 16 + j + 1] = sums[8 + r];
+      }
+    } else {
+      for (int r = 0; r < R; ++r) {
+        res[r * 16 + j] = _mm512_reduce_add_ps(acc0[r]);
+        if (two) res[r * 16 + j + 1] = _mm512_reduce_add_ps(acc1[r]);
+      }
     }
   }
 }
@@ -280,13 +302,13 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
   const auto* ap = a.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
   const int64_t lda = a.stride(0), ldo = out.stride(0);
+  using Band = moetune_few_rows::DecodedPairs32<Dec>;
   if (forward) {
     at::parallel_for(0, (O + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
       forward_range(dec, row_scale, ap, lda, n, K, O, op, ldo, accumulate, b0, b1);
     });
-  } else if (n <= kRows) {  // bands of weight rows walked along k, each pair decoded in registers (few_rows.h)
-    moetune_few_rows::backward(moetune_few_rows::DecodedPairs32<Dec>{dec, K, O}, ap, lda, n, K, O, row_scale, op, ldo,
-                               accumulate);
+  } else if (n <= (Band::kStaged ? kStagedBandRows : kRows)) {  // bands of weight rows walked along k (few_rows.h)
+    moetune_few_rows::backward(Band{dec, K, O}, ap, lda, n, K, O, row_scale, op, ldo, accumulate);
   } else {
     const int64_t opad = (O + 31) / 32 * 32;
     std::vector<uint16_t> gt((n + 15) / 16 * 16 * opad);

@@ -12,11 +12,14 @@
 //       scalar helper per format gives both widths their scale), lanes at and past `valid` zero.
 //   const void* code(int64_t o, int64_t k) const
 //       the address of W[o, k]'s code (k < K), for prefetch below; no effect on results.
-// and, where a format has few enough codes for a table (bf16_chunk below takes it when present):
+// and, where a format has few enough codes for a table (bf16_chunk below takes it when present; fp8_block's 128
+// magnitudes per block come built by fp8_tables, where the variant's loops take tables: MOETUNE_TABLES, entry.h):
 //   __m512i bf16x32(int64_t o, int64_t k0) const
 //       W[o, k0 .. k0 + 32) (k0 % 32 == 0, k0 + 32 <= K) rounded to bf16, bit for bit the values operator() gives
 //       rounded to nearest even: the 16 values of the block's codes computed once into a table, each code looked
 //       up (vpermw) instead of decoded.
+//   static constexpr bool kTableInBandWalk
+//       whether few_rows.h's backward band walk takes the table too (measured per format)
 // Compiled for AVX512F/BW/VL (+BF16) through target attributes, so a variant compiled with other flags (the
 // AMX one adds amx-tile/amx-bf16) inlines them into its own target-attributed loops; ``eight`` for AVX2 + FMA +
 // F16C, the flags avx2_gemm.cpp is compiled with.
@@ -115,6 +118,7 @@ struct Int4Rows {
   const uint8_t* zero;  // [O, K/g] or null (symmetric: z = 8)
   int64_t half, groups;  // K/2, K/g
   int shift;  // log2(g): g is a power of two (32, 64, 128), so no division per call
+  static constexpr bool kTableInBandWalk = true;
   MOETUNE_AVX512 inline __m512 operator()(int64_t o, int64_t k0, int valid) const {
     // K is a multiple of 32 (K/2 of 16) and k0 of 16, so valid is >= 16 or <= 0: whole loads, no masks; past K
     // there is no scale or zero point to read
@@ -161,6 +165,9 @@ struct Fp8BlockRows {
   int64_t K, cols;
   // rows from `seg` on take grid rows from `seg_grid` (gate_up: up's grid follows gate's; one segment: 0, 0)
   int64_t seg, seg_grid;
+  // [grid rows, cols, 128]: each block's 128 magnitudes in bf16 (fp8_tables below), or null: bf16x32 decodes
+  const uint16_t* table = nullptr;
+  static constexpr bool kTableInBandWalk = false;  // few_rows.h
   MOETUNE_AVX512 inline __m512 operator()(int64_t o, int64_t k0, int valid) const {
     if (valid <= 0) return _mm512_setzero_ps();  // k0 may be past K: no scale to read
     // masks only on a row's last, partial 16: masked loads and multiplies on every call measured 1.3-1.6x slower
@@ -181,19 +188,50 @@ struct Fp8BlockRows {
     h = _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
     return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(mult(o, k0)));
   }
-  // the block's scale_inv times 2^8 = 2^(fp16 bias 15 - e4m3 bias 7)
-  inline float mult(int64_t o, int64_t k0) const {
-    const int64_t row = o < seg ? o >> 7 : seg_grid + ((o - seg) >> 7);
-    return scale_inv[row * cols + (k0 >> 7)] * 256.0f;
+  // 32 codes from the block's table: the magnitude (code & 0x7F) looked up in two 64-entry halves (vpermt2w on
+  // its low 6 bits, bit 6 choosing the half), bit 15 flipped by the code's sign bit (bf16(-v) = -bf16(v))
+  MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i bf16x32(int64_t o, int64_t k0) const {
+    if (!table) return (__m512i)_mm512_cvtne2ps_pbh((*this)(o, k0 + 16, 16), (*this)(o, k0, 16));
+    const uint16_t* t = table + block(o, k0) * 128;
+    const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + o * K + k0)));
+    const __m512i low = _mm512_permutex2var_epi16(_mm512_loadu_si512(t), c, _mm512_loadu_si512(t + 32));
+    const __m512i high = _mm512_permutex2var_epi16(_mm512_loadu_si512(t + 64), c, _mm512_loadu_si512(t + 96));
+    const __m512i mag = _mm512_mask_mov_epi16(low, _mm512_test_epi16_mask(c, _mm512_set1_epi16(0x40)), high);
+    // mag ^ (c << 8 & 0x8000): a negative scale_inv's table holds negative values
+    return _mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(c, 8), _mm512_set1_epi16(static_cast<int16_t>(0x8000)),
+                                     0x78);
   }
+  // the index of W[o, k0]'s 128 x 128 block in scale_inv
+  inline int64_t block(int64_t o, int64_t k0) const {
+    const int64_t row = o < seg ? o >> 7 : seg_grid + ((o - seg) >> 7);
+    return row * cols + (k0 >> 7);
+  }
+  // the block's scale_inv times 2^8 = 2^(fp16 bias 15 - e4m3 bias 7)
+  inline float mult(int64_t o, int64_t k0) const { return scale_inv[block(o, k0)] * 256.0f; }
   inline const void* code(int64_t o, int64_t k) const { return codes + o * K + k; }
 };
+
+// Fp8BlockRows' table: for each of `count` blocks' scale_inv s, the bf16 values of the 128 magnitude codes
+// m = 0 .. 127 times s (dst[128 i + m]), computed as its operator() computes them (m's bits in fp16, widened, times
+// s * 2^8, rounded to nearest even), so that a lookup gives the same bits.
+MOETUNE_AVX512 inline void fp8_tables(const float* scale_inv, int64_t count, uint16_t* dst) {
+  const __m256i m16 = _mm256_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t i = 0; i < count; ++i) {
+    const __m512 mult = _mm512_set1_ps(scale_inv[i] * 256.0f);
+    for (int m0 = 0; m0 < 128; m0 += 16) {
+      const __m256i h = _mm256_slli_epi16(_mm256_add_epi16(m16, _mm256_set1_epi16(static_cast<int16_t>(m0))), 7);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 128 * i + m0),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_cvtph_ps(h), mult)));
+    }
+  }
+}
 
 // mxfp4: W[o, k] = FP4[e2m1 code] * 2^(s - 127), s the e8m0 scale byte of k's block of 32 (exact in fp32).
 struct Mxfp4Rows {
   const uint8_t* packed;  // [O, K/2]: byte j holds element 2j (low nibble) and 2j + 1 (high nibble)
   const uint8_t* scale;  // [O, K/32]
   int64_t half, blocks;  // K/2, K/32
+  static constexpr bool kTableInBandWalk = true;
   MOETUNE_AVX512 inline __m512 operator()(int64_t o, int64_t k0, int valid) const {
     // K is a multiple of 32 and k0 of 16, so valid is >= 16 or <= 0: whole loads, no masks
     if (valid <= 0) return _mm512_setzero_ps();

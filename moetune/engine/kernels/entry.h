@@ -3,6 +3,7 @@
 //
 //   #define MOETUNE_VARIANT "<name>"   // its name in loader.py's registry; the module's `variant`
 //   #define MOETUNE_OPERANDS at::kFloat  // optional: the dtype of a and out (default at::kBFloat16)
+//   #define MOETUNE_TABLES               // optional (AVX512 loops): decoders' tables built per call (fp8_tables)
 //   std::string variant_unavailable(); // why it cannot run on this CPU / process, or ""
 //   template <class Dec>               // one product with the decoded weight W [O, K] (decoders.h), a and out
 //   void run_gemm(bool forward, const Dec& dec, const float* row_scale,  // MOETUNE_OPERANDS with contiguous rows,
@@ -16,6 +17,7 @@
 // and no variant changes.
 #pragma once
 
+#include <memory>
 #include <string>
 
 #include "decoders.h"
@@ -108,6 +110,12 @@ void fp8_block_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, con
               "scale_inv: fp32 [grid rows, ceil(K/128)]");
   moetune::Fp8BlockRows dec{static_cast<const int8_t*>(codes.data_ptr()), scale_inv.data_ptr<float>(), K, cols,
                             seg, seg_grid};
+#ifdef MOETUNE_TABLES
+  // every block's 128 magnitudes once per call (gate_up [1536, 2048]: 192 blocks, 48 KiB), looked up per 32 codes
+  std::unique_ptr<uint16_t[]> table(new uint16_t[scale_inv.numel() * 128]);
+  moetune::fp8_tables(scale_inv.data_ptr<float>(), scale_inv.numel(), table.get());
+  dec.table = table.get();
+#endif
   run_checked(forward, dec, nullptr, a, out, O, K, accumulate);
 }
 

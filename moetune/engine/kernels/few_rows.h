@@ -8,13 +8,15 @@
 //             one share of the four rows: the rate the memory is asked for stays level): a row is K apart from the
 //             next, too short a run for the hardware prefetcher to lock on for K = 768-2048. (Two weight rows against
 //             8 rows of x read each row of x twice as often: 15-20% slower at 16-32 rows.)
-//   backward (dense bf16, and the AVX512 variant's quantized decoders up to 8 rows): out[n, K] (+)= g[n, O] @ W
-//             bands of weight row pairs walked along k 32 columns at a time, rows o and o + 1 interleaved in
+//   backward (dense bf16; the AVX512 variant's decoders up to 8 rows, 64 where staged): out[n, K] (+)= g[n, O] @ W
+//             bands of weight row pairs (8, 16 or 32 pairs by rows of g: band_pairs) walked along k 32 columns
+//             at a time, rows o and o + 1 interleaved in
 //             registers into (W[o, k], W[o + 1, k]) pairs (bf16: vpunpck{l,h}wd, which leaves the columns in
 //             another order, undone once at the end; decoders: DecodedPairs32 below), g's pair (g[r, o],
 //             g[r, o + 1]) broadcast; the fp32 sums of all n rows in a per-call buffer, read and written once per
 //             band and 32 columns (above 8 rows, rows one cache line apart from a 4 KiB multiple: 4 KiB-apart rows
-//             share one L1 set), rounded into out once at the end; the next band's rows prefetched into L2 along
+//             share one L1 set; staged decoders' pairs decoded once per band and 32 columns for all blocks of 8
+//             rows: staged_band_chunk), rounded into out once at the end; the next band's rows prefetched into L2 along
 //             the same columns (bf16 also a T0 prefetch 128 bytes ahead in each row: both measured best,
 //             docs/performance.md).
 //
@@ -43,9 +45,10 @@ using moetune::first;
 using moetune::first32;
 using moetune::store_row;
 
-// backward: weight row pairs per band (with up to 8 rows of g, more with more: the fp32 sums are read and written
-// once per band and 32 columns, so wider bands halve that traffic where there are many rows to sum)
-constexpr int kBandPairs = 8, kWideBandPairs = 32;
+// backward: weight row pairs per band by rows of g (the fp32 sums are read and written once per band and 32 columns,
+// so wider bands cut that traffic where there are more rows to sum; with one or two rows narrow bands measured faster)
+constexpr int kBandPairs = 32;
+constexpr int band_pairs(int64_t n) { return n <= 2 ? 8 : n <= 4 ? 16 : kBandPairs; }
 // backward, bf16: bytes ahead of each weight row's current 64 that a step prefetches towards L1
 constexpr int kAheadBytes = 128;
 
@@ -162,15 +165,23 @@ struct Bf16Pairs {
   inline const void* code(int64_t o, int64_t k) const { return w + o * K + k; }  // for prefetch_pair
 };
 
-// The same from a quantized format's decoder (decoders.h): a decoder with a table (bf16x32: int4, mxfp4) gives each
-// row's 32 values at once, interleaved as Bf16Pairs' (kPermuted), and the band's pairs are decoded before its dot
-// products (kStaged: 1.05-1.4x at n = 1-8; decoded between them, as the others are, 0.7x); the others decode 16
-// columns at a time in column order (layouts.h's decode_pair). (A prefetch 64 columns ahead in each row as well:
+// The same from a quantized format's decoder (decoders.h): a decoder with a table (bf16x32) that the band walk takes
+// (kTableInBandWalk: int4, mxfp4) gives each row's 32 values at once, interleaved as Bf16Pairs' (kPermuted), and
+// the band's pairs are decoded before its dot products (kStaged: 1.05-1.4x at n = 1-8; decoded between them, as the
+// others are, 0.7x); the others decode 16 columns at a time in column order (layouts.h's decode_pair). (fp8_block's
+// table here, staged: 0.78-0.94x at n = 1-8; its four table vectors per row and 32 columns load what the two 16-column
+// decodes compute.) (A prefetch 64 columns ahead in each row as well:
 // int4's backward 1.4-1.6x slower at n = 8, int8's up to 1.1x faster; dropped.)
 template <class Dec>
+constexpr bool table_in_band_walk() {
+  if constexpr (moetune::has_table<Dec>::value) return Dec::kTableInBandWalk;
+  return false;
+}
+
+template <class Dec>
 struct DecodedPairs32 {
-  static constexpr bool kPermuted = moetune::has_table<Dec>::value;
-  static constexpr bool kStaged = moetune::has_table<Dec>::value;
+  static constexpr bool kPermuted = table_in_band_walk<Dec>();
+  static constexpr bool kStaged = kPermuted;
   const Dec& dec;
   int64_t K, O;
   MOETUNE_AVX512 inline void operator()(int64_t o, int64_t k0, int64_t valid, __m512bh& lo, __m512bh& hi) const {
@@ -205,7 +216,7 @@ MOETUNE_AVX512 inline void backward_chunk(const Pairs& pairs, int64_t o0, int np
     hi[r] = _mm512_loadu_ps(acc + r * ldacc + k0 + 16);
   }
   constexpr bool kStage = Pairs::kStaged;
-  alignas(64) __m512bh staged[kStage ? 2 * kWideBandPairs : 1];  // the band's pairs, decoded first
+  alignas(64) __m512bh staged[kStage ? 2 * kBandPairs : 1];  // the band's pairs, decoded first
   if constexpr (kStage) {
     for (int p = 0; p < np; ++p) {
       if (ahead) prefetch_pair(pairs, o0 + 2 * p + ahead, k0);
@@ -235,6 +246,39 @@ MOETUNE_AVX512 inline void backward_chunk(const Pairs& pairs, int64_t o0, int np
   }
 }
 
+// A band's pairs already decoded (staged[2 p], staged[2 p + 1]: rows o0 + 2p and + 1), handed out as a Pairs
+template <class Pairs>
+struct StagedBand {
+  static constexpr bool kPermuted = Pairs::kPermuted;
+  static constexpr bool kStaged = false;
+  const Pairs& pairs;
+  const __m512bh* staged;
+  int64_t o0, O;
+  MOETUNE_AVX512 inline void operator()(int64_t o, int64_t, int64_t, __m512bh& lo, __m512bh& hi) const {
+    lo = staged[o - o0];
+    hi = staged[o - o0 + 1];
+  }
+  inline const void* code(int64_t o, int64_t k) const { return pairs.code(o, k); }
+};
+
+// backward_chunk for all n rows of g (blocks of 8), the band's np pairs decoded once for all of them (the rows
+// `ahead` below each pair prefetched along the same columns)
+template <class Pairs>
+MOETUNE_AVX512 void staged_band_chunk(const Pairs& pairs, int64_t o0, int np, int64_t k0, int64_t valid,
+                                      const uint16_t* g, int64_t ldg, int64_t n, float* acc, int64_t ldacc,
+                                      int64_t ahead) {
+  alignas(64) __m512bh staged[2 * kBandPairs];
+  for (int p = 0; p < np; ++p) {
+    prefetch_pair(pairs, o0 + 2 * p + ahead, k0);
+    pairs(o0 + 2 * p, k0, valid, staged[2 * p], staged[2 * p + 1]);
+  }
+  const StagedBand<Pairs> band{pairs, staged, o0, pairs.O};
+  for (int64_t r0 = 0; r0 < n; r0 += 8)
+    with_rows<8>(n - r0, [&](auto R) MOETUNE_AVX512 {
+      backward_chunk<decltype(R)::value>(band, o0, np, k0, valid, g + r0 * ldg, ldg, acc + r0 * ldacc, ldacc, 0);
+    });
+}
+
 // backward for output columns [32 c0, 32 c1): g [n, Oe] bf16 with Oe even (pairs; columns past W's rows zero),
 // bands of weight row pairs walked along k, the fp32 sums of all n rows in a per-call buffer, rounded into out
 // once at the end
@@ -247,15 +291,22 @@ MOETUNE_AVX512 inline void backward_range(const Pairs& pairs, const uint16_t* g,
   const int64_t width = (c1 - c0) * 32 + (n > 8 ? 16 : 0);
   std::vector<float> accv(n * width, 0.0f);
   float* acc = accv.data() - c0 * 32;  // acc + r * width + k for k in [32 c0, 32 c1)
-  const int band = n <= 8 ? kBandPairs : kWideBandPairs;
+  const int band = band_pairs(n);
   for (int64_t ob = 0; ob < Oe; ob += 2 * band) {
     const int np = static_cast<int>(std::min<int64_t>(band, (Oe - ob) / 2));
-    for (int64_t c = c0; c < c1; ++c)
+    for (int64_t c = c0; c < c1; ++c) {
+      if constexpr (Pairs::kStaged) {
+        if (n > 8) {  // the band's pairs decoded once for all blocks of 8 rows
+          staged_band_chunk(pairs, ob, np, c * 32, K - c * 32, g + ob, ldg, n, acc, width, 2 * band);
+          continue;
+        }
+      }
       for (int64_t r0 = 0; r0 < n; r0 += 8)
         with_rows<8>(n - r0, [&](auto R) MOETUNE_AVX512 {
           backward_chunk<decltype(R)::value>(pairs, ob, np, c * 32, K - c * 32, g + r0 * ldg + ob, ldg,
                                              acc + r0 * width, width, r0 == 0 ? 2 * band : 0);
         });
+    }
   }
   // back to column order where the pairs came permuted: lo holds columns 0-3, 8-11, 16-19, 24-27, hi the others
   const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);

@@ -40,8 +40,17 @@ log = logging.getLogger(__name__)
 
 KERNELS_ENV = "MOETUNE_KERNELS"
 HERE = Path(__file__).parent
-# -fopenmp: ATen's at::parallel_for is inline OpenMP; without the flag it runs on one thread in the extension
-CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+# -fopenmp: ATen's at::parallel_for is inline OpenMP; without the flag it runs on one thread in the extension.
+# The inlining limits: GCC caps how much inlining may grow a translation unit or a function, so that code added
+# for one format stopped inlining another's loops (mxfp4's backward at 8 rows 0.87x after fp8's table was added,
+# level with these; docs/performance.md, "Inlining limits").
+CFLAGS = [
+    "-O3",
+    "-std=c++17",
+    "-fopenmp",
+    "--param=inline-unit-growth=1000",
+    "--param=large-function-growth=1000",
+]
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ def _weights(name: str, o: int, k: int, seed: int = 0) -> ExpertFormat:
 
 @pytest.mark.parametrize("name", ["fp8_block", "mxfp4"])
 @pytest.mark.parametrize("forward", [True, False], ids=["forward", "backward"])
-@pytest.mark.parametrize("n", [1, 7, 8, 9, 17, 64, 65, 129, 300])
+@pytest.mark.parametrize("n", [1, 3, 7, 8, 9, 17, 64, 65, 129, 300])
 def test_kernel_matches_float64(name, forward, n):
     _check(_weights(name, 512, 384), forward, n, accumulate=n % 2 == 1)
 
@@ -61,8 +61,31 @@ def test_kernel_matches_float64(name, forward, n):
 )
 @pytest.mark.parametrize("forward", [True, False], ids=["forward", "backward"])
 def test_kernel_odd_shapes(name, o, k, forward):
-    for n in (5, 40):
+    for n in (3, 5, 40):
         _check(_weights(name, o, k, seed=o + k), forward, n, accumulate=True)
+
+
+@pytest.mark.parametrize("forward", [True, False], ids=["forward", "backward"])
+def test_fp8_kernel_with_any_block_scale(forward):
+    """fp8_block's table decoder (``Fp8BlockRows::bf16x32``: each block's 128 magnitudes times its scale_inv,
+    the code's sign flipping bit 15) with scales a checkpoint may hold but ``from_dense`` never makes: negative
+    (the sign must flip, not set, bit 15), zero (both zeros), and 2^-120 / 2^100 (products at the ends of bf16's
+    range, subnormal ones included). Every code appears in every block. Against float64 on ``dequantize(bf16)``
+    with ``_check``'s bound; a sign set instead of flipped is off by 2|ref| where the scale is negative."""
+    base = _weights("fp8_block", 256, 512)
+    codes = (torch.arange(256)[:, None] + torch.arange(512)[None, :]) % 256  # row r: codes r, r + 1, ...
+    codes[codes == 0x7F] = 0x7E  # no NaN codes (the format refuses them)
+    codes[codes == 0xFF] = 0xFE
+    scale = torch.tensor([[0.01, -0.02, 0.0, 2.0**-120], [-(2.0**100), 3.0e-3, -1.5, 1.0]])  # [2, 4] blocks
+    fmt = Fp8BlockExperts(
+        codes.to(torch.uint8).view(torch.float8_e4m3fn)[None],
+        scale[None],
+        base.down,
+        base.down_scale_inv,
+    )
+    assert fmt.dequantize(torch.float32)[0][0].abs().max() > 2.0**100
+    for n in (1, 8, 40):
+        _check(fmt, forward, n, accumulate=False)
 
 
 def test_engine_on_the_kernels_equals_the_torch_path():

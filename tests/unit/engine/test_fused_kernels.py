@@ -102,7 +102,7 @@ FORMATS_UNDER_TEST = ["int8", "int4-g32-sym", "int4-g64-asym", "int4-g128-sym"]
 @pytest.mark.parametrize("name", FORMATS_UNDER_TEST)
 @pytest.mark.parametrize("forward", [True, False], ids=["forward", "backward"])
 # AMX: past 64 rows several passes over the tiles; AVX512: up to 8 rows dot products, more in register blocks of 8
-@pytest.mark.parametrize("n", [1, 7, 8, 9, 16, 17, 33, 64, 65, 129, 150, 300])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8, 9, 16, 17, 33, 64, 65, 129, 150, 300])
 def test_kernel_matches_float64(name, forward, n):
     _check(_weights(name, 256, 256), forward, n, accumulate=n % 2 == 1)
 
@@ -125,7 +125,7 @@ def test_kernel_matches_float64(name, forward, n):
 def test_kernel_shapes(name, o, k, accumulate):
     fmt = _weights(name, o, k)
     for forward in (True, False):
-        for n in (1, 5, 9, 17, 64):
+        for n in (1, 3, 5, 9, 17, 64):
             _check(fmt, forward, n, accumulate)
 
 
