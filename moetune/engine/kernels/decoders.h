@@ -12,12 +12,12 @@
 //       scalar helper per format gives both widths their scale), lanes at and past `valid` zero.
 //   const void* code(int64_t o, int64_t k) const
 //       the address of W[o, k]'s code (k < K), for prefetch below; no effect on results.
-// and, where a format has few enough codes for a table (bf16_chunk below takes it when present; fp8_block's 128
-// magnitudes per block come built by fp8_tables, where the variant's loops take tables: MOETUNE_TABLES, entry.h):
+// and, where a format has few enough values per scale for a table (bf16_chunk below takes it when present):
 //   __m512i bf16x32(int64_t o, int64_t k0) const
 //       W[o, k0 .. k0 + 32) (k0 % 32 == 0, k0 + 32 <= K) rounded to bf16, bit for bit the values operator() gives
-//       rounded to nearest even: the 16 values of the block's codes computed once into a table, each code looked
-//       up (vpermw) instead of decoded.
+//       rounded to nearest even, each code looked up instead of decoded: int4's and mxfp4's 16 values of the
+//       chunk's group computed into a register (vpermw); fp8_block's 128 magnitudes of each block computed once
+//       per call by fp8_tables where the variant builds them (MOETUNE_TABLES, entry.h; two vpermt2w).
 //   static constexpr bool kTableInBandWalk
 //       whether few_rows.h's backward band walk takes the table too (measured per format)
 // Compiled for AVX512F/BW/VL (+BF16) through target attributes, so a variant compiled with other flags (the

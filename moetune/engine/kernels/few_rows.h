@@ -10,15 +10,14 @@
 //             8 rows of x read each row of x twice as often: 15-20% slower at 16-32 rows.)
 //   backward (dense bf16; the AVX512 variant's decoders up to 8 rows, 64 where staged): out[n, K] (+)= g[n, O] @ W
 //             bands of weight row pairs (8, 16 or 32 pairs by rows of g: band_pairs) walked along k 32 columns
-//             at a time, rows o and o + 1 interleaved in
-//             registers into (W[o, k], W[o + 1, k]) pairs (bf16: vpunpck{l,h}wd, which leaves the columns in
-//             another order, undone once at the end; decoders: DecodedPairs32 below), g's pair (g[r, o],
-//             g[r, o + 1]) broadcast; the fp32 sums of all n rows in a per-call buffer, read and written once per
-//             band and 32 columns (above 8 rows, rows one cache line apart from a 4 KiB multiple: 4 KiB-apart rows
-//             share one L1 set; staged decoders' pairs decoded once per band and 32 columns for all blocks of 8
-//             rows: staged_band_chunk), rounded into out once at the end; the next band's rows prefetched into L2 along
-//             the same columns (bf16 also a T0 prefetch 128 bytes ahead in each row: both measured best,
-//             docs/performance.md).
+//             at a time, rows o and o + 1 interleaved in registers into (W[o, k], W[o + 1, k]) pairs (bf16:
+//             vpunpck{l,h}wd, which leaves the columns in another order, undone once at the end; decoders:
+//             DecodedPairs32 below), g's pair (g[r, o], g[r, o + 1]) broadcast; the fp32 sums of all n rows in a
+//             per-call buffer, read and written once per band and 32 columns (above 8 rows, rows one cache line
+//             apart from a 4 KiB multiple: 4 KiB-apart rows share one L1 set; staged decoders' pairs decoded once
+//             per band and 32 columns for all blocks of 8 rows: staged_band_chunk), rounded into out once at the
+//             end; the next band's rows prefetched into L2 along the same columns (bf16 also a T0 prefetch 128
+//             bytes ahead in each row: both measured best, docs/performance.md).
 //
 // The run_gemm overload at the end replaces the AVX512 variant's decoding loops for moetune::Bf16Rows (entry.h's
 // contract). Why (docs/performance.md, "Dense bf16 experts with few rows", "Prefetching into L2"): with few rows
@@ -168,10 +167,10 @@ struct Bf16Pairs {
 // The same from a quantized format's decoder (decoders.h): a decoder with a table (bf16x32) that the band walk takes
 // (kTableInBandWalk: int4, mxfp4) gives each row's 32 values at once, interleaved as Bf16Pairs' (kPermuted), and
 // the band's pairs are decoded before its dot products (kStaged: 1.05-1.4x at n = 1-8; decoded between them, as the
-// others are, 0.7x); the others decode 16 columns at a time in column order (layouts.h's decode_pair). (fp8_block's
-// table here, staged: 0.78-0.94x at n = 1-8; its four table vectors per row and 32 columns load what the two 16-column
-// decodes compute.) (A prefetch 64 columns ahead in each row as well:
-// int4's backward 1.4-1.6x slower at n = 8, int8's up to 1.1x faster; dropped.)
+// others are, 0.7x); the others decode 16 columns at a time in column order (layouts.h's decode_pair). Dropped:
+// fp8_block's table here, staged (0.78-0.94x at n = 1-8: its four table vectors per row and 32 columns are loads
+// where the 16-column decoder computes); a prefetch 64 columns ahead in each row as well (int4's backward 1.4-1.6x
+// slower at n = 8, int8's up to 1.1x faster).
 template <class Dec>
 constexpr bool table_in_band_walk() {
   if constexpr (moetune::has_table<Dec>::value) return Dec::kTableInBandWalk;
