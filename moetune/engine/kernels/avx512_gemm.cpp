@@ -2,7 +2,7 @@
 // shared decoders (decoders.h), multiplied with vdpbf16ps (pairs of bf16 products summed into fp32 lanes).
 // Same products, roundings and Python API as amx_gemm.cpp (see its header and entry.h):
 //
-//   forward : out[n, O] (+)= x[n, K] @ W^T     up to 16 rows: lanes along k, acc[r][o] += x[r, k..k+32) .
+//   forward : out[n, O] (+)= x[n, K] @ W^T     up to 32 rows (int8: all): lanes along k, acc[r][o] += x[r, k..k+32) .
 //             W[o, k..k+32), W's 32 values of a row decoded once per 8 rows of x and used for all of them, two
 //             weight rows at a time, the accumulators summed across their lanes at the end of the rows (reduce16
 //             from 4 rows of x: 1.04-1.26x); more rows: 16 x 32 blocks of W decoded once, transposed to lanes
@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -45,9 +46,14 @@ constexpr int kRows = 8;  // rows of x / g per register block: 2 x 8 accumulator
 // forward_rows prefetches the weight rows this many pairs ahead (a line per 64 columns, as it reaches them): it
 // took int8's [1536, 2048] forward at n = 8 from 0.74 to 0.54 ms, [2048, 768] from 0.37 to 0.22 ms (one thread)
 constexpr int kAheadPairs = 2;
-// forward: up to this many rows of x by dot products (forward_rows, decoding W again per 8 rows), more by
-// forward_panel (each weight decoded once)
-constexpr int kDotRows = 16;
+// forward: up to dot_rows<Dec>() rows of x by dot products (forward_rows, decoding W again per 8 rows), more by
+// forward_panel (each weight decoded once). With the sums taken at once (reduce16), the dot products beat the panel
+// up to 32 rows (1.0-1.68x at 17-32 rows, [1536, 2048] and [2048, 768]; 0.75-0.98x at 33-64 for int4, fp8, mxfp4),
+// and for int8, whose decode is a widening and a conversion, at every row count measured (1.13-1.34x at 33-192).
+template <class Dec>
+constexpr int64_t dot_rows() {
+  return std::is_same_v<Dec, moetune::Int8Rows> ? std::numeric_limits<int64_t>::max() : 32;
+}
 // backward: up to kRows rows of g by few_rows.h's band walk, and up to this many where its pairs come staged (int4,
 // mxfp4: decoded once per band for all blocks of 8 rows; 1.13-1.5x / 1.0-1.08x against the strips at 9-64 rows,
 // [1536, 2048] and [2048, 768]); more by the strips below. (int8's and fp8's band walk decodes per block of 8
@@ -199,7 +205,7 @@ MOETUNE_AVX512 void forward_panel(const Dec& dec, const at::BFloat16* x, int64_t
   }
 }
 
-// Forward, output columns (weight rows) [16 ob0, 16 ob1), 16 at a time: up to kDotRows rows of x by dot
+// Forward, output columns (weight rows) [16 ob0, 16 ob1), 16 at a time: up to dot_rows rows of x by dot
 // products (forward_rows, 8 rows at a time), more by forward_panel.
 template <class Dec>
 MOETUNE_AVX512 void forward_range(const Dec& dec, const float* row_scale, const at::BFloat16* x, int64_t ldx,
@@ -213,7 +219,7 @@ MOETUNE_AVX512 void forward_range(const Dec& dec, const float* row_scale, const 
     const __mmask16 m = first(rows);
     const __m512 scale = row_scale ? _mm512_maskz_loadu_ps(m, row_scale + o0) : _mm512_set1_ps(1.0f);
     const int ahead = static_cast<int>(O - o0);
-    if (n > kDotRows) {
+    if (n > dot_rows<Dec>()) {
       forward_panel(dec, x, ldx, n, K, o0, rows, acc);
     } else {
       for (int64_t r0 = 0; r0 < n; r0 += kRows) {  // a second block finds the 16 weight rows in L1
