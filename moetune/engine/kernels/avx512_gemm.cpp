@@ -8,7 +8,7 @@
 //             from 4 rows of x: 1.04-1.26x); more rows: 16 x 32 blocks of W decoded once, transposed to lanes
 //             along o, x pairs broadcast.
 //   backward: out[n, K] (+)= g[n, O] @ W      lanes along k: acc[r][k..k+16) += bcast(g[r, o:o+2]) . pairs
-//             (W[o, k..k+16), W[o+1, k..k+16)) (layouts.h's pair layout); up to 8 rows of g (64 for the decoders
+//             (W[o, k..k+16), W[o+1, k..k+16)) (layouts.h's pair layout); up to 8 rows of g (all for the decoders
 //             with a table the band walk takes: int4, mxfp4): few_rows.h's band walk; more: decoded once per
 //             32 x 64 block into L1 and used by every row of g, each 64-column strip's fp32 sums in a per-thread
 //             [n, 64] buffer.
@@ -54,11 +54,10 @@ template <class Dec>
 constexpr int64_t dot_rows() {
   return std::is_same_v<Dec, moetune::Int8Rows> ? std::numeric_limits<int64_t>::max() : 32;
 }
-// backward: up to kRows rows of g by few_rows.h's band walk, and up to this many where its pairs come staged (int4,
-// mxfp4: decoded once per band for all blocks of 8 rows; 1.13-1.5x / 1.0-1.08x against the strips at 9-64 rows,
-// [1536, 2048] and [2048, 768]); more by the strips below. (int8's and fp8's band walk decodes per block of 8
-// rows: 0.5-0.9x against the strips above 8.)
-constexpr int kStagedBandRows = 64;
+// backward: up to kRows rows of g by few_rows.h's band walk, more by the strips below, except where the walk's pairs
+// come staged (int4, mxfp4: decoded once per band for all blocks of 8 rows), which take the walk at every row count
+// (int4 1.07-1.5x, mxfp4 1.0-1.08x against the strips at 9-192 rows, [1536, 2048] and [2048, 768]; int8's and fp8's
+// walk decodes per block of 8 rows: 0.5-0.9x against the strips above 8).
 
 using moetune_few_rows::with_rows;
 
@@ -313,7 +312,7 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
     at::parallel_for(0, (O + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
       forward_range(dec, row_scale, ap, lda, n, K, O, op, ldo, accumulate, b0, b1);
     });
-  } else if (n <= (Band::kStaged ? kStagedBandRows : kRows)) {  // bands of weight rows walked along k (few_rows.h)
+  } else if (Band::kStaged || n <= kRows) {  // bands of weight rows walked along k (few_rows.h)
     moetune_few_rows::backward(Band{dec, K, O}, ap, lda, n, K, O, row_scale, op, ldo, accumulate);
   } else {
     const int64_t opad = (O + 31) / 32 * 32;

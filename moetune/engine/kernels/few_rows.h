@@ -8,7 +8,7 @@
 //             one share of the four rows: the rate the memory is asked for stays level): a row is K apart from the
 //             next, too short a run for the hardware prefetcher to lock on for K = 768-2048. (Two weight rows against
 //             8 rows of x read each row of x twice as often: 15-20% slower at 16-32 rows.)
-//   backward (dense bf16; the AVX512 variant's decoders up to 8 rows, 64 where staged): out[n, K] (+)= g[n, O] @ W
+//   backward (dense bf16; the AVX512 variant's decoders up to 8 rows, all where staged): out[n, K] (+)= g[n, O] @ W
 //             bands of weight row pairs (8, 16 or 32 pairs by rows of g: band_pairs) walked along k 32 columns
 //             at a time, rows o and o + 1 interleaved in registers into (W[o, k], W[o + 1, k]) pairs (bf16:
 //             vpunpck{l,h}wd, which leaves the columns in another order, undone once at the end; decoders:
