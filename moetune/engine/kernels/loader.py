@@ -43,7 +43,8 @@ HERE = Path(__file__).parent
 # -fopenmp: ATen's at::parallel_for is inline OpenMP; without the flag it runs on one thread in the extension.
 # The inlining limits: GCC caps how much inlining may grow a translation unit or a function, so that code added
 # for one format stopped inlining another's loops (mxfp4's backward at 8 rows 0.87x after fp8's table was added,
-# level with these; docs/performance.md, "Inlining limits").
+# level with these; docs/performance.md, "fp8_block by table, the forward's sums at once, wider backward bands,
+# staged bands").
 CFLAGS = [
     "-O3",
     "-std=c++17",
