@@ -3,10 +3,10 @@
     python bench/kernel_ab.py --base REV [--variant AVX512-BF16] [--formats bf16 int8 int4 int4-asym fp8 mxfp4]
                               [--rows 1 8 16 32] [--experts 48] [--reps 5] [--threads 1]
 
-For work on ``moetune/engine/kernels``: the variant's sources at ``REV`` (``git show``, into a temporary folder)
-and in the working tree are both built (torch's ``cpp_extension``, keyed by their text, so a rebuild happens only
-when a source changed), then every product runs on both, reps interleaved so that machine noise falls on both
-alike. Shapes: a 2048-wide model's gate_up ``[1536, 2048]`` and down ``[2048, 768]``, ``--experts`` distinct
+For work on ``moetune/engine/kernels``: the variant's sources at ``REV`` (``git show``, into a temporary folder,
+built with that revision's ``CFLAGS``) and in the working tree are both built (torch's ``cpp_extension``, keyed by
+their text and flags, so a rebuild happens only when a source or a flag changed), then every product runs on both,
+reps interleaved so that machine noise falls on both alike. Shapes: a 2048-wide model's gate_up ``[1536, 2048]`` and down ``[2048, 768]``, ``--experts`` distinct
 weights multiplied in turn (each product streams its weight from memory, as an engine step does); forward
 ``x [n, K] @ W^T``, backward ``g [n, O] @ W``. Per row: ms per product (minimum over reps of the mean over experts)
 for the revision and the tree, base / tree (> 1: the tree is faster), and whether the two outputs are equal bit
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import hashlib
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -29,7 +28,7 @@ import torch
 from torch.utils import cpp_extension
 
 from moetune.bench.timing import interleaved_min_ms
-from moetune.engine.kernels.loader import CFLAGS, HERE, variant_named
+from moetune.engine.kernels.loader import CFLAGS, HERE, build_key, variant_named
 from moetune.sysinfo import cpu_info
 
 ROOT = HERE.parents[2]
@@ -42,29 +41,25 @@ Product = Callable[[ModuleType, bool, torch.Tensor, torch.Tensor, int], None]
 def build(folder: Path, source: str, flags: list[str], tag: str) -> ModuleType:
     """The kernel module built from ``folder / source`` (and the headers beside it)."""
     text = b"".join(p.read_bytes() for p in sorted(folder.iterdir()) if p.suffix in (".h", ".cpp"))
-    key = text + torch.__version__.encode() + " ".join(flags).encode()
-    name = f"moetune_ab_{tag}_{hashlib.sha256(key).hexdigest()[:12]}"
     return cpp_extension.load(
-        name=name, sources=[str(folder / source)], extra_cflags=flags, extra_ldflags=["-fopenmp"]
+        name=f"moetune_ab_{tag}_{build_key(text, flags)}",
+        sources=[str(folder / source)],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
     )
+
+
+def git(*args: str) -> bytes:
+    """The output of ``git args`` in the repository."""
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, check=True).stdout
 
 
 def sources_at(rev: str, dest: Path) -> Path:
     """The kernel folder's C++ sources at git revision ``rev``, written under ``dest``."""
     rel = HERE.relative_to(ROOT).as_posix()
-    names = subprocess.run(
-        ["git", "ls-tree", "--name-only", f"{rev}:{rel}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    for name in names:
+    for name in git("ls-tree", "--name-only", f"{rev}:{rel}").decode().split():
         if name.endswith((".h", ".cpp")):
-            blob = subprocess.run(
-                ["git", "show", f"{rev}:{rel}/{name}"], cwd=ROOT, capture_output=True, check=True
-            )
-            (dest / name).write_bytes(blob.stdout)
+            (dest / name).write_bytes(git("show", f"{rev}:{rel}/{name}"))
     return dest
 
 
@@ -72,9 +67,7 @@ def cflags_at(rev: str) -> list[str]:
     """The kernels' compile flags (loader.py's ``CFLAGS``) at git revision ``rev``: flags change code as much as
     sources do (GCC's inlining limits, for one)."""
     rel = (HERE / "loader.py").relative_to(ROOT).as_posix()
-    text = subprocess.run(
-        ["git", "show", f"{rev}:{rel}"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout
+    text = git("show", f"{rev}:{rel}").decode()
     for node in ast.parse(text).body:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "CFLAGS" for t in node.targets

@@ -115,13 +115,17 @@ def _disabled() -> str:
     raise ConfigError(f"{KERNELS_ENV} must be 'on' or 'off' (or 1 / 0); got {value!r}")
 
 
+def build_key(text: bytes, cflags: list[str]) -> str:
+    """What a kernel build is cached by: its sources' text, torch's version and the compile flags (flags change the
+    code as much as sources do)."""
+    return hashlib.sha256(text + torch.__version__.encode() + " ".join(cflags).encode()).hexdigest()[:16]
+
+
 def _build_variant(variant: KernelVariant) -> tuple[ModuleType | None, str]:
     """(module, "") or (None, why not)."""
     paths = variant.sources()
-    text = b"".join(p.read_bytes() for p in paths)
     cflags = CFLAGS + list(variant.flags)
-    key = hashlib.sha256(text + torch.__version__.encode() + " ".join(cflags).encode()).hexdigest()[:16]
-    name = f"moetune_fused_{key}"
+    name = f"moetune_fused_{build_key(b''.join(p.read_bytes() for p in paths), cflags)}"
     try:
         from torch.utils import cpp_extension
 
