@@ -34,6 +34,8 @@ from moetune.sysinfo import cpu_info
 ROOT = HERE.parents[2]
 SHAPES = {"gate_up": (1536, 2048), "down": (2048, 768)}  # W [O, K]
 FORMATS = ("bf16", "int8", "int4", "int4-asym", "fp8", "mxfp4")
+# other int4 groups and zero points, on request: int4 is g64 symmetric, int4-asym g32 with zero points
+MORE_FORMATS = ("int4-g32", "int4-g128", "int4-asym-g64", "int4-asym-g128")
 
 Product = Callable[[ModuleType, bool, torch.Tensor, torch.Tensor, int], None]
 
@@ -86,13 +88,14 @@ def weights(fmt: str, e: int, o: int, k: int, gen: torch.Generator) -> Product:
         c8 = torch.randint(-127, 128, (e, o, k), generator=gen, dtype=torch.int8)
         s8 = torch.rand(e, o, generator=gen) * 0.01
         return lambda m, fwd, a, out, i: m.int8_gemm(fwd, a, out, c8[i], s8[i], False)
-    if fmt in ("int4", "int4-asym"):
-        group = 64 if fmt == "int4" else 32
+    if fmt.startswith("int4"):
+        parts = fmt.split("-")
+        group = int(parts[-1][1:]) if parts[-1].startswith("g") else 64 if fmt == "int4" else 32
         p4 = torch.randint(0, 256, (e, o, k // 2), generator=gen, dtype=torch.uint8)
         s4 = (torch.rand(e, o, k // group, generator=gen) * 0.01).bfloat16()
         z4 = (
             torch.randint(0, 16, (e, o, k // group), generator=gen, dtype=torch.uint8)
-            if fmt == "int4-asym"
+            if "asym" in parts
             else None
         )
         return lambda m, fwd, a, out, i: m.int4_gemm(
@@ -113,7 +116,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", required=True, help="git revision whose kernels are the baseline (e.g. HEAD~1)")
     ap.add_argument("--variant", default="AVX512-BF16")
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS + MORE_FORMATS)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32])
     ap.add_argument("--experts", type=int, default=48)
     ap.add_argument("--reps", type=int, default=5)

@@ -118,7 +118,10 @@ class ExpertFormat(ABC):
 
         forward: out ``[n, D_out]`` = a ``[n, D_in]`` @ W^T; backward: out ``[n, D_in]`` = a ``[n, D_out]`` @ W
         (``accumulate``: out +=). fp32 sums, rounded once into out; W's values are those of ``tile(.., dtype)``
-        (int8: the codes times the fp32 row scale applied to the fp32 sums, as ``scaled_tile``'s path does).
+        (int8: the codes times the fp32 row scale applied to the fp32 sums, as ``scaled_tile``'s path does), except
+        where a variant's backward takes a weight's group-scaled form (``kernels/decoders.h``: W = S * V, int4 with
+        groups of >= 32, fp8_block, mxfp4; the AVX512-BF16 variant with few rows of a): a times S rounded once to
+        the compute dtype, times V, one rounding as many as the weight's own (mxfp4: the same products).
         """
         kernel, weights = self.fused_operands(proj, expert)
         getattr(kernels, kernel)(forward, a, out, *weights, accumulate)

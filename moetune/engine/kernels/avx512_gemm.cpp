@@ -11,7 +11,9 @@
 //             (W[o, k..k+16), W[o+1, k..k+16)) (layouts.h's pair layout); up to 8 rows of g (all for the decoders
 //             with a table the band walk takes: int4, mxfp4): few_rows.h's band walk; more: decoded once per
 //             32 x 64 block into L1 and used by every row of g, each 64-column strip's fp32 sums in a per-thread
-//             [n, 64] buffer.
+//             [n, 64] buffer. Group-scaled weights (int4 with groups of >= 32, fp8_block, mxfp4; decoders.h) with
+//             up to 8-32 rows of g (by the columns a scale covers: use_raw_pairs): the band walk on their raw
+//             values, g times the scales rounded once to bf16 (few_rows.h's RawPairs32: 1.03-1.8x).
 //
 // Weights stored in bf16 (dense experts, moetune::Bf16Rows) take few_rows.h's own loops (no decoding).
 //
@@ -312,7 +314,16 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
     at::parallel_for(0, (O + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
       forward_range(dec, row_scale, ap, lda, n, K, O, op, ldo, accumulate, b0, b1);
     });
-  } else if (Band::kStaged || n <= kRows) {  // bands of weight rows walked along k (few_rows.h)
+    return;
+  }
+  if constexpr (moetune_few_rows::has_raw<Dec>::value) {
+    if (moetune_few_rows::use_raw_pairs(dec, n)) {  // the scales into g: few_rows.h's RawPairs32
+      moetune_few_rows::backward(moetune_few_rows::RawPairs32<Dec>{dec, K, O}, ap, lda, n, K, O, row_scale, op, ldo,
+                                 accumulate);
+      return;
+    }
+  }
+  if (Band::kStaged || n <= kRows) {  // bands of weight rows walked along k (few_rows.h)
     moetune_few_rows::backward(Band{dec, K, O}, ap, lda, n, K, O, row_scale, op, ldo, accumulate);
   } else {
     const int64_t opad = (O + 31) / 32 * 32;

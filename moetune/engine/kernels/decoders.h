@@ -20,6 +20,14 @@
 //       per call by fp8_tables where the variant builds them (MOETUNE_TABLES, entry.h; two vpermt2w).
 //   static constexpr bool kTableInBandWalk
 //       whether few_rows.h's backward band walk takes the table too (measured per format)
+// and, where each value is a scale times a value exact in bf16 (the group-scaled form, for few_rows.h's backward with
+// few rows of g: RawPairs32 there multiplies g by the scales instead of each weight):
+//   W[o, k] = S(o, k) * V[o, k], S constant over aligned runs of 2^raw_shift() >= 32 columns of a row
+//   bool raw_ok() const                  whether this weight has the form (int4: groups of >= 32)
+//   int raw_shift() const                log2 of the columns one scale covers
+//   __m512 scales16(o, k0, __mmask16 m)  S(o + i, k0) for the lanes i in m, 0 in the others (fp32)
+//   raw_rows(o0, k0, valid, f)           calls f(row, addr): row(i) gives V[o0 + i, k0 .. k0 + 32) as 32 bf16 (zero
+//                                        past K: valid = K - k0), addr(i) the address of its codes (for prefetch)
 // Compiled for AVX512F/BW/VL (+BF16) through target attributes, so a variant compiled with other flags (the
 // AMX one adds amx-tile/amx-bf16) inlines them into its own target-attributed loops; ``eight`` for AVX2 + FMA +
 // F16C, the flags avx2_gemm.cpp is compiled with.
@@ -57,6 +65,29 @@ MOETUNE_AVX512 inline __mmask16 first(int valid) {
 // the first `valid` of 32 16-bit lanes (none for valid <= 0, all for valid >= 32)
 MOETUNE_AVX512 inline __mmask32 first32(int64_t valid) {
   return valid >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << (valid > 0 ? valid : 0)) - 1u);
+}
+
+// base[idx[i]] for the lanes in m (others 0), bytes (gather_u8) or 16-bit words (gather_u16, base 2-byte aligned),
+// each read through the aligned 32-bit word that holds it: a gather never reads past the page of a value it returns
+MOETUNE_AVX512 inline __m512i gather_aligned(const void* base, __m512i offset, __mmask16 m, int bits) {
+  const int mis = static_cast<int>(reinterpret_cast<uintptr_t>(base) & 3);
+  const void* aligned = static_cast<const char*>(base) - mis;
+  const __m512i at = _mm512_add_epi32(offset, _mm512_set1_epi32(mis));  // byte offsets from `aligned`
+  const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m,
+                                                    _mm512_andnot_si512(_mm512_set1_epi32(3), at), aligned, 1);
+  const __m512i shift = _mm512_slli_epi32(_mm512_and_si512(at, _mm512_set1_epi32(3)), 3);
+  return _mm512_and_si512(_mm512_srlv_epi32(words, shift), _mm512_set1_epi32((1 << bits) - 1));
+}
+MOETUNE_AVX512 inline __m512i gather_u8(const uint8_t* base, __m512i idx, __mmask16 m) {
+  return gather_aligned(base, idx, m, 8);
+}
+MOETUNE_AVX512 inline __m512i gather_u16(const void* base, __m512i idx, __mmask16 m) {
+  return gather_aligned(base, _mm512_add_epi32(idx, idx), m, 16);
+}
+// o, o + 1, ..., o + 15 as 32-bit lanes
+MOETUNE_AVX512 inline __m512i rows16(int64_t o) {
+  return _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(o)),
+                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
 MOETUNE_AVX512 inline float bf16_to_float(const at::BFloat16 v) {
@@ -153,6 +184,54 @@ struct Int4Rows {
     if (high) b = _mm256_srli_epi16(b, 4);
     return lookup32(_mm256_and_si256(b, _mm256_set1_epi8(0x0F)), table);
   }
+  // group-scaled form (below): S = the group's scale, V = u - z; groups of >= 32 columns only
+  inline bool raw_ok() const { return shift >= 5; }
+  inline int raw_shift() const { return shift; }
+  MOETUNE_AVX512 inline __m512 scales16(int64_t o, int64_t k0, __mmask16 m) const {
+    const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(rows16(o), _mm512_set1_epi32(static_cast<int>(groups))),
+                                         _mm512_set1_epi32(static_cast<int>(k0 >> shift)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(gather_u16(scale, idx, m), 16));
+  }
+  // V from a table: symmetric, the constant one of -8 .. 7; with zero points the row's z's (one of 16 made per
+  // call for z < 16, else made for the row)
+  template <class F>
+  MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void raw_rows(int64_t o0, int64_t k0, int64_t /*valid: K % 32 == 0*/,
+                                                     F&& f) const {
+    // a chunk lies on one side of K/2 or, where K/2 is an odd multiple of 16, straddles it (k0 + 16 = K/2: columns
+    // k0 .. K/2 in the low nibbles of bytes k0 .., the next 16 in the high nibbles of bytes 0 ..)
+    const bool high = k0 >= half, straddle = !high && k0 + 32 > half;
+    const uint8_t* p = packed + o0 * half + (high ? k0 - half : k0);
+    const int64_t step = half, zstep = groups;
+    auto addr = [=](int64_t i) { return static_cast<const void*>(p + i * step); };
+    auto codes = [=](int64_t i) MOETUNE_AVX512 {  // the 32 codes as 16-bit words
+      const uint8_t* row = p + i * step;
+      if (straddle) {
+        const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+        const __m128i hi = _mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row - k0)), 4);
+        return _mm512_and_si512(_mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo)), _mm512_set1_epi16(0x0F));
+      }
+      const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+      return high ? _mm512_srli_epi16(b, 4) : _mm512_and_si512(b, _mm512_set1_epi16(0x0F));
+    };
+    if (zero) {
+      const uint8_t* z = zero + o0 * groups + (k0 >> shift);
+      const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      auto table = [=](int zp) MOETUNE_AVX512 {
+        return table16(_mm512_cvtepi32_ps(_mm512_sub_epi32(iota, _mm512_set1_epi32(zp))));
+      };
+      alignas(64) __m512i tables[16];
+      for (int zp = 0; zp < 16; ++zp) tables[zp] = table(zp);
+      f(
+          [&, z, zstep, codes](int64_t i) MOETUNE_AVX512 {
+            const int zp = z[i * zstep];
+            return _mm512_permutexvar_epi16(codes(i), zp < 16 ? tables[zp] : table(zp));
+          },
+          addr);
+      return;
+    }
+    const __m512i table = table16(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
+    f([=](int64_t i) MOETUNE_AVX512 { return _mm512_permutexvar_epi16(codes(i), table); }, addr);
+  }
   inline int zero_point(int64_t gi) const { return zero ? zero[gi] : 8; }
   inline const void* code(int64_t o, int64_t k) const { return packed + o * half + (k >= half ? k - half : k); }
 };
@@ -200,6 +279,39 @@ struct Fp8BlockRows {
     // mag ^ (c << 8 & 0x8000): a negative scale_inv's table holds negative values
     return _mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(c, 8), _mm512_set1_epi16(static_cast<int16_t>(0x8000)),
                                      0x78);
+  }
+  // group-scaled form (below): S = the block's scale_inv * 2^8, V = the code's value * 2^-8 (its bits moved into fp16,
+  // as operator() moves them, then to bf16: exact)
+  inline bool raw_ok() const { return true; }
+  inline int raw_shift() const { return 7; }
+  MOETUNE_AVX512 inline __m512 scales16(int64_t o, int64_t k0, __mmask16 m) const {
+    // the grid row: o >> 7 before seg, seg_grid + ((o - seg) >> 7) from it
+    const __m512i r = rows16(o), cut = _mm512_set1_epi32(static_cast<int>(seg));
+    const __m512i after = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(seg_grid)),
+                                           _mm512_srli_epi32(_mm512_sub_epi32(r, cut), 7));
+    const __m512i row = _mm512_mask_mov_epi32(_mm512_srli_epi32(r, 7), _mm512_cmpge_epi32_mask(r, cut), after);
+    const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(row, _mm512_set1_epi32(static_cast<int>(cols))),
+                                         _mm512_set1_epi32(static_cast<int>(k0 >> 7)));
+    return _mm512_mul_ps(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, scale_inv, 4), _mm512_set1_ps(256.0f));
+  }
+  template <class F>
+  MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void raw_rows(int64_t o0, int64_t k0, int64_t valid, F&& f) const {
+    const int8_t* p = codes + o0 * K + k0;
+    const int64_t step = K;
+    auto addr = [=](int64_t i) { return static_cast<const void*>(p + i * step); };
+    auto raw = [](__m256i b) MOETUNE_AVX512 {
+      const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7),
+                                         _mm512_set1_epi16(static_cast<int16_t>(0xBF80)));
+      return (__m512i)_mm512_cvtne2ps_pbh(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)),
+                                          _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
+    };
+    if (valid < 32) {  // K's last, partial 32: the bytes past K load as code 0 (+0)
+      const __mmask32 m = first32(valid);
+      f([=](int64_t i) MOETUNE_AVX512 { return raw(_mm256_maskz_loadu_epi8(m, p + i * step)); }, addr);
+      return;
+    }
+    f([=](int64_t i) MOETUNE_AVX512 { return raw(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * step))); },
+      addr);
   }
   // the index of W[o, k0]'s 128 x 128 block in scale_inv
   inline int64_t block(int64_t o, int64_t k0) const {
@@ -262,6 +374,35 @@ struct Mxfp4Rows {
     // element order: low nibble of byte 0, its high nibble, low nibble of byte 1, ...
     const __m256i codes = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
     return lookup32(codes, table);
+  }
+  // group-scaled form (below): S = 2^(s - 127), V = FP4[code] (g * S is exact where it stays a normal bf16: the same
+  // products as the weights' own values)
+  inline bool raw_ok() const { return true; }
+  inline int raw_shift() const { return 5; }
+  MOETUNE_AVX512 inline __m512 scales16(int64_t o, int64_t k0, __mmask16 m) const {
+    const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(rows16(o), _mm512_set1_epi32(static_cast<int>(blocks))),
+                                         _mm512_set1_epi32(static_cast<int>(k0 >> 5)));
+    const __m512i s = gather_u8(scale, idx, m);  // as pow2: s << 23, the subnormal 2^-127 for s = 0
+    const __m512i bits = _mm512_mask_mov_epi32(_mm512_slli_epi32(s, 23), _mm512_testn_epi32_mask(s, s),
+                                               _mm512_set1_epi32(0x00400000));
+    return _mm512_maskz_mov_ps(m, _mm512_castsi512_ps(bits));
+  }
+  template <class F>
+  MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void raw_rows(int64_t o0, int64_t k0, int64_t /*valid: K % 32 == 0*/,
+                                                     F&& f) const {
+    const uint8_t* p = packed + o0 * half + k0 / 2;
+    const int64_t step = half;
+    const __m512i table = table16(fp4());
+    auto addr = [=](int64_t i) { return static_cast<const void*>(p + i * step); };
+    f(
+        [=](int64_t i) MOETUNE_AVX512 {
+          // byte j (codes 2j low, 2j + 1 high) -> 32-bit lane j, its two codes as 16-bit words: element order
+          const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i * step)));
+          const __m512i w = _mm512_ternarylogic_epi32(_mm512_and_si512(d, _mm512_set1_epi32(0x0F)),
+                                                      _mm512_slli_epi32(d, 12), _mm512_set1_epi32(0x000F0000), 0xF8);
+          return _mm512_permutexvar_epi16(w, table);
+        },
+        addr);
   }
   // FP4[code] for the 16 e2m1 codes (bit 3: the sign)
   MOETUNE_AVX512 static MOETUNE_ALWAYS_INLINE __m512 fp4() {

@@ -10,7 +10,9 @@
 //                 const torch::Tensor& a, torch::Tensor& out,          // already checked, at least one row:
 //                 int64_t O, int64_t K, bool accumulate);
 //       forward : out[n, O] (+)= a[n, K] @ W^T, times row_scale[o] (fp32, may be null) on the fp32 sums
-//       backward: out[n, K] (+)= (a[n, O] * row_scale, rounded once to the operands' dtype) @ W
+//       backward: out[n, K] (+)= (a[n, O] * row_scale, rounded once to the operands' dtype) @ W; a decoder's
+//                 group-scaled form (decoders.h: W = S * V) may be taken instead: (a[r, o] * S(o, k), rounded once)
+//                 times V (the AVX512-BF16 variant with few rows of a)
 //       fp32 sums, rounded once into out (accumulate: added to out's values first).
 //
 // A new format adds its decoder to decoders.h and one entry point here (and its _run form over a run of experts),

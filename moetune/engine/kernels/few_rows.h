@@ -12,7 +12,8 @@
 //             bands of weight row pairs (8, 16 or 32 pairs by rows of g: band_pairs) walked along k 32 columns
 //             at a time, rows o and o + 1 interleaved in registers into (W[o, k], W[o + 1, k]) pairs (bf16:
 //             vpunpck{l,h}wd, which leaves the columns in another order, undone once at the end; decoders:
-//             DecodedPairs32 below), g's pair (g[r, o], g[r, o + 1]) broadcast; the fp32 sums of all n rows in a
+//             DecodedPairs32 below, or RawPairs32 where a weight is group-scaled: raw values, g times the scales),
+//             g's pair (g[r, o], g[r, o + 1]) broadcast; the fp32 sums of all n rows in a
 //             per-call buffer, read and written once per band and 32 columns (above 8 rows, rows one cache line
 //             apart from a 4 KiB multiple: 4 KiB-apart rows share one L1 set; staged decoders' pairs decoded once
 //             per band and 32 columns for all blocks of 8 rows: staged_band_chunk), rounded into out once at the
@@ -32,6 +33,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -197,10 +199,111 @@ struct DecodedPairs32 {
   inline const void* code(int64_t o, int64_t k) const { return dec.code(o, k); }  // for prefetch_pair
 };
 
+// The same from a group-scaled decoder (decoders.h's raw_rows / scales16: W[o, k] = S(o, k) * V[o, k], V exact in
+// bf16, S one fp32 scale per row and aligned 32 or more columns), its scales taken into g instead (scale_band
+// below): g[r, o] * S(o, k) rounded once to bf16, times V. A row's V decodes with a table made once per call
+// (int4 symmetric, mxfp4; int4 with zero points one of 16) or none (fp8_block), where the weights' own bf16 values
+// need a table or a multiply per row and 32 columns; the scaled g costs a multiply per row of g, row of W and column
+// group instead, so this form pays with few rows of g (use_raw_pairs). Rows of W from the same base pointer, one
+// stride apart (raw_rows), not through a per-row index: the decoding loop keeps its pointers in registers.
+template <class Dec>
+struct RawPairs32 {
+  static constexpr bool kPermuted = true;
+  static constexpr bool kStaged = true;
+  static constexpr bool kGroupScaled = true;
+  const Dec& dec;
+  int64_t K, O;
+  inline const void* code(int64_t o, int64_t k) const { return dec.code(o, k); }  // for prefetch_pair
+  // the band's np pairs from o0 into staged (the rows `ahead` below each pair prefetched along the same columns)
+  MOETUNE_AVX512 inline void stage(int64_t o0, int np, int64_t k0, int64_t valid, int64_t ahead,
+                                   __m512bh* staged) const;
+};
+
+template <class Pairs, class = void>
+struct group_scaled : std::false_type {};
+template <class Pairs>
+struct group_scaled<Pairs, std::void_t<decltype(Pairs::kGroupScaled)>> : std::true_type {};
+
+template <class Dec, class = void>
+struct has_raw : std::false_type {};
+template <class Dec>
+struct has_raw<Dec, std::void_t<decltype(std::declval<const Dec&>().scales16(0, 0, 0))>> : std::true_type {};
+
+// Whether the backward with n rows of g takes RawPairs32: up to 8 rows per 32 columns a scale covers, at most 32
+// (mxfp4 and int4 g32: 8, int4 g64: 16, int4 g128 and fp8_block: 32). The scaled g's cost grows with the rows of g
+// and falls with the columns per scale; the decoding it saves does not grow with rows (staged per band): against
+// the weights' bf16 values (AMD EPYC Zen 4, one thread, [1536, 2048] and [2048, 768]) 1.03-1.8x up to these rows,
+// 0.8-0.96x at twice them for g32 and mxfp4 (docs/performance.md, "Scales into g").
+template <class Dec>
+inline bool use_raw_pairs(const Dec& dec, int64_t n) {
+  if constexpr (has_raw<Dec>::value) return dec.raw_ok() && n <= (int64_t{8} << std::min(dec.raw_shift() - 5, 2));
+  return false;
+}
+
+// gs[r * 2 np + i] = g[r, o0 + i] * S(o0 + i, k0), rounded once to bf16, for r < n, i < 2 np (rows past O: 0);
+// g's columns o0 .. o0 + 2 np lie inside its (even) width
+template <class Dec>
+MOETUNE_AVX512 inline void scale_band(const Dec& dec, const uint16_t* g, int64_t ldg, int64_t n, int64_t o0, int np,
+                                      int64_t k0, int64_t O, uint16_t* gs) {
+  for (int i = 0; i < 2 * np; i += 16) {
+    const bool whole = 2 * np - i >= 16;  // masked stores only at a band's odd end (they measured slow)
+    const __mmask16 m = first(2 * np - i);
+    const __m512 sv = dec.scales16(o0 + i, k0, m & first(static_cast<int>(std::min<int64_t>(16, O - o0 - i))));
+    for (int64_t r = 0; r < n; ++r) {
+      const uint16_t* gr = g + r * ldg + o0 + i;
+      const __m256i v =
+          whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gr)) : _mm256_maskz_loadu_epi16(m, gr);
+      const __m512 prod = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)), sv);
+      const __m256i b = (__m256i)_mm512_cvtneps_pbh(prod);
+      if (whole)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(gs + r * 2 * np + i), b);
+      else
+        _mm256_mask_storeu_epi16(gs + r * 2 * np + i, m, b);
+    }
+  }
+}
+
 // rows o and o + 1 of a Pairs' weight (those before its O), the line holding column k0, into L2
 template <class Pairs>
 MOETUNE_ALWAYS_INLINE void prefetch_pair(const Pairs& pairs, int64_t o, int64_t k0) {
   for (int64_t r = o; r < std::min(o + 2, pairs.O); ++r) moetune::prefetch<_MM_HINT_T2>(pairs, r, k0);
+}
+
+template <class Dec>
+MOETUNE_AVX512 inline void RawPairs32<Dec>::stage(int64_t o0, int np, int64_t k0, int64_t valid, int64_t ahead,
+                                                  __m512bh* staged) const {
+  const int64_t left = O - o0;  // rows of W from o0
+  dec.raw_rows(o0, k0, valid, [&](auto row, auto addr) MOETUNE_AVX512 {
+    for (int p = 0; p < np; ++p) {
+      if (ahead) {  // (a prefetch past W's end does nothing)
+        _mm_prefetch(static_cast<const char*>(addr(2 * p + ahead)), _MM_HINT_T2);
+        _mm_prefetch(static_cast<const char*>(addr(2 * p + 1 + ahead)), _MM_HINT_T2);
+      }
+      const __m512i a = 2 * p < left ? row(2 * p) : _mm512_setzero_si512();
+      const __m512i b = 2 * p + 1 < left ? row(2 * p + 1) : _mm512_setzero_si512();
+      staged[2 * p] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      staged[2 * p + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+  });
+}
+
+template <class Pairs, class = void>
+struct has_stage : std::false_type {};
+template <class Pairs>
+struct has_stage<Pairs, std::void_t<decltype(&Pairs::stage)>> : std::true_type {};
+
+// a band's np pairs from o0 decoded into staged (the rows `ahead` below each pair prefetched along the same columns)
+template <class Pairs>
+MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void stage_band(const Pairs& pairs, int64_t o0, int np, int64_t k0,
+                                                     int64_t valid, int64_t ahead, __m512bh* staged) {
+  if constexpr (has_stage<Pairs>::value) {
+    pairs.stage(o0, np, k0, valid, ahead, staged);
+  } else {
+    for (int p = 0; p < np; ++p) {
+      if (ahead) prefetch_pair(pairs, o0 + 2 * p + ahead, k0);
+      pairs(o0 + 2 * p, k0, valid, staged[2 * p], staged[2 * p + 1]);
+    }
+  }
 }
 
 // acc rows r < R, columns [k0, k0 + 32) (lo: the first 16 lanes, hi: the next, in the pairs' column order)
@@ -209,18 +312,13 @@ MOETUNE_ALWAYS_INLINE void prefetch_pair(const Pairs& pairs, int64_t o, int64_t 
 template <int R, class Pairs>
 MOETUNE_AVX512 inline void backward_chunk(const Pairs& pairs, int64_t o0, int np, int64_t k0, int64_t valid,
                                           const uint16_t* g, int64_t ldg, float* acc, int64_t ldacc, int64_t ahead) {
+  constexpr bool kStage = Pairs::kStaged;
+  alignas(64) __m512bh staged[kStage ? 2 * kBandPairs : 1];  // the band's pairs, decoded first
+  if constexpr (kStage) stage_band(pairs, o0, np, k0, valid, ahead, staged);
   __m512 lo[R], hi[R];
   for (int r = 0; r < R; ++r) {
     lo[r] = _mm512_loadu_ps(acc + r * ldacc + k0);
     hi[r] = _mm512_loadu_ps(acc + r * ldacc + k0 + 16);
-  }
-  constexpr bool kStage = Pairs::kStaged;
-  alignas(64) __m512bh staged[kStage ? 2 * kBandPairs : 1];  // the band's pairs, decoded first
-  if constexpr (kStage) {
-    for (int p = 0; p < np; ++p) {
-      if (ahead) prefetch_pair(pairs, o0 + 2 * p + ahead, k0);
-      pairs(o0 + 2 * p, k0, valid, staged[2 * p], staged[2 * p + 1]);
-    }
   }
   for (int p = 0; p < np; ++p) {
     __m512bh wl, wh;
@@ -267,10 +365,7 @@ MOETUNE_AVX512 void staged_band_chunk(const Pairs& pairs, int64_t o0, int np, in
                                       const uint16_t* g, int64_t ldg, int64_t n, float* acc, int64_t ldacc,
                                       int64_t ahead) {
   alignas(64) __m512bh staged[2 * kBandPairs];
-  for (int p = 0; p < np; ++p) {
-    prefetch_pair(pairs, o0 + 2 * p + ahead, k0);
-    pairs(o0 + 2 * p, k0, valid, staged[2 * p], staged[2 * p + 1]);
-  }
+  stage_band(pairs, o0, np, k0, valid, ahead, staged);
   const StagedBand<Pairs> band{pairs, staged, o0, pairs.O};
   for (int64_t r0 = 0; r0 < n; r0 += 8)
     with_rows<8>(n - r0, [&](auto R) MOETUNE_AVX512 {
@@ -291,18 +386,30 @@ MOETUNE_AVX512 inline void backward_range(const Pairs& pairs, const uint16_t* g,
   std::vector<float> accv(n * width, 0.0f);
   float* acc = accv.data() - c0 * 32;  // acc + r * width + k for k in [32 c0, 32 c1)
   const int band = band_pairs(n);
+  constexpr bool kScaled = group_scaled<Pairs>::value;
+  std::vector<uint16_t> scaled(kScaled ? n * 2 * band : 0);  // g times the band's scales (scale_band)
   for (int64_t ob = 0; ob < Oe; ob += 2 * band) {
     const int np = static_cast<int>(std::min<int64_t>(band, (Oe - ob) / 2));
+    const uint16_t* gb = g + ob;  // the band's g: g's own columns, or g times the band's scales
+    int64_t ldb = ldg, group = -1;
     for (int64_t c = c0; c < c1; ++c) {
+      if constexpr (kScaled) {  // new scales where the chunk starts another group of columns
+        if (((c * 32) >> pairs.dec.raw_shift()) != group) {
+          group = (c * 32) >> pairs.dec.raw_shift();
+          scale_band(pairs.dec, g, ldg, n, ob, np, c * 32, pairs.O, scaled.data());
+        }
+        gb = scaled.data();
+        ldb = 2 * np;
+      }
       if constexpr (Pairs::kStaged) {
         if (n > 8) {  // the band's pairs decoded once for all blocks of 8 rows
-          staged_band_chunk(pairs, ob, np, c * 32, K - c * 32, g + ob, ldg, n, acc, width, 2 * band);
+          staged_band_chunk(pairs, ob, np, c * 32, K - c * 32, gb, ldb, n, acc, width, 2 * band);
           continue;
         }
       }
       for (int64_t r0 = 0; r0 < n; r0 += 8)
         with_rows<8>(n - r0, [&](auto R) MOETUNE_AVX512 {
-          backward_chunk<decltype(R)::value>(pairs, ob, np, c * 32, K - c * 32, g + r0 * ldg + ob, ldg,
+          backward_chunk<decltype(R)::value>(pairs, ob, np, c * 32, K - c * 32, gb + r0 * ldb, ldb,
                                              acc + r0 * width, width, r0 == 0 ? 2 * band : 0);
         });
     }

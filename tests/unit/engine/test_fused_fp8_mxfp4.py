@@ -1,7 +1,9 @@
 """The fused kernels' fp8_block and mxfp4 decoders (``Fp8BlockRows``, ``Mxfp4Rows`` in ``kernels/decoders.h``)
 against float64 products on each format's own bf16-rounded weights (``dequantize(bf16)``: each weight rounded
-once, as the torch path's tiles are), with ``test_fused_kernels``' bound: ``2^-8 |ref|`` (the output's one
-rounding to bf16) plus ``K * 2^-22`` times the product of magnitudes (fp32 sums). A wrong scale block (another
+once, as the torch path's tiles are; the backward's group-scaled form where the variant takes it: g times the
+block's scale rounded once, times the code's value, ``test_fused_kernels._reference``), with ``test_fused_kernels``'
+bound: ``2^-8 |ref|`` (the output's one rounding to bf16) plus ``K * 2^-22`` times the product of magnitudes (fp32
+sums). A wrong scale block (another
 128 x 128 block's, gate's grid for up's rows), a swapped nibble or a dropped 2^(s - 127) is off by a factor,
 far outside it. Odd shapes cover partial fp8 blocks, I not a multiple of 128 (up's grid rows start mid-block)
 and K off the kernels' 16/32/64-column steps; the engine with the kernels on is compared with the torch path.

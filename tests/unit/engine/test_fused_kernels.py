@@ -6,7 +6,10 @@ the registry's choice per CPU is checked on fake ISA tuples with a fake build.
 
 Each kernel product is compared with float64 arithmetic on the format's own weights: int8 as ``codes`` times the
 fp32 row scale (the backward's ``g * scale`` rounded once to bf16, the torch path's definition), int4 as
-``dequantize(bf16)`` (each weight rounded once to bf16, as the torch path's tiles are). Bound per element:
+``dequantize(bf16)`` (each weight rounded once to bf16, as the torch path's tiles are); where the loaded variant's
+backward takes a weight's group-scaled form (W = S * V, decoders.h; the AVX512-BF16 variant with up to
+``group_scaled_rows`` rows), as g times S rounded once to bf16 (in fp32 first, as the kernel multiplies) times V,
+S and V read from the kernel entry's own operands (``_scaled_form``). Bound per element:
 ``2^-8 |ref|`` (the output's one rounding to bf16, half an ulp) plus ``K * 2^-22 * (|a| @ |W|^T + |out before|)``
 (fp32 sums over K terms, with room). A dropped scale, a wrong nibble, another row's codes or a lost accumulation
 are off by the quantization step or by O(1), far outside it.
@@ -60,8 +63,69 @@ def _weights(name: str, o: int, k: int, seed: int = 0) -> ExpertFormat:
     return Int4Experts.from_dense(gate_up, down, group_size=int(group[1:]), symmetric=sym == "sym")
 
 
+FP4 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+
+
+def _scaled_form(kernel: str, operands: tuple) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """(S, V, columns per scale) with W = S * V exactly, float64 ``[O, K]``, from a kernel entry's own operands
+    (decoders.h's group-scaled form): int4 the group's scale and u - z; fp8_block the block's scale_inv * 2^8 and the
+    code's value * 2^-8; mxfp4 2^(s - 127) and FP4[code]. None where the kernels have no such form (int8; int4 with
+    groups of 16)."""
+    if kernel == "int4_gemm":
+        packed, scale, zero, group = operands
+        if group < 32:
+            return None
+        u = torch.cat((packed & 15, packed >> 4), dim=1).double()  # byte j: column j (low), j + K/2 (high)
+        z = 8.0 if zero is None else zero.double().repeat_interleave(group, 1)
+        return scale.double().repeat_interleave(group, 1), u - z, group
+    if kernel == "fp8_block_gemm":
+        codes, scale_inv, seg, seg_grid = operands
+        rows = torch.arange(codes.shape[0])
+        grid = torch.where(
+            rows < seg, rows // 128, seg_grid + (rows - seg) // 128
+        )  # up's rows: their own grid rows
+        s = scale_inv.double()[grid][:, torch.arange(codes.shape[1]) // 128] * 256
+        return s, codes.double() / 256, 128
+    if kernel == "mxfp4_gemm":
+        packed, scale = operands
+        v = FP4[torch.stack((packed & 15, packed >> 4), dim=-1).flatten(1).long()]  # low nibble first
+        e = scale.double().repeat_interleave(32, 1)
+        return torch.where(e > 0, torch.exp2(e - 127), 2.0**-127), v, 32
+    return None
+
+
+def group_scaled_rows(columns: int) -> int:
+    """The rows of g up to which the AVX512-BF16 variant's backward takes the group-scaled form (few_rows.h's
+    use_raw_pairs): 8 per 32 columns a scale covers, at most 32."""
+    return min(32, 8 * columns // 32)
+
+
+def _scaled_backward(g: torch.Tensor, s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g @ W, its product of magnitudes) in float64 with W = s * v taken as the group-scaled backward takes it: g
+    times each 32 columns' scales in fp32, rounded once to bf16, times v."""
+    ref = torch.empty(g.shape[0], v.shape[1], dtype=torch.float64)
+    mag = torch.empty_like(ref)
+    for c in range(0, v.shape[1], 32):
+        gs = (g.float() * s[:, c].float()).bfloat16().double()
+        ref[:, c : c + 32], mag[:, c : c + 32] = gs @ v[:, c : c + 32], gs.abs() @ v[:, c : c + 32].abs()
+    return ref, mag
+
+
+def takes_scaled_form(kernel: str, operands: tuple, forward: bool, n: int) -> tuple[torch.Tensor, ...] | None:
+    """(S, V) where the loaded variant's product with these operands takes the group-scaled form: the AVX512-BF16
+    variant's backward with up to ``group_scaled_rows`` rows; else None."""
+    form = _scaled_form(kernel, operands)
+    if forward or form is None or fused_variant() != "AVX512-BF16" or n > group_scaled_rows(form[2]):
+        return None
+    return form[0], form[1]
+
+
 def _reference(fmt: ExpertFormat, forward: bool, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a @ W^T or a @ W in float64, the same product of magnitudes) for gate_up of expert 0."""
+    """(a @ W^T or a @ W in float64, the same product of magnitudes) for gate_up of expert 0, W's values as the
+    loaded variant takes them for this product."""
+    scaled = takes_scaled_form(*fmt.fused_operands("gate_up", 0), forward, a.shape[0])
+    if scaled is not None:
+        return _scaled_backward(a, *scaled)
     if isinstance(fmt, Int8Experts):
         codes, scale = fmt.gate_up[0].double(), fmt.gate_up_scale[0].double()
         if forward:
@@ -134,7 +198,8 @@ def test_kernel_shapes(name, o, k, accumulate):
 def test_int4_kernel_off_the_table_path(group, k):
     """The int4 kernel entry with groups the format does not make (16: two per 32-column step) and a step across
     K/2 (K = 96) decodes without its one-table chunk (decoders.h's bf16x32 falls back): still the dequantized
-    weights, each (u - z) * s rounded once to bf16, against float64 within the bound of ``_check``."""
+    weights, each (u - z) * s rounded once to bf16 (or, where the backward takes the group-scaled form, g times s
+    rounded once, times u - z), against float64 within the bound of ``_check``."""
     gen = torch.Generator().manual_seed(3)
     o = 48
     packed = torch.randint(0, 256, (o, k // 2), generator=gen, dtype=torch.uint8)
@@ -150,6 +215,9 @@ def test_int4_kernel_off_the_table_path(group, k):
             load_fused().int4_gemm(forward, a, out, packed, scale, zero, group, False)
             ref = a.double() @ (w.t() if forward else w)
             mag = a.double().abs() @ (w.abs().t() if forward else w.abs())
+            scaled = takes_scaled_form("int4_gemm", (packed, scale, zero, group), forward, n)
+            if scaled is not None:
+                ref, mag = _scaled_backward(a, *scaled)
             bound = 2.0**-8 * ref.abs() + (k if forward else o) * 2.0**-22 * mag
             assert float(((out.double() - ref).abs() / bound).max()) <= 1.0, (group, k, forward, n)
 
