@@ -23,7 +23,7 @@
 // and, where each value is a scale times a value exact in bf16 (the group-scaled form, for few_rows.h's backward with
 // few rows of g: RawPairs32 there multiplies g by the scales instead of each weight):
 //   W[o, k] = S(o, k) * V[o, k], S constant over aligned runs of 2^raw_shift() >= 32 columns of a row
-//   bool raw_ok() const                  whether this weight has the form (int4: groups of >= 32)
+//   bool raw_ok(int64_t rows) const      whether to take the form with this many rows of g (int4: groups of >= 32)
 //   int raw_shift() const                log2 of the columns one scale covers
 //   __m512 scales16(o, k0, __mmask16 m)  S(o + i, k0) for the lanes i in m, 0 in the others (fp32)
 //   raw_rows(o0, k0, valid, f)           calls f(row, addr): row(i) gives V[o0 + i, k0 .. k0 + 32) as 32 bf16 (zero
@@ -130,6 +130,37 @@ struct Int8Rows {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(codes + o * K + k0, valid)));
   }
   inline const void* code(int64_t o, int64_t k) const { return codes + o * K + k; }
+  // group-scaled form (below): V = the codes, S = 1 (the row scale is the caller's, applied to g as entry.h's
+  // contract says), one group per row. Not at 6-8 rows of g: there the band walk that decodes between its dot
+  // products (DecodedPairs32) measured faster, 1.0-1.09x (the decode is a widening and a conversion: it hides
+  // between the products, and staging adds its stores and loads)
+  inline bool raw_ok(int64_t rows) const { return rows <= 5 || rows > 8; }
+  inline int raw_shift() const { return 30; }
+  MOETUNE_AVX512 inline __m512 scales16(int64_t, int64_t, __mmask16 m) const {
+    return _mm512_maskz_mov_ps(m, _mm512_set1_ps(1.0f));
+  }
+  template <class F>
+  MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void raw_rows(int64_t o0, int64_t k0, int64_t valid, F&& f) const {
+    const int8_t* p = codes + o0 * K + k0;
+    const int64_t step = K;
+    auto addr = [=](int64_t i) { return static_cast<const void*>(p + i * step); };
+    auto raw = [](__m128i lo, __m128i hi) MOETUNE_AVX512 {
+      return (__m512i)_mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)),
+                                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+    };
+    if (valid < 32) {  // K's last, partial 32: zeros past K
+      const __mmask16 m0 = first(static_cast<int>(valid)), m1 = first(static_cast<int>(valid - 16));
+      f([=](int64_t i) MOETUNE_AVX512 {
+        return raw(_mm_maskz_loadu_epi8(m0, p + i * step), _mm_maskz_loadu_epi8(m1, p + i * step + 16));
+      }, addr);
+      return;
+    }
+    f([=](int64_t i) MOETUNE_AVX512 {
+      const int8_t* row = p + i * step;
+      return raw(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)),
+                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)));
+    }, addr);
+  }
 };
 
 // the 16 bf16 values of the table f(0 .. 15) (fp32 values, rounded to nearest even) in a vpermw table's first 16 words
@@ -185,7 +216,7 @@ struct Int4Rows {
     return lookup32(_mm256_and_si256(b, _mm256_set1_epi8(0x0F)), table);
   }
   // group-scaled form (below): S = the group's scale, V = u - z; groups of >= 32 columns only
-  inline bool raw_ok() const { return shift >= 5; }
+  inline bool raw_ok(int64_t /*rows*/) const { return shift >= 5; }
   inline int raw_shift() const { return shift; }
   MOETUNE_AVX512 inline __m512 scales16(int64_t o, int64_t k0, __mmask16 m) const {
     const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(rows16(o), _mm512_set1_epi32(static_cast<int>(groups))),
@@ -282,7 +313,7 @@ struct Fp8BlockRows {
   }
   // group-scaled form (below): S = the block's scale_inv * 2^8, V = the code's value * 2^-8 (its bits moved into fp16,
   // as operator() moves them, then to bf16: exact)
-  inline bool raw_ok() const { return true; }
+  inline bool raw_ok(int64_t /*rows*/) const { return true; }
   inline int raw_shift() const { return 7; }
   MOETUNE_AVX512 inline __m512 scales16(int64_t o, int64_t k0, __mmask16 m) const {
     // the grid row: o >> 7 before seg, seg_grid + ((o - seg) >> 7) from it
@@ -377,7 +408,7 @@ struct Mxfp4Rows {
   }
   // group-scaled form (below): S = 2^(s - 127), V = FP4[code] (g * S is exact where it stays a normal bf16: the same
   // products as the weights' own values)
-  inline bool raw_ok() const { return true; }
+  inline bool raw_ok(int64_t /*rows*/) const { return true; }
   inline int raw_shift() const { return 5; }
   MOETUNE_AVX512 inline __m512 scales16(int64_t o, int64_t k0, __mmask16 m) const {
     const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(rows16(o), _mm512_set1_epi32(static_cast<int>(blocks))),

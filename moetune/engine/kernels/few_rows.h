@@ -50,6 +50,9 @@ using moetune::store_row;
 // so wider bands cut that traffic where there are more rows to sum; with one or two rows narrow bands measured faster)
 constexpr int kBandPairs = 32;
 constexpr int band_pairs(int64_t n) { return n <= 2 ? 8 : n <= 4 ? 16 : kBandPairs; }
+// the same for RawPairs32 (its pairs staged, the scaled g per band): 32 pairs from 3 rows (1.02-1.07x against 16 at
+// 3-4 rows for int4 and fp8_block; at 1-2 rows 32 measured 0.85-1.14x against 8)
+constexpr int raw_band_pairs(int64_t n) { return n <= 2 ? 8 : kBandPairs; }
 // backward, bf16: bytes ahead of each weight row's current 64 that a step prefetches towards L1
 constexpr int kAheadBytes = 128;
 
@@ -236,7 +239,7 @@ struct has_raw<Dec, std::void_t<decltype(std::declval<const Dec&>().scales16(0, 
 // 0.8-0.96x at twice them for g32 and mxfp4 (docs/performance.md, "Scales into g").
 template <class Dec>
 inline bool use_raw_pairs(const Dec& dec, int64_t n) {
-  if constexpr (has_raw<Dec>::value) return dec.raw_ok() && n <= (int64_t{8} << std::min(dec.raw_shift() - 5, 2));
+  if constexpr (has_raw<Dec>::value) return dec.raw_ok(n) && n <= (int64_t{8} << std::min(dec.raw_shift() - 5, 2));
   return false;
 }
 
@@ -385,8 +388,8 @@ MOETUNE_AVX512 inline void backward_range(const Pairs& pairs, const uint16_t* g,
   const int64_t width = (c1 - c0) * 32 + (n > 8 ? 16 : 0);
   std::vector<float> accv(n * width, 0.0f);
   float* acc = accv.data() - c0 * 32;  // acc + r * width + k for k in [32 c0, 32 c1)
-  const int band = band_pairs(n);
   constexpr bool kScaled = group_scaled<Pairs>::value;
+  const int band = kScaled ? raw_band_pairs(n) : band_pairs(n);
   std::vector<uint16_t> scaled(kScaled ? n * 2 * band : 0);  // g times the band's scales (scale_band)
   for (int64_t ob = 0; ob < Oe; ob += 2 * band) {
     const int np = static_cast<int>(std::min<int64_t>(band, (Oe - ob) / 2));
