@@ -37,6 +37,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -223,8 +224,13 @@ struct Int4Rows {
                                          _mm512_set1_epi32(static_cast<int>(k0 >> shift)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(gather_u16(scale, idx, m), 16));
   }
-  // V from a table: symmetric, the constant one of -8 .. 7; with zero points the row's z's (one of 16 made per
-  // call for z < 16, else made for the row)
+  // the bf16 values u - z for u = 0 .. 15 in a vpermw table
+  MOETUNE_AVX512 static MOETUNE_ALWAYS_INLINE __m512i zero_table(int z) {
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return table16(_mm512_cvtepi32_ps(_mm512_sub_epi32(iota, _mm512_set1_epi32(z))));
+  }
+  // V from a table: symmetric, the constant one of -8 .. 7; with zero points the row's z's (for z < 16 one of 16
+  // made once per process, else made for the row)
   template <class F>
   MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void raw_rows(int64_t o0, int64_t k0, int64_t /*valid: K % 32 == 0*/,
                                                      F&& f) const {
@@ -246,16 +252,15 @@ struct Int4Rows {
     };
     if (zero) {
       const uint8_t* z = zero + o0 * groups + (k0 >> shift);
-      const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-      auto table = [=](int zp) MOETUNE_AVX512 {
-        return table16(_mm512_cvtepi32_ps(_mm512_sub_epi32(iota, _mm512_set1_epi32(zp))));
-      };
-      alignas(64) __m512i tables[16];
-      for (int zp = 0; zp < 16; ++zp) tables[zp] = table(zp);
+      static const std::array<__m512i, 16> tables = []() MOETUNE_AVX512 {  // made once per process
+        std::array<__m512i, 16> t;
+        for (int zp = 0; zp < 16; ++zp) t[zp] = zero_table(zp);
+        return t;
+      }();
       f(
-          [&, z, zstep, codes](int64_t i) MOETUNE_AVX512 {
+          [=](int64_t i) MOETUNE_AVX512 {
             const int zp = z[i * zstep];
-            return _mm512_permutexvar_epi16(codes(i), zp < 16 ? tables[zp] : table(zp));
+            return _mm512_permutexvar_epi16(codes(i), zp < 16 ? tables[zp] : zero_table(zp));
           },
           addr);
       return;
