@@ -318,7 +318,7 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
   }
   if constexpr (moetune_few_rows::has_raw<Dec>::value) {
     if (moetune_few_rows::use_raw_pairs(dec, n)) {  // the scales into g: few_rows.h's RawPairs32
-      moetune_few_rows::backward(moetune_few_rows::RawPairs32<Dec>{dec, K, O}, ap, lda, n, K, O, row_scale, op, ldo,
+      moetune_few_rows::backward(moetune_few_rows::RawPairs32<Dec>{dec, O}, ap, lda, n, K, O, row_scale, op, ldo,
                                  accumulate);
       return;
     }

@@ -204,10 +204,10 @@ struct DecodedPairs32 {
 
 // The same from a group-scaled decoder (decoders.h's raw_rows / scales16: W[o, k] = S(o, k) * V[o, k], V exact in
 // bf16, S one fp32 scale per row and aligned 32 or more columns), its scales taken into g instead (scale_band
-// below): g[r, o] * S(o, k) rounded once to bf16, times V. A row's V decodes with a table made once per call
-// (int4 symmetric, mxfp4; int4 with zero points one of 16) or none (fp8_block), where the weights' own bf16 values
-// need a table or a multiply per row and 32 columns; the scaled g costs a multiply per row of g, row of W and column
-// group instead, so this form pays with few rows of g (use_raw_pairs). Rows of W from the same base pointer, one
+// below): g[r, o] * S(o, k) rounded once to bf16, times V. A row's V decodes with a constant table (int4 symmetric,
+// mxfp4; with zero points one of 16 made once per process) or none (fp8_block, int8), where the weights' own bf16
+// values need a table or a multiply per row and 32 columns; the scaled g costs a multiply per row of g, row of W and
+// column group instead, so this form pays with few rows of g (use_raw_pairs). Rows of W from one base pointer, one
 // stride apart (raw_rows), not through a per-row index: the decoding loop keeps its pointers in registers.
 template <class Dec>
 struct RawPairs32 {
@@ -215,7 +215,7 @@ struct RawPairs32 {
   static constexpr bool kStaged = true;
   static constexpr bool kGroupScaled = true;
   const Dec& dec;
-  int64_t K, O;
+  int64_t O;
   inline const void* code(int64_t o, int64_t k) const { return dec.code(o, k); }  // for prefetch_pair
   // the band's np pairs from o0 into staged (the rows `ahead` below each pair prefetched along the same columns)
   MOETUNE_AVX512 inline void stage(int64_t o0, int np, int64_t k0, int64_t valid, int64_t ahead,
