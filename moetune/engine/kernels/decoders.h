@@ -174,6 +174,12 @@ MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i lookup32(__m256i codes, __m512i tab
   return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
 }
 
+// a decoder's last table (bf16x32 with a cache) and the group it was made for (-1: none)
+struct TableCache {
+  __m512i table;
+  int64_t key = -1;
+};
+
 // int4: W[o, k] = (u - z) * s with u the 4-bit code, z the group's zero point (8 when symmetric), s its bf16 scale.
 struct Int4Rows {
   const uint8_t* packed;  // [O, K/2]: byte j holds u[j] (low nibble) and u[j + K/2] (high nibble)
@@ -203,19 +209,29 @@ struct Int4Rows {
     __m256 w = _mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(zero_point(gi))));
     return _mm256_mul_ps(w, _mm256_set1_ps(bf16_to_float(scale[gi])));
   }
-  // groups of >= 32 columns (shift >= 5) and a chunk on one side of K/2: one table (else two 16-column decodes)
-  MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i bf16x32(int64_t o, int64_t k0) const {
+  // groups of >= 32 columns (shift >= 5) and a chunk on one side of K/2: one table (else two 16-column decodes),
+  // taken from `cache` where it holds this group's (a caller walking a row along k keeps one per row)
+  MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i bf16x32(int64_t o, int64_t k0, TableCache& cache) const {
     const bool high = k0 >= half;
     if (shift < 5 || (!high && k0 + 32 > half))
       return (__m512i)_mm512_cvtne2ps_pbh((*this)(o, k0 + 16, 16), (*this)(o, k0, 16));
     const int64_t gi = o * groups + (k0 >> shift);
-    const __m512i u = _mm512_sub_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                       _mm512_set1_epi32(zero_point(gi)));
-    const __m512i table = table16(_mm512_mul_ps(_mm512_cvtepi32_ps(u), _mm512_set1_ps(bf16_to_float(scale[gi]))));
+    if (gi != cache.key) {
+      const __m512i u = _mm512_sub_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(zero_point(gi)));
+      cache.table = table16(_mm512_mul_ps(_mm512_cvtepi32_ps(u), _mm512_set1_ps(bf16_to_float(scale[gi]))));
+      cache.key = gi;
+    }
     __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + o * half + (high ? k0 - half : k0)));
     if (high) b = _mm256_srli_epi16(b, 4);
-    return lookup32(_mm256_and_si256(b, _mm256_set1_epi8(0x0F)), table);
+    return lookup32(_mm256_and_si256(b, _mm256_set1_epi8(0x0F)), cache.table);
   }
+  MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i bf16x32(int64_t o, int64_t k0) const {
+    TableCache none;
+    return bf16x32(o, k0, none);
+  }
+  // whether a table lasts more than one 32-column chunk (groups of 64 or more)
+  inline bool table_lasts() const { return shift > 5; }
   // group-scaled form (below): S = the group's scale, V = u - z; groups of >= 32 columns only
   inline bool raw_ok(int64_t /*rows*/) const { return shift >= 5; }
   inline int raw_shift() const { return shift; }
@@ -462,6 +478,13 @@ struct has_table : std::false_type {};
 template <class Dec>
 struct has_table<Dec, std::void_t<decltype(std::declval<const Dec&>().bf16x32(0, 0))>> : std::true_type {};
 
+template <class Dec, class = void>
+struct has_cached_table : std::false_type {};
+template <class Dec>
+struct has_cached_table<
+    Dec, std::void_t<decltype(std::declval<const Dec&>().bf16x32(0, 0, std::declval<TableCache&>()))>>
+    : std::true_type {};
+
 template <class Dec>
 MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i bf16_chunk(const Dec& dec, int64_t o, int64_t k0, int64_t valid) {
   if constexpr (has_table<Dec>::value) {
@@ -469,6 +492,16 @@ MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i bf16_chunk(const Dec& dec, int64_t 
   }
   const int v = static_cast<int>(std::min<int64_t>(valid, 32));
   return (__m512i)_mm512_cvtne2ps_pbh(dec(o, k0 + 16, v - 16), dec(o, k0, v));
+}
+// the same for a caller walking row o along k: the table of the row's last group kept in `cache` where the decoder
+// takes one (int4: a group of 64 or 128 columns is 2 or 4 chunks)
+template <class Dec>
+MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i bf16_chunk(const Dec& dec, int64_t o, int64_t k0, int64_t valid,
+                                                        TableCache& cache) {
+  if constexpr (has_cached_table<Dec>::value) {
+    if (valid >= 32) return dec.bf16x32(o, k0, cache);
+  }
+  return bf16_chunk(dec, o, k0, valid);
 }
 
 // Bring the cache line holding W[o, k]'s code towards L1 (Hint _MM_HINT_T0) or into L2 (_MM_HINT_T2). The AVX512
