@@ -281,7 +281,7 @@ struct Int4Rows {
           addr);
       return;
     }
-    const __m512i table = table16(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
+    const __m512i table = zero_table(8);
     f([=](int64_t i) MOETUNE_AVX512 { return _mm512_permutexvar_epi16(codes(i), table); }, addr);
   }
   inline int zero_point(int64_t gi) const { return zero ? zero[gi] : 8; }

@@ -213,19 +213,33 @@ template <class Dec>
 struct RawPairs32 {
   static constexpr bool kPermuted = true;
   static constexpr bool kStaged = true;
-  static constexpr bool kGroupScaled = true;
   const Dec& dec;
   int64_t O;
   inline const void* code(int64_t o, int64_t k) const { return dec.code(o, k); }  // for prefetch_pair
   // the band's np pairs from o0 into staged (the rows `ahead` below each pair prefetched along the same columns)
   MOETUNE_AVX512 inline void stage(int64_t o0, int np, int64_t k0, int64_t valid, int64_t ahead,
-                                   __m512bh* staged) const;
+                                   __m512bh* staged) const {
+    const int64_t left = O - o0;  // rows of W from o0
+    dec.raw_rows(o0, k0, valid, [&](auto row, auto addr) MOETUNE_AVX512 {
+      for (int p = 0; p < np; ++p) {
+        if (ahead) {  // (a prefetch past W's end does nothing)
+          _mm_prefetch(static_cast<const char*>(addr(2 * p + ahead)), _MM_HINT_T2);
+          _mm_prefetch(static_cast<const char*>(addr(2 * p + 1 + ahead)), _MM_HINT_T2);
+        }
+        const __m512i a = 2 * p < left ? row(2 * p) : _mm512_setzero_si512();
+        const __m512i b = 2 * p + 1 < left ? row(2 * p + 1) : _mm512_setzero_si512();
+        staged[2 * p] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        staged[2 * p + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      }
+    });
+  }
 };
 
-template <class Pairs, class = void>
-struct group_scaled : std::false_type {};
+// whether a Pairs is RawPairs32 (its own staging, g times the scales)
 template <class Pairs>
-struct group_scaled<Pairs, std::void_t<decltype(Pairs::kGroupScaled)>> : std::true_type {};
+struct is_raw_pairs : std::false_type {};
+template <class Dec>
+struct is_raw_pairs<RawPairs32<Dec>> : std::true_type {};
 
 template <class Dec, class = void>
 struct has_raw : std::false_type {};
@@ -272,34 +286,11 @@ MOETUNE_ALWAYS_INLINE void prefetch_pair(const Pairs& pairs, int64_t o, int64_t 
   for (int64_t r = o; r < std::min(o + 2, pairs.O); ++r) moetune::prefetch<_MM_HINT_T2>(pairs, r, k0);
 }
 
-template <class Dec>
-MOETUNE_AVX512 inline void RawPairs32<Dec>::stage(int64_t o0, int np, int64_t k0, int64_t valid, int64_t ahead,
-                                                  __m512bh* staged) const {
-  const int64_t left = O - o0;  // rows of W from o0
-  dec.raw_rows(o0, k0, valid, [&](auto row, auto addr) MOETUNE_AVX512 {
-    for (int p = 0; p < np; ++p) {
-      if (ahead) {  // (a prefetch past W's end does nothing)
-        _mm_prefetch(static_cast<const char*>(addr(2 * p + ahead)), _MM_HINT_T2);
-        _mm_prefetch(static_cast<const char*>(addr(2 * p + 1 + ahead)), _MM_HINT_T2);
-      }
-      const __m512i a = 2 * p < left ? row(2 * p) : _mm512_setzero_si512();
-      const __m512i b = 2 * p + 1 < left ? row(2 * p + 1) : _mm512_setzero_si512();
-      staged[2 * p] = (__m512bh)_mm512_unpacklo_epi16(a, b);
-      staged[2 * p + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
-    }
-  });
-}
-
-template <class Pairs, class = void>
-struct has_stage : std::false_type {};
-template <class Pairs>
-struct has_stage<Pairs, std::void_t<decltype(&Pairs::stage)>> : std::true_type {};
-
 // a band's np pairs from o0 decoded into staged (the rows `ahead` below each pair prefetched along the same columns)
 template <class Pairs>
 MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void stage_band(const Pairs& pairs, int64_t o0, int np, int64_t k0,
                                                      int64_t valid, int64_t ahead, __m512bh* staged) {
-  if constexpr (has_stage<Pairs>::value) {
+  if constexpr (is_raw_pairs<Pairs>::value) {
     pairs.stage(o0, np, k0, valid, ahead, staged);
   } else {
     for (int p = 0; p < np; ++p) {
@@ -388,7 +379,7 @@ MOETUNE_AVX512 inline void backward_range(const Pairs& pairs, const uint16_t* g,
   const int64_t width = (c1 - c0) * 32 + (n > 8 ? 16 : 0);
   std::vector<float> accv(n * width, 0.0f);
   float* acc = accv.data() - c0 * 32;  // acc + r * width + k for k in [32 c0, 32 c1)
-  constexpr bool kScaled = group_scaled<Pairs>::value;
+  constexpr bool kScaled = is_raw_pairs<Pairs>::value;
   const int band = kScaled ? raw_band_pairs(n) : band_pairs(n);
   std::vector<uint16_t> scaled(kScaled ? n * 2 * band : 0);  // g times the band's scales (scale_band)
   for (int64_t ob = 0; ob < Oe; ob += 2 * band) {
