@@ -73,7 +73,9 @@ def test_fp8_kernel_with_any_block_scale(forward):
     the code's sign flipping bit 15) with scales a checkpoint may hold but ``from_dense`` never makes: negative
     (the sign must flip, not set, bit 15), zero (both zeros), and 2^-120 / 2^100 (products at the ends of bf16's
     range, subnormal ones included). Every code appears in every block. Against float64 on ``dequantize(bf16)``
-    with ``_check``'s bound; a sign set instead of flipped is off by 2|ref| where the scale is negative."""
+    with ``_check``'s bound (the backward with few rows on AVX512-BF16: its group-scaled form, where these scales
+    reach g instead, against that form's reference); a sign set instead of flipped is off by 2|ref| where the scale
+    is negative."""
     base = _weights("fp8_block", 256, 512)
     codes = (torch.arange(256)[:, None] + torch.arange(512)[None, :]) % 256  # row r: codes r, r + 1, ...
     codes[codes == 0x7F] = 0x7E  # no NaN codes (the format refuses them)

@@ -69,8 +69,8 @@ FP4 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4
 def _scaled_form(kernel: str, operands: tuple) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """(S, V, columns per scale) with W = S * V exactly, float64 ``[O, K]``, from a kernel entry's own operands
     (decoders.h's group-scaled form): int4 the group's scale and u - z; fp8_block the block's scale_inv * 2^8 and the
-    code's value * 2^-8; mxfp4 2^(s - 127) and FP4[code]. None where the kernels have no such form (int8; int4 with
-    groups of 16)."""
+    code's value * 2^-8; mxfp4 2^(s - 127) and FP4[code]. None for int4 with groups of 16 (no such form) and for
+    int8, whose form (S = 1, its row scale on g) gives exactly the reference ``_reference`` already takes for it."""
     if kernel == "int4_gemm":
         packed, scale, zero, group = operands
         if group < 32:
