@@ -5,8 +5,11 @@ The trainer's own ``_save_checkpoint`` (adapter, optimizer, scheduler, RNG, trai
 place, so a crash mid-save leaves no ``checkpoint-N`` for ``resume_from_checkpoint`` (transformers'
 ``get_last_checkpoint`` matches ``checkpoint-N`` only). With several processes every rank writes its own files
 (``rng_state_R.pth``) into the staging and the main process renames it once all have. transformers 5.24 has no such mechanism of its own: it
-writes into ``checkpoint-N`` file by file. What a kill leaves (a ``tmp-checkpoint-N``, possibly holding a
-previous ``checkpoint-N`` moved aside) is undone when ``moetune train`` next starts (:func:`recover_checkpoints`).
+writes into ``checkpoint-N`` file by file. Rotation (``save_total_limit``) likewise renames each checkpoint it
+drops to ``tmp-removed-checkpoint-N`` before deleting it (transformers deletes ``checkpoint-N`` in place, file by
+file, so a kill there left a visible ``checkpoint-N`` without its adapter). What a kill leaves (a
+``tmp-checkpoint-N``, possibly holding a previous ``checkpoint-N`` moved aside, or a ``tmp-removed-checkpoint-N``)
+is undone when ``moetune train`` next starts (:func:`recover_checkpoints`).
 
 :class:`AtomicCheckpoints` is a mixin placed before the trainer class in the bases
 (``class T(AtomicCheckpoints, Trainer)``), so TRL's ``_save_checkpoint`` overrides (model cards) run inside
@@ -18,10 +21,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from pathlib import Path
 from typing import Any
 
 from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
 from moetune.atomic import recover_folder, replace_folder
 
@@ -29,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 STAGING_PREFIX = "tmp-"  # tmp-checkpoint-N: matched neither by get_last_checkpoint nor by checkpoint rotation
 ASIDE = "replaced"  # inside the staging: a previous checkpoint-N while the new one is renamed into place
+REMOVED_PREFIX = (
+    STAGING_PREFIX + "removed-"
+)  # tmp-removed-checkpoint-N: a rotated-out checkpoint being deleted
 
 
 def recover_checkpoints(output_dir: str | os.PathLike[str]) -> list[str]:
@@ -39,7 +46,8 @@ def recover_checkpoints(output_dir: str | os.PathLike[str]) -> list[str]:
     Each ``tmp-checkpoint-N`` is a save that did not finish: its partial ``checkpoint-N`` inside is removed, and a
     previous ``checkpoint-N`` it had moved aside (a kill between the two renames of ``replace_folder``) is renamed
     back first, so no whole checkpoint is lost; then the staging folder itself goes (full-size leftovers would
-    otherwise stay until the same step is saved again).
+    otherwise stay until the same step is saved again). Each ``tmp-removed-checkpoint-N`` (a rotation's delete
+    that a kill cut short) is removed.
     """
     done: list[str] = []
     root = os.fspath(output_dir)
@@ -59,7 +67,40 @@ def recover_checkpoints(output_dir: str | os.PathLike[str]) -> list[str]:
         shutil.rmtree(staging)
         done.append(f"removed {staging} (an interrupted checkpoint save)")
         logger.warning("moetune: removed %s (an interrupted checkpoint save)", staging)
+    for name in names:
+        removed = os.path.join(root, name)
+        if name.startswith(REMOVED_PREFIX + PREFIX_CHECKPOINT_DIR + "-") and os.path.isdir(removed):
+            shutil.rmtree(removed)
+            done.append(f"removed {removed} (a rotated-out checkpoint whose deletion was interrupted)")
+            logger.warning(
+                "moetune: removed %s (a rotated-out checkpoint whose deletion was interrupted)", removed
+            )
     return done
+
+
+def rotate_checkpoints(
+    run_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None
+) -> list[str]:
+    """Keep at most ``save_total_limit`` checkpoints in ``run_dir`` (always the newest by mtime and the best), as
+    transformers' ``rotate_checkpoints(..., use_mtime=True)`` chooses them, but each one dropped is first renamed
+    out of sight (``tmp-removed-checkpoint-N``) and then deleted, so no half-deleted ``checkpoint-N`` is ever
+    visible to ``resume_from_checkpoint``, an export or a user; returns the checkpoints dropped."""
+    if save_total_limit is None or save_total_limit <= 0:
+        return []
+    checkpoints = sort_checkpoints(run_dir, PREFIX_CHECKPOINT_DIR, use_mtime=True)
+    protected = set(checkpoints[-1:])
+    if best_model_checkpoint is not None:
+        protected.add(str(Path(best_model_checkpoint)))
+    excess = len(checkpoints) - max(save_total_limit, len(protected))
+    dropped = [c for c in checkpoints if c not in protected][: max(excess, 0)]
+    for checkpoint in dropped:
+        removed = os.path.join(os.path.dirname(checkpoint), REMOVED_PREFIX + os.path.basename(checkpoint))
+        shutil.rmtree(
+            removed, ignore_errors=True
+        )  # left by an earlier kill (recover_checkpoints also clears it)
+        os.rename(checkpoint, removed)
+        shutil.rmtree(removed, ignore_errors=True)
+    return dropped
 
 
 class AtomicCheckpoints:
@@ -99,9 +140,4 @@ class AtomicCheckpoints:
             if self.args.should_save:
                 shutil.rmtree(staging, ignore_errors=True)
         if self.args.should_save:
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,  # as Trainer._save_checkpoint rotates
-            )
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
