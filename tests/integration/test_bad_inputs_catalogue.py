@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -484,9 +485,9 @@ def test_nan_in_an_attention_weight_stops_at_step_1(tmp_path, demo_model, capsys
     model, _ = _model_with_nan(tmp_path, demo_model, ".q_proj.")
     assert main(["train", str(write(tmp_path, config(tmp_path, model)))]) == 2  # exit code != 0
     err = capsys.readouterr().err
-    assert (
-        "training diverged at step 1: the gradient norm is not finite" in err
-    )  # the loss may still be finite
+    # whether the NaN reaches the loss depends on the CPU's attention kernel and compute dtype (finite on AVX512-BF16
+    # in bf16, NaN on an AVX2-only CPU in fp32); either way step 1 stops and names the non-finite gradients
+    assert re.search(r"training diverged at step 1: the (gradient norm|loss) is not finite", err)
     assert "self_attn.q_proj.lora_A" in err and "No checkpoint was saved before it" in err
     _assert_nothing_diverged_saved(tmp_path / "out", None)
 

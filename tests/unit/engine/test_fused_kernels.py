@@ -1,7 +1,8 @@
 """The compiled fused kernels (``moetune.engine.kernels``) against float64 references, their variant registry,
 and their fallback.
 
-The kernel products run on the variant that loads here (AMX-BF16 on AMX CPUs, AVX512-BF16 on AVX512-BF16 ones);
+The kernel products run on the variant that loads here (AMX-BF16 on AMX CPUs, AVX512-BF16 on AVX512-BF16 ones;
+on an AVX2-only CPU the variant that loads computes in fp32 and ``test_fused_avx2`` tests it, so these skip);
 the registry's choice per CPU is checked on fake ISA tuples with a fake build.
 
 Each kernel product is compared with float64 arithmetic on the format's own weights: int8 as ``codes`` times the
@@ -33,7 +34,14 @@ import torch
 from moetune.engine import EngineOptions, ExpertEngine, ExpertFormat
 from moetune.engine.formats import FORMATS, Int4Experts, Int8Experts
 from moetune.engine.gemm import resolve_gemm_path
-from moetune.engine.kernels import KERNELS_ENV, fused_unavailable, fused_variant, load_fused, loader
+from moetune.engine.kernels import (
+    KERNELS_ENV,
+    fused_unavailable,
+    fused_variant,
+    load_fused,
+    loader,
+    variant_named,
+)
 from moetune.errors import ConfigError
 from moetune.sysinfo import CpuInfo
 from tests.unit.engine.test_formats import _lora, _module, gaussian
@@ -43,10 +51,22 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 HAS_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler (c++/g++) on PATH")
-needs_kernels = pytest.mark.skipif(
-    not HAS_COMPILER or load_fused() is None,
-    reason=f"the fused kernels do not run here: {fused_unavailable() if HAS_COMPILER else 'no C++ compiler'}",
-)
+
+
+def _bf16_kernels_or_why() -> str:
+    """Why these bf16 kernel tests cannot run here, or "" where the variant that loads computes in bf16."""
+    if not HAS_COMPILER:
+        return "no C++ compiler (c++/g++) on PATH"
+    kernels = load_fused()
+    if kernels is None:
+        return f"the fused kernels do not run here: {fused_unavailable()}"
+    spec = variant_named(str(kernels.variant))
+    if spec is None or spec.compute != torch.bfloat16:
+        return f"the variant that loads here ({kernels.variant}) computes in fp32: test_fused_avx2 tests it"
+    return ""
+
+
+needs_kernels = pytest.mark.skipif(bool(_bf16_kernels_or_why()), reason=_bf16_kernels_or_why())
 AMX = CpuInfo(
     model="test", isa=("AMX-BF16", "AVX512-BF16", "AVX2"), logical_cpus=2, physical_cores=2, numa_nodes=1
 )

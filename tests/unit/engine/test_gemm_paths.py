@@ -21,7 +21,7 @@ from moetune.doctor.engine import KERNELS_LINE, gemm_paths
 from moetune.engine import DenseExperts, EngineOptions, ExpertEngine, ExpertFormat
 from moetune.engine.formats import FORMATS, Int8Experts
 from moetune.engine.gemm import Conversion, GemmPath, resolve_gemm_path
-from moetune.engine.kernels import KERNELS_ENV, fused_variant, load_fused
+from moetune.engine.kernels import KERNELS_ENV, fused_variant, load_fused, variant_named
 from moetune.layer import CpuExperts
 from moetune.sysinfo import CpuInfo
 from tests.unit.engine.test_formats import QUANTIZED, E, H, _lora, _module, gaussian
@@ -37,6 +37,20 @@ def _cpu(*isa: str) -> CpuInfo:
     return CpuInfo(model="test", isa=isa, logical_cpus=2, physical_cores=2, numa_nodes=1)
 
 
+def _variant_compute() -> torch.dtype | None:
+    """The compute dtype of the kernel variant that loads here (bf16, or fp32 for AVX2), None without one."""
+    spec = variant_named(fused_variant())
+    return spec.compute if spec is not None else None
+
+
+def _variant_cpu() -> CpuInfo:
+    """A CPU with the ISA of the variant that loads here and nothing better (an AMX one where none loads)."""
+    spec = variant_named(fused_variant())
+    if spec is None or spec.isa == "AMX-BF16":
+        return _cpu("AMX-BF16", "AVX512-BF16", "AVX512F", "AVX2")
+    return _cpu(spec.isa, "AVX512F", "AVX2") if spec.isa == "AVX512-BF16" else _cpu(spec.isa)
+
+
 def _paths(fmt: ExpertFormat, compute: torch.dtype) -> list[GemmPath]:
     conversions = [Conversion.DEQUANTIZED]
     if compute in fmt.SCALED_TILE_DTYPES:
@@ -49,7 +63,7 @@ def _fused_paths(fmt: ExpertFormat, compute: torch.dtype) -> list[GemmPath]:
     the torch one)."""
     variant = fused_variant()
     rows = fmt.FUSED_MAX_ROWS.get(variant, 0)
-    if compute != torch.bfloat16 or not rows:
+    if compute != _variant_compute() or not rows:
         return []
     return [GemmPath(p.conversion, p.whole_tiles, rows, variant) for p in _paths(fmt, compute)[-1:]]
 
@@ -141,22 +155,26 @@ def test_resolve_gemm_path_per_format_dtype_and_cpu(formats):
     assert resolve_gemm_path(int8, torch.bfloat16, avx512, fused=False) == GemmPath(
         Conversion.SCALED_CODES, whole_tiles=False
     )
-    assert resolve_gemm_path(int8, torch.float32, amx) == GemmPath(Conversion.SCALED_CODES, whole_tiles=False)
+    assert resolve_gemm_path(int8, torch.float32, amx, fused=False) == GemmPath(
+        Conversion.SCALED_CODES, whole_tiles=False
+    )
     assert resolve_gemm_path(int4, torch.bfloat16, amx, fused=False) == GemmPath(
         Conversion.DEQUANTIZED, whole_tiles=True
     )
     assert resolve_gemm_path(int4, torch.float32, _cpu("AVX2")).whole_tiles is False
     assert "per-row scale" in resolve_gemm_path(int8, torch.bfloat16, amx, fused=False).describe()
-    # the fused kernels where a variant loads, with the format's row threshold for it; never in fp32, nor for a
-    # CPU without the loaded variant's ISA
-    variant = fused_variant()
+    # the fused kernels where a variant loads, with the format's row threshold for it; never in the other compute
+    # dtype (the AVX2 variant computes in fp32, the others in bf16), nor for a CPU without the variant's ISA
+    variant, own = fused_variant(), _variant_cpu()
+    compute = _variant_compute() or torch.bfloat16
+    other = torch.float32 if compute == torch.bfloat16 else torch.bfloat16
     for fmt in (int8, int4):
-        path = resolve_gemm_path(fmt, torch.bfloat16, amx)
+        path = resolve_gemm_path(fmt, compute, own)
         assert path.fused_rows == fmt.FUSED_MAX_ROWS.get(variant, 0)
         assert path.fused_variant == (variant if path.fused_rows else "")
         assert (f"fused kernel ({variant}," in path.describe()) is bool(variant)
-        assert resolve_gemm_path(fmt, torch.float32, amx).fused_rows == 0
-        assert resolve_gemm_path(fmt, torch.bfloat16, _cpu("AVX2")).fused_rows == 0
+        assert resolve_gemm_path(fmt, other, own).fused_rows == 0
+        assert resolve_gemm_path(fmt, compute, _cpu("SSE4.2")).fused_rows == 0
 
 
 @pytest.mark.parametrize(
@@ -189,9 +207,9 @@ def test_doctor_names_each_formats_path(monkeypatch, isa, int8_line):
 
 @pytest.mark.skipif(load_fused() is None, reason="the fused kernels do not load here (see the logged reason)")
 def test_doctor_names_the_fused_kernels(monkeypatch):
-    amx = _cpu("AMX-BF16", "AVX512-BF16", "AVX2")
-    monkeypatch.setattr("moetune.engine.plan.cpu_info", lambda: amx)
-    monkeypatch.setattr("moetune.engine.gemm.cpu_info", lambda: amx)
+    own = _variant_cpu()  # a CPU whose compute dtype is the loaded variant's
+    monkeypatch.setattr("moetune.engine.plan.cpu_info", lambda: own)
+    monkeypatch.setattr("moetune.engine.gemm.cpu_info", lambda: own)
     by_name = {line.split(":")[0]: line for line in gemm_paths()}
     variant = fused_variant()
     assert by_name[KERNELS_LINE] == (

@@ -99,7 +99,14 @@ def test_batched_lora_engine_matches_float64_loop(policy, mode, workers, four_th
     """One chunk of experts, or four run by the expert pool (each writes its own rows and grad slices)."""
     layer, x, ids, w, gy = _case()
     full = mode.startswith("full")
-    mod = build_module(layer, dtype=torch.bfloat16, full=full, policy=policy, expert_workers=workers)
+    mod = build_module(
+        layer,
+        dtype=torch.bfloat16,
+        compute_dtype=torch.bfloat16,
+        full=full,
+        policy=policy,
+        expert_workers=workers,
+    )
     seen: list[
         int
     ] = []  # the chunks' first experts, as the engine ran them (a spy: pool threads escape modes)
@@ -137,7 +144,7 @@ def test_few_row_experts_batched_beside_large_ones_per_expert(policy, mode, monk
         torch.randn(t, 64, generator=gen),
     )
     full = mode.startswith("full")
-    mod = build_module(layer, dtype=torch.bfloat16, full=full, policy=policy)
+    mod = build_module(layer, dtype=torch.bfloat16, compute_dtype=torch.bfloat16, full=full, policy=policy)
     per_expert: list[int] = []
     own = LoraPass.backward_run
 
@@ -161,11 +168,15 @@ def test_few_row_experts_batched_beside_large_ones_per_expert(policy, mode, monk
 @pytest.mark.parametrize("policy", ["retain", "recompute"])
 def test_batched_and_per_expert_lora_agree(policy):
     layer, x, ids, w, gy = _case(seed=3)
-    per_expert = build_module(layer, dtype=torch.bfloat16, policy=policy, batch_lora=False)
+    per_expert = build_module(
+        layer, dtype=torch.bfloat16, compute_dtype=torch.bfloat16, policy=policy, batch_lora=False
+    )
     with _Batched() as rec:
         y_each, g_each = run_module(per_expert, x, ids, w, gy)
     assert rec.baddbmm == 0
-    y, grads = run_module(build_module(layer, dtype=torch.bfloat16, policy=policy), x, ids, w, gy)
+    y, grads = run_module(
+        build_module(layer, dtype=torch.bfloat16, compute_dtype=torch.bfloat16, policy=policy), x, ids, w, gy
+    )
     assert rel_err(y, y_each) < BF16_TOL
     for name in grads:
         assert rel_err(grads[name], g_each[name]) < BF16_TOL, (name, rel_err(grads[name], g_each[name]))
@@ -177,7 +188,7 @@ def test_batched_bmm_shapes_stay_in_a_fixed_set():
     from moetune.engine.shapes import PIECE_SIZES
 
     layer = make_layer(E=8, H=64, I=32, r=4)
-    mod = build_module(layer, dtype=torch.bfloat16)
+    mod = build_module(layer, dtype=torch.bfloat16, compute_dtype=torch.bfloat16)
     allowed = set(PIECE_SIZES) | {8, 64, 32, 4, 1}  # 1: the combine's [T, 1, k] x [T, k, H]
     for seed in range(3):
         t = 37 + 11 * seed

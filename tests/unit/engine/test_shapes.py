@@ -87,7 +87,9 @@ def test_bf16_engine_with_split_rows_within_bound(mode):
     assert all(len(p) == 2 for p in pieces) and any(p[-1][2] > p[-1][1] - p[-1][0] for p in pieces), pieces
     full = mode.startswith("full")
     gy = torch.randn(x.shape[0], 64, dtype=torch.float64)
-    y, grads = run_module(build_module(layer, dtype=torch.bfloat16, full=full), x, ids, w, gy)
+    y, grads = run_module(
+        build_module(layer, dtype=torch.bfloat16, compute_dtype=torch.bfloat16, full=full), x, ids, w, gy
+    )
     y_ref, ref = run_reference(layer, x.double(), ids, w.double(), gy, full=full)
     assert rel_err(y, y_ref) < 3e-2
     for name in ref:
@@ -98,7 +100,7 @@ def test_bf16_engine_with_split_rows_and_dropout():
     """The masked LoRA backward (dropout) on split rows, against the loop with the engine's own masks."""
     layer, x, ids, w = _many_rows_case("lora")
     gy = torch.randn(x.shape[0], 64, dtype=torch.float64)
-    mod = build_module(layer, dtype=torch.bfloat16, dropout=0.3)
+    mod = build_module(layer, dtype=torch.bfloat16, compute_dtype=torch.bfloat16, dropout=0.3)
     mod.train()
     torch.manual_seed(5)
     y, grads = run_module(mod, x, ids, w, gy)
@@ -135,7 +137,9 @@ def test_bf16_gemm_shapes_stay_in_a_fixed_set_whatever_the_routing(mode):
     or one of the layer's own sizes (H, I, 2I, r), so oneDNN builds each GEMM's kernel once. (Before the
     split every new row count was a new shape, and a rebuilt kernel: ~1 ms per call.)"""
     layer = make_layer(E=4, H=72, I=40, r=4, lora="lora" in mode)
-    mod = build_module(layer, dtype=torch.bfloat16, full=mode.startswith("full"))
+    mod = build_module(
+        layer, dtype=torch.bfloat16, compute_dtype=torch.bfloat16, full=mode.startswith("full")
+    )
     # the base GEMMs on oneDNN for every row count (the kernels' bf16_gemm, which takes few-row experts where it
     # loads, builds nothing per shape)
     mod.engine.gemm.path = replace(mod.engine.gemm.path, fused_rows=0)
@@ -158,11 +162,13 @@ def test_split_rows_false_gives_whole_row_gemms_with_the_same_results():
     x, ids, w = make_routing(T=61, E=4, k=2, H=72, seed=0)
     x, w, gy = x.bfloat16(), w.bfloat16(), torch.randn(61, 72)
     counts = set(torch.bincount(ids.reshape(-1), minlength=4).tolist())
-    whole = build_module(layer, dtype=torch.bfloat16, split_rows=False)
+    whole = build_module(layer, dtype=torch.bfloat16, compute_dtype=torch.bfloat16, split_rows=False)
     with _GemmShapes() as rec:
         y_whole, g_whole = run_module(whole, x, ids, w, gy)
     assert counts - set(PIECE_SIZES) <= rec.dims
-    y, grads = run_module(build_module(layer, dtype=torch.bfloat16), x, ids, w, gy)
+    y, grads = run_module(
+        build_module(layer, dtype=torch.bfloat16, compute_dtype=torch.bfloat16), x, ids, w, gy
+    )
     assert rel_err(y, y_whole) < BF16_TOL
     for name in grads:
         assert rel_err(grads[name], g_whole[name]) < BF16_TOL, name
