@@ -1,6 +1,6 @@
 """The kernels of a git revision against the working tree's, per product, side by side in one process.
 
-    python bench/kernel_ab.py --base REV [--variant AVX512-BF16] [--formats bf16 int8 int4 int4-asym fp8 mxfp4]
+    python bench/kernel_ab.py --base REV [--variant AVX512-BF16 | AMX-BF16 | AVX2] [--formats bf16 int8 int4 int4-asym fp8 mxfp4]
                               [--rows 1 8 16 32] [--experts 48] [--reps 5] [--threads 1]
 
 For work on ``moetune/engine/kernels``: the variant's sources at ``REV`` (``git show``, into a temporary folder,
@@ -147,13 +147,13 @@ def main() -> None:
         for shape, (o, k) in SHAPES.items():
             call = weights(fmt, args.experts, o, k, gen)
             for n in args.rows:
-                x, g = (
-                    torch.randn(n, k, generator=gen).bfloat16(),
-                    torch.randn(n, o, generator=gen).bfloat16(),
+                x, g = (  # operands in the variant's compute dtype (bf16; fp32 for AVX2)
+                    torch.randn(n, k, generator=gen).to(variant.compute),
+                    torch.randn(n, o, generator=gen).to(variant.compute),
                 )
                 line = f"{fmt:9} {shape:7} {n:>3}"
                 for fwd, a, width in ((True, x, o), (False, g, k)):
-                    outs = [torch.empty(n, width, dtype=torch.bfloat16) for _ in range(2)]
+                    outs = [torch.empty(n, width, dtype=variant.compute) for _ in range(2)]
                     for m, out in zip((base, tree), outs, strict=True):
                         call(m, fwd, a, out, 0)  # warm-up, and the outputs compared
                     same = torch.equal(outs[0], outs[1])

@@ -19,8 +19,10 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # torch path (E = 128, `python bench/formats.py --experts 128 --tokens 512 1024 2048 --formats bf16
 # --fused-max-rows N`): 48: 1.32x / 0.99x at T = 512 / 1024; 64: 1.36x / 1.07x; 96: 1.23x at T = 1024; 128: 1.19x /
 # 1.02x at T = 1024 / 2048; 256: 1.26x / 1.04x (docs/performance.md, "Prefetching into L2"). Not measured against
-# AMX's oneDNN GEMMs yet: no AMX-BF16 entry.
-BF16_FUSED_MAX_ROWS = MappingProxyType({"AVX512-BF16": 256})
+# AMX's oneDNN GEMMs yet: no AMX-BF16 entry. AVX2 (fp32 compute; the weights widened to fp32 in registers, against
+# the torch path's fp32 tiles and MKL's sgemm): fused / torch CPU time 1.32x at 8, 1.35x at 32, 1.15x at 128, 1.06x at
+# 256, 0.99x at 512 rows per expert (an AVX2-only AMD EPYC, Zen 1, 1 thread; docs/performance.md, "AVX2 variant").
+BF16_FUSED_MAX_ROWS = MappingProxyType({"AVX512-BF16": 256, "AVX2": 256})
 
 
 @FORMATS.register("dense")
@@ -53,7 +55,7 @@ class DenseExperts(ExpertFormat):
         self.gate_up = gate_up if gate_up.is_contiguous() else gate_up.contiguous()
         self.down = down if down.is_contiguous() else down.contiguous()
         self.num_experts, self.hidden_size, self.intermediate_size = e, h, two_i // 2
-        # the kernels' bf16_gemm reads bf16 weights only
+        # the kernels' bf16_gemm reads bf16 weights only (in the AVX2 variant: widened to fp32, fp32 compute)
         bf16 = self.gate_up.dtype == torch.bfloat16
         self.FUSED_MAX_ROWS = dict(BF16_FUSED_MAX_ROWS) if bf16 else {}  # (a dict: copy.deepcopy takes it)
 

@@ -284,11 +284,11 @@ class Fp8BlockExperts(QuantizedExperts):
     # per kernel variant, the fused kernel beats dequantize-then-GEMM up to here (AVX512-BF16: fused / torch
     # 1.06x at 256 rows, 0.94x at 512; docs/performance.md, "fp8_block and mxfp4: the torch path and the fused
     # decoders"). AMX-BF16: int4's value (its torch path dequantizes too), not measured on an AMX CPU yet.
-    # AVX2 (fp32 compute): fused / torch CPU time fp8_block 1.29x at 128, 1.00x at 256 rows per expert (AMD EPYC Zen
-    # 4, 1 thread, other jobs running; docs/performance.md, "AVX2 variant"):
-    # `python bench/formats.py --threads 1 --reps 3 --experts 8 --top-k 4 --tokens 16 32 64 128 256 512 --formats int8
+    # AVX2 (fp32 compute): fused / torch CPU time fp8_block 2.40x at 8, 1.32x at 128, 1.18x at 256, 1.05x at 512 rows
+    # per expert (an AVX2-only AMD EPYC, Zen 1, 1 thread, nothing else running; docs/performance.md, "AVX2 variant"):
+    # `python bench/formats.py --threads 1 --reps 3 --experts 8 --top-k 4 --tokens 16 64 256 512 1024 --formats int8
     # int4-g64 fp8_block mxfp4 --compute-dtype float32 --variant AVX2 --fused-max-rows 100000`
-    FUSED_MAX_ROWS = MappingProxyType({"AMX-BF16": 256, "AVX512-BF16": 256, "AVX2": 128})
+    FUSED_MAX_ROWS = MappingProxyType({"AMX-BF16": 256, "AVX512-BF16": 256, "AVX2": 256})
 
     def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
         codes, scale_inv = self._stored(proj)

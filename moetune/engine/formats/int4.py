@@ -272,9 +272,9 @@ class Int4Experts(QuantizedExperts):
 
     # per kernel variant, the fused kernel beats dequantize-then-GEMM up to here (bench/formats.py;
     # docs/performance.md, "Fused kernels")
-    # AVX2 (fp32 compute): fused / torch CPU time int4-g64 1.36x at 128, 1.14x at 256 rows per expert (AMD EPYC Zen 4,
-    # 1 thread, other jobs running; docs/performance.md, "AVX2 variant"):
-    # `python bench/formats.py --threads 1 --reps 3 --experts 8 --top-k 4 --tokens 16 32 64 128 256 512 --formats int8
+    # AVX2 (fp32 compute): fused / torch CPU time int4-g64 2.15x at 8, 1.42x at 128, 1.07x at 256, 1.00x at 512 rows
+    # per expert (an AVX2-only AMD EPYC, Zen 1, 1 thread, nothing else running; docs/performance.md, "AVX2 variant"):
+    # `python bench/formats.py --threads 1 --reps 3 --experts 8 --top-k 4 --tokens 16 64 256 512 1024 --formats int8
     # int4-g64 fp8_block mxfp4 --compute-dtype float32 --variant AVX2 --fused-max-rows 100000`
     FUSED_MAX_ROWS = MappingProxyType({"AMX-BF16": 256, "AVX512-BF16": 256, "AVX2": 256})
 

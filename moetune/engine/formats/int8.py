@@ -102,12 +102,12 @@ class Int8Experts(QuantizedExperts):
 
     # per kernel variant, the fused kernel beats codes-then-GEMM up to here (bench/formats.py; docs/performance.md,
     # "Fused kernels")
-    # AVX2 (fp32 compute): fused / torch CPU time int8 (fp32: the codes converted exactly, MKL sgemm) 1.11x at 64,
-    # 0.95x at 128 rows per expert (AMD EPYC Zen 4, 1 thread, other jobs running; docs/performance.md, "AVX2
-    # variant"):
-    # `python bench/formats.py --threads 1 --reps 3 --experts 8 --top-k 4 --tokens 16 32 64 128 256 512 --formats int8
+    # AVX2 (fp32 compute): fused / torch CPU time int8 (fp32: the codes converted exactly, MKL sgemm) 1.62x at 8,
+    # 1.09x at 128, 1.16x at 256, 0.96x at 512 rows per expert (an AVX2-only AMD EPYC, Zen 1, 1 thread, nothing
+    # else running; docs/performance.md, "AVX2 variant"):
+    # `python bench/formats.py --threads 1 --reps 3 --experts 8 --top-k 4 --tokens 16 64 256 512 1024 --formats int8
     # int4-g64 fp8_block mxfp4 --compute-dtype float32 --variant AVX2 --fused-max-rows 100000`
-    FUSED_MAX_ROWS = MappingProxyType({"AMX-BF16": 128, "AVX512-BF16": 256, "AVX2": 64})
+    FUSED_MAX_ROWS = MappingProxyType({"AMX-BF16": 128, "AVX512-BF16": 256, "AVX2": 256})
 
     def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
         codes, scale = self._stored(proj)

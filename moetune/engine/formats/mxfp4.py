@@ -246,9 +246,9 @@ class Mxfp4Experts(QuantizedExperts):
     # per kernel variant, the fused kernel beats dequantize-then-GEMM up to here (AVX512-BF16: fused / torch
     # 1.12x at 256 rows, 0.96x at 512; docs/performance.md, "fp8_block and mxfp4: the torch path and the fused
     # decoders"). AMX-BF16: int4's value (its torch path dequantizes too), not measured on an AMX CPU yet.
-    # AVX2 (fp32 compute): fused / torch CPU time mxfp4 1.14x at 128, 1.13x at 256 rows per expert (AMD EPYC Zen 4, 1
-    # thread, other jobs running; docs/performance.md, "AVX2 variant"):
-    # `python bench/formats.py --threads 1 --reps 3 --experts 8 --top-k 4 --tokens 16 32 64 128 256 512 --formats int8
+    # AVX2 (fp32 compute): fused / torch CPU time mxfp4 2.13x at 8, 1.37x at 128, 1.12x at 256, 0.98x at 512 rows
+    # per expert (an AVX2-only AMD EPYC, Zen 1, 1 thread, nothing else running; docs/performance.md, "AVX2 variant"):
+    # `python bench/formats.py --threads 1 --reps 3 --experts 8 --top-k 4 --tokens 16 64 256 512 1024 --formats int8
     # int4-g64 fp8_block mxfp4 --compute-dtype float32 --variant AVX2 --fused-max-rows 100000`
     FUSED_MAX_ROWS = MappingProxyType({"AMX-BF16": 256, "AVX512-BF16": 256, "AVX2": 256})
 

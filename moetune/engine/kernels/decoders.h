@@ -53,8 +53,9 @@ namespace moetune {
 // the 8 bytes at p, or its first `valid` (< 8) bytes and zeros: no read past a row's end (AVX2 has no masked
 // byte loads)
 MOETUNE_AVX2 inline __m128i load8(const void* p, int valid) {
+  if (valid >= 8) return _mm_loadl_epi64(static_cast<const __m128i*>(p));
   uint64_t v = 0;
-  std::memcpy(&v, p, valid >= 8 ? 8 : (valid > 0 ? valid : 0));
+  std::memcpy(&v, p, valid > 0 ? valid : 0);
   return _mm_cvtsi64_si128(static_cast<long long>(v));
 }
 
@@ -110,7 +111,10 @@ struct Bf16Rows {
   }
   MOETUNE_AVX2 inline __m256 eight(int64_t o, int64_t k0, int valid) const {
     __m128i b = _mm_setzero_si128();
-    std::memcpy(&b, w + o * K + k0, 2 * (valid >= 8 ? 8 : (valid > 0 ? valid : 0)));
+    if (valid >= 8)
+      b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + o * K + k0));
+    else
+      std::memcpy(&b, w + o * K + k0, 2 * (valid > 0 ? valid : 0));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
   }
   inline const void* code(int64_t o, int64_t k) const { return w + o * K + k; }

@@ -1,12 +1,12 @@
 """The AVX2 variant of the fused kernels (``kernels/avx2_gemm.cpp``: fp32 operands, 8-lane decoders, FMA) built
 by name (``load_variant``: this CPU may load a better variant by default) against float64 products on each
-format's own fp32 weights (``dequantize(float32)``, the torch path's fp32 tiles; int8: the codes, the fp32 row
+format's own fp32 weights (``dequantize(float32)``, the torch path's fp32 tiles; dense bf16 weights widened; int8: the codes, the fp32 row
 scale applied to the sums forward and to g backward, as its scaled-codes path does).
 
 Bound per element: ``2^-21 |ref|`` (the scale's and the accumulate's fp32 roundings) plus ``K * 2^-23`` times
 the product of magnitudes (K fp32 additions); a wrong scale, nibble or block is off by a factor, far outside it.
 Row counts cover one to several register blocks (3 rows forward, 6 backward) and each remainder; odd shapes
-cover K off the 8-column lanes (int8 and fp8_block tails), partial 4-row output blocks and 32-column strips.
+cover K off the 8-column lanes (bf16, int8 and fp8_block tails), partial 4-row output blocks and 32-column strips.
 The engine with fp32 compute on this variant equals the torch path; the registry's choice of it is in
 ``test_fused_kernels``.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetune.engine import ExpertFormat
+from moetune.engine import DenseExperts, ExpertFormat
 from moetune.engine.formats import Int8Experts
 from moetune.engine.gemm import Conversion, GemmPath, resolve_gemm_path
 from moetune.engine.kernels import load_variant
@@ -46,6 +46,10 @@ def _weights(name: str, o: int, k: int) -> ExpertFormat:
     """gate_up ``[o, k]`` of one expert in ``name`` (test_fused_kernels' or test_fused_fp8_mxfp4's builder)."""
     if name in ("fp8_block", "mxfp4"):
         return test_fused_fp8_mxfp4._weights(name, o, k, seed=o + k)
+    if name == "bf16":  # dense bf16 weights, widened to fp32 in registers
+        gen = torch.Generator().manual_seed(o + k)
+        gate_up, down = torch.randn(1, o, k, generator=gen), torch.randn(1, k, o // 2, generator=gen)
+        return DenseExperts(gate_up.bfloat16(), down.bfloat16())
     return test_fused_kernels._weights(name, o, k, seed=o + k)
 
 
@@ -80,7 +84,7 @@ def _check(fmt: ExpertFormat, forward: bool, n: int, accumulate: bool) -> float:
     return float((err / mag.clamp_min(1e-30)).max())
 
 
-FORMATS = ["int8", "int4-g32-sym", "int4-g128-asym", "fp8_block", "mxfp4"]
+FORMATS = ["bf16", "int8", "int4-g32-sym", "int4-g128-asym", "fp8_block", "mxfp4"]
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -97,6 +101,8 @@ def test_avx2_kernel_matches_float64(name, forward, accumulate):
     [
         ("int8", 66, 75),  # K off the 8 lanes, O off the 4-row blocks and 32-column strips
         ("int8", 130, 1030),  # K past one 512-column chunk, a tail of 6
+        ("bf16", 130, 1030),
+        ("bf16", 66, 75),  # K odd: a partial 8-value load at each row's end
         ("fp8_block", 258, 75),  # K odd: a masked fp8 tail; up's grid rows start one row past a block
         ("fp8_block", 400, 200),
         ("int4-g32-sym", 64, 96),  # K = 96: three 32-column strips, three 8-lane chunks of the 512 columns
@@ -116,7 +122,7 @@ def test_avx2_kernel_refuses_bf16_operands():
         fmt.fused_gemm(load_variant("AVX2"), True, "gate_up", 0, a, out, False)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["bf16", "int8", "int4"])
 def test_engine_fp32_on_avx2_equals_the_torch_path(name):
     """The LoRA engine module with fp32 compute (T = 40, E = 4, k = 2: about 20 rows per expert), forward and
     every gradient, AVX2 kernels forced vs the torch path: both fp32 with fp32 sums in another order. Bound
@@ -125,6 +131,8 @@ def test_engine_fp32_on_avx2_equals_the_torch_path(name):
     fmt = test_fused_kernels.Int8Experts.from_dense(gate_up, down)
     if name == "int4":
         fmt = test_fused_kernels.Int4Experts.from_dense(gate_up, down, group_size=64, symmetric=False)
+    if name == "bf16":
+        fmt = DenseExperts(gate_up.bfloat16(), down.bfloat16())
     x, ids, w = make_routing(T=40, E=gate_up.shape[0], k=2, H=gate_up.shape[2], dtype=torch.float32)
     gy = torch.randn(40, gate_up.shape[2], generator=torch.Generator().manual_seed(5))
     on, off = (_module(fmt, _lora(), compute_dtype=torch.float32) for _ in range(2))

@@ -20,6 +20,7 @@ import torch
 from moetune.doctor.engine import KERNELS_LINE, gemm_paths
 from moetune.engine import DenseExperts, EngineOptions, ExpertEngine, ExpertFormat
 from moetune.engine.formats import FORMATS, Int8Experts
+from moetune.engine.formats.dense import BF16_FUSED_MAX_ROWS
 from moetune.engine.gemm import Conversion, GemmPath, resolve_gemm_path
 from moetune.engine.kernels import KERNELS_ENV, fused_variant, load_fused, variant_named
 from moetune.layer import CpuExperts
@@ -145,7 +146,7 @@ def test_resolve_gemm_path_per_format_dtype_and_cpu(formats):
     amx, avx512 = _cpu("AMX-BF16", "AVX512-BF16", "AVX512F", "AVX2"), _cpu("AVX512-BF16", "AVX512F", "AVX2")
     bf16 = DenseExperts(gate_up.bfloat16(), down.bfloat16())
     assert resolve_gemm_path(bf16, torch.bfloat16, amx).conversion is Conversion.VIEW
-    assert resolve_gemm_path(bf16, torch.float32, avx512) == GemmPath(
+    assert resolve_gemm_path(bf16, torch.float32, avx512, fused=False) == GemmPath(
         Conversion.DEQUANTIZED, whole_tiles=False
     )
     int8, int4 = formats["int8"], formats["int4-g64-sym"]
@@ -218,7 +219,8 @@ def test_doctor_names_the_fused_kernels(monkeypatch):
     for name in ("int8", "int4", "fp8_block", "mxfp4"):
         rows = FORMATS.get(name).FUSED_MAX_ROWS[variant]
         assert f"experts with <= {rows} rows: fused kernel ({variant}, codes" in by_name[name]
-    assert "fused" not in by_name["bf16 (dense)"]
+    # dense bf16 weights: their own kernel where the variant has an entry for them (AVX512-BF16, AVX2)
+    assert (f"kernel ({variant}," in by_name["bf16 (dense)"]) is (variant in BF16_FUSED_MAX_ROWS)
 
 
 def test_scaled_codes_on_the_expert_pool_equal_one_expert_at_a_time(formats, four_threads):
