@@ -3,8 +3,9 @@
 // ``eight``), multiplied in fp32 by FMA. Operands and out are fp32 (entry.h's API with MOETUNE_OPERANDS fp32):
 //
 //   forward : out[n, O] (+)= (x[n, K] @ W^T) * row_scale   4 weight rows at a time, K in chunks of kChunk: the
-//             4 x kChunk block decoded once into L1 and used by every row of x, kRows rows per register block,
-//             lanes along k (acc[r][j] += x[r, k..k+8) * W[o0 + j, k..k+8)), each sum reduced once per chunk.
+//             4 x kChunk block decoded once into L1 (a row at a time: decode_row) and used by every row of x,
+//             kRows rows per register block, lanes along k (acc[r][j] += x[r, k..k+8) * W[o0 + j, k..k+8)), each
+//             sum reduced once per chunk.
 //   backward: out[n, K] (+)= (g[n, O] * row_scale) @ W      32-column strips: kOChunk x 32 blocks of W decoded
 //             once into L1 and used by every row of g, kGRows rows x 16 columns per register block, lanes along
 //             k (acc[r][k..k+8) += bcast(g[r, o]) * W[o, k..k+8)), the strip's [n, 32] sums in a per-thread buffer.
@@ -56,6 +57,24 @@ std::string variant_unavailable() {
   if (!((c & (1u << 12)) && (c & (1u << 29)))) return "the CPU has no FMA/F16C";
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b & (1u << 5))) return "the CPU has no AVX2";
   return "";
+}
+
+template <class Dec, class = void>
+struct has_span8 : std::false_type {};
+template <class Dec>
+struct has_span8<Dec, std::void_t<decltype(std::declval<const Dec&>().span8(0, 0, 0, nullptr))>> : std::true_type {};
+
+// W[o, k0 .. k0 + cols) into dst (aligned), rounded up to whole 8s, zero past K: the decoder's span8 where it has one
+// and the columns are whole 8s inside K, else 8 at a time
+template <class Dec>
+MOETUNE_AVX2 inline void decode_row(const Dec& dec, int64_t o, int64_t k0, int64_t cols, int64_t K, float* dst) {
+  if constexpr (has_span8<Dec>::value) {
+    if (cols % 8 == 0 && k0 + cols <= K) {
+      dec.span8(o, k0, cols, dst);
+      return;
+    }
+  }
+  for (int64_t c = 0; c < cols; c += 8) _mm256_store_ps(dst + c, dec.eight(o, k0 + c, static_cast<int>(K - k0 - c)));
 }
 
 // lanes below `valid` (0 .. 8) all ones: maskload / maskstore's mask
@@ -120,10 +139,13 @@ MOETUNE_AVX2 void forward_range(const Dec& dec, const float* row_scale, const fl
     std::fill(res.begin(), res.end(), 0.0f);
     for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
       const int64_t cols = std::min<int64_t>(kChunk, K - k0);
-      for (int j = 0; j < kWRows; ++j)
-        for (int64_t c = 0; c < cols; c += 8)
-          _mm256_store_ps(w + j * kChunk + c,
-                          j < rows ? dec.eight(o0 + j, k0 + c, static_cast<int>(K - k0 - c)) : _mm256_setzero_ps());
+      for (int j = 0; j < kWRows; ++j) {
+        if (j < rows) {
+          decode_row(dec, o0 + j, k0, cols, K, w + j * kChunk);
+        } else {
+          for (int64_t c = 0; c < cols; c += 8) _mm256_store_ps(w + j * kChunk + c, _mm256_setzero_ps());
+        }
+      }
       const int64_t full = cols / 8 * 8;
       for (int64_t r0 = 0; r0 < n; r0 += kRows)
         with_rows<kRows>(n - r0, [&](auto R) MOETUNE_AVX2 {

@@ -12,6 +12,11 @@
 //       scalar helper per format gives both widths their scale), lanes at and past `valid` zero.
 //   const void* code(int64_t o, int64_t k) const
 //       the address of W[o, k]'s code (k < K), for prefetch below; no effect on results.
+// and, optionally, for the AVX2 variant's forward blocks (avx2_gemm.cpp's decode_row takes it when present; its
+// backward's 32-column blocks keep `eight`, inlined 4 times: span8 there measured 0.84-0.96x at 32-128 rows):
+//   void span8(int64_t o, int64_t k0, int64_t cols, float* dst) const
+//       W[o, k0 .. k0 + cols) into dst (k0 % 8 == 0, cols % 8 == 0, k0 + cols <= K): the values `eight` gives, each
+//       scale and zero point read once per run of columns it covers instead of once per 8 (int4, mxfp4)
 // and, where a format has few enough values per scale for a table (bf16_chunk below takes it when present):
 //   __m512i bf16x32(int64_t o, int64_t k0) const
 //       W[o, k0 .. k0 + 32) (k0 % 32 == 0, k0 + 32 <= K) rounded to bf16, bit for bit the values operator() gives
@@ -92,7 +97,9 @@ MOETUNE_AVX512 inline __m512i rows16(int64_t o) {
                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
-MOETUNE_AVX512 inline float bf16_to_float(const at::BFloat16 v) {
+// scalar, so no target attribute: an AVX512-targeted helper cannot be inlined into the AVX2 variant's loops (GCC
+// called it through the PLT per 8 weights there)
+inline float bf16_to_float(const at::BFloat16 v) {
   uint32_t bits = static_cast<uint32_t>(v.x) << 16;
   float f;
   std::memcpy(&f, &bits, 4);
@@ -212,6 +219,25 @@ struct Int4Rows {
     const int64_t gi = o * groups + (k0 >> shift);
     __m256 w = _mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(zero_point(gi))));
     return _mm256_mul_ps(w, _mm256_set1_ps(bf16_to_float(scale[gi])));
+  }
+  MOETUNE_AVX2 inline void span8(int64_t o, int64_t k0, int64_t cols, float* dst) const {
+    const int64_t g = int64_t{1} << shift;
+    for (int64_t c = 0; c < cols;) {  // one run per group and side of K/2
+      const int64_t k = k0 + c;
+      const bool high = k >= half;
+      int64_t end = std::min(cols, c + g - (k & (g - 1)));
+      if (!high) end = std::min(end, half - k0);
+      const int64_t gi = o * groups + (k >> shift);
+      const __m256i z = _mm256_set1_epi32(zero_point(gi));
+      const __m256 sc = _mm256_set1_ps(bf16_to_float(scale[gi]));
+      const uint8_t* p = packed + o * half + (high ? k - half : k);
+      const __m256i nib = _mm256_set1_epi32(0x0F);
+      for (; c < end; c += 8, p += 8) {
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+        const __m256i u = high ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, nib);
+        _mm256_storeu_ps(dst + c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(u, z)), sc));
+      }
+    }
   }
   // groups of >= 32 columns (shift >= 5) and a chunk on one side of K/2: one table (else two 16-column decodes),
   // taken from `cache` where it holds this group's (a caller walking a row along k keeps one per row)
@@ -422,6 +448,22 @@ struct Mxfp4Rows {
     const __m256 mag = _mm256_permutevar8x32_ps(_mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f), c);
     const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(c, 3), 31));
     return _mm256_mul_ps(_mm256_or_ps(mag, sign), _mm256_set1_ps(pow2(o, k0)));
+  }
+  MOETUNE_AVX2 inline void span8(int64_t o, int64_t k0, int64_t cols, float* dst) const {
+    const __m256 fp4 = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), nib = _mm256_set1_epi32(0x0F);
+    for (int64_t c = 0; c < cols;) {  // one run per block of 32
+      const int64_t end = std::min(cols, c + 32 - ((k0 + c) & 31));
+      const __m256 sc = _mm256_set1_ps(pow2(o, k0 + c));
+      for (; c < end; c += 8) {  // as eight: nibble j of the 32 bits, its magnitude, its sign to bit 31
+        uint32_t b;
+        std::memcpy(&b, packed + o * half + (k0 + c) / 2, 4);
+        const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(b)), shifts), nib);
+        const __m256 mag = _mm256_permutevar8x32_ps(fp4, code);
+        const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(code, 3), 31));
+        _mm256_storeu_ps(dst + c, _mm256_mul_ps(_mm256_or_ps(mag, sign), sc));
+      }
+    }
   }
   MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i bf16x32(int64_t o, int64_t k0) const {  // one block of 32: one table
     const __m512i table = table16(_mm512_mul_ps(fp4(), _mm512_set1_ps(pow2(o, k0))));
