@@ -211,14 +211,18 @@ struct Int4Rows {
     __m512 w = _mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(zero_point(gi))));
     return _mm512_mul_ps(w, _mm512_set1_ps(bf16_to_float(scale[gi])));
   }
+  // (u - z) * s for the 8 codes at p (the high nibbles past K/2, else the low), z and s broadcast
+  MOETUNE_AVX2 static MOETUNE_ALWAYS_INLINE __m256 decode8(const uint8_t* p, bool high, __m256i z, __m256 s) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i u = high ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(0x0F));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(u, z)), s);
+  }
   MOETUNE_AVX2 inline __m256 eight(int64_t o, int64_t k0, int valid) const {
     if (valid <= 0) return _mm256_setzero_ps();  // K is a multiple of 32: valid >= 8 or <= 0
     const bool high = k0 >= half;
-    __m256i u = _mm256_cvtepu8_epi32(load8(packed + o * half + (high ? k0 - half : k0), 8));
-    u = high ? _mm256_srli_epi32(u, 4) : _mm256_and_si256(u, _mm256_set1_epi32(0x0F));
     const int64_t gi = o * groups + (k0 >> shift);
-    __m256 w = _mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(zero_point(gi))));
-    return _mm256_mul_ps(w, _mm256_set1_ps(bf16_to_float(scale[gi])));
+    return decode8(packed + o * half + (high ? k0 - half : k0), high, _mm256_set1_epi32(zero_point(gi)),
+                   _mm256_set1_ps(bf16_to_float(scale[gi])));
   }
   MOETUNE_AVX2 inline void span8(int64_t o, int64_t k0, int64_t cols, float* dst) const {
     const int64_t g = int64_t{1} << shift;
@@ -231,12 +235,7 @@ struct Int4Rows {
       const __m256i z = _mm256_set1_epi32(zero_point(gi));
       const __m256 sc = _mm256_set1_ps(bf16_to_float(scale[gi]));
       const uint8_t* p = packed + o * half + (high ? k - half : k);
-      const __m256i nib = _mm256_set1_epi32(0x0F);
-      for (; c < end; c += 8, p += 8) {
-        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-        const __m256i u = high ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, nib);
-        _mm256_storeu_ps(dst + c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(u, z)), sc));
-      }
+      for (; c < end; c += 8, p += 8) _mm256_storeu_ps(dst + c, decode8(p, high, z, sc));
     }
   }
   // groups of >= 32 columns (shift >= 5) and a chunk on one side of K/2: one table (else two 16-column decodes),
@@ -436,10 +435,10 @@ struct Mxfp4Rows {
     const __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c), fp4());
     return _mm512_mul_ps(v, _mm512_set1_ps(pow2(o, k0)));
   }
-  MOETUNE_AVX2 inline __m256 eight(int64_t o, int64_t k0, int valid) const {
-    if (valid <= 0) return _mm256_setzero_ps();  // K is a multiple of 32: valid >= 8 or <= 0
+  // FP4[code] * s for the 8 codes at p (4 bytes, low nibble first), s broadcast
+  MOETUNE_AVX2 static MOETUNE_ALWAYS_INLINE __m256 decode8(const uint8_t* p, __m256 s) {
     uint32_t b;
-    std::memcpy(&b, packed + o * half + k0 / 2, 4);
+    std::memcpy(&b, p, 4);
     // element j's code: nibble j of the 32 bits (low nibble first)
     const __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(b)),
                                                          _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
@@ -447,22 +446,17 @@ struct Mxfp4Rows {
     // magnitude FP4[c & 7] from an 8-entry table, the sign bit (c & 8) moved to bit 31
     const __m256 mag = _mm256_permutevar8x32_ps(_mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f), c);
     const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(c, 3), 31));
-    return _mm256_mul_ps(_mm256_or_ps(mag, sign), _mm256_set1_ps(pow2(o, k0)));
+    return _mm256_mul_ps(_mm256_or_ps(mag, sign), s);
+  }
+  MOETUNE_AVX2 inline __m256 eight(int64_t o, int64_t k0, int valid) const {
+    if (valid <= 0) return _mm256_setzero_ps();  // K is a multiple of 32: valid >= 8 or <= 0
+    return decode8(packed + o * half + k0 / 2, _mm256_set1_ps(pow2(o, k0)));
   }
   MOETUNE_AVX2 inline void span8(int64_t o, int64_t k0, int64_t cols, float* dst) const {
-    const __m256 fp4 = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), nib = _mm256_set1_epi32(0x0F);
     for (int64_t c = 0; c < cols;) {  // one run per block of 32
       const int64_t end = std::min(cols, c + 32 - ((k0 + c) & 31));
       const __m256 sc = _mm256_set1_ps(pow2(o, k0 + c));
-      for (; c < end; c += 8) {  // as eight: nibble j of the 32 bits, its magnitude, its sign to bit 31
-        uint32_t b;
-        std::memcpy(&b, packed + o * half + (k0 + c) / 2, 4);
-        const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(b)), shifts), nib);
-        const __m256 mag = _mm256_permutevar8x32_ps(fp4, code);
-        const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(code, 3), 31));
-        _mm256_storeu_ps(dst + c, _mm256_mul_ps(_mm256_or_ps(mag, sign), sc));
-      }
+      for (; c < end; c += 8) _mm256_storeu_ps(dst + c, decode8(packed + o * half + (k0 + c) / 2, sc));
     }
   }
   MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i bf16x32(int64_t o, int64_t k0) const {  // one block of 32: one table
