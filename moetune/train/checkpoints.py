@@ -33,9 +33,8 @@ logger = logging.getLogger(__name__)
 
 STAGING_PREFIX = "tmp-"  # tmp-checkpoint-N: matched neither by get_last_checkpoint nor by checkpoint rotation
 ASIDE = "replaced"  # inside the staging: a previous checkpoint-N while the new one is renamed into place
-REMOVED_PREFIX = (
-    STAGING_PREFIX + "removed-"
-)  # tmp-removed-checkpoint-N: a rotated-out checkpoint being deleted
+# tmp-removed-checkpoint-N: a rotated-out checkpoint being deleted
+REMOVED_PREFIX = STAGING_PREFIX + "removed-"
 
 
 def recover_checkpoints(output_dir: str | os.PathLike[str]) -> list[str]:
@@ -55,26 +54,27 @@ def recover_checkpoints(output_dir: str | os.PathLike[str]) -> list[str]:
         names = sorted(os.listdir(root))
     except OSError:  # no output_dir yet (or not a readable folder: the preflight names that problem)
         return done
-    prefix = STAGING_PREFIX + PREFIX_CHECKPOINT_DIR + "-"
+    staged, removing = (
+        STAGING_PREFIX + PREFIX_CHECKPOINT_DIR + "-",
+        REMOVED_PREFIX + PREFIX_CHECKPOINT_DIR + "-",
+    )
     for name in names:
-        staging = os.path.join(root, name)
-        if not (name.startswith(prefix) and os.path.isdir(staging)):
+        path = os.path.join(root, name)
+        if not os.path.isdir(path):
             continue
-        final = name.removeprefix(STAGING_PREFIX)
-        done += recover_folder(
-            os.path.join(root, final), os.path.join(staging, final), os.path.join(staging, ASIDE)
-        )
-        shutil.rmtree(staging)
-        done.append(f"removed {staging} (an interrupted checkpoint save)")
-        logger.warning("moetune: removed %s (an interrupted checkpoint save)", staging)
-    for name in names:
-        removed = os.path.join(root, name)
-        if name.startswith(REMOVED_PREFIX + PREFIX_CHECKPOINT_DIR + "-") and os.path.isdir(removed):
-            shutil.rmtree(removed)
-            done.append(f"removed {removed} (a rotated-out checkpoint whose deletion was interrupted)")
-            logger.warning(
-                "moetune: removed %s (a rotated-out checkpoint whose deletion was interrupted)", removed
+        if name.startswith(staged):
+            final = name.removeprefix(STAGING_PREFIX)
+            done += recover_folder(
+                os.path.join(root, final), os.path.join(path, final), os.path.join(path, ASIDE)
             )
+            why = "an interrupted checkpoint save"
+        elif name.startswith(removing):
+            why = "a rotated-out checkpoint whose deletion was interrupted"
+        else:
+            continue
+        shutil.rmtree(path)
+        done.append(f"removed {path} ({why})")
+        logger.warning("moetune: removed %s (%s)", path, why)
     return done
 
 

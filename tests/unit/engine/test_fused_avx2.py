@@ -1,7 +1,7 @@
 """The AVX2 variant of the fused kernels (``kernels/avx2_gemm.cpp``: fp32 operands, 8-lane decoders, FMA) built
 by name (``load_variant``: this CPU may load a better variant by default) against float64 products on each
-format's own fp32 weights (``dequantize(float32)``, the torch path's fp32 tiles; dense bf16 weights widened; int8: the codes, the fp32 row
-scale applied to the sums forward and to g backward, as its scaled-codes path does).
+format's own fp32 weights (``dequantize(float32)``, the torch path's fp32 tiles; dense bf16 weights widened; int8:
+the codes, the fp32 row scale applied to the sums forward and to g backward, as its scaled-codes path does).
 
 Bound per element: ``2^-21 |ref|`` (the scale's and the accumulate's fp32 roundings) plus ``K * 2^-23`` times
 the product of magnitudes (K fp32 additions); a wrong scale, nibble or block is off by a factor, far outside it.
