@@ -5,10 +5,11 @@
 //   forward : out[n, O] (+)= (x[n, K] @ W^T) * row_scale   4 weight rows at a time, K in chunks of kChunk: the
 //             4 x kChunk block decoded once into L1 (a row at a time: decode_row) and used by every row of x,
 //             kRows rows per register block, lanes along k (acc[r][j] += x[r, k..k+8) * W[o0 + j, k..k+8)), each
-//             sum reduced once per chunk.
-//   backward: out[n, K] (+)= (g[n, O] * row_scale) @ W      32-column strips: kOChunk x 32 blocks of W decoded
-//             once into L1 and used by every row of g, kGRows rows x 16 columns per register block, lanes along
-//             k (acc[r][k..k+8) += bcast(g[r, o]) * W[o, k..k+8)), the strip's [n, 32] sums in a per-thread buffer.
+//             sum reduced once per chunk; the next block's codes prefetched meanwhile (bytes-per-code >= 1).
+//   backward: out[n, K] (+)= (g[n, O] * row_scale) @ W      blocks of W (32 rows x 128 columns for n <= 32, else
+//             128 x 32) decoded once into L1 (decode_row) and used by every row of g, a row block's column blocks
+//             in turn, kGRows rows x 16 columns per register block, lanes along k (acc[r][k..k+8) +=
+//             bcast(g[r, o]) * W[o, k..k+8)), the [n, columns] sums in a per-thread buffer.
 //
 // Every weight is decoded once per call whatever n is, so the loops stream the codes once; all sums are fp32.
 #define MOETUNE_VARIANT "AVX2"
@@ -34,7 +35,13 @@ constexpr int kRows = 3;  // forward: rows of x per register block: 3 x 4 accumu
 constexpr int kGRows = 6;
 constexpr int kWRows = 4;  // forward: weight rows (output columns) per block
 constexpr int64_t kChunk = 512;  // forward: columns of W per decoded block (4 x 512 fp32 = 8 KiB of L1)
-constexpr int64_t kOChunk = 128;  // backward: rows of W per decoded block (128 x 32 fp32 = 16 KiB of L1)
+// forward: the next block's codes are prefetched (into L2) while a block is multiplied where a row of W's codes is
+// at least this long (a 4 KiB page holds at most two rows: the hardware's stream prefetcher, which stops at pages,
+// restarts on every block). K = 2048 (bytes per row: bf16 4096, int8 / fp8_block 2048): 1.05-1.3x at 1-32 rows of x;
+// K = 768 and int4 / mxfp4 at 2048 (1024 bytes: several rows per page, read in turn): 0.76-1.09x (Zen 1,
+// bench/kernel_ab.py)
+constexpr int64_t kPrefetchMinRowBytes = 2048;
+constexpr int64_t kBRows = 32, kBCols = 128;  // backward, up to 32 rows of g: W's decoded blocks (16 KiB of L1)
 
 // f(std::integral_constant<int, R>{}) with R = min(rows, Max) (Max <= 6): register blocks' row counts as
 // template arguments
@@ -99,10 +106,19 @@ MOETUNE_AVX2 inline void store_lanes(float* dst, __m256 v, int valid, bool accum
   _mm256_maskstore_ps(dst, m, v);
 }
 
+// The codes of a forward block's kWRows rows: row j's run from row[j], `bytes` long (0: nothing to prefetch).
+struct Codes {
+  const char* row[kWRows];
+  int64_t bytes = 0;
+};
+
 // res[r * 4 + j] += sum over the chunk's columns of x[r, k0 + c] w[j * kChunk + c] for r < R, j < 4: x row r
-// at x + r * ldx (already at k0), `full` columns in whole 8s then `tail` (< 8) more (x past them not read).
+// at x + r * ldx (already at k0), `full` columns in whole 8s then `tail` (< 8) more (x past them not read); a
+// cache line of `ahead` prefetched per 8 columns, the rows in turn (a whole chunk's kChunk / 8 steps cover 4 runs of
+// <= 2 kChunk bytes, bf16's; a K's last, shorter chunk the first part of them).
 template <int R>
-MOETUNE_AVX2 void forward_block(const float* w, const float* x, int64_t ldx, int64_t full, int tail, float* res) {
+MOETUNE_AVX2 void forward_block(const float* w, const float* x, int64_t ldx, int64_t full, int tail, float* res,
+                                const Codes& ahead) {
   __m256 acc[R][kWRows];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kWRows; ++j) acc[r][j] = _mm256_setzero_ps();
@@ -113,6 +129,8 @@ MOETUNE_AVX2 void forward_block(const float* w, const float* x, int64_t ldx, int
     }
   };
   for (int64_t c = 0; c < full; c += 8) {
+    const int64_t line = c / 8, at = line / kWRows * 64;
+    if (at < ahead.bytes) _mm_prefetch(ahead.row[line % kWRows] + at, _MM_HINT_T2);
     __m256 xr[R];
     for (int r = 0; r < R; ++r) xr[r] = _mm256_loadu_ps(x + r * ldx + c);
     step(c, xr);
@@ -133,6 +151,7 @@ MOETUNE_AVX2 void forward_range(const Dec& dec, const float* row_scale, const fl
                                 int64_t ob1) {
   alignas(32) float w[kWRows * kChunk];
   std::vector<float> res(n * kWRows);
+  const int64_t row_bytes = static_cast<const char*>(dec.code(0, K - 1)) - static_cast<const char*>(dec.code(0, 0)) + 1;
   for (int64_t ob = ob0; ob < ob1; ++ob) {
     const int64_t o0 = ob * kWRows;
     const int rows = static_cast<int>(std::min<int64_t>(kWRows, O - o0));
@@ -146,11 +165,20 @@ MOETUNE_AVX2 void forward_range(const Dec& dec, const float* row_scale, const fl
           for (int64_t c = 0; c < cols; c += 8) _mm256_store_ps(w + j * kChunk + c, _mm256_setzero_ps());
         }
       }
+      // the next block (the next chunk of these rows, else the next rows' first), for the first register block
+      Codes ahead, none;
+      const bool along = k0 + kChunk < K;
+      const int64_t nk = along ? k0 + kChunk : 0, no = along ? o0 : o0 + kWRows;
+      if (row_bytes >= kPrefetchMinRowBytes && (along || ob + 1 < ob1) && no + kWRows <= O) {
+        for (int j = 0; j < kWRows; ++j) ahead.row[j] = static_cast<const char*>(dec.code(no + j, nk));
+        const int64_t last = std::min<int64_t>(kChunk, K - nk) - 1;
+        ahead.bytes = static_cast<const char*>(dec.code(no, nk + last)) - ahead.row[0] + 1;
+      }
       const int64_t full = cols / 8 * 8;
       for (int64_t r0 = 0; r0 < n; r0 += kRows)
         with_rows<kRows>(n - r0, [&](auto R) MOETUNE_AVX2 {
           forward_block<decltype(R)::value>(w, x + r0 * ldx + k0, ldx, full, static_cast<int>(cols - full),
-                                            res.data() + r0 * kWRows);
+                                            res.data() + r0 * kWRows, r0 == 0 ? ahead : none);
         });
     }
     for (int64_t r = 0; r < n; ++r)
@@ -162,18 +190,19 @@ MOETUNE_AVX2 void forward_range(const Dec& dec, const float* row_scale, const fl
   }
 }
 
-// acc[r][0 .. 32) += g[r, o0 .. o0 + rows) @ w[0 .. rows) for r < R: w the decoded [kOChunk, 32] block, g row r
-// at g + r * ldg (already at o0), acc row r at acc + 32 r; 16 columns per pass.
+// acc[r][0 .. 32) += g[r, o0 .. o0 + rows) @ w[0 .. rows) for r < R: w 32 columns of a decoded block, row o at
+// w + o * ldw, g row r at g + r * ldg (already at o0), acc row r at acc + r * lda; 16 columns per pass.
 template <int R>
-MOETUNE_AVX2 void backward_block(const float* w, int rows, const float* g, int64_t ldg, float* acc) {
+MOETUNE_AVX2 void backward_block(const float* w, int64_t ldw, int rows, const float* g, int64_t ldg, float* acc,
+                                 int64_t lda) {
   for (int h = 0; h < 32; h += 16) {
     __m256 c0[R], c1[R];
     for (int r = 0; r < R; ++r) {
-      c0[r] = _mm256_loadu_ps(acc + r * 32 + h);
-      c1[r] = _mm256_loadu_ps(acc + r * 32 + h + 8);
+      c0[r] = _mm256_loadu_ps(acc + r * lda + h);
+      c1[r] = _mm256_loadu_ps(acc + r * lda + h + 8);
     }
     for (int o = 0; o < rows; ++o) {
-      const __m256 w0 = _mm256_load_ps(w + o * 32 + h), w1 = _mm256_load_ps(w + o * 32 + h + 8);
+      const __m256 w0 = _mm256_load_ps(w + o * ldw + h), w1 = _mm256_load_ps(w + o * ldw + h + 8);
       for (int r = 0; r < R; ++r) {
         const __m256 b = _mm256_broadcast_ss(g + r * ldg + o);
         c0[r] = _mm256_fmadd_ps(b, w0, c0[r]);
@@ -181,34 +210,43 @@ MOETUNE_AVX2 void backward_block(const float* w, int rows, const float* g, int64
       }
     }
     for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(acc + r * 32 + h, c0[r]);
-      _mm256_storeu_ps(acc + r * 32 + h + 8, c1[r]);
+      _mm256_storeu_ps(acc + r * lda + h, c0[r]);
+      _mm256_storeu_ps(acc + r * lda + h + 8, c1[r]);
     }
   }
 }
 
-// Backward, output columns [32 s0, 32 s1), a strip of 32 at a time (g: [n, O] already times the row scale).
+// Backward, output columns [32 s0, 32 s1) (g: [n, O] already times the row scale). Blocks of W, a row block's
+// column blocks in turn, each decoded once into L1 (decode_row: a row's run at a time) and taken 32 columns at a
+// time by every row of g; the [n, 32 (s1 - s0)] sums in a per-thread buffer. Up to 32 rows of g the blocks are
+// kBRows x kBCols: each row's codes read 128 columns at a time (bf16 1.3-1.8x, int4 1.1-1.3x at 1-8 rows against
+// 128 x 32 blocks, whose 32-column runs, one per row of W, read 64 bytes from each of 128 rows); more rows of g
+// keep 128 x 32 (each register block's sums loaded and stored once per 128 rows of W, not 32; level at 64-256).
 template <class Dec>
 MOETUNE_AVX2 void backward_range(const Dec& dec, const float* g, int64_t ldg, int64_t n, int64_t K, int64_t O,
                                  float* out, int64_t ldo, bool accumulate, int64_t s0, int64_t s1) {
-  alignas(32) float w[kOChunk * 32];
-  std::vector<float> acc(n * 32);
+  alignas(32) float w[kBRows * kBCols];
+  const int64_t bR = n > 32 ? kBCols : kBRows, bC = n > 32 ? kBRows : kBCols;
+  const int64_t width = (s1 - s0) * 32;
+  std::vector<float> acc(n * width, 0.0f);
+  for (int64_t o0 = 0; o0 < O; o0 += bR) {
+    const int rows = static_cast<int>(std::min<int64_t>(bR, O - o0));
+    for (int64_t k0 = s0 * 32; k0 < s1 * 32; k0 += bC) {
+      const int64_t cols = std::min<int64_t>(bC, s1 * 32 - k0);  // whole 32s, past K included
+      for (int o = 0; o < rows; ++o) decode_row(dec, o0 + o, k0, cols, K, w + o * bC);
+      for (int64_t c = 0; c < cols; c += 32)
+        for (int64_t r0 = 0; r0 < n; r0 += kGRows)
+          with_rows<kGRows>(n - r0, [&](auto R) MOETUNE_AVX2 {
+            backward_block<decltype(R)::value>(w + c, bC, rows, g + r0 * ldg + o0, ldg,
+                                               acc.data() + r0 * width + (k0 + c - s0 * 32), width);
+          });
+    }
+  }
   for (int64_t s = s0; s < s1; ++s) {
     const int64_t k0 = s * 32;
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t o0 = 0; o0 < O; o0 += kOChunk) {
-      const int rows = static_cast<int>(std::min<int64_t>(kOChunk, O - o0));
-      for (int o = 0; o < rows; ++o)
-        for (int q = 0; q < 4; ++q)
-          _mm256_store_ps(w + o * 32 + q * 8, dec.eight(o0 + o, k0 + q * 8, static_cast<int>(K - k0 - q * 8)));
-      for (int64_t r0 = 0; r0 < n; r0 += kGRows)
-        with_rows<kGRows>(n - r0, [&](auto R) MOETUNE_AVX2 {
-          backward_block<decltype(R)::value>(w, rows, g + r0 * ldg + o0, ldg, acc.data() + r0 * 32);
-        });
-    }
     for (int q = 0; q < 4 && k0 + q * 8 < K; ++q)
       for (int64_t r = 0; r < n; ++r)
-        store_lanes(out + r * ldo + k0 + q * 8, _mm256_loadu_ps(acc.data() + r * 32 + q * 8),
+        store_lanes(out + r * ldo + k0 + q * 8, _mm256_loadu_ps(acc.data() + r * width + (k0 - s0 * 32) + q * 8),
                     static_cast<int>(std::min<int64_t>(8, K - k0 - q * 8)), accumulate);
   }
 }

@@ -12,11 +12,11 @@
 //       scalar helper per format gives both widths their scale), lanes at and past `valid` zero.
 //   const void* code(int64_t o, int64_t k) const
 //       the address of W[o, k]'s code (k < K), for prefetch below; no effect on results.
-// and, optionally, for the AVX2 variant's forward blocks (avx2_gemm.cpp's decode_row takes it when present; its
-// backward's 32-column blocks keep `eight`, inlined 4 times: span8 there measured 0.84-0.96x at 32-128 rows):
+// and, optionally, for the AVX2 variant's decoded blocks (avx2_gemm.cpp's decode_row takes it when present):
 //   void span8(int64_t o, int64_t k0, int64_t cols, float* dst) const
 //       W[o, k0 .. k0 + cols) into dst (k0 % 8 == 0, cols % 8 == 0, k0 + cols <= K): the values `eight` gives, each
-//       scale and zero point read once per run of columns it covers instead of once per 8 (int4, mxfp4)
+//       scale and zero point read once per run of columns it covers instead of once per 8 (int4, mxfp4,
+//       fp8_block), whole loads without a tail's case (all)
 // and, where a format has few enough values per scale for a table (bf16_chunk below takes it when present):
 //   __m512i bf16x32(int64_t o, int64_t k0) const
 //       W[o, k0 .. k0 + 32) (k0 % 32 == 0, k0 + 32 <= K) rounded to bf16, bit for bit the values operator() gives
@@ -124,6 +124,13 @@ struct Bf16Rows {
       std::memcpy(&b, w + o * K + k0, 2 * (valid > 0 ? valid : 0));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
   }
+  MOETUNE_AVX2 inline void span8(int64_t o, int64_t k0, int64_t cols, float* dst) const {
+    const at::BFloat16* p = w + o * K + k0;
+    for (int64_t c = 0; c < cols; c += 8) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c));
+      _mm256_storeu_ps(dst + c, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)));
+    }
+  }
   inline const void* code(int64_t o, int64_t k) const { return w + o * K + k; }
 };
 
@@ -140,6 +147,12 @@ struct Int8Rows {
   }
   MOETUNE_AVX2 inline __m256 eight(int64_t o, int64_t k0, int valid) const {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(codes + o * K + k0, valid)));
+  }
+  MOETUNE_AVX2 inline void span8(int64_t o, int64_t k0, int64_t cols, float* dst) const {
+    const int8_t* p = codes + o * K + k0;
+    for (int64_t c = 0; c < cols; c += 8)
+      _mm256_storeu_ps(dst + c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + c)))));
   }
   inline const void* code(int64_t o, int64_t k) const { return codes + o * K + k; }
   // group-scaled form (below): V = the codes, S = 1 (the row scale is the caller's, applied to g as entry.h's
@@ -347,6 +360,17 @@ struct Fp8BlockRows {
     __m128i h = _mm_cvtepi8_epi16(load8(codes + o * K + k0, valid));
     h = _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
     return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(mult(o, k0)));
+  }
+  MOETUNE_AVX2 inline void span8(int64_t o, int64_t k0, int64_t cols, float* dst) const {
+    for (int64_t c = 0; c < cols;) {  // one run per 128-column block
+      const int64_t end = std::min(cols, c + 128 - ((k0 + c) & 127));
+      const __m256 m = _mm256_set1_ps(mult(o, k0 + c));
+      for (; c < end; c += 8) {
+        __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + o * K + k0 + c)));
+        h = _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
+        _mm256_storeu_ps(dst + c, _mm256_mul_ps(_mm256_cvtph_ps(h), m));
+      }
+    }
   }
   // 32 codes from the block's table: the magnitude (code & 0x7F) looked up in two 64-entry halves (vpermt2w on
   // its low 6 bits, bit 6 choosing the half), bit 15 flipped by the code's sign bit (bf16(-v) = -bf16(v))
