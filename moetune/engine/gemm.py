@@ -37,6 +37,7 @@ import torch
 
 from moetune.engine.formats import ExpertFormat
 from moetune.engine.formats.base import Projection
+from moetune.engine.formats.quant_common import QuantizedExperts
 from moetune.engine.kernels import fused_kernels, load_fused, load_variant, variant_named
 from moetune.engine.routing import Segment, flat_segments
 from moetune.engine.shapes import RowSplit, native_ops, padded_rows
@@ -74,6 +75,8 @@ class GemmPath:
     fused_rows: int = 0
     # the kernel variant they run on (``kernels.loader.VARIANTS``' name; "" when fused_rows is 0)
     fused_variant: str = ""
+    # the weights are stored as floats (dense experts): the kernels widen them, there are no codes to dequantize
+    dense: bool = False
 
     def describe(self) -> str:
         """One line for ``moetune doctor`` and the benchmarks."""
@@ -96,9 +99,9 @@ class GemmPath:
             return f"{what}, in {size}"
         if self.fused_rows >= SMALL_ROWS:  # scaled codes only served experts the kernels now take
             what = "weights dequantized"
+        how = "weights widened to fp32 in registers" if self.dense else "codes dequantized in registers"
         return (
-            f"experts with <= {self.fused_rows} rows: fused kernel ({self.fused_variant}, codes dequantized in "
-            "registers); "
+            f"experts with <= {self.fused_rows} rows: fused kernel ({self.fused_variant}, {how}); "
             f"more rows: {what}, in {size}"
         )
 
@@ -124,7 +127,8 @@ def resolve_gemm_path(
     conversion = Conversion.SCALED_CODES if scaled else Conversion.DEQUANTIZED
     amx = "AMX-BF16" in (cpu or cpu_info()).isa
     bf16 = compute_dtype == torch.bfloat16
-    return GemmPath(conversion, whole_tiles=amx and bf16, fused_rows=rows, fused_variant=variant)
+    dense = not isinstance(weights, QuantizedExperts)
+    return GemmPath(conversion, whole_tiles=amx and bf16, fused_rows=rows, fused_variant=variant, dense=dense)
 
 
 class BlockedGemm:

@@ -147,7 +147,7 @@ def test_resolve_gemm_path_per_format_dtype_and_cpu(formats):
     bf16 = DenseExperts(gate_up.bfloat16(), down.bfloat16())
     assert resolve_gemm_path(bf16, torch.bfloat16, amx).conversion is Conversion.VIEW
     assert resolve_gemm_path(bf16, torch.float32, avx512, fused=False) == GemmPath(
-        Conversion.DEQUANTIZED, whole_tiles=False
+        Conversion.DEQUANTIZED, whole_tiles=False, dense=True
     )
     int8, int4 = formats["int8"], formats["int4-g64-sym"]
     assert resolve_gemm_path(int8, torch.bfloat16, amx, fused=False) == GemmPath(
@@ -176,6 +176,14 @@ def test_resolve_gemm_path_per_format_dtype_and_cpu(formats):
         assert (f"fused kernel ({variant}," in path.describe()) is bool(variant)
         assert resolve_gemm_path(fmt, other, own).fused_rows == 0
         assert resolve_gemm_path(fmt, compute, _cpu("SSE4.2")).fused_rows == 0
+        assert not path.dense and ("codes dequantized in registers" in path.describe()) is bool(variant)
+    # dense weights have no codes: on the fp32 variant (AVX2) the kernels widen bf16 weights in registers
+    dense = resolve_gemm_path(bf16, torch.float32, _cpu("AVX2"))
+    assert dense.dense and "codes" not in dense.describe()
+    fused_dense = GemmPath(
+        Conversion.DEQUANTIZED, whole_tiles=False, fused_rows=256, fused_variant="AVX2", dense=True
+    )
+    assert "fused kernel (AVX2, weights widened to fp32 in registers)" in fused_dense.describe()
 
 
 @pytest.mark.parametrize(
