@@ -5,7 +5,7 @@
 //   forward : out[n, O] (+)= (x[n, K] @ W^T) * row_scale   4 weight rows at a time, K in chunks of kChunk: the
 //             4 x kChunk block decoded once into L1 (a row at a time: decode_row) and used by every row of x,
 //             kRows rows per register block, lanes along k (acc[r][j] += x[r, k..k+8) * W[o0 + j, k..k+8)), each
-//             sum reduced once per chunk; the next block's codes prefetched meanwhile (bytes-per-code >= 1).
+//             sum reduced once per chunk; the next block's codes prefetched meanwhile (rows of >= 2 KiB of codes).
 //   backward: out[n, K] (+)= (g[n, O] * row_scale) @ W      blocks of W (32 rows x 128 columns for n <= 32, else
 //             128 x 32) decoded once into L1 (decode_row) and used by every row of g, a row block's column blocks
 //             in turn, kGRows rows x 16 columns per register block, lanes along k (acc[r][k..k+8) +=
