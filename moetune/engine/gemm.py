@@ -35,9 +35,8 @@ from types import ModuleType
 
 import torch
 
-from moetune.engine.formats import ExpertFormat
+from moetune.engine.formats import DenseExperts, ExpertFormat
 from moetune.engine.formats.base import Projection
-from moetune.engine.formats.quant_common import QuantizedExperts
 from moetune.engine.kernels import fused_kernels, load_fused, load_variant, variant_named
 from moetune.engine.routing import Segment, flat_segments
 from moetune.engine.shapes import RowSplit, native_ops, padded_rows
@@ -127,7 +126,7 @@ def resolve_gemm_path(
     conversion = Conversion.SCALED_CODES if scaled else Conversion.DEQUANTIZED
     amx = "AMX-BF16" in (cpu or cpu_info()).isa
     bf16 = compute_dtype == torch.bfloat16
-    dense = not isinstance(weights, QuantizedExperts)
+    dense = isinstance(weights, DenseExperts)
     return GemmPath(conversion, whole_tiles=amx and bf16, fused_rows=rows, fused_variant=variant, dense=dense)
 
 

@@ -116,20 +116,22 @@ struct Bf16Rows {
     const __m256i b = _mm256_maskz_loadu_epi16(first(valid), w + o * K + k0);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
   }
+  // the 8 bf16 values in b widened to fp32
+  MOETUNE_AVX2 static MOETUNE_ALWAYS_INLINE __m256 decode8(__m128i b) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+  }
   MOETUNE_AVX2 inline __m256 eight(int64_t o, int64_t k0, int valid) const {
     __m128i b = _mm_setzero_si128();
     if (valid >= 8)
       b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + o * K + k0));
     else
       std::memcpy(&b, w + o * K + k0, 2 * (valid > 0 ? valid : 0));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+    return decode8(b);
   }
   MOETUNE_AVX2 inline void span8(int64_t o, int64_t k0, int64_t cols, float* dst) const {
     const at::BFloat16* p = w + o * K + k0;
-    for (int64_t c = 0; c < cols; c += 8) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c));
-      _mm256_storeu_ps(dst + c, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)));
-    }
+    for (int64_t c = 0; c < cols; c += 8)
+      _mm256_storeu_ps(dst + c, decode8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c))));
   }
   inline const void* code(int64_t o, int64_t k) const { return w + o * K + k; }
 };
@@ -145,14 +147,17 @@ struct Int8Rows {
         valid >= 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)) : _mm_maskz_loadu_epi8(first(valid), p);
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
   }
+  // the 8 codes in b's low bytes as fp32
+  MOETUNE_AVX2 static MOETUNE_ALWAYS_INLINE __m256 decode8(__m128i b) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  }
   MOETUNE_AVX2 inline __m256 eight(int64_t o, int64_t k0, int valid) const {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(codes + o * K + k0, valid)));
+    return decode8(load8(codes + o * K + k0, valid));
   }
   MOETUNE_AVX2 inline void span8(int64_t o, int64_t k0, int64_t cols, float* dst) const {
     const int8_t* p = codes + o * K + k0;
     for (int64_t c = 0; c < cols; c += 8)
-      _mm256_storeu_ps(dst + c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + c)))));
+      _mm256_storeu_ps(dst + c, decode8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + c))));
   }
   inline const void* code(int64_t o, int64_t k) const { return codes + o * K + k; }
   // group-scaled form (below): V = the codes, S = 1 (the row scale is the caller's, applied to g as entry.h's
@@ -354,22 +359,24 @@ struct Fp8BlockRows {
     const __m512 w = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(mult(o, k0)));
     return whole ? w : _mm512_maskz_mov_ps(first(valid), w);
   }
+  // the 8 codes in b's low bytes times m (the block's mult, broadcast): each code's bits moved into fp16, widened
+  MOETUNE_AVX2 static MOETUNE_ALWAYS_INLINE __m256 decode8(__m128i b, __m256 m) {
+    const __m128i h =
+        _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), m);
+  }
   MOETUNE_AVX2 inline __m256 eight(int64_t o, int64_t k0, int valid) const {
     if (valid <= 0) return _mm256_setzero_ps();
     // bytes past valid load as 0, the code of +0: no mask on the result
-    __m128i h = _mm_cvtepi8_epi16(load8(codes + o * K + k0, valid));
-    h = _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
-    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(mult(o, k0)));
+    return decode8(load8(codes + o * K + k0, valid), _mm256_set1_ps(mult(o, k0)));
   }
   MOETUNE_AVX2 inline void span8(int64_t o, int64_t k0, int64_t cols, float* dst) const {
+    const int8_t* p = codes + o * K + k0;
     for (int64_t c = 0; c < cols;) {  // one run per 128-column block
       const int64_t end = std::min(cols, c + 128 - ((k0 + c) & 127));
       const __m256 m = _mm256_set1_ps(mult(o, k0 + c));
-      for (; c < end; c += 8) {
-        __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + o * K + k0 + c)));
-        h = _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
-        _mm256_storeu_ps(dst + c, _mm256_mul_ps(_mm256_cvtph_ps(h), m));
-      }
+      for (; c < end; c += 8)
+        _mm256_storeu_ps(dst + c, decode8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + c)), m));
     }
   }
   // 32 codes from the block's table: the magnitude (code & 0x7F) looked up in two 64-entry halves (vpermt2w on
