@@ -9,7 +9,8 @@
 //   backward: out[n, K] (+)= (g[n, O] * row_scale) @ W      blocks of W (32 rows x 128 columns for n <= 32, else
 //             128 x 32) decoded once into L1 (decode_row) and used by every row of g, a row block's column blocks
 //             in turn, kGRows rows x 16 columns per register block, lanes along k (acc[r][k..k+8) +=
-//             bcast(g[r, o]) * W[o, k..k+8)), the [n, columns] sums in a per-thread buffer.
+//             bcast(g[r, o]) * W[o, k..k+8)), the [n, columns] sums in a per-thread buffer; the next block's codes
+//             prefetched meanwhile (where 128 columns of a row take >= 128 bytes).
 //
 // Every weight is decoded once per call whatever n is, so the loops stream the codes once; all sums are fp32.
 #define MOETUNE_VARIANT "AVX2"
@@ -42,6 +43,11 @@ constexpr int64_t kChunk = 512;  // forward: columns of W per decoded block (4 x
 // bench/kernel_ab.py)
 constexpr int64_t kPrefetchMinRowBytes = 2048;
 constexpr int64_t kBRows = 32, kBCols = 128;  // backward, up to 32 rows of g: W's decoded blocks (16 KiB of L1)
+// backward: the next block's codes are prefetched (into L2) while a block is multiplied where 128 columns of a W row
+// take at least this many bytes (two cache lines): bf16, int8, fp8_block and int4 (whose 128 columns' low or high
+// nibbles fill 128 bytes), 1.0-1.5x at 1-32 rows of g; mxfp4 (64 bytes, its rows' codes in one run) 0.92-0.98x
+// (Zen 1, bench/kernel_ab.py)
+constexpr int64_t kBackPrefetchMinRunBytes = 128;
 
 // f(std::integral_constant<int, R>{}) with R = min(rows, Max) (Max <= 6): register blocks' row counts as
 // template arguments
@@ -82,6 +88,12 @@ MOETUNE_AVX2 inline void decode_row(const Dec& dec, int64_t o, int64_t k0, int64
     }
   }
   for (int64_t c = 0; c < cols; c += 8) _mm256_store_ps(dst + c, dec.eight(o, k0 + c, static_cast<int>(K - k0 - c)));
+}
+
+// The bytes that the codes of W[0, 0 .. cols) span (int4: cols <= K / 2, or K)
+template <class Dec>
+inline int64_t run_bytes(const Dec& dec, int64_t cols) {
+  return static_cast<const char*>(dec.code(0, cols - 1)) - static_cast<const char*>(dec.code(0, 0)) + 1;
 }
 
 // lanes below `valid` (0 .. 8) all ones: maskload / maskstore's mask
@@ -151,7 +163,7 @@ MOETUNE_AVX2 void forward_range(const Dec& dec, const float* row_scale, const fl
                                 int64_t ob1) {
   alignas(32) float w[kWRows * kChunk];
   std::vector<float> res(n * kWRows);
-  const int64_t row_bytes = static_cast<const char*>(dec.code(0, K - 1)) - static_cast<const char*>(dec.code(0, 0)) + 1;
+  const bool ahead_rows = run_bytes(dec, K) >= kPrefetchMinRowBytes;
   for (int64_t ob = ob0; ob < ob1; ++ob) {
     const int64_t o0 = ob * kWRows;
     const int rows = static_cast<int>(std::min<int64_t>(kWRows, O - o0));
@@ -169,7 +181,7 @@ MOETUNE_AVX2 void forward_range(const Dec& dec, const float* row_scale, const fl
       Codes ahead, none;
       const bool along = k0 + kChunk < K;
       const int64_t nk = along ? k0 + kChunk : 0, no = along ? o0 : o0 + kWRows;
-      if (row_bytes >= kPrefetchMinRowBytes && (along || ob + 1 < ob1) && no + kWRows <= O) {
+      if (ahead_rows && (along || ob + 1 < ob1) && no + kWRows <= O) {
         for (int j = 0; j < kWRows; ++j) ahead.row[j] = static_cast<const char*>(dec.code(no + j, nk));
         const int64_t last = std::min<int64_t>(kChunk, K - nk) - 1;
         ahead.bytes = static_cast<const char*>(dec.code(no, nk + last)) - ahead.row[0] + 1;
@@ -216,6 +228,19 @@ MOETUNE_AVX2 void backward_block(const float* w, int64_t ldw, int rows, const fl
   }
 }
 
+// Prefetch (into L2) the i-th of m shares of the codes of W[no .. no + rows, k0 .. k1] (k1 inclusive): in each row's
+// run, the cache lines i, i + m, i + 2m, ... (a prefetch never faults)
+template <class Dec>
+MOETUNE_AVX2 inline void prefetch_share(const Dec& dec, int64_t no, int64_t rows, int64_t k0, int64_t k1, int64_t i,
+                                        int64_t m) {
+  for (int64_t o = 0; o < rows; ++o) {
+    const auto first = reinterpret_cast<uintptr_t>(dec.code(no + o, k0)) & ~uintptr_t{63};
+    const auto last = reinterpret_cast<uintptr_t>(dec.code(no + o, k1));
+    for (uintptr_t line = first + 64 * i; line <= last; line += 64 * m)
+      moetune::prefetch_line<_MM_HINT_T2>(reinterpret_cast<const void*>(line));
+  }
+}
+
 // Backward, output columns [32 s0, 32 s1) (g: [n, O] already times the row scale). Blocks of W, a row block's
 // column blocks in turn, each decoded once into L1 (decode_row: a row's run at a time) and taken 32 columns at a
 // time by every row of g; the [n, 32 (s1 - s0)] sums in a per-thread buffer. Up to 32 rows of g the blocks are
@@ -229,17 +254,25 @@ MOETUNE_AVX2 void backward_range(const Dec& dec, const float* g, int64_t ldg, in
   const int64_t bR = n > 32 ? kBCols : kBRows, bC = n > 32 ? kBRows : kBCols;
   const int64_t width = (s1 - s0) * 32;
   std::vector<float> acc(n * width, 0.0f);
+  const bool ahead = run_bytes(dec, std::min(kBCols, K)) >= kBackPrefetchMinRunBytes;
   for (int64_t o0 = 0; o0 < O; o0 += bR) {
     const int rows = static_cast<int>(std::min<int64_t>(bR, O - o0));
     for (int64_t k0 = s0 * 32; k0 < s1 * 32; k0 += bC) {
       const int64_t cols = std::min<int64_t>(bC, s1 * 32 - k0);  // whole 32s, past K included
       for (int o = 0; o < rows; ++o) decode_row(dec, o0 + o, k0, cols, K, w + o * bC);
-      for (int64_t c = 0; c < cols; c += 32)
+      // the next block (this row block's next columns, else the next row block's first), a share per 32 columns
+      const bool along = k0 + bC < s1 * 32;
+      const int64_t nk = along ? k0 + bC : s0 * 32, no = along ? o0 : o0 + bR;
+      const int64_t next_rows = ahead && nk < K && no < O ? std::min<int64_t>(bR, O - no) : 0;
+      const int64_t next_last = std::min<int64_t>({nk + bC, s1 * 32, K}) - 1;
+      for (int64_t c = 0; c < cols; c += 32) {
+        prefetch_share(dec, no, next_rows, nk, next_last, c / 32, cols / 32);
         for (int64_t r0 = 0; r0 < n; r0 += kGRows)
           with_rows<kGRows>(n - r0, [&](auto R) MOETUNE_AVX2 {
             backward_block<decltype(R)::value>(w + c, bC, rows, g + r0 * ldg + o0, ldg,
                                                acc.data() + r0 * width + (k0 + c - s0 * 32), width);
           });
+      }
     }
   }
   for (int64_t s = s0; s < s1; ++s) {

@@ -583,4 +583,18 @@ inline void prefetch(const Dec& dec, int64_t o, int64_t k) {
   _mm_prefetch(static_cast<const char*>(dec.code(o, k)), static_cast<_mm_hint>(Hint));
 }
 
+// The same for the line holding p, as an instruction the compiler keeps, for loops that do nothing but prefetch:
+// GCC 12 deleted such a loop of _mm_prefetch calls for int4's decoder alone (its code() branches on K/2), in the
+// AVX2 and the AMX backward. Not for loops that also multiply: this asm in the AVX2 forward's FMA loop made it
+// 0.55-0.72x (docs/performance.md, "AVX2: the backward prefetches its next block; prefetches the compiler deleted").
+template <int Hint>
+MOETUNE_ALWAYS_INLINE void prefetch_line(const void* p) {
+  static_assert(Hint == _MM_HINT_T0 || Hint == _MM_HINT_T2, "prefetch_line: T0 or T2");
+  if constexpr (Hint == _MM_HINT_T0) {
+    asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+  } else {
+    asm volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p)));
+  }
+}
+
 }  // namespace moetune
