@@ -5,8 +5,9 @@
 //   forward : out[n, O] (+)= x[n, K] @ W^T     up to 32 rows (int8: all): lanes along k, acc[r][o] += x[r, k..k+32) .
 //             W[o, k..k+32), W's 32 values of a row decoded once per 8 rows of x and used for all of them, two
 //             weight rows at a time, the accumulators summed across their lanes at the end of the rows (reduce16
-//             from 4 rows of x: 1.04-1.26x); more rows: 16 x 32 blocks of W decoded once, transposed to lanes
-//             along o, x pairs broadcast.
+//             from 4 rows of x: 1.04-1.26x); fp8_block in its group-scaled form there (x times the block scales,
+//             rounded once to bf16, against the codes' values: fp8_scaled_x); more rows: 16 x 32 blocks of W
+//             decoded once, transposed to lanes along o, x pairs broadcast.
 //   backward: out[n, K] (+)= g[n, O] @ W      lanes along k: acc[r][k..k+16) += bcast(g[r, o:o+2]) . pairs
 //             (W[o, k..k+16), W[o+1, k..k+16)) (layouts.h's pair layout); up to 8 rows of g (all for the decoders
 //             with a table the band walk takes: int4, mxfp4): few_rows.h's band walk; more: decoded once per
@@ -14,7 +15,8 @@
 //             [n, 64] buffer. Group-scaled weights (int4 with groups of >= 32, fp8_block, mxfp4, and int8 with
 //             S = 1; decoders.h) with up to 8-32 rows of g (by the columns a scale covers: use_raw_pairs; int8 not
 //             at 6-8): the band walk on their raw values, g times the scales rounded once to bf16 (few_rows.h's
-//             RawPairs32: 1.03-1.8x against the paths above).
+//             RawPairs32: 1.03-1.8x against the paths above; fp8_block and mxfp4 decoded between the dot products
+//             at 6-8 rows: raw_staged).
 //
 // Weights stored in bf16 (dense experts, moetune::Bf16Rows) take few_rows.h's own loops (no decoding).
 //
@@ -223,14 +225,59 @@ MOETUNE_AVX512 void forward_panel(const Dec& dec, const at::BFloat16* x, int64_t
   }
 }
 
+// acc [n, 16] = x [n, K] @ W[o0 .. o0 + rows)^T by dot products, 8 rows of x at a time (forward_rows; a second
+// block finds the 16 weight rows in L1)
+template <class Dec>
+MOETUNE_AVX512 void forward_dots(const Dec& dec, const at::BFloat16* x, int64_t ldx, int64_t n, int64_t K,
+                                 int64_t o0, int rows, float* acc, int ahead) {
+  for (int64_t r0 = 0; r0 < n; r0 += kRows) {
+    const at::BFloat16* xr = x + r0 * ldx;
+    float* res = acc + r0 * 16;
+    with_rows<kRows>(n - r0, [&](auto R) MOETUNE_AVX512 {
+      if (keep_tables(dec))
+        forward_rows<decltype(R)::value, true>(dec, xr, ldx, K, o0, rows, res, ahead);
+      else
+        forward_rows<decltype(R)::value, false>(dec, xr, ldx, K, o0, rows, res, ahead);
+    });
+  }
+}
+
+// fp8_block's forward by dot products in its group-scaled form (decoders.h): x times the block scales, rounded once
+// to bf16, against the codes' values V (Fp8Values: integer operations, where each weight's own bf16 value needs a
+// table lookup per 32 codes: 1.4-1.6x at 1-32 rows, docs/performance.md, "fp8_block: the codes' values by integer
+// operations"). Taken where every 16 weight rows of an output block lie in one grid row of blocks (so x is scaled
+// once per grid row): up's rows start on a multiple of 16 (seg % 16 == 0; gate's and down's blocks are 128 rows).
+template <class Dec>
+inline bool fp8_scaled_x(const Dec& dec) {
+  if constexpr (std::is_same_v<Dec, moetune::Fp8BlockRows>) return dec.seg % 16 == 0;
+  return false;
+}
+
+// xs [n, K] = x [n, K] times grid row gr's block scales (each 128 columns' scale_inv * 2^8, in fp32), rounded once
+// to bf16 (the group-scaled form's x, as few_rows.h's scale_band makes the backward's g)
+MOETUNE_AVX512 void scale_x(const moetune::Fp8BlockRows& dec, int64_t gr, const at::BFloat16* x, int64_t ldx,
+                            int64_t n, int64_t K, uint16_t* xs) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+      const __mmask16 m = first(static_cast<int>(K - k0));
+      const __m512 v = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + r * ldx + k0)), 16));
+      const __m512 prod = _mm512_mul_ps(v, _mm512_set1_ps(dec.scale_inv[gr * dec.cols + (k0 >> 7)] * 256.0f));
+      _mm256_mask_storeu_epi16(xs + r * K + k0, m, (__m256i)_mm512_cvtneps_pbh(prod));
+    }
+}
+
 // Forward, output columns (weight rows) [16 ob0, 16 ob1), 16 at a time: up to dot_rows rows of x by dot
-// products (forward_rows, 8 rows at a time), more by forward_panel.
+// products (forward_dots; fp8_block on x times its scales where fp8_scaled_x), more by forward_panel.
 template <class Dec>
 MOETUNE_AVX512 void forward_range(const Dec& dec, const float* row_scale, const at::BFloat16* x, int64_t ldx,
                                   int64_t n, int64_t K, int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate,
                                   int64_t ob0, int64_t ob1) {
   std::vector<float> res(std::max<int64_t>(n, kRows) * 16 + 16);  // [n, 16] fp32 sums
   float* acc = res.data() + (16 - reinterpret_cast<uintptr_t>(res.data()) / 4 % 16) % 16;  // 64-byte aligned
+  const bool scaled = n <= dot_rows<Dec>() && fp8_scaled_x(dec);
+  std::vector<uint16_t> xs(scaled ? n * K : 0);  // x times one grid row's scales (scale_x)
+  int64_t xs_row = -1;  // that grid row
   for (int64_t ob = ob0; ob < ob1; ++ob) {
     const int64_t o0 = ob * 16;
     const int rows = static_cast<int>(std::min<int64_t>(16, O - o0));
@@ -239,17 +286,19 @@ MOETUNE_AVX512 void forward_range(const Dec& dec, const float* row_scale, const 
     const int ahead = static_cast<int>(O - o0);
     if (n > dot_rows<Dec>()) {
       forward_panel(dec, x, ldx, n, K, o0, rows, acc);
-    } else {
-      for (int64_t r0 = 0; r0 < n; r0 += kRows) {  // a second block finds the 16 weight rows in L1
-        const at::BFloat16* xr = x + r0 * ldx;
-        float* res = acc + r0 * 16;
-        with_rows<kRows>(n - r0, [&](auto R) MOETUNE_AVX512 {
-          if (keep_tables(dec))
-            forward_rows<decltype(R)::value, true>(dec, xr, ldx, K, o0, rows, res, ahead);
-          else
-            forward_rows<decltype(R)::value, false>(dec, xr, ldx, K, o0, rows, res, ahead);
-        });
+    } else if constexpr (std::is_same_v<Dec, moetune::Fp8BlockRows>) {
+      if (scaled) {
+        if (dec.grid_row(o0) != xs_row) {
+          xs_row = dec.grid_row(o0);
+          scale_x(dec, xs_row, x, ldx, n, K, xs.data());
+        }
+        forward_dots(moetune::Fp8Values{dec}, reinterpret_cast<const at::BFloat16*>(xs.data()), K, n, K, o0, rows,
+                     acc, ahead);
+      } else {
+        forward_dots(dec, x, ldx, n, K, o0, rows, acc, ahead);
       }
+    } else {
+      forward_dots(dec, x, ldx, n, K, o0, rows, acc, ahead);
     }
     for (int64_t r = 0; r < n; ++r)
       store_row(out + r * ldo + o0, _mm512_mul_ps(_mm512_load_ps(acc + r * 16), scale), m, accumulate);
@@ -338,8 +387,11 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
   }
   if constexpr (moetune_few_rows::has_raw<Dec>::value) {
     if (moetune_few_rows::use_raw_pairs(dec, n)) {  // the scales into g: few_rows.h's RawPairs32
-      moetune_few_rows::backward(moetune_few_rows::RawPairs32<Dec>{dec, O}, ap, lda, n, K, O, row_scale, op, ldo,
-                                 accumulate);
+      auto walk = [&](auto pairs) { moetune_few_rows::backward(pairs, ap, lda, n, K, O, row_scale, op, ldo, accumulate); };
+      if (moetune_few_rows::raw_staged<Dec>(n))
+        walk(moetune_few_rows::RawPairs32<Dec, true>{dec, O});
+      else
+        walk(moetune_few_rows::RawPairs32<Dec, false>{dec, O});
       return;
     }
   }

@@ -29,6 +29,8 @@
 // few rows of g: RawPairs32 there multiplies g by the scales instead of each weight):
 //   W[o, k] = S(o, k) * V[o, k], S constant over aligned runs of 2^raw_shift() >= 32 columns of a row
 //   bool raw_ok(int64_t rows) const      whether to take the form with this many rows of g (int4: groups of >= 32)
+//   static constexpr bool kRawUnstaged   whether few_rows.h's band walk decodes the raw rows between its dot products
+//                                        with 6-8 rows of g (raw_staged; measured per format)
 //   int raw_shift() const                log2 of the columns one scale covers
 //   __m512 scales16(o, k0, __mmask16 m)  S(o + i, k0) for the lanes i in m, 0 in the others (fp32)
 //   raw_rows(o0, k0, valid, f)           calls f(row, addr): row(i) gives V[o0 + i, k0 .. k0 + 32) as 32 bf16 (zero
@@ -165,6 +167,7 @@ struct Int8Rows {
   // products (DecodedPairs32) measured faster, 1.0-1.09x (the decode is a widening and a conversion: it hides
   // between the products, and staging adds its stores and loads)
   inline bool raw_ok(int64_t rows) const { return rows <= 5 || rows > 8; }
+  static constexpr bool kRawUnstaged = false;  // (no form at 6-8 rows)
   inline int raw_shift() const { return 30; }
   MOETUNE_AVX512 inline __m512 scales16(int64_t, int64_t, __mmask16 m) const {
     return _mm512_maskz_mov_ps(m, _mm512_set1_ps(1.0f));
@@ -281,6 +284,8 @@ struct Int4Rows {
   inline bool table_lasts() const { return shift > 5; }
   // group-scaled form (below): S = the group's scale, V = u - z; groups of >= 32 columns only
   inline bool raw_ok(int64_t /*rows*/) const { return shift >= 5; }
+  // (unstaged at 6-8 rows: 0.33-0.5x, its decoding per call (the zero points' table, the K/2 cases) made per pair)
+  static constexpr bool kRawUnstaged = false;
   inline int raw_shift() const { return shift; }
   MOETUNE_AVX512 inline __m512 scales16(int64_t o, int64_t k0, __mmask16 m) const {
     const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(rows16(o), _mm512_set1_epi32(static_cast<int>(groups))),
@@ -392,9 +397,9 @@ struct Fp8BlockRows {
     return _mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(c, 8), _mm512_set1_epi16(static_cast<int16_t>(0x8000)),
                                      0x78);
   }
-  // group-scaled form (below): S = the block's scale_inv * 2^8, V = the code's value * 2^-8 (its bits moved into fp16,
-  // as operator() moves them, then to bf16: exact)
+  // group-scaled form (below): S = the block's scale_inv * 2^8, V = the code's value * 2^-8, exact in bf16 (raw32)
   inline bool raw_ok(int64_t /*rows*/) const { return true; }
+  static constexpr bool kRawUnstaged = true;
   inline int raw_shift() const { return 7; }
   MOETUNE_AVX512 inline __m512 scales16(int64_t o, int64_t k0, __mmask16 m) const {
     // the grid row: o >> 7 before seg, seg_grid + ((o - seg) >> 7) from it
@@ -411,12 +416,7 @@ struct Fp8BlockRows {
     const int8_t* p = codes + o0 * K + k0;
     const int64_t step = K;
     auto addr = [=](int64_t i) { return static_cast<const void*>(p + i * step); };
-    auto raw = [](__m256i b) MOETUNE_AVX512 {
-      const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7),
-                                         _mm512_set1_epi16(static_cast<int16_t>(0xBF80)));
-      return (__m512i)_mm512_cvtne2ps_pbh(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)),
-                                          _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
-    };
+    auto raw = [](__m256i b) MOETUNE_AVX512 { return raw32(b); };
     if (valid < 32) {  // K's last, partial 32: the bytes past K load as code 0 (+0)
       const __mmask32 m = first32(valid);
       f([=](int64_t i) MOETUNE_AVX512 { return raw(_mm256_maskz_loadu_epi8(m, p + i * step)); }, addr);
@@ -425,14 +425,46 @@ struct Fp8BlockRows {
     f([=](int64_t i) MOETUNE_AVX512 { return raw(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * step))); },
       addr);
   }
-  // the index of W[o, k0]'s 128 x 128 block in scale_inv
-  inline int64_t block(int64_t o, int64_t k0) const {
-    const int64_t row = o < seg ? o >> 7 : seg_grid + ((o - seg) >> 7);
-    return row * cols + (k0 >> 7);
+  // V for the 32 codes in b: each code's value * 2^-8 in bf16, exact, by integer operations alone (the conversions
+  // through fp16 and fp32 they replace cost 1.2-1.4x in the backward at 8 rows: docs/performance.md, "fp8_block: the
+  // codes' values by integer operations"). A code's magnitude bits moved to bf16's exponent and mantissa fields
+  // (shifted left 4) give its exponent e (bias 7) where bf16 wants e + 112 (bias 127, times 2^-8): 112 = 0x3800 >> 7
+  // sets bits 11-13, which the moved bits (4-10) never reach, so an OR adds it. Subnormal codes (e = 0: m * 2^-9,
+  // V = m * 2^-17) from an 8-entry table on their 3 mantissa bits; the sign (bit 15 of the sign-extended code) last.
+  MOETUNE_AVX512 static MOETUNE_ALWAYS_INLINE __m512i raw32(__m256i b) {
+    const __m512i h = _mm512_cvtepi8_epi16(b);
+    const __m512i normal = _mm512_ternarylogic_epi32(_mm512_slli_epi16(h, 4), _mm512_set1_epi16(0x07F0),
+                                                     _mm512_set1_epi16(0x3800), 0xEA);  // (a & b) | c
+    const __m512i subnormal =
+        _mm512_zextsi128_si512(_mm_setr_epi16(0, 0x3700, 0x3780, 0x37C0, 0x3800, 0x3820, 0x3840, 0x3860));
+    const __m512i mag =
+        _mm512_mask_permutexvar_epi16(normal, _mm512_testn_epi16_mask(h, _mm512_set1_epi16(0x78)), h, subnormal);
+    return _mm512_ternarylogic_epi32(mag, h, _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xF8);  // a | (b & c)
   }
+  // the grid row of W's row o (its row of 128 x 128 blocks in scale_inv), and the index of W[o, k0]'s block
+  inline int64_t grid_row(int64_t o) const { return o < seg ? o >> 7 : seg_grid + ((o - seg) >> 7); }
+  inline int64_t block(int64_t o, int64_t k0) const { return grid_row(o) * cols + (k0 >> 7); }
   // the block's scale_inv times 2^8 = 2^(fp16 bias 15 - e4m3 bias 7)
   inline float mult(int64_t o, int64_t k0) const { return scale_inv[block(o, k0)] * 256.0f; }
   inline const void* code(int64_t o, int64_t k) const { return codes + o * K + k; }
+};
+
+// An Fp8BlockRows' values V (code * 2^-8, exact in bf16: its group-scaled form) as a decoder, no scales: for a
+// product whose other operand carries the block scales instead (the AVX512 forward with few rows, avx512_gemm.cpp)
+struct Fp8Values {
+  const Fp8BlockRows& fp8;
+  static constexpr bool kTableInBandWalk = false;
+  MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i bf16x32(int64_t o, int64_t k0) const {
+    return Fp8BlockRows::raw32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(fp8.codes + o * fp8.K + k0)));
+  }
+  // (a row's partial tail only: bf16_chunk takes bf16x32 for whole chunks)
+  MOETUNE_AVX512 inline __m512 operator()(int64_t o, int64_t k0, int valid) const {
+    if (valid <= 0) return _mm512_setzero_ps();
+    const __m256i b = _mm256_maskz_loadu_epi8(first32(std::min(valid, 16)), fp8.codes + o * fp8.K + k0);  // 0: +0
+    const __m256i v = _mm512_castsi512_si256(Fp8BlockRows::raw32(b));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+  }
+  inline const void* code(int64_t o, int64_t k) const { return fp8.code(o, k); }
 };
 
 // Fp8BlockRows' table: for each of `count` blocks' scale_inv s, the bf16 values of the 128 magnitude codes
@@ -501,6 +533,7 @@ struct Mxfp4Rows {
   // group-scaled form (below): S = 2^(s - 127), V = FP4[code] (g * S is exact where it stays a normal bf16: the same
   // products as the weights' own values)
   inline bool raw_ok(int64_t /*rows*/) const { return true; }
+  static constexpr bool kRawUnstaged = true;
   inline int raw_shift() const { return 5; }
   MOETUNE_AVX512 inline __m512 scales16(int64_t o, int64_t k0, __mmask16 m) const {
     const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(rows16(o), _mm512_set1_epi32(static_cast<int>(blocks))),

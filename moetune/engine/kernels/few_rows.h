@@ -208,14 +208,25 @@ struct DecodedPairs32 {
 // mxfp4; with zero points one of 16 made once per process) or none (fp8_block, int8), where the weights' own bf16
 // values need a table or a multiply per row and 32 columns; the scaled g costs a multiply per row of g, row of W and
 // column group instead, so this form pays with few rows of g (use_raw_pairs). Rows of W from one base pointer, one
-// stride apart (raw_rows), not through a per-row index: the decoding loop keeps its pointers in registers.
-template <class Dec>
+// stride apart (raw_rows), not through a per-row index: the decoding loop keeps its pointers in registers. Staged
+// (a band's pairs decoded before its dot products) or, with 6-8 rows of g, decoded between them (raw_staged).
+template <class Dec, bool Staged = true>
 struct RawPairs32 {
   static constexpr bool kPermuted = true;
-  static constexpr bool kStaged = true;
+  static constexpr bool kStaged = Staged;
   const Dec& dec;
   int64_t O;
   inline const void* code(int64_t o, int64_t k) const { return dec.code(o, k); }  // for prefetch_pair
+  // rows o and o + 1 (zero past O) as (W[o, k], W[o + 1, k]) pairs, Bf16Pairs' interleave (unstaged)
+  MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void operator()(int64_t o, int64_t k0, int64_t valid, __m512bh& lo,
+                                                      __m512bh& hi) const {
+    dec.raw_rows(o, k0, valid, [&](auto row, auto) MOETUNE_AVX512 {
+      const __m512i a = row(0);
+      const __m512i b = o + 1 < O ? row(1) : _mm512_setzero_si512();
+      lo = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    });
+  }
   // the band's np pairs from o0 into staged (the rows `ahead` below each pair prefetched along the same columns)
   MOETUNE_AVX512 inline void stage(int64_t o0, int np, int64_t k0, int64_t valid, int64_t ahead,
                                    __m512bh* staged) const {
@@ -238,8 +249,8 @@ struct RawPairs32 {
 // whether a Pairs is RawPairs32 (its own staging, g times the scales)
 template <class Pairs>
 struct is_raw_pairs : std::false_type {};
-template <class Dec>
-struct is_raw_pairs<RawPairs32<Dec>> : std::true_type {};
+template <class Dec, bool Staged>
+struct is_raw_pairs<RawPairs32<Dec, Staged>> : std::true_type {};
 
 template <class Dec, class = void>
 struct has_raw : std::false_type {};
@@ -255,6 +266,14 @@ template <class Dec>
 inline bool use_raw_pairs(const Dec& dec, int64_t n) {
   if constexpr (has_raw<Dec>::value) return dec.raw_ok(n) && n <= (int64_t{8} << std::min(dec.raw_shift() - 5, 2));
   return false;
+}
+// Whether RawPairs32 with n rows of g stages a band's pairs: not at 6-8 rows for decoders with kRawUnstaged, where
+// 12-16 dot products per pair hide the decoding between them and staging adds its stores and loads (fp8_block
+// 1.04-1.10x, mxfp4 1.14-1.27x unstaged at 6-8 rows; 0.8-0.95x at 1-4 and 0.87x at 12-16, AMD EPYC Zen 4,
+// [1536, 2048] and [2048, 768]: docs/performance.md, "fp8_block: the codes' values by integer operations")
+template <class Dec>
+constexpr bool raw_staged(int64_t n) {
+  return !Dec::kRawUnstaged || n < 6 || n > 8;
 }
 
 // gs[r * 2 np + i] = g[r, o0 + i] * S(o0 + i, k0), rounded once to bf16, for r < n, i < 2 np (rows past O: 0);

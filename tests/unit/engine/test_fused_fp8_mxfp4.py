@@ -17,7 +17,7 @@ import torch
 from moetune.engine import ExpertFormat
 from moetune.engine.formats import Fp8BlockExperts, Mxfp4Experts
 from moetune.engine.gemm import resolve_gemm_path
-from moetune.engine.kernels import fused_variant
+from moetune.engine.kernels import fused_variant, load_fused
 from tests.unit.engine.test_formats import _lora, _module, gaussian
 from tests.unit.engine.test_fused_kernels import _check, needs_kernels
 from tests.unit.engine_cases import make_routing, run_module
@@ -63,7 +63,7 @@ def test_kernel_matches_float64(name, forward, n):
 )
 @pytest.mark.parametrize("forward", [True, False], ids=["forward", "backward"])
 def test_kernel_odd_shapes(name, o, k, forward):
-    for n in (3, 5, 40):
+    for n in (3, 5, 7, 40):  # 7: the backward's group-scaled form decoded between its dot products (6-8 rows)
         _check(_weights(name, o, k, seed=o + k), forward, n, accumulate=True)
 
 
@@ -90,6 +90,38 @@ def test_fp8_kernel_with_any_block_scale(forward):
     assert fmt.dequantize(torch.float32)[0][0].abs().max() > 2.0**100
     for n in (1, 8, 40):
         _check(fmt, forward, n, accumulate=False)
+
+
+@pytest.mark.parametrize("forward", [True, False], ids=["forward", "backward"])
+@pytest.mark.parametrize("n", [1, 8, 32])
+def test_fp8_kernel_every_code_exact(forward, n):
+    """Every e4m3fn code's value, subnormal ones (exponent 0: m * 2^-9) and both zeros included, read back exactly:
+    W [256, 32] whose row r holds the codes r, r + 1, ... with block scales 1, multiplied by one-hot rows (x's row
+    r picks column r, g's row r picks weight row r), so each output is one weight times 1, exact in bf16 on every
+    path the kernel takes (the group-scaled forms decode each code's value by integer operations, Fp8BlockRows::
+    raw32, with a table for the subnormal codes). A code decoded as another, a subnormal taken for a normal
+    (2^-15 (1 + m / 8) for m 2^-17) or a lost sign differs from float64's ``to(float64)`` of the code."""
+    kernels = load_fused()
+    codes = (torch.arange(256)[:, None] + torch.arange(32)[None, :]) % 256
+    codes[codes == 0x7F] = 0x7E  # no NaN codes
+    codes[codes == 0xFF] = 0xFE
+    fp8 = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    scale_inv = torch.ones(2, 1)  # gate's grid row, up's (seg = 128)
+    values = fp8.double()
+    assert (values.abs() < 2.0**-6).sum() >= 15 * 32  # every subnormal magnitude in every column
+    rows = torch.arange(n)
+    if forward:
+        a = torch.zeros(n, 32, dtype=torch.bfloat16)
+        a[rows, rows] = 1
+        want = values[:, :n].t()  # out[r, o] = W[o, r]
+    else:
+        pick = rows * 8 % 256  # weight rows 0, 8, ... (several 16-row blocks, both segments)
+        a = torch.zeros(n, 256, dtype=torch.bfloat16)
+        a[rows, pick] = 1
+        want = values[pick]
+    out = torch.full(want.shape, float("nan"), dtype=torch.bfloat16)
+    kernels.fp8_block_gemm(forward, a, out, fp8, scale_inv, 128, 1, False)
+    assert torch.equal(out.double(), want), (out.double() - want).abs().max()
 
 
 def test_engine_on_the_kernels_equals_the_torch_path():

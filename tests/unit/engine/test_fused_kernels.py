@@ -9,8 +9,9 @@ Each kernel product is compared with float64 arithmetic on the format's own weig
 fp32 row scale (the backward's ``g * scale`` rounded once to bf16, the torch path's definition), int4 as
 ``dequantize(bf16)`` (each weight rounded once to bf16, as the torch path's tiles are); where the loaded variant's
 backward takes a weight's group-scaled form (W = S * V, decoders.h; the AVX512-BF16 variant with up to
-``group_scaled_rows`` rows), as g times S rounded once to bf16 (in fp32 first, as the kernel multiplies) times V,
-S and V read from the kernel entry's own operands (``_scaled_form``). Bound per element:
+``group_scaled_rows`` rows; and its fp8_block forward with up to ``FP8_SCALED_X_ROWS`` rows), as g (or x) times S
+rounded once to bf16 (in fp32 first, as the kernel multiplies) times V, S and V read from the kernel entry's own
+operands (``_scaled_form``). Bound per element:
 ``2^-8 |ref|`` (the output's one rounding to bf16, half an ulp) plus ``K * 2^-22 * (|a| @ |W|^T + |out before|)``
 (fp32 sums over K terms, with room). A dropped scale, a wrong nibble, another row's codes or a lost accumulation
 are off by the quantization step or by O(1), far outside it.
@@ -131,11 +132,28 @@ def _scaled_backward(g: torch.Tensor, s: torch.Tensor, v: torch.Tensor) -> tuple
     return ref, mag
 
 
+# the rows of x up to which the AVX512-BF16 variant's fp8_block forward takes the group-scaled form (avx512_gemm.cpp's
+# dot products, fp8_scaled_x), where up's rows start on a multiple of 16 (seg, the second operand after the codes)
+FP8_SCALED_X_ROWS = 32
+
+
+def _scaled_forward(x: torch.Tensor, s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ W^T, its product of magnitudes) in float64 with W = s * v taken as the group-scaled forward takes it: x
+    times each weight row's scales in fp32, rounded once to bf16, times v."""
+    xs = (x.float()[:, None, :] * s.float()[None]).bfloat16().double()  # [n, O, K]
+    return (xs * v[None]).sum(-1), (xs.abs() * v.abs()[None]).sum(-1)
+
+
 def takes_scaled_form(kernel: str, operands: tuple, forward: bool, n: int) -> tuple[torch.Tensor, ...] | None:
     """(S, V) where the loaded variant's product with these operands takes the group-scaled form: the AVX512-BF16
-    variant's backward with up to ``group_scaled_rows`` rows; else None."""
+    variant's backward with up to ``group_scaled_rows`` rows, and its fp8_block forward with up to
+    ``FP8_SCALED_X_ROWS`` where up's rows start on a multiple of 16; else None."""
     form = _scaled_form(kernel, operands)
-    if forward or form is None or fused_variant() != "AVX512-BF16" or n > group_scaled_rows(form[2]):
+    if form is None or fused_variant() != "AVX512-BF16":
+        return None
+    if forward and not (kernel == "fp8_block_gemm" and n <= FP8_SCALED_X_ROWS and operands[2] % 16 == 0):
+        return None
+    if not forward and n > group_scaled_rows(form[2]):
         return None
     return form[0], form[1]
 
@@ -145,7 +163,7 @@ def _reference(fmt: ExpertFormat, forward: bool, a: torch.Tensor) -> tuple[torch
     loaded variant takes them for this product."""
     scaled = takes_scaled_form(*fmt.fused_operands("gate_up", 0), forward, a.shape[0])
     if scaled is not None:
-        return _scaled_backward(a, *scaled)
+        return _scaled_forward(a, *scaled) if forward else _scaled_backward(a, *scaled)
     if isinstance(fmt, Int8Experts):
         codes, scale = fmt.gate_up[0].double(), fmt.gate_up_scale[0].double()
         if forward:
