@@ -124,6 +124,25 @@ def test_fp8_kernel_every_code_exact(forward, n):
     assert torch.equal(out.double(), want), (out.double() - want).abs().max()
 
 
+def test_fp8_kernel_is_the_same_on_two_threads():
+    """fp8_block's products on 2 intra-op threads give the bits of 1: each thread scales x for the grid rows of
+    its own output blocks (the forward's group-scaled form, up to 32 rows), and each output element is summed by
+    one thread in one order (8 rows: the backward's walk decoded between its products; 40: the panel and the
+    staged walk)."""
+    fmt = _weights("fp8_block", 512, 384)
+    for n in (8, 20, 40):
+        gen = torch.Generator().manual_seed(n)
+        a, g = torch.randn(n, 384, generator=gen).bfloat16(), torch.randn(n, 512, generator=gen).bfloat16()
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            y, gx = torch.empty(n, 512, dtype=torch.bfloat16), torch.empty(n, 384, dtype=torch.bfloat16)
+            fmt.fused_gemm(load_fused(), True, "gate_up", 0, a, y, False)
+            fmt.fused_gemm(load_fused(), False, "gate_up", 0, g, gx, False)
+            results.append((y, gx))
+        assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1]), n
+
+
 def test_engine_on_the_kernels_equals_the_torch_path():
     """Both formats' LoRA engine module (T = 40, E = 4, k = 2: 20 rows per expert, all on the kernels), forward
     and every gradient, kernels on vs off: the same bf16 weights, fp32 sums, so they differ by bf16 roundings of
