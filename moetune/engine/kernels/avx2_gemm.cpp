@@ -90,10 +90,10 @@ MOETUNE_AVX2 inline void decode_row(const Dec& dec, int64_t o, int64_t k0, int64
   for (int64_t c = 0; c < cols; c += 8) _mm256_store_ps(dst + c, dec.eight(o, k0 + c, static_cast<int>(K - k0 - c)));
 }
 
-// The bytes that the codes of W[0, 0 .. cols) span (int4: cols <= K / 2, or K)
+// The bytes that the codes of W[o, k0 .. k1] span (k1 inclusive; int4: both on one side of K / 2, or 0 and K - 1)
 template <class Dec>
-inline int64_t run_bytes(const Dec& dec, int64_t cols) {
-  return static_cast<const char*>(dec.code(0, cols - 1)) - static_cast<const char*>(dec.code(0, 0)) + 1;
+inline int64_t span_bytes(const Dec& dec, int64_t o, int64_t k0, int64_t k1) {
+  return static_cast<const char*>(dec.code(o, k1)) - static_cast<const char*>(dec.code(o, k0)) + 1;
 }
 
 // lanes below `valid` (0 .. 8) all ones: maskload / maskstore's mask
@@ -163,7 +163,7 @@ MOETUNE_AVX2 void forward_range(const Dec& dec, const float* row_scale, const fl
                                 int64_t ob1) {
   alignas(32) float w[kWRows * kChunk];
   std::vector<float> res(n * kWRows);
-  const bool ahead_rows = run_bytes(dec, K) >= kPrefetchMinRowBytes;
+  const bool ahead_rows = span_bytes(dec, 0, 0, K - 1) >= kPrefetchMinRowBytes;
   for (int64_t ob = ob0; ob < ob1; ++ob) {
     const int64_t o0 = ob * kWRows;
     const int rows = static_cast<int>(std::min<int64_t>(kWRows, O - o0));
@@ -184,7 +184,7 @@ MOETUNE_AVX2 void forward_range(const Dec& dec, const float* row_scale, const fl
       if (ahead_rows && (along || ob + 1 < ob1) && no + kWRows <= O) {
         for (int j = 0; j < kWRows; ++j) ahead.row[j] = static_cast<const char*>(dec.code(no + j, nk));
         const int64_t last = std::min<int64_t>(kChunk, K - nk) - 1;
-        ahead.bytes = static_cast<const char*>(dec.code(no, nk + last)) - ahead.row[0] + 1;
+        ahead.bytes = span_bytes(dec, no, nk, nk + last);
       }
       const int64_t full = cols / 8 * 8;
       for (int64_t r0 = 0; r0 < n; r0 += kRows)
@@ -254,7 +254,7 @@ MOETUNE_AVX2 void backward_range(const Dec& dec, const float* g, int64_t ldg, in
   const int64_t bR = n > 32 ? kBCols : kBRows, bC = n > 32 ? kBRows : kBCols;
   const int64_t width = (s1 - s0) * 32;
   std::vector<float> acc(n * width, 0.0f);
-  const bool ahead = run_bytes(dec, std::min(kBCols, K)) >= kBackPrefetchMinRunBytes;
+  const bool ahead = span_bytes(dec, 0, 0, std::min(kBCols, K) - 1) >= kBackPrefetchMinRunBytes;
   for (int64_t o0 = 0; o0 < O; o0 += bR) {
     const int rows = static_cast<int>(std::min<int64_t>(bR, O - o0));
     for (int64_t k0 = s0 * 32; k0 < s1 * 32; k0 += bC) {

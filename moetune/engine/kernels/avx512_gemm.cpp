@@ -259,11 +259,9 @@ MOETUNE_AVX512 void scale_x(const moetune::Fp8BlockRows& dec, int64_t gr, const 
                             int64_t n, int64_t K, uint16_t* xs) {
   for (int64_t r = 0; r < n; ++r)
     for (int64_t k0 = 0; k0 < K; k0 += 16) {
-      const __mmask16 m = first(static_cast<int>(K - k0));
-      const __m512 v = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + r * ldx + k0)), 16));
-      const __m512 prod = _mm512_mul_ps(v, _mm512_set1_ps(dec.scale_inv[gr * dec.cols + (k0 >> 7)] * 256.0f));
-      _mm256_mask_storeu_epi16(xs + r * K + k0, m, (__m256i)_mm512_cvtneps_pbh(prod));
+      const __m512 s = _mm512_set1_ps(dec.scale_inv[gr * dec.cols + (k0 >> 7)] * 256.0f);
+      _mm256_mask_storeu_epi16(xs + r * K + k0, first(static_cast<int>(K - k0)),
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(moetune::widen16(x + r * ldx, k0, K), s)));
     }
 }
 
@@ -286,16 +284,14 @@ MOETUNE_AVX512 void forward_range(const Dec& dec, const float* row_scale, const 
     const int ahead = static_cast<int>(O - o0);
     if (n > dot_rows<Dec>()) {
       forward_panel(dec, x, ldx, n, K, o0, rows, acc);
-    } else if constexpr (std::is_same_v<Dec, moetune::Fp8BlockRows>) {
-      if (scaled) {
+    } else if (scaled) {
+      if constexpr (std::is_same_v<Dec, moetune::Fp8BlockRows>) {  // (scaled: fp8_block only)
         if (dec.grid_row(o0) != xs_row) {
           xs_row = dec.grid_row(o0);
           scale_x(dec, xs_row, x, ldx, n, K, xs.data());
         }
         forward_dots(moetune::Fp8Values{dec}, reinterpret_cast<const at::BFloat16*>(xs.data()), K, n, K, o0, rows,
                      acc, ahead);
-      } else {
-        forward_dots(dec, x, ldx, n, K, o0, rows, acc, ahead);
       }
     } else {
       forward_dots(dec, x, ldx, n, K, o0, rows, acc, ahead);

@@ -416,14 +416,14 @@ struct Fp8BlockRows {
     const int8_t* p = codes + o0 * K + k0;
     const int64_t step = K;
     auto addr = [=](int64_t i) { return static_cast<const void*>(p + i * step); };
-    auto raw = [](__m256i b) MOETUNE_AVX512 { return raw32(b); };
     if (valid < 32) {  // K's last, partial 32: the bytes past K load as code 0 (+0)
       const __mmask32 m = first32(valid);
-      f([=](int64_t i) MOETUNE_AVX512 { return raw(_mm256_maskz_loadu_epi8(m, p + i * step)); }, addr);
+      f([=](int64_t i) MOETUNE_AVX512 { return raw32(_mm256_maskz_loadu_epi8(m, p + i * step)); }, addr);
       return;
     }
-    f([=](int64_t i) MOETUNE_AVX512 { return raw(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * step))); },
-      addr);
+    f([=](int64_t i) MOETUNE_AVX512 {
+      return raw32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * step)));
+    }, addr);
   }
   // V for the 32 codes in b: each code's value * 2^-8 in bf16, exact, by integer operations alone (the conversions
   // through fp16 and fp32 they replace cost 1.2-1.4x in the backward at 8 rows: docs/performance.md, "fp8_block: the
@@ -455,12 +455,12 @@ struct Fp8Values {
   const Fp8BlockRows& fp8;
   static constexpr bool kTableInBandWalk = false;
   MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i bf16x32(int64_t o, int64_t k0) const {
-    return Fp8BlockRows::raw32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(fp8.codes + o * fp8.K + k0)));
+    return Fp8BlockRows::raw32(_mm256_loadu_si256(static_cast<const __m256i*>(fp8.code(o, k0))));
   }
   // (a row's partial tail only: bf16_chunk takes bf16x32 for whole chunks)
   MOETUNE_AVX512 inline __m512 operator()(int64_t o, int64_t k0, int valid) const {
     if (valid <= 0) return _mm512_setzero_ps();
-    const __m256i b = _mm256_maskz_loadu_epi8(first32(std::min(valid, 16)), fp8.codes + o * fp8.K + k0);  // 0: +0
+    const __m256i b = _mm256_maskz_loadu_epi8(first32(std::min(valid, 16)), fp8.code(o, k0));  // 0: +0
     const __m256i v = _mm512_castsi512_si256(Fp8BlockRows::raw32(b));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
   }

@@ -85,12 +85,16 @@ MOETUNE_AVX512 inline void decode_pairs(const Dec& dec, int64_t os, int64_t s, i
   }
 }
 
+// row[o .. o + 16) widened exactly to fp32 (the first O - o of them; the others 0, not read)
+MOETUNE_AVX512 inline __m512 widen16(const at::BFloat16* row, int64_t o, int64_t O) {
+  const __m256i b = _mm256_maskz_loadu_epi16(first(static_cast<int>(O - o)), row + o);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
 // g_row[o .. o + 16) (the first O - o of them) times row_scale[o ..] where given, rounded once to bf16
 MOETUNE_AVX512 inline __m256i scaled16(const at::BFloat16* g_row, int64_t o, int64_t O, const float* row_scale) {
-  const __mmask16 m = first(static_cast<int>(O - o));
-  __m512 v =
-      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, g_row + o)), 16));
-  if (row_scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, row_scale + o));
+  __m512 v = widen16(g_row, o, O);
+  if (row_scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(first(static_cast<int>(O - o)), row_scale + o));
   return (__m256i)_mm512_cvtneps_pbh(v);
 }
 

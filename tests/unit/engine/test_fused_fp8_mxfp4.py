@@ -19,7 +19,7 @@ from moetune.engine.formats import Fp8BlockExperts, Mxfp4Experts
 from moetune.engine.gemm import resolve_gemm_path
 from moetune.engine.kernels import fused_variant, load_fused
 from tests.unit.engine.test_formats import _lora, _module, gaussian
-from tests.unit.engine.test_fused_kernels import _check, needs_kernels
+from tests.unit.engine.test_fused_kernels import _check, assert_same_bits_on_two_threads, needs_kernels
 from tests.unit.engine_cases import make_routing, run_module
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), needs_kernels]
@@ -131,16 +131,7 @@ def test_fp8_kernel_is_the_same_on_two_threads():
     staged walk)."""
     fmt = _weights("fp8_block", 512, 384)
     for n in (8, 20, 40):
-        gen = torch.Generator().manual_seed(n)
-        a, g = torch.randn(n, 384, generator=gen).bfloat16(), torch.randn(n, 512, generator=gen).bfloat16()
-        results = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            y, gx = torch.empty(n, 512, dtype=torch.bfloat16), torch.empty(n, 384, dtype=torch.bfloat16)
-            fmt.fused_gemm(load_fused(), True, "gate_up", 0, a, y, False)
-            fmt.fused_gemm(load_fused(), False, "gate_up", 0, g, gx, False)
-            results.append((y, gx))
-        assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1]), n
+        assert_same_bits_on_two_threads(fmt, n)
 
 
 def test_engine_on_the_kernels_equals_the_torch_path():

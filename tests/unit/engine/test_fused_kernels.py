@@ -260,20 +260,28 @@ def test_int4_kernel_off_the_table_path(group, k):
             assert float(((out.double() - ref).abs() / bound).max()) <= 1.0, (group, k, forward, n)
 
 
-@needs_kernels
-def test_kernel_is_the_same_on_two_threads():
-    """Each output element is summed by one thread in one order: 2 intra-op threads give the same bits."""
-    fmt = _weights("int4-g64-asym", 256, 512)
-    a = torch.randn(40, 512).bfloat16()
-    g = torch.randn(40, 256).bfloat16()
+def assert_same_bits_on_two_threads(fmt: ExpertFormat, n: int) -> None:
+    """gate_up's forward and backward products with n rows on 1 and 2 intra-op threads are equal bit for bit."""
+    o, k = fmt.shape("gate_up")
+    gen = torch.Generator().manual_seed(n)
+    a, g = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, o, generator=gen).bfloat16()
     results = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        y, gx = torch.empty(40, 256, dtype=torch.bfloat16), torch.empty(40, 512, dtype=torch.bfloat16)
+        y, gx = torch.empty(n, o, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.bfloat16)
         fmt.fused_gemm(load_fused(), True, "gate_up", 0, a, y, False)
         fmt.fused_gemm(load_fused(), False, "gate_up", 0, g, gx, False)
         results.append((y, gx))
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1]), (
+        fmt.name,
+        n,
+    )
+
+
+@needs_kernels
+def test_kernel_is_the_same_on_two_threads():
+    """Each output element is summed by one thread in one order: 2 intra-op threads give the same bits."""
+    assert_same_bits_on_two_threads(_weights("int4-g64-asym", 256, 512), 40)
 
 
 @needs_kernels
