@@ -39,7 +39,12 @@ class DenseExperts(ExpertFormat):
                 f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)}"
             )
         e, two_i, h = gate_up.shape
-        if two_i % 2 or tuple(down.shape) != (e, h, two_i // 2):
+        if two_i % 2:
+            raise EngineError(
+                f"expert weights: gate_up {tuple(gate_up.shape)} is [E, 2I, H] (gate rows, then up rows), so its "
+                f"second dimension must be even; got {two_i}"
+            )
+        if tuple(down.shape) != (e, h, two_i // 2):
             raise EngineError(
                 f"expert weight shapes disagree: gate_up {tuple(gate_up.shape)} is [E, 2I, H], so down must be "
                 f"[E, H, I] = {(e, h, two_i // 2)}; got {tuple(down.shape)}"

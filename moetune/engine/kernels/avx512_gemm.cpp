@@ -13,10 +13,10 @@
 //             with a table the band walk takes: int4, mxfp4): few_rows.h's band walk; more: decoded once per
 //             32 x 64 block into L1 and used by every row of g, each 64-column strip's fp32 sums in a per-thread
 //             [n, 64] buffer. Group-scaled weights (int4 with groups of >= 32, fp8_block, mxfp4, and int8 with
-//             S = 1; decoders.h) with up to 8-32 rows of g (by the columns a scale covers: use_raw_pairs; int8 not
-//             at 6-8): the band walk on their raw values, g times the scales rounded once to bf16 (few_rows.h's
-//             RawPairs32: 1.03-1.8x against the paths above; fp8_block and mxfp4 decoded between the dot products
-//             at 6-8 rows: raw_staged).
+//             S = 1; decoders.h) with up to 8-32 rows of g (by the columns a scale covers: use_raw_pairs): the
+//             band walk on their raw values, g times the scales rounded once to bf16 (few_rows.h's RawPairs32:
+//             1.03-1.8x against the paths above; fp8_block, mxfp4 and int8 decoded between the dot products at
+//             6-8 rows: raw_staged).
 //
 // Weights stored in bf16 (dense experts, moetune::Bf16Rows) take few_rows.h's own loops (no decoding).
 //

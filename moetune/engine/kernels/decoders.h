@@ -163,11 +163,12 @@ struct Int8Rows {
   }
   inline const void* code(int64_t o, int64_t k) const { return codes + o * K + k; }
   // group-scaled form (below): V = the codes, S = 1 (the row scale is the caller's, applied to g as entry.h's
-  // contract says), one group per row. Not at 6-8 rows of g: there the band walk that decodes between its dot
-  // products (DecodedPairs32) measured faster, 1.0-1.09x (the decode is a widening and a conversion: it hides
-  // between the products, and staging adds its stores and loads)
-  inline bool raw_ok(int64_t rows) const { return rows <= 5 || rows > 8; }
-  static constexpr bool kRawUnstaged = false;  // (no form at 6-8 rows)
+  // contract says), one group per row. At 6-8 rows of g decoded between the dot products (kRawUnstaged): 1.11-1.14x
+  // against DecodedPairs32's 16-column decodes and their cross-lane interleave (vpermw) there, whose staged form had
+  // measured 0.92-1.0x of them (AMD EPYC Zen 4, [1536, 2048] and [2048, 768]; docs/performance.md, "int8's backward
+  // at 6-8 rows")
+  inline bool raw_ok(int64_t /*rows*/) const { return true; }
+  static constexpr bool kRawUnstaged = true;
   inline int raw_shift() const { return 30; }
   MOETUNE_AVX512 inline __m512 scales16(int64_t, int64_t, __mmask16 m) const {
     return _mm512_maskz_mov_ps(m, _mm512_set1_ps(1.0f));

@@ -269,7 +269,7 @@ inline bool use_raw_pairs(const Dec& dec, int64_t n) {
 }
 // Whether RawPairs32 with n rows of g stages a band's pairs: not at 6-8 rows for decoders with kRawUnstaged, where
 // 12-16 dot products per pair hide the decoding between them and staging adds its stores and loads (fp8_block
-// 1.04-1.10x, mxfp4 1.14-1.27x unstaged at 6-8 rows; 0.8-0.95x at 1-4 and 0.87x at 12-16, AMD EPYC Zen 4,
+// 1.04-1.10x, mxfp4 1.14-1.27x, int8 1.11-1.14x unstaged at 6-8 rows; 0.8-0.95x at 1-4 and 0.87x at 12-16, AMD EPYC Zen 4,
 // [1536, 2048] and [2048, 768]: docs/performance.md, "fp8_block: the codes' values by integer operations")
 template <class Dec>
 constexpr bool raw_staged(int64_t n) {

@@ -243,6 +243,7 @@ def test_full_mode_needs_a_dense_format(case, built):
     [
         (torch.zeros(2, 8, 64), torch.zeros(2, 64), "3-D"),
         (torch.zeros(2, 8, 64), torch.zeros(2, 64, 5), r"down must be \[E, H, I\] = \(2, 64, 4\)"),
+        (torch.zeros(2, 7, 64), torch.zeros(2, 64, 3), r"second dimension must be even; got 7"),
         (torch.zeros(2, 8, 64, dtype=torch.int32), torch.zeros(2, 64, 4, dtype=torch.int32), "float dtype"),
     ],
 )

@@ -227,8 +227,36 @@ def test_kernel_matches_float64(name, forward, n):
 def test_kernel_shapes(name, o, k, accumulate):
     fmt = _weights(name, o, k)
     for forward in (True, False):
-        for n in (1, 3, 5, 9, 17, 64):
+        for n in (1, 3, 5, 7, 9, 17, 64):  # 7: the backward's band walk decoding between its dot products
             _check(fmt, forward, n, accumulate)
+
+
+@needs_kernels
+@pytest.mark.parametrize("o,k", [(35, 64), (33, 75)])
+def test_int8_kernel_odd_rows(o, k):
+    """The int8 kernel entry with an odd number of weight rows (a down projection of odd H): the backward's last
+    pair of rows has one past O, read as zeros, at every row count of g (1-8: the band walk, staged and decoded
+    between the dot products; 9 and 20: staged for all blocks of 8), against float64 (g times the row scale
+    rounded once, as ``_reference`` takes it); the forward as well."""
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(-127, 128, (o, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(o, generator=gen) * 0.01 + 0.001
+    c = codes.double()
+    for forward in (True, False):
+        for n in (1, 5, 6, 7, 8, 9, 20):
+            a = torch.randn(n, k if forward else o, generator=gen).bfloat16()
+            out = torch.empty(n, o if forward else k, dtype=torch.bfloat16)
+            load_fused().int8_gemm(forward, a, out, codes, scale, False)
+            if forward:
+                ref, mag = (
+                    (a.double() @ c.t()) * scale.double(),
+                    (a.double().abs() @ c.abs().t()) * scale.double(),
+                )
+            else:
+                gs = (a.float() * scale).bfloat16().double()
+                ref, mag = gs @ c, gs.abs() @ c.abs()
+            bound = 2.0**-8 * ref.abs() + (k if forward else o) * 2.0**-22 * mag
+            assert float(((out.double() - ref).abs() / bound).max()) <= 1.0, (o, k, forward, n)
 
 
 @needs_kernels
