@@ -191,9 +191,12 @@ class LoraBatch:
         r, d_in, d_out = gb.shape[2], x_pad.shape[2], g_pad.shape[2]
         grad_a = self.slots(f"{proj}_grad_a", chunk, (r, d_in), gb.dtype)  # [e, r, D_in]
         torch.bmm((gb * factor).transpose(1, 2), x_pad, out=grad_a)
-        grad_b = self.slots(f"{proj}_grad_b", chunk, (r, d_out), gb.dtype)  # [e, r, D_out]
-        torch.bmm((xa * factor).transpose(1, 2), g_pad, out=grad_b)
+        # B's grad in B's own layout [e, D_out, r], so that adding it reads and writes both contiguously: the
+        # [e, r, D_out] product added through a transposed view cost 1.8 ms against 0.5 (E = 128, D_out = 1536-2048,
+        # r = 8, m = 14, one thread; the bmm itself 0.9-1.15x either way)
+        grad_b = self.slots(f"{proj}_grad_b", chunk, (d_out, r), gb.dtype)  # [e, D_out, r]
+        torch.bmm(g_pad.transpose(1, 2), xa * factor, out=grad_b)
         # added to the zeros of zero_grads (exact), so a large expert's per-expert grads, written first for down,
         # get + 0
         grads[f"{proj}_A"][e0:e1].add_(grad_a)
-        grads[f"{proj}_B"][e0:e1].add_(grad_b.transpose(1, 2))
+        grads[f"{proj}_B"][e0:e1].add_(grad_b)
