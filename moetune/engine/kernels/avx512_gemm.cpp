@@ -9,14 +9,14 @@
 //             rounded once to bf16, against the codes' values: fp8_scaled_x); more rows: 16 x 32 blocks of W
 //             decoded once, transposed to lanes along o, x pairs broadcast.
 //   backward: out[n, K] (+)= g[n, O] @ W      lanes along k: acc[r][k..k+16) += bcast(g[r, o:o+2]) . pairs
-//             (W[o, k..k+16), W[o+1, k..k+16)) (layouts.h's pair layout); up to 8 rows of g (all for the decoders
-//             with a table the band walk takes: int4, mxfp4): few_rows.h's band walk; more: decoded once per
-//             32 x 64 block into L1 and used by every row of g, each 64-column strip's fp32 sums in a per-thread
-//             [n, 64] buffer. Group-scaled weights (int4 with groups of >= 32, fp8_block, mxfp4, and int8 with
-//             S = 1; decoders.h) with up to 8-32 rows of g (by the columns a scale covers: use_raw_pairs): the
-//             band walk on their raw values, g times the scales rounded once to bf16 (few_rows.h's RawPairs32:
-//             1.03-1.8x against the paths above; fp8_block, mxfp4 and int8 decoded between the dot products at
-//             6-8 rows: raw_staged).
+//             (W[o, k..k+16), W[o+1, k..k+16)) (layouts.h's pair layout). Group-scaled weights (int4 with groups
+//             of >= 32, fp8_block, mxfp4, and int8 with S = 1; decoders.h) with up to 8-32 rows of g (by the
+//             columns a scale covers: use_raw_pairs): few_rows.h's band walk on their raw values, g times the
+//             scales rounded once to bf16 (RawPairs32: 1.03-1.8x against the paths below; fp8_block, mxfp4 and
+//             int8 decoded between the dot products at 6-8 rows: raw_staged). More rows: the band walk on the
+//             weights' bf16 values for the decoders with a table the walk takes (int4, mxfp4: DecodedPairs32,
+//             staged), else each 32 x 64 block decoded once into L1 and used by every row of g, each 64-column
+//             strip's fp32 sums in a per-thread [n, 64] buffer.
 //
 // Weights stored in bf16 (dense experts, moetune::Bf16Rows) take few_rows.h's own loops (no decoding).
 //
@@ -59,10 +59,10 @@ template <class Dec>
 constexpr int64_t dot_rows() {
   return std::is_same_v<Dec, moetune::Int8Rows> ? std::numeric_limits<int64_t>::max() : 32;
 }
-// backward: up to kRows rows of g by few_rows.h's band walk, more by the strips below, except where the walk's pairs
-// come staged (int4, mxfp4: decoded once per band for all blocks of 8 rows), which take the walk at every row count
-// (int4 1.07-1.5x, mxfp4 1.0-1.08x against the strips at 9-192 rows, [1536, 2048] and [2048, 768]; int8's and fp8's
-// walk decodes per block of 8 rows: 0.5-0.9x against the strips above 8).
+// backward past the group-scaled form's rows: the strips below, except where the band walk's pairs come staged
+// (int4, mxfp4: decoded once per band for all blocks of 8 rows), which take the walk at every row count (int4
+// 1.07-1.5x, mxfp4 1.0-1.08x against the strips at 9-192 rows, [1536, 2048] and [2048, 768]; int8's and fp8's walk,
+// decoding per block of 8 rows, measured 0.5-0.9x against the strips above 8).
 
 using moetune_few_rows::with_rows;
 
@@ -374,7 +374,6 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
   const auto* ap = a.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
   const int64_t lda = a.stride(0), ldo = out.stride(0);
-  using Band = moetune_few_rows::DecodedPairs32<Dec>;
   if (forward) {
     at::parallel_for(0, (O + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
       forward_range(dec, row_scale, ap, lda, n, K, O, op, ldo, accumulate, b0, b1);
@@ -391,8 +390,11 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
       return;
     }
   }
-  if (Band::kStaged || n <= kRows) {  // bands of weight rows walked along k (few_rows.h)
-    moetune_few_rows::backward(Band{dec, K, O}, ap, lda, n, K, O, row_scale, op, ldo, accumulate);
+  // (int8 and fp8_block take the group-scaled form at every row count up to 32, so no decoder reaches the lines
+  // below with 8 rows or fewer)
+  if constexpr (moetune_few_rows::table_in_band_walk<Dec>()) {  // bands of weight rows walked along k (few_rows.h)
+    moetune_few_rows::backward(moetune_few_rows::DecodedPairs32<Dec>{dec, O}, ap, lda, n, K, O, row_scale, op, ldo,
+                               accumulate);
   } else {
     const int64_t opad = (O + 31) / 32 * 32;
     std::vector<uint16_t> gt((n + 15) / 16 * 16 * opad);

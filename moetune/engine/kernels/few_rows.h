@@ -8,7 +8,8 @@
 //             one share of the four rows: the rate the memory is asked for stays level): a row is K apart from the
 //             next, too short a run for the hardware prefetcher to lock on for K = 768-2048. (Two weight rows against
 //             8 rows of x read each row of x twice as often: 15-20% slower at 16-32 rows.)
-//   backward (dense bf16; the AVX512 variant's decoders up to 8 rows, all where staged): out[n, K] (+)= g[n, O] @ W
+//   backward (dense bf16; the AVX512 variant's decoders: group-scaled up to 8-32 rows, all where staged):
+//             out[n, K] (+)= g[n, O] @ W
 //             bands of weight row pairs (8, 16 or 32 pairs by rows of g: band_pairs) walked along k 32 columns
 //             at a time, rows o and o + 1 interleaved in registers into (W[o, k], W[o + 1, k]) pairs (bf16:
 //             vpunpck{l,h}wd, which leaves the columns in another order, undone once at the end; decoders:
@@ -169,13 +170,14 @@ struct Bf16Pairs {
   inline const void* code(int64_t o, int64_t k) const { return w + o * K + k; }  // for prefetch_pair
 };
 
-// The same from a quantized format's decoder (decoders.h): a decoder with a table (bf16x32) that the band walk takes
-// (kTableInBandWalk: int4, mxfp4) gives each row's 32 values at once, interleaved as Bf16Pairs' (kPermuted), and
-// the band's pairs are decoded before its dot products (kStaged: 1.05-1.4x at n = 1-8; decoded between them, as the
-// others are, 0.7x); the others decode 16 columns at a time in column order (layouts.h's decode_pair). Dropped:
-// fp8_block's table here, staged (0.78-0.94x at n = 1-8: its four table vectors per row and 32 columns are loads
-// where the 16-column decoder computes); a prefetch 64 columns ahead in each row as well (int4's backward 1.4-1.6x
-// slower at n = 8, int8's up to 1.1x faster).
+// The same from a quantized format's decoder (decoders.h) with a table (bf16x32) that the band walk takes
+// (kTableInBandWalk: int4, mxfp4): each row's 32 values at once, interleaved as Bf16Pairs' (kPermuted), the band's
+// pairs decoded before its dot products (kStaged: 1.05-1.4x at n = 1-8; decoded between them 0.7x). The decoders
+// without one (int8, fp8_block) take RawPairs32 below instead; their 16-column decodes in column order here
+// (layouts.h's decode_pair) were last taken by int8 at 6-8 rows, where RawPairs32 unstaged measured 1.11-1.14x.
+// Dropped: fp8_block's table here, staged (0.78-0.94x at n = 1-8: its four table vectors per row and 32 columns are
+// loads where the 16-column decoder computes); a prefetch 64 columns ahead in each row as well (int4's backward
+// 1.4-1.6x slower at n = 8, int8's up to 1.1x faster).
 template <class Dec>
 constexpr bool table_in_band_walk() {
   if constexpr (moetune::has_table<Dec>::value) return Dec::kTableInBandWalk;
@@ -184,20 +186,16 @@ constexpr bool table_in_band_walk() {
 
 template <class Dec>
 struct DecodedPairs32 {
-  static constexpr bool kPermuted = table_in_band_walk<Dec>();
-  static constexpr bool kStaged = kPermuted;
+  static_assert(table_in_band_walk<Dec>(), "DecodedPairs32: decoders with a table the band walk takes");
+  static constexpr bool kPermuted = true;
+  static constexpr bool kStaged = true;
   const Dec& dec;
-  int64_t K, O;
+  int64_t O;
   MOETUNE_AVX512 inline void operator()(int64_t o, int64_t k0, int64_t valid, __m512bh& lo, __m512bh& hi) const {
-    if constexpr (kPermuted) {
-      const __m512i a = o < O ? moetune::bf16_chunk(dec, o, k0, valid) : _mm512_setzero_si512();
-      const __m512i b = o + 1 < O ? moetune::bf16_chunk(dec, o + 1, k0, valid) : _mm512_setzero_si512();
-      lo = (__m512bh)_mm512_unpacklo_epi16(a, b);
-      hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
-    } else {
-      lo = moetune::decode_pair(dec, o, k0, K, O);
-      hi = moetune::decode_pair(dec, o, k0 + 16, K, O);
-    }
+    const __m512i a = o < O ? moetune::bf16_chunk(dec, o, k0, valid) : _mm512_setzero_si512();
+    const __m512i b = o + 1 < O ? moetune::bf16_chunk(dec, o + 1, k0, valid) : _mm512_setzero_si512();
+    lo = (__m512bh)_mm512_unpacklo_epi16(a, b);
+    hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
   }
   inline const void* code(int64_t o, int64_t k) const { return dec.code(o, k); }  // for prefetch_pair
 };
@@ -269,8 +267,8 @@ inline bool use_raw_pairs(const Dec& dec, int64_t n) {
 }
 // Whether RawPairs32 with n rows of g stages a band's pairs: not at 6-8 rows for decoders with kRawUnstaged, where
 // 12-16 dot products per pair hide the decoding between them and staging adds its stores and loads (fp8_block
-// 1.04-1.10x, mxfp4 1.14-1.27x, int8 1.11-1.14x unstaged at 6-8 rows; 0.8-0.95x at 1-4 and 0.87x at 12-16, AMD EPYC Zen 4,
-// [1536, 2048] and [2048, 768]: docs/performance.md, "fp8_block: the codes' values by integer operations")
+// 1.04-1.10x, mxfp4 1.14-1.27x, int8 1.11-1.14x unstaged at 6-8 rows; 0.8-0.95x at 1-4 and 0.87x at 12-16, AMD EPYC
+// Zen 4, [1536, 2048] and [2048, 768]: docs/performance.md, "fp8_block: the codes' values by integer operations")
 template <class Dec>
 constexpr bool raw_staged(int64_t n) {
   return !Dec::kRawUnstaged || n < 6 || n > 8;

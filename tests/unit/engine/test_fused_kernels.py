@@ -158,6 +158,18 @@ def takes_scaled_form(kernel: str, operands: tuple, forward: bool, n: int) -> tu
     return form[0], form[1]
 
 
+def _int8_reference(
+    a: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, forward: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a @ W^T or a @ W in float64, the same product of magnitudes) for int8 codes ``[O, K]`` and row scales
+    ``[O]``: the forward scales the fp32 sums, the backward takes g times the row scale rounded once to bf16."""
+    c, s = codes.double(), scale.double()
+    if forward:
+        return (a.double() @ c.t()) * s, (a.double().abs() @ c.abs().t()) * s
+    scaled = (a.double() * s).to(torch.bfloat16).double()  # g * scale, rounded once
+    return scaled @ c, scaled.abs() @ c.abs()
+
+
 def _reference(fmt: ExpertFormat, forward: bool, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(a @ W^T or a @ W in float64, the same product of magnitudes) for gate_up of expert 0, W's values as the
     loaded variant takes them for this product."""
@@ -165,14 +177,7 @@ def _reference(fmt: ExpertFormat, forward: bool, a: torch.Tensor) -> tuple[torch
     if scaled is not None:
         return _scaled_forward(a, *scaled) if forward else _scaled_backward(a, *scaled)
     if isinstance(fmt, Int8Experts):
-        codes, scale = fmt.gate_up[0].double(), fmt.gate_up_scale[0].double()
-        if forward:
-            ref = (a.double() @ codes.t()) * scale
-            mag = (a.double().abs() @ codes.abs().t()) * scale
-        else:
-            scaled = (a.double() * scale).to(torch.bfloat16).double()  # g * scale, rounded once
-            ref, mag = scaled @ codes, scaled.abs() @ codes.abs()
-        return ref, mag
+        return _int8_reference(a, fmt.gate_up[0], fmt.gate_up_scale[0], forward)
     w = fmt.dequantize(torch.bfloat16)[0][0].double()
     return (
         (a.double() @ w.t(), a.double().abs() @ w.abs().t())
@@ -241,20 +246,12 @@ def test_int8_kernel_odd_rows(o, k):
     gen = torch.Generator().manual_seed(4)
     codes = torch.randint(-127, 128, (o, k), generator=gen, dtype=torch.int8)
     scale = torch.rand(o, generator=gen) * 0.01 + 0.001
-    c = codes.double()
     for forward in (True, False):
         for n in (1, 5, 6, 7, 8, 9, 20):
             a = torch.randn(n, k if forward else o, generator=gen).bfloat16()
             out = torch.empty(n, o if forward else k, dtype=torch.bfloat16)
             load_fused().int8_gemm(forward, a, out, codes, scale, False)
-            if forward:
-                ref, mag = (
-                    (a.double() @ c.t()) * scale.double(),
-                    (a.double().abs() @ c.abs().t()) * scale.double(),
-                )
-            else:
-                gs = (a.float() * scale).bfloat16().double()
-                ref, mag = gs @ c, gs.abs() @ c.abs()
+            ref, mag = _int8_reference(a, codes, scale, forward)
             bound = 2.0**-8 * ref.abs() + (k if forward else o) * 2.0**-22 * mag
             assert float(((out.double() - ref).abs() / bound).max()) <= 1.0, (o, k, forward, n)
 
