@@ -4,7 +4,7 @@
                       [--formats int8 int4-g64 ...] [--fused-max-rows N]
                       [--compute-dtype float32] [--variant AVX2]
 
-One fp32 Gaussian layer is stored as bf16 (the baseline), int8, int4 (group 64, symmetric), fp8_block, mxfp4
+One fp32 Gaussian layer is stored as bf16 (the baseline; in the layout the loader fills, ``DenseExperts.empty``), int8, int4 (group 64, symmetric), fp8_block, mxfp4
 (gpt-oss's shipped format; H and I must be multiples of 32) and compressed-int4: int4 as a compressed-tensors
 INT4 checkpoint (Kimi-K2-Thinking) loads, i.e. each expert matrix quantized the way compressed-tensors does
 it (groups of 32, scale max|w| / 7.5, codes -8..7), packed as its int32 words, then re-packed into int4's
@@ -37,7 +37,7 @@ from dataclasses import replace
 import torch
 
 from moetune.engine import EngineOptions, ExpertEngine, ExpertFormat, ExpertLoRA
-from moetune.engine.formats import FORMATS, Int4Experts
+from moetune.engine.formats import FORMATS, DenseExperts, Int4Experts
 from moetune.engine.formats.base import Projection
 from moetune.engine.gemm import resolve_gemm_path
 from moetune.engine.kernels import VARIANTS, fused_unavailable
@@ -50,6 +50,15 @@ PROJS: tuple[Projection, ...] = ("gate_up", "down")
 Build = Callable[
     [torch.Tensor, torch.Tensor], ExpertFormat
 ]  # gate_up [E, 2I, H], down [E, H, I] fp32 -> format
+
+
+def dense_as_loaded(gate_up: torch.Tensor, down: torch.Tensor) -> ExpertFormat:
+    """Dense experts in the layout the loader fills (``DenseExperts.empty``: bf16 rows of 4 KiB padded)."""
+    e, two_i, h = gate_up.shape
+    held = DenseExperts.empty(e, two_i // 2, h, gate_up.dtype)
+    for dst, src in zip(held, (gate_up, down)):
+        dst.copy_(src)
+    return DenseExperts(*held)
 
 
 def from_compressed_int4(gate_up: torch.Tensor, down: torch.Tensor) -> ExpertFormat:
@@ -72,7 +81,7 @@ def from_compressed_int4(gate_up: torch.Tensor, down: torch.Tensor) -> ExpertFor
 
 
 FORMAT_BUILDS: dict[str, tuple[Build, torch.dtype]] = {  # label -> (build, dtype of the weights it is given)
-    "bf16": (FORMATS.get("dense").from_dense, torch.bfloat16),
+    "bf16": (dense_as_loaded, torch.bfloat16),
     "int8": (FORMATS.get("int8").from_dense, torch.float32),
     "int4-g64": (lambda gu, dn: FORMATS.get("int4").from_dense(gu, dn, group_size=64), torch.float32),
     "fp8_block": (FORMATS.get("fp8_block").from_dense, torch.float32),

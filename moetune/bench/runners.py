@@ -58,14 +58,12 @@ def make_weights(
     experts: int, hidden: int, intermediate: int, rank: int, alpha: int, dtype: torch.dtype, seed: int
 ) -> BenchWeights:
     """Random expert weights scaled so activations stay O(1) (std 1/sqrt(fan_in)), drawn directly in ``dtype``
-    so no fp32 copy of a multi-GiB layer is ever made; LoRA as PEFT initialises it, then B made non-zero."""
+    so no fp32 copy of a multi-GiB layer is ever made, their rows laid out as the loader lays out dense weights
+    (``DenseExperts.empty``: bf16 rows of 4 KiB padded); LoRA as PEFT initialises it, then B made non-zero."""
     gen = torch.Generator().manual_seed(seed)
-    gate_up = torch.empty(experts, 2 * intermediate, hidden, dtype=dtype).normal_(
-        0, hidden**-0.5, generator=gen
-    )
-    down = torch.empty(experts, hidden, intermediate, dtype=dtype).normal_(
-        0, intermediate**-0.5, generator=gen
-    )
+    gate_up, down = DenseExperts.empty(experts, intermediate, hidden, dtype)
+    gate_up.normal_(0, hidden**-0.5, generator=gen)
+    down.normal_(0, intermediate**-0.5, generator=gen)
     lora_dtype = torch.promote_types(dtype, torch.float32)
     lora = ExpertLoRA.init(experts, hidden, intermediate, rank, alpha, dtype=lora_dtype, generator=gen)
     lora.gate_up_B.normal_(0, B_STD, generator=gen)
@@ -206,7 +204,8 @@ class _Holder(nn.Module):
 
 
 def hf_experts(weights: BenchWeights, mode: TrainMode, top_k: int) -> nn.Module:
-    """transformers' ``Qwen3MoeExperts`` (``grouped_mm``) holding ``weights`` (shared, not copied), frozen;
+    """transformers' ``Qwen3MoeExperts`` (``grouped_mm``) holding ``weights`` (shared, not copied, unless their
+    rows are padded), frozen;
     in LoRA mode wrapped by stock PEFT with ``weights.lora`` loaded through PEFT's own state-dict path.
 
     Called as ``module(x [T, H], topk_ids [T, k], topk_weights [T, k]) -> y [T, H]``.
@@ -228,8 +227,9 @@ def hf_experts(weights: BenchWeights, mode: TrainMode, top_k: int) -> nn.Module:
     config._experts_implementation = "grouped_mm"  # what from_pretrained(experts_implementation=...) sets
     with torch.device("meta"):  # the module's own fp32 parameters would be a full extra copy of the layer
         experts = Qwen3MoeExperts(config)
-    experts.gate_up_proj = nn.Parameter(weights.gate_up, requires_grad=False)
-    experts.down_proj = nn.Parameter(weights.down, requires_grad=False)
+    # as from_pretrained gives them: contiguous (a copy only where make_weights padded the rows)
+    experts.gate_up_proj = nn.Parameter(weights.gate_up.contiguous(), requires_grad=False)
+    experts.down_proj = nn.Parameter(weights.down.contiguous(), requires_grad=False)
     if mode is TrainMode.FROZEN:
         return experts
     lora = weights.lora

@@ -32,7 +32,7 @@ import torch
 
 from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS, UP, ExpertsLayout
 from moetune.engine import EngineOptions, ExpertEngine, get_activation
-from moetune.engine.formats import ExpertFormat
+from moetune.engine.formats import DenseExperts, ExpertFormat
 from moetune.loading.checkpoint import Checkpoint, ShardReader
 from moetune.loading.expert_plan import ExpertSource, LayerPlan
 from moetune.loading.options import ExpertFormatChoice
@@ -49,14 +49,20 @@ def _deinterleave(t: torch.Tensor) -> torch.Tensor:
 
 class _LayerBuffers:
     """One layer's engine tensors, filled slice by slice: those of ``experts`` (global ids; default every
-    expert of the layer), the first of them at index 0."""
+    expert of the layer), the first of them at index 0. ``held``: the engine holds them (dense format), so their
+    rows are laid out as ``DenseExperts.empty`` lays them out; else contiguous, quantized from and reused."""
 
-    def __init__(self, layout: ExpertsLayout, dtype: torch.dtype, experts: range | None = None) -> None:
+    def __init__(
+        self, layout: ExpertsLayout, dtype: torch.dtype, experts: range | None = None, held: bool = False
+    ) -> None:
         self.experts = range(layout.num_experts) if experts is None else experts
         e, h, i = len(self.experts), layout.hidden_size, layout.intermediate_size
         self.layout = layout
-        self.gate_up = torch.empty(e, 2 * i, h, dtype=dtype)  # [E, 2I, H]
-        self.down = torch.empty(e, h, i, dtype=dtype)  # [E, H, I]
+        if held:  # [E, 2I, H], [E, H, I], rows maybe padded
+            self.gate_up, self.down = DenseExperts.empty(e, i, h, dtype)
+        else:
+            self.gate_up = torch.empty(e, 2 * i, h, dtype=dtype)  # [E, 2I, H]
+            self.down = torch.empty(e, h, i, dtype=dtype)  # [E, H, I]
         self.gate_up_bias = torch.empty(e, 2 * i, dtype=dtype) if layout.has_bias else None  # [E, 2I]
         self.down_bias = torch.empty(e, h, dtype=dtype) if layout.has_bias else None  # [E, H]
 
@@ -176,7 +182,9 @@ def build_engine(
             and spare.gate_up.dtype == read_dtype
             and spare.experts == held
         )
-        buffers = spare if spare is not None and fits else _LayerBuffers(lay, read_dtype, held)
+        buffers = (
+            spare if spare is not None and fits else _LayerBuffers(lay, read_dtype, held, choice.keeps_input)
+        )
         for source in layer.sources:
             _fill(buffers, source, reader)
         read = {

@@ -637,3 +637,33 @@ def test_an_optim_that_is_no_adamw_trains_the_experts_itself(tmp_path, demo_mode
     keys = [k for k in base if ".experts." in k]
     assert keys and all(k in trained for k in keys)
     assert any(not torch.equal(trained[k].float(), base[k].float()) for k in keys), "the experts did not move"
+
+
+@pytest.mark.parametrize(
+    "over",
+    [{"pure_bf16": True}, {"finetuning_type": "lora", "lora_target": "all", "optim": "sgd"}],
+    ids=["full-pure-bf16", "lora-sgd"],
+)
+def test_padded_expert_rows_train_and_save_as_contiguous_ones(
+    over, tmp_path, demo_model, monkeypatch
+) -> None:
+    """bf16 expert weights loaded with their rows padded (``formats/dense.py``'s layout, here forced on the tiny
+    rows: every bf16 row whose bytes are a multiple of 16) train to the same losses, bit for bit, and save the same
+    weights or adapter as the same run on contiguous rows (full mode: the expert optimizer updates padded rows in
+    place; its saved checkpoint is what transformers loads)."""
+    from moetune.engine.formats import dense
+    from moetune.layer import CpuExperts
+
+    common = {"max_steps": 3, "eval_strategy": "no", "eval_dataset": None, "eval_steps": None, "bf16": True}
+    runs = {}
+    for name, alias in (("contiguous", dense.ALIAS_BYTES), ("padded", 16)):
+        monkeypatch.setattr(dense, "ALIAS_BYTES", alias)
+        done = _run(tmp_path / name, demo_model, **common, **over)
+        engines = [m.engine for m in done.model.modules() if isinstance(m, CpuExperts)]
+        strides = {(w.stride(1) - w.shape[2]) for e in engines for w in (e.weights.gate_up, e.weights.down)}
+        assert engines and strides == {0 if name == "contiguous" else 32}, (name, strides)  # one 64-byte line
+        runs[name] = tmp_path / name / "out"
+    losses = [[h["loss"] for h in _log(out) if "loss" in h] for out in runs.values()]
+    assert len(losses[0]) == 3 and losses[0] == losses[1]
+    a, b = (_weights(out) for out in runs.values())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

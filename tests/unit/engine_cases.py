@@ -48,9 +48,18 @@ def make_routing(T, E, k, H, dtype=torch.float64, seed=7):
     return x, ids, w
 
 
+def padded_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """``t`` ``[E, O, K]`` copied into rows ``K + pad`` apart (``DenseExperts.empty``'s layout), the pad NaN."""
+    e, o, k = t.shape
+    rows = torch.full((e, o, k + pad), float("nan"), dtype=t.dtype)
+    rows[:, :, :k] = t
+    return rows[:, :, :k]
+
+
 def build_module(
-    layer: Layer, *, dtype=None, full=False, activation="silu", dropout=0.0, **opts
+    layer: Layer, *, dtype=None, full=False, activation="silu", dropout=0.0, pad=0, **opts
 ) -> CpuExperts:
+    """``pad``: the expert weights' rows that many elements further apart than their width (NaN between)."""
     dtype = dtype or layer.gate_up.dtype
     cast = lambda t: t.to(dtype).clone()  # noqa: E731
     lora = None
@@ -59,7 +68,7 @@ def build_module(
         tensors = {n: layer.lora[n].to(lora_dtype).clone() for n in LORA_NAMES}
         lora = ExpertLoRA(**tensors, scaling=layer.scaling, dropout=dropout)
     engine = ExpertEngine(
-        DenseExperts(cast(layer.gate_up), cast(layer.down)),
+        DenseExperts(*(padded_rows(cast(t), pad) if pad else cast(t) for t in (layer.gate_up, layer.down))),
         activation=activation,
         gate_up_bias=None if layer.gate_up_bias is None else cast(layer.gate_up_bias),
         down_bias=None if layer.down_bias is None else cast(layer.down_bias),

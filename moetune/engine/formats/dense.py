@@ -24,6 +24,32 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # 256, 0.99x at 512 rows per expert (an AVX2-only AMD EPYC, Zen 1, 1 thread; docs/performance.md, "AVX2 variant").
 BF16_FUSED_MAX_ROWS = MappingProxyType({"AVX512-BF16": 256, "AVX2": 256})
 
+# bf16 weight rows whose bytes are a multiple of ALIAS_BYTES are stored PAD_BYTES further apart (``row_stride``): the
+# kernels' backward reads 64 rows at the same columns, and rows 4 KiB apart all fall in one L1 set (8 ways), so
+# every block of 8 rows of g re-reads them from L2. [1536, 2048] per product, padded against contiguous: backward
+# 1.06-1.18x at 1-128 rows, forward 0.81-0.99x (it prefers rows end to end); the engine step (E = 128, lora and
+# frozen, T = 128-2048) 1.02-1.06x; rows of 2, 3, 14 KiB gain nothing, so they stay contiguous (AMD EPYC Zen 4;
+# `python bench/row_padding.py`, docs/performance.md "Weight rows 4 KiB apart"). 1.6% more memory for those
+# weights; the kernels and torch's GEMMs take the row stride.
+ALIAS_BYTES = 4096
+PAD_BYTES = 64
+
+
+def row_stride(cols: int, dtype: torch.dtype) -> int:
+    """Elements from one row of a ``[.., cols]`` weight in ``dtype`` to the next in ``DenseExperts.empty``'s layout:
+    ``cols``, or ``cols`` and ``PAD_BYTES`` for bf16 rows whose bytes are a multiple of ``ALIAS_BYTES``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if dtype != torch.bfloat16 or (cols * size) % ALIAS_BYTES:
+        return cols
+    return cols + PAD_BYTES // size
+
+
+def _rows_apart(t: torch.Tensor) -> bool:
+    """``t`` ``[E, O, K]`` has contiguous rows, each expert's rows after the previous expert's (a row stride of at
+    least K): contiguous, or ``DenseExperts.empty``'s padded layout."""
+    e, o, k = t.shape
+    return t.stride(2) == 1 and t.stride(1) >= k and t.stride(0) >= o * t.stride(1)
+
 
 @FORMATS.register("dense")
 class DenseExperts(ExpertFormat):
@@ -56,13 +82,26 @@ class DenseExperts(ExpertFormat):
             )
         if gate_up.device.type != "cpu" or down.device.type != "cpu":
             raise EngineError(f"expert weights must live in host memory; got device {gate_up.device}")
-        # Laid out once: per-expert slices of contiguous tensors are contiguous views.
-        self.gate_up = gate_up if gate_up.is_contiguous() else gate_up.contiguous()
-        self.down = down if down.is_contiguous() else down.contiguous()
+        # Laid out once: per-expert slices are views with contiguous rows (``empty``'s padded rows kept as they are).
+        self.gate_up = gate_up if _rows_apart(gate_up) else gate_up.contiguous()
+        self.down = down if _rows_apart(down) else down.contiguous()
         self.num_experts, self.hidden_size, self.intermediate_size = e, h, two_i // 2
         # the kernels' bf16_gemm reads bf16 weights only (in the AVX2 variant: widened to fp32, fp32 compute)
         bf16 = self.gate_up.dtype == torch.bfloat16
         self.FUSED_MAX_ROWS = dict(BF16_FUSED_MAX_ROWS) if bf16 else {}  # (a dict: copy.deepcopy takes it)
+
+    @staticmethod
+    def empty(
+        num_experts: int, intermediate_size: int, hidden_size: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uninitialized gate_up ``[E, 2I, H]`` and down ``[E, H, I]`` in ``dtype``, their rows ``row_stride`` apart
+        (views of padded tensors where that differs from the row's length): where a loader that fills weights
+        for this format writes them."""
+
+        def rows(o: int, k: int) -> torch.Tensor:
+            return torch.empty(num_experts, o, row_stride(k, dtype), dtype=dtype)[:, :, :k]
+
+        return rows(2 * intermediate_size, hidden_size), rows(hidden_size, intermediate_size)
 
     @classmethod
     def from_dense(cls, gate_up: torch.Tensor, down: torch.Tensor) -> DenseExperts:
@@ -105,8 +144,8 @@ class DenseExperts(ExpertFormat):
         return self.gate_up.to(dtype), self.down.to(dtype)
 
     @property
-    def nbytes(self) -> int:
-        return self.gate_up.nbytes + self.down.nbytes
+    def nbytes(self) -> int:  # padding included (``empty``)
+        return sum(t.shape[0] * t.stride(0) * t.element_size() for t in (self.gate_up, self.down))
 
     @property
     def storage_dtype(self) -> torch.dtype:

@@ -112,10 +112,10 @@ inline float bf16_to_float(const at::BFloat16 v) {
 // multiplies these weights without this decoder (few_rows.h: its loops load them as they are); the other variants'
 // generic loops take it.
 struct Bf16Rows {
-  const at::BFloat16* w;  // [O, K]
-  int64_t K;
+  const at::BFloat16* w;  // [O, K], rows ld apart (ld >= K: DenseExperts pads rows whose bytes would alias in L1)
+  int64_t ld;
   MOETUNE_AVX512 inline __m512 operator()(int64_t o, int64_t k0, int valid) const {
-    const __m256i b = _mm256_maskz_loadu_epi16(first(valid), w + o * K + k0);
+    const __m256i b = _mm256_maskz_loadu_epi16(first(valid), w + o * ld + k0);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
   }
   // the 8 bf16 values in b widened to fp32
@@ -125,17 +125,17 @@ struct Bf16Rows {
   MOETUNE_AVX2 inline __m256 eight(int64_t o, int64_t k0, int valid) const {
     __m128i b = _mm_setzero_si128();
     if (valid >= 8)
-      b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + o * K + k0));
+      b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + o * ld + k0));
     else
-      std::memcpy(&b, w + o * K + k0, 2 * (valid > 0 ? valid : 0));
+      std::memcpy(&b, w + o * ld + k0, 2 * (valid > 0 ? valid : 0));
     return decode8(b);
   }
   MOETUNE_AVX2 inline void span8(int64_t o, int64_t k0, int64_t cols, float* dst) const {
-    const at::BFloat16* p = w + o * K + k0;
+    const at::BFloat16* p = w + o * ld + k0;
     for (int64_t c = 0; c < cols; c += 8)
       _mm256_storeu_ps(dst + c, decode8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c))));
   }
-  inline const void* code(int64_t o, int64_t k) const { return w + o * K + k; }
+  inline const void* code(int64_t o, int64_t k) const { return w + o * ld + k; }
 };
 
 // int8: codes [O, K] int8; W = diag(row scale) @ codes, the scale applied by the caller (exact codes here).

@@ -55,11 +55,13 @@ void run_checked(bool forward, const Dec& dec, const float* row_scale, const tor
   run_gemm(forward, dec, row_scale, a, out, O, K, accumulate);
 }
 
-// a: x [n, K] (forward) or g [n, O] (backward); out: [n, O] or [n, K]; w [O, K] bf16 (dense weights).
+// a: x [n, K] (forward) or g [n, O] (backward); out: [n, O] or [n, K]; w [O, K] bf16 (dense weights), contiguous
+// rows stride(0) >= K apart (DenseExperts' padded rows).
 void bf16_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& w, bool accumulate) {
   require_variant();
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(), "w: bf16 [O, K], contiguous");
-  run_checked(forward, moetune::Bf16Rows{w.data_ptr<at::BFloat16>(), w.size(1)}, nullptr, a, out, w.size(0),
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.stride(1) == 1 && w.stride(0) >= w.size(1),
+              "w: bf16 [O, K] with contiguous rows; got strides ", w.strides());
+  run_checked(forward, moetune::Bf16Rows{w.data_ptr<at::BFloat16>(), w.stride(0)}, nullptr, a, out, w.size(0),
               w.size(1), accumulate);
 }
 

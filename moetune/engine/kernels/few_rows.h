@@ -21,6 +21,9 @@
 //             end; the next band's rows prefetched into L2 along the same columns (bf16 also a T0 prefetch 128
 //             bytes ahead in each row: both measured best, docs/performance.md).
 //
+// W's rows are Bf16Rows::ld apart (>= K: DenseExperts pads bf16 rows of 4 KiB multiples by one line, so that the
+// backward's band does not fall in one L1 set; formats/dense.py).
+//
 // The run_gemm overload at the end replaces the AVX512 variant's decoding loops for moetune::Bf16Rows (entry.h's
 // contract). Why (docs/performance.md, "Dense bf16 experts with few rows", "Prefetching into L2"): with few rows
 // oneDNN's bf16 GEMM re-lays out the weight on every call and streams it at a fraction of the rate these loops do
@@ -91,7 +94,7 @@ MOETUNE_AVX512 inline __m512 reduce16(const __m512 v[16]) {
 // columns (a prefetch never faults: past W's end it does nothing)
 template <int R>
 MOETUNE_AVX512 inline void forward_group(const uint16_t* const w[4], const uint16_t* x, int64_t ldx, int64_t K,
-                                         const uint16_t* next, int j0, int j1, float* sums) {
+                                         int64_t ldw, const uint16_t* next, int j0, int j1, float* sums) {
   __m512 acc[16];  // local, so that they live in registers (through a caller's array they went through memory)
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   auto step = [&](int64_t k0, __mmask32 m, bool whole) MOETUNE_AVX512 {
@@ -107,7 +110,7 @@ MOETUNE_AVX512 inline void forward_group(const uint16_t* const w[4], const uint1
   };
   int64_t k0 = 0;
   for (; k0 + 32 <= K; k0 += 32) {
-    for (int j = j0; j < j1; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * K + k0), _MM_HINT_T2);
+    for (int j = j0; j < j1; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * ldw + k0), _MM_HINT_T2);
     step(k0, ~(__mmask32)0, true);
   }
   if (k0 < K) step(k0, first32(K - k0), false);
@@ -115,8 +118,8 @@ MOETUNE_AVX512 inline void forward_group(const uint16_t* const w[4], const uint1
 }
 
 // forward for output columns (weight rows) [16 ob0, 16 ob1): each 16-row block's [n, 16] fp32 sums, then rounded.
-MOETUNE_AVX512 inline void forward_range(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t n, int64_t K,
-                                         int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate, int64_t ob0,
+MOETUNE_AVX512 inline void forward_range(const uint16_t* w, int64_t ldw, const uint16_t* x, int64_t ldx, int64_t n,
+                                         int64_t K, int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate, int64_t ob0,
                                          int64_t ob1) {
   std::vector<float> res(n * 16);
   const int64_t blocks = (n + 3) / 4;  // of x's rows: pass b prefetches the next group's rows [4b / blocks, ...)
@@ -125,12 +128,12 @@ MOETUNE_AVX512 inline void forward_range(const uint16_t* w, const uint16_t* x, i
     const int rows = static_cast<int>(std::min<int64_t>(16, O - o0));
     for (int j0 = 0; j0 < rows; j0 += 4) {
       const uint16_t* wr[4];
-      for (int j = 0; j < 4; ++j) wr[j] = w + (o0 + std::min(j0 + j, rows - 1)) * K;
+      for (int j = 0; j < 4; ++j) wr[j] = w + (o0 + std::min(j0 + j, rows - 1)) * ldw;
       for (int64_t r0 = 0; r0 < n; r0 += 4) {  // a second block of x finds the group's rows in L1
         alignas(64) float sums[16];
         const int64_t b = r0 / 4;
         with_rows<4>(n - r0, [&](auto R) MOETUNE_AVX512 {  // the next group: the next four rows
-          forward_group<decltype(R)::value>(wr, x + r0 * ldx, ldx, K, wr[0] + 4 * K, static_cast<int>(4 * b / blocks),
+          forward_group<decltype(R)::value>(wr, x + r0 * ldx, ldx, K, ldw, wr[0] + 4 * ldw, static_cast<int>(4 * b / blocks),
                                             static_cast<int>(4 * (b + 1) / blocks), sums);
         });
         for (int64_t r = 0; r < std::min<int64_t>(4, n - r0); ++r)
@@ -149,11 +152,11 @@ struct Bf16Pairs {
   static constexpr bool kPermuted = true;
   static constexpr bool kStaged = false;  // loaded as stored: nothing to decode ahead
   const uint16_t* w;
-  int64_t K, O;
+  int64_t ldw, O;        // rows ldw apart (DenseExperts' padded rows)
   const uint16_t* zero;  // K + 32 zeros
   MOETUNE_AVX512 inline void operator()(int64_t o, int64_t k0, int64_t valid, __m512bh& lo, __m512bh& hi) const {
-    const uint16_t* a = (o < O ? w + o * K : zero) + k0;
-    const uint16_t* b = (o + 1 < O ? w + (o + 1) * K : zero) + k0;
+    const uint16_t* a = (o < O ? w + o * ldw : zero) + k0;
+    const uint16_t* b = (o + 1 < O ? w + (o + 1) * ldw : zero) + k0;
     __m512i va, vb;
     if (valid >= 32) {
       _mm_prefetch(reinterpret_cast<const char*>(a) + kAheadBytes, _MM_HINT_T0);
@@ -167,7 +170,7 @@ struct Bf16Pairs {
     lo = (__m512bh)_mm512_unpacklo_epi16(va, vb);
     hi = (__m512bh)_mm512_unpackhi_epi16(va, vb);
   }
-  inline const void* code(int64_t o, int64_t k) const { return w + o * K + k; }  // for prefetch_pair
+  inline const void* code(int64_t o, int64_t k) const { return w + o * ldw + k; }  // for prefetch_pair
 };
 
 // The same from a quantized format's decoder (decoders.h) with a table (bf16x32) that the band walk takes
@@ -489,13 +492,13 @@ void run_gemm(bool forward, const moetune::Bf16Rows& dec, const float* /*row_sca
   auto* op = out.data_ptr<at::BFloat16>();
   if (forward) {
     at::parallel_for(0, (O + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
-      moetune_few_rows::forward_range(w, reinterpret_cast<const uint16_t*>(ap), lda, n, K, O, op, ldo, accumulate,
-                                      b0, b1);
+      moetune_few_rows::forward_range(w, dec.ld, reinterpret_cast<const uint16_t*>(ap), lda, n, K, O, op, ldo,
+                                      accumulate, b0, b1);
     });
     return;
   }
   const std::vector<uint16_t> zero(K + 32, 0);
-  moetune_few_rows::backward(moetune_few_rows::Bf16Pairs{w, K, O, zero.data()}, ap, lda, n, K, O, nullptr, op, ldo,
+  moetune_few_rows::backward(moetune_few_rows::Bf16Pairs{w, dec.ld, O, zero.data()}, ap, lda, n, K, O, nullptr, op, ldo,
                              accumulate);
 }
 

@@ -49,16 +49,35 @@ ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40, 64, 100, 256]
 
 
 def _check(
-    kernels, forward: bool, o: int, k: int, n: int, accumulate: bool, dtype: torch.dtype, seed: int
+    kernels,
+    forward: bool,
+    o: int,
+    k: int,
+    n: int,
+    accumulate: bool,
+    dtype: torch.dtype,
+    seed: int,
+    pad: int = 0,
 ) -> None:
+    """One product against float64; ``pad``: W's rows ``k + pad`` apart (DenseExperts' padded rows), the pad NaN
+    (read, it would spread), and the result bit for bit the one on the same W contiguous."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(o, k, generator=gen).bfloat16()
+    if pad:
+        rows = torch.full((o, k + pad), float("nan"), dtype=torch.bfloat16)
+        rows[:, :k] = w
+        w = rows[:, :k]
     width_a, width_out = (k, o) if forward else (o, k)
     a = torch.randn(n, width_a + 5, generator=gen).to(dtype)[:, 2 : width_a + 2]  # rows width + 5 apart
     out_full = torch.randn(n, width_out + 3, generator=gen).to(dtype)
     out = out_full[:, :width_out]
     before, spare = out.double(), out_full[:, width_out:].clone()
+    if pad:
+        on_contiguous = out.clone()
+        kernels.bf16_gemm(forward, a, on_contiguous, w.contiguous(), accumulate)
     kernels.bf16_gemm(forward, a, out, w, accumulate)
+    if pad:
+        assert torch.equal(out, on_contiguous), (forward, o, k, n, pad)
     w64 = w.double() if not forward else w.double().t()
     ref, mag = a.double() @ w64, a.double().abs() @ w64.abs()
     if accumulate:
@@ -80,6 +99,17 @@ def test_avx512_bf16_loops_match_float64(o, k, forward):
             _check(kernels, forward, o, k, n, accumulate, torch.bfloat16, seed=n)
 
 
+@needs_avx512
+@pytest.mark.parametrize("o,k,pad", [(1536, 2048, 32), (64, 100, 8), (33, 31, 1)], ids=lambda v: str(v))
+@pytest.mark.parametrize("forward", [True, False], ids=["forward", "backward"])
+def test_avx512_bf16_loops_take_padded_rows(o, k, pad, forward):
+    """W's rows further apart than their width (``DenseExperts.empty``'s layout: 32 for 4 KiB rows; also odd and
+    unaligned strides): the same bits as on W contiguous, the pad never read."""
+    kernels = load_variant("AVX512-BF16")
+    for n in (1, 5, 8, 9, 40):
+        _check(kernels, forward, o, k, n, n % 2 == 0, torch.bfloat16, seed=n, pad=pad)
+
+
 @pytest.mark.parametrize(
     "variant,isa,dtype",
     [("AMX-BF16", "AMX-BF16", torch.bfloat16), ("AVX2", "AVX2", torch.float32)],
@@ -90,10 +120,10 @@ def test_other_variants_take_the_decoding_loops(variant, isa, dtype):
     if not HAS_COMPILER or isa not in cpu_info().isa:
         pytest.skip(f"needs a C++ compiler and a CPU with {isa}")
     kernels = load_variant(variant)
-    for o, k in [(1536, 2048), (17, 45), (64, 96)]:
+    for o, k, pad in [(1536, 2048, 0), (17, 45, 0), (64, 96, 0), (64, 96, 32), (17, 45, 3)]:
         for forward in (True, False):
             for n in (1, 9, 17, 65):
-                _check(kernels, forward, o, k, n, n % 2 == 1, dtype, seed=n)
+                _check(kernels, forward, o, k, n, n % 2 == 1, dtype, seed=n, pad=pad)
 
 
 @needs_avx512
