@@ -49,16 +49,21 @@ def _deinterleave(t: torch.Tensor) -> torch.Tensor:
 
 class _LayerBuffers:
     """One layer's engine tensors, filled slice by slice: those of ``experts`` (global ids; default every
-    expert of the layer), the first of them at index 0. ``held``: the engine holds them (dense format), so their
-    rows are laid out as ``DenseExperts.empty`` lays them out; else contiguous, quantized from and reused."""
+    expert of the layer), the first of them at index 0. ``engine_layout``: the engine will hold them (dense
+    format), so their rows are laid out as ``DenseExperts.empty`` lays them out; else contiguous (quantized from,
+    then reused for the next layer)."""
 
     def __init__(
-        self, layout: ExpertsLayout, dtype: torch.dtype, experts: range | None = None, held: bool = False
+        self,
+        layout: ExpertsLayout,
+        dtype: torch.dtype,
+        experts: range | None = None,
+        engine_layout: bool = False,
     ) -> None:
         self.experts = range(layout.num_experts) if experts is None else experts
         e, h, i = len(self.experts), layout.hidden_size, layout.intermediate_size
         self.layout = layout
-        if held:  # [E, 2I, H], [E, H, I], rows maybe padded
+        if engine_layout:  # [E, 2I, H], [E, H, I], rows maybe padded
             self.gate_up, self.down = DenseExperts.empty(e, i, h, dtype)
         else:
             self.gate_up = torch.empty(e, 2 * i, h, dtype=dtype)  # [E, 2I, H]

@@ -119,8 +119,8 @@ MOETUNE_AVX512 inline void forward_group(const uint16_t* const w[4], const uint1
 
 // forward for output columns (weight rows) [16 ob0, 16 ob1): each 16-row block's [n, 16] fp32 sums, then rounded.
 MOETUNE_AVX512 inline void forward_range(const uint16_t* w, int64_t ldw, const uint16_t* x, int64_t ldx, int64_t n,
-                                         int64_t K, int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate, int64_t ob0,
-                                         int64_t ob1) {
+                                         int64_t K, int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate,
+                                         int64_t ob0, int64_t ob1) {
   std::vector<float> res(n * 16);
   const int64_t blocks = (n + 3) / 4;  // of x's rows: pass b prefetches the next group's rows [4b / blocks, ...)
   for (int64_t ob = ob0; ob < ob1; ++ob) {
@@ -133,8 +133,9 @@ MOETUNE_AVX512 inline void forward_range(const uint16_t* w, int64_t ldw, const u
         alignas(64) float sums[16];
         const int64_t b = r0 / 4;
         with_rows<4>(n - r0, [&](auto R) MOETUNE_AVX512 {  // the next group: the next four rows
-          forward_group<decltype(R)::value>(wr, x + r0 * ldx, ldx, K, ldw, wr[0] + 4 * ldw, static_cast<int>(4 * b / blocks),
-                                            static_cast<int>(4 * (b + 1) / blocks), sums);
+          forward_group<decltype(R)::value>(wr, x + r0 * ldx, ldx, K, ldw, wr[0] + 4 * ldw,
+                                            static_cast<int>(4 * b / blocks), static_cast<int>(4 * (b + 1) / blocks),
+                                            sums);
         });
         for (int64_t r = 0; r < std::min<int64_t>(4, n - r0); ++r)
           for (int j = 0; j < 4 && j0 + j < rows; ++j) res[(r0 + r) * 16 + j0 + j] = sums[j * 4 + r];
@@ -498,8 +499,8 @@ void run_gemm(bool forward, const moetune::Bf16Rows& dec, const float* /*row_sca
     return;
   }
   const std::vector<uint16_t> zero(K + 32, 0);
-  moetune_few_rows::backward(moetune_few_rows::Bf16Pairs{w, dec.ld, O, zero.data()}, ap, lda, n, K, O, nullptr, op, ldo,
-                             accumulate);
+  moetune_few_rows::backward(moetune_few_rows::Bf16Pairs{w, dec.ld, O, zero.data()}, ap, lda, n, K, O, nullptr, op,
+                             ldo, accumulate);
 }
 
 }  // namespace
