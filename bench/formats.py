@@ -36,6 +36,7 @@ from dataclasses import replace
 
 import torch
 
+from moetune.bench.runners import as_loaded
 from moetune.engine import EngineOptions, ExpertEngine, ExpertFormat, ExpertLoRA
 from moetune.engine.formats import FORMATS, DenseExperts, Int4Experts
 from moetune.engine.formats.base import Projection
@@ -54,11 +55,7 @@ Build = Callable[
 
 def dense_as_loaded(gate_up: torch.Tensor, down: torch.Tensor) -> ExpertFormat:
     """Dense experts in the layout the loader fills (``DenseExperts.empty``: bf16 rows of 4 KiB padded)."""
-    e, two_i, h = gate_up.shape
-    held = DenseExperts.empty(e, two_i // 2, h, gate_up.dtype)
-    for dst, src in zip(held, (gate_up, down)):
-        dst.copy_(src)
-    return DenseExperts(*held)
+    return DenseExperts(*as_loaded(gate_up, down))
 
 
 def from_compressed_int4(gate_up: torch.Tensor, down: torch.Tensor) -> ExpertFormat:

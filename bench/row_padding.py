@@ -29,7 +29,7 @@ from types import ModuleType
 
 import torch
 
-from moetune.bench.runners import EngineStep, make_batch
+from moetune.bench.runners import EngineStep, as_loaded, make_batch
 from moetune.bench.timing import interleaved_min_ms
 from moetune.engine import DenseExperts, EngineOptions, ExpertEngine, ExpertLoRA
 from moetune.engine.kernels import load_fused, load_variant
@@ -85,9 +85,7 @@ def engine(args: argparse.Namespace) -> None:
         torch.randn(e, 2 * I, H, generator=gen).mul_(H**-0.5).bfloat16(),
         torch.randn(e, H, I, generator=gen).mul_(I**-0.5).bfloat16(),
     )
-    padded = DenseExperts.empty(e, I, H, torch.bfloat16)
-    for dst, src in zip(padded, flat):
-        dst.copy_(src)
+    padded = as_loaded(*flat)
     print(
         f"engine: E {e}, H {H}, I {I}, k {k}; padded row strides {padded[0].stride(1)} / {padded[1].stride(1)}"
     )

@@ -71,6 +71,16 @@ def make_weights(
     return BenchWeights(gate_up, down, lora, alpha)
 
 
+def as_loaded(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of gate_up ``[E, 2I, H]`` and down ``[E, H, I]`` in the layout the loader fills for dense experts
+    (``DenseExperts.empty``: bf16 rows of 4 KiB padded)."""
+    e, two_i, h = gate_up.shape
+    held = DenseExperts.empty(e, two_i // 2, h, gate_up.dtype)
+    for dst, src in zip(held, (gate_up, down)):
+        dst.copy_(src)
+    return held
+
+
 def cast_bench(
     weights: BenchWeights, batch: BenchBatch, dtype: torch.dtype
 ) -> tuple[BenchWeights, BenchBatch]:

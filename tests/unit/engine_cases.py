@@ -49,11 +49,11 @@ def make_routing(T, E, k, H, dtype=torch.float64, seed=7):
 
 
 def padded_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
-    """``t`` ``[E, O, K]`` copied into rows ``K + pad`` apart (``DenseExperts.empty``'s layout), the pad NaN."""
-    e, o, k = t.shape
-    rows = torch.full((e, o, k + pad), float("nan"), dtype=t.dtype)
-    rows[:, :, :k] = t
-    return rows[:, :, :k]
+    """``t`` ``[..., K]`` copied into rows ``K + pad`` apart (``DenseExperts.empty``'s layout), the pad NaN."""
+    k = t.shape[-1]
+    rows = torch.full((*t.shape[:-1], k + pad), float("nan"), dtype=t.dtype)
+    rows[..., :k] = t
+    return rows[..., :k]
 
 
 def build_module(

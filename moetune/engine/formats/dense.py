@@ -38,10 +38,9 @@ PAD_BYTES = 64
 def row_stride(cols: int, dtype: torch.dtype) -> int:
     """Elements from one row of a ``[.., cols]`` weight in ``dtype`` to the next in ``DenseExperts.empty``'s layout:
     ``cols``, or ``cols`` and ``PAD_BYTES`` for bf16 rows whose bytes are a multiple of ``ALIAS_BYTES``."""
-    size = torch.empty((), dtype=dtype).element_size()
-    if dtype != torch.bfloat16 or (cols * size) % ALIAS_BYTES:
+    if dtype != torch.bfloat16 or (cols * dtype.itemsize) % ALIAS_BYTES:
         return cols
-    return cols + PAD_BYTES // size
+    return cols + PAD_BYTES // dtype.itemsize
 
 
 def _rows_apart(t: torch.Tensor) -> bool:

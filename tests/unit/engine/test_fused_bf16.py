@@ -28,7 +28,7 @@ from moetune.engine.formats.dense import BF16_FUSED_MAX_ROWS
 from moetune.engine.gemm import Conversion, GemmPath, resolve_gemm_path
 from moetune.engine.kernels import fused_variant, load_variant
 from moetune.sysinfo import CpuInfo, cpu_info
-from tests.unit.engine_cases import build_module, make_layer, rel_err, run_module, run_reference
+from tests.unit.engine_cases import build_module, make_layer, padded_rows, rel_err, run_module, run_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -64,9 +64,7 @@ def _check(
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(o, k, generator=gen).bfloat16()
     if pad:
-        rows = torch.full((o, k + pad), float("nan"), dtype=torch.bfloat16)
-        rows[:, :k] = w
-        w = rows[:, :k]
+        w = padded_rows(w, pad)
     width_a, width_out = (k, o) if forward else (o, k)
     a = torch.randn(n, width_a + 5, generator=gen).to(dtype)[:, 2 : width_a + 2]  # rows width + 5 apart
     out_full = torch.randn(n, width_out + 3, generator=gen).to(dtype)
