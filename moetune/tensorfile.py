@@ -104,15 +104,30 @@ _CODES = {_WRITABLE[code]: (rank, code) for rank, code in enumerate(_WRITE_ORDER
 
 
 def layout(
-    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    align: int = 8,
+    largest_first: bool = False,
 ) -> tuple[bytes, list[str]]:
     """The header (8-byte length, JSON padded with spaces to a multiple of 8) and the data order of a
     safetensors file holding ``tensors``, laid out as ``safetensors.torch.save_file`` lays it out; only each
-    tensor's dtype and shape are read (``meta`` tensors will do)."""
+    tensor's dtype and shape are read (``meta`` tensors will do).
+
+    For files that are memory-mapped and computed on (a mapping starts on a page): ``align`` (a multiple of 8)
+    pads the JSON with spaces until the data section starts at a multiple of ``align`` bytes of the file
+    (trailing whitespace is valid JSON; the format asks only for a multiple of 8), and ``largest_first`` lays the
+    data out by size, largest first (then by name), instead of by dtype: the big tensors (weights, whose sizes are
+    whole cache lines) then start at aligned offsets, the small ones (scales, biases) after them. Readers find
+    tensors by their offsets, so stock safetensors reads either order."""
+    if align <= 0 or align % 8:
+        raise MoetuneError(f"safetensors data alignment must be a positive multiple of 8 bytes; got {align}")
     unknown = sorted({str(t.dtype) for t in tensors.values() if t.dtype not in _CODES})
     if unknown:
         raise MoetuneError(f"safetensors cannot hold dtype(s) {unknown}; it holds {[str(d) for d in _CODES]}")
-    order = sorted(tensors, key=lambda k: (_CODES[tensors[k].dtype][0], k))
+    if largest_first:
+        order = sorted(tensors, key=lambda k: (-tensors[k].numel() * tensors[k].element_size(), k))
+    else:
+        order = sorted(tensors, key=lambda k: (_CODES[tensors[k].dtype][0], k))
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for key in order:
@@ -121,7 +136,7 @@ def layout(
         header[key] = {"dtype": _CODES[t.dtype][1], "shape": list(t.shape), "data_offsets": [offset, end]}
         offset = end
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    text += b" " * (-len(text) % 8)
+    text += b" " * (-(8 + len(text)) % align)
     return struct.pack("<Q", len(text)) + text, order
 
 
@@ -130,14 +145,17 @@ def write_streamed(
     tensors: Mapping[str, torch.Tensor],
     metadata: Mapping[str, str] | None = None,
     fetch: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    align: int = 8,
+    largest_first: bool = False,
 ) -> None:
     """Write ``tensors`` to ``path`` as one safetensors file (the layout of ``save_file``, so stock readers see
     the same file), one tensor at a time: the header first, from the dtypes and shapes alone, then each tensor's
     bytes in the data order. A ``meta`` tensor stands for one produced only when its turn comes:
     ``fetch(placeholder)`` returns it (same dtype and shape; e.g. gathered from other processes), and it is
-    dropped once written, so at most one such tensor is held at a time. Not atomic by itself: write into a
-    temporary file and rename (``moetune.atomic.write_atomically``)."""
-    header, order = layout(tensors, metadata)
+    dropped once written, so at most one such tensor is held at a time. ``align``, ``largest_first``: where the
+    data section starts and in which order the data go (``layout``). Not atomic by itself: write into a temporary
+    file and rename (``moetune.atomic.write_atomically``)."""
+    header, order = layout(tensors, metadata, align, largest_first)
     with path.open("wb") as f:
         f.write(header)
         for key in order:  # the produced tensor is an argument only: dropped when its bytes are written

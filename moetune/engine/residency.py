@@ -234,9 +234,11 @@ class PagedExperts(ExpertFormat):
         self._enter()
         return self.inner.stored_in(proj, dtype)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantize(
+        self, dtype: torch.dtype = torch.float32, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         self._enter()
-        return self.inner.dequantize(dtype)
+        return self.inner.dequantize(dtype, out)
 
     def row_align(self, proj: Projection) -> int:
         return self.inner.row_align(proj)

@@ -201,7 +201,12 @@ def build_engine(
     # as read, before any quantization can hide a NaN
     check_finite_layer(layer, read, held.start)
     if stored is not None and layer.method is not None:
-        weights = stored if choice == layer.method.native else choice.from_dense(*stored.dequantize(dtype))
+        if choice == layer.method.native:
+            weights = stored
+        else:  # dense: dequantized straight into the layout the engine holds (rows maybe padded, as _LayerBuffers')
+            e, i, h = len(held), lay.intermediate_size, lay.hidden_size
+            out = DenseExperts.empty(e, i, h, dtype) if choice.keeps_input else None
+            weights = choice.from_dense(*stored.dequantize(dtype, out))
     else:
         weights = choice.from_dense(buffers.gate_up, buffers.down)
         if choice.keeps_input:  # the engine holds the buffers, biases included

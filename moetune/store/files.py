@@ -42,14 +42,36 @@ import torch
 from moetune.arch import ExpertsSite
 from moetune.atomic import replace_folder, write_atomically
 from moetune.engine.formats import FORMATS, ExpertFormat
+from moetune.engine.formats.dense import row_stride
 from moetune.errors import EngineError, LoadError, RegistryError, listing
 from moetune.store.destination import SUFFIX, check_destination, recover, staging_paths, unfinished_note
 from moetune.store.manifest import MANIFEST, Manifest, SourceIdentity, StoredFile, StoredLayer
 from moetune.store.mapped import MappedFile, page_rounded
-from moetune.tensorfile import read_header
+from moetune.tensorfile import TensorInfo, read_header, write_streamed
 
 BIASES = ("gate_up_bias", "down_bias")  # [E, 2I], [E, H]: stored next to the format's tensors, in float
 _READ_CHUNK = 64 << 20
+# Where a store file's data section starts: on a page, as the mapping does. With safetensors' own 8-byte alignment a
+# mapped store's weights sat 8-56 bytes off a 64-byte line and the kernels' 64-byte loads straddled two (engine steps
+# on bf16 weights 8 bytes off a line: 1.03-1.19x slower; AMD EPYC Zen 4, docs/performance.md "Stores: weights on
+# cache lines"). The data go largest first: the weights (whole lines for any model's shapes) before the scales and
+# biases.
+DATA_ALIGN = 4096
+_LINE = 64  # a cache line
+
+
+def _stale(fmt: str, layer: StoredLayer, tensors: Mapping[str, TensorInfo]) -> bool:
+    """A dense bf16 file written before the layout above: its data section off a cache line, or rows that the
+    engine pads stored contiguous (``DenseExperts.state_tensors``). Quantized formats' steps measured level on
+    either layout (0.99-1.05x: their loads are narrower), so only dense files are reported."""
+    infos = [tensors[k] for k in ("gate_up", "down") if k in tensors]
+    if fmt != "dense" or len(infos) != 2 or any(i.dtype != "BF16" or len(i.shape) != 3 for i in infos):
+        return False
+    off_line = min(i.offset for i in tensors.values()) % _LINE != 0
+    rows = zip(infos, (layer.hidden_size, layer.intermediate_size))
+    unpadded = any(i.shape[2] == k != row_stride(k, torch.bfloat16) for i, k in rows)
+    return off_line or unpadded
+
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +138,6 @@ class StoreWriter:
         down_bias: torch.Tensor | None = None,
     ) -> None:
         """Write experts module ``module``'s weights (and biases ``[E, 2I]`` / ``[E, H]``) as one file."""
-        from safetensors.torch import save_file
-
         this = (fmt.name, fmt.params())
         assert self.format in (None, this), f"one format per store: {self.format} then {this}"
         self.format = this
@@ -128,7 +148,9 @@ class StoreWriter:
         tensors = {k: t.contiguous() for k, t in tensors.items()}
         final = self.staging / f"{module}{SUFFIX}"
         metadata = {"moetune_store": "1", "module": module, "format": fmt.name}
-        write_atomically(final, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+        write_atomically(
+            final, lambda tmp: write_streamed(tmp, tensors, metadata, align=DATA_ALIGN, largest_first=True)
+        )
         per_expert = tuple(experts_sha256(tensors, range(fmt.num_experts)))
         self.files[final.name] = StoredFile(final.stat().st_size, file_sha256(final), per_expert)
         e, h, i = fmt.num_experts, fmt.hidden_size, fmt.intermediate_size
@@ -172,13 +194,32 @@ class ExpertStore:
             allowed = set(FORMATS.get(manifest.format).STATE_FIELDS) | set(BIASES)
         except RegistryError as e:
             raise LoadError(f"{root / MANIFEST}: {e}") from None
-        for layer in manifest.layers:
-            cls._check_file(root, layer, manifest.files[layer.file], allowed)
+        stale = [
+            layer.file
+            for layer in manifest.layers
+            if _stale(
+                manifest.format, layer, cls._check_file(root, layer, manifest.files[layer.file], allowed)
+            )
+        ]
+        if stale:
+            logger.warning(
+                "moetune: expert store %s was written by an older moetune: %d of its %d files hold bf16 weights "
+                "off the cache lines or rows the engine now pads (%s%s), on which an engine step ran 1.16-1.26x "
+                "slower where measured; rewrite it: moetune convert SRC %s --overwrite",
+                root,
+                len(stale),
+                len(manifest.layers),
+                ", ".join(stale[:2]),
+                ", ..." if len(stale) > 2 else "",
+                root,
+            )
         return cls(root, manifest)
 
     @staticmethod
-    def _check_file(root: Path, layer: StoredLayer, stored: StoredFile, allowed: set[str]) -> None:
-        """Presence, size and header of ``layer``'s file; reads only the header."""
+    def _check_file(
+        root: Path, layer: StoredLayer, stored: StoredFile, allowed: set[str]
+    ) -> dict[str, TensorInfo]:
+        """Presence, size and header of ``layer``'s file; reads only the header, which it returns."""
         path = root / layer.file
         if not path.is_file():
             raise LoadError(
@@ -206,6 +247,7 @@ class ExpertStore:
             )
         if problems:
             raise LoadError(f"{path} does not match {MANIFEST}: {'; '.join(problems)}")
+        return tensors
 
     def check_model(
         self,

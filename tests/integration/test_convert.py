@@ -16,6 +16,7 @@ import torch
 
 import moetune
 from moetune.cli.main import main
+from moetune.engine.formats import dense
 from moetune.errors import ConfigError, LoadError
 from moetune.layer import CpuExperts
 from moetune.store.files import StoreWriter
@@ -78,11 +79,22 @@ def test_convert_then_load_equals_online_quantization(src, tmp_path, label, caps
         assert torch.equal(stored(ids).logits, online(ids).logits)
 
 
-def test_bf16_store_equals_a_bf16_load(src, tmp_path):
+@pytest.mark.parametrize("padded", [False, True], ids=["contiguous", "padded"])
+def test_bf16_store_equals_a_bf16_load(src, tmp_path, monkeypatch, padded):
+    """``padded``: rows padded as the engine pads 4 KiB rows (forced onto the tiny H = 64 and I = 32: bf16 rows of
+    a multiple of 64 bytes): the store holds them padded and the engine uses its mapping as it is."""
+    if padded:
+        monkeypatch.setattr(dense, "ALIAS_BYTES", 64)
     assert _convert(src, tmp_path / "store", "bf16") == 0
     kw = {"device": "cpu", "dtype": "bfloat16", "progress": False, "num_threads": 1}
     stored = moetune.load_model(src, expert_path=tmp_path / "store", **kw)
     plain = moetune.load_model(src, **kw)
+    pad = 32 if padded else 0
+    for name, experts in _experts(stored).items():
+        w, other = experts.engine.weights, _experts(plain)[name].engine.weights
+        assert (w.gate_up.stride(1), w.down.stride(1)) == (64 + pad, 32 + pad), name
+        assert other.gate_up.stride() == w.gate_up.stride() and other.down.stride() == w.down.stride()
+        assert torch.equal(w.gate_up, other.gate_up) and torch.equal(w.down, other.down)
     with torch.no_grad():
         assert torch.equal(stored(_ids()).logits, plain(_ids()).logits)
 

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import moetune
+from moetune.engine.formats import dense
 from moetune.errors import LoadError
 from moetune.testing.fp8_checkpoint import dequantize_reference, save_fp8_checkpoint
 from tests.integration.quantized_checks import (
@@ -105,6 +106,31 @@ def test_bfloat16_load_rounds_dequantized_weights_once(checkpoints, references):
         assert torch.equal(p, ref[name].to(p.dtype)), name
     assert model.get_parameter(Q_A).dtype == torch.bfloat16
     assert {e.weights.name for e in engines(model).values()} == {"fp8_block"}
+
+
+def test_bf16_experts_from_fp8_are_dequantized_into_the_engine_layout(checkpoints, monkeypatch):
+    """bf16 experts dequantized from an FP8 checkpoint are written straight into the rows the engine holds
+    (``DenseExperts.empty``; padding forced onto the tiny rows here: every bf16 row whose bytes are a multiple of
+    128, H = 256 and I = 192), the same values and logits as the same load with contiguous rows."""
+    fp8, _ = checkpoints["deepseek_v3"]
+    models = {}
+    for name, alias in (("contiguous", dense.ALIAS_BYTES), ("padded", 128)):
+        monkeypatch.setattr(dense, "ALIAS_BYTES", alias)
+        models[name] = _load(fp8, dtype="bfloat16", expert_format="bf16")
+    held = {name: engines(model) for name, model in models.items()}
+    assert held["padded"].keys() == held["contiguous"].keys() and held["padded"]
+    for path, engine in held["padded"].items():
+        padded, flat = engine.weights, held["contiguous"][path].weights
+        assert padded.name == flat.name == "dense" and padded.storage_dtype == torch.bfloat16
+        assert (padded.gate_up.stride(1), padded.down.stride(1)) == (
+            256 + 32,
+            192 + 32,
+        )  # one 64-byte line more
+        assert flat.gate_up.is_contiguous() and flat.down.is_contiguous()
+        assert torch.equal(padded.gate_up, flat.gate_up) and torch.equal(padded.down, flat.down)
+    ids = token_ids()
+    with torch.no_grad():
+        assert torch.equal(models["padded"](ids).logits, models["contiguous"](ids).logits)
 
 
 def test_bf16_scales_are_widened_exactly(checkpoints, tmp_path):

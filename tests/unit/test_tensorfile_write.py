@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from moetune.atomic import temp_path, write_atomically
+from moetune.errors import MoetuneError
 from moetune.tensorfile import read_header, write_streamed
 from moetune.testing.child import child_env
 
@@ -168,3 +169,50 @@ def test_the_adapter_writer_writes_what_peft_writes_and_peft_loads_it(tmp_path) 
     loaded = PeftModel.from_pretrained(Tiny(), str(tmp_path / "peft"))
     x = torch.randn(3, 6)
     assert torch.equal(loaded(x), model(x))
+
+
+@pytest.mark.parametrize("align", [64, 4096])
+def test_aligned_data_section_reads_back_in_stock_safetensors(tmp_path, align) -> None:
+    """``align`` pads the JSON with spaces so the data starts at a multiple of ``align``; safetensors' own
+    readers take the file and give the same tensors, and only the header differs from save_file's."""
+    tensors = {"b": torch.arange(6, dtype=torch.float32).view(2, 3), "a": torch.arange(5, dtype=torch.int8)}
+    got, want = tmp_path / "got", tmp_path / "want"
+    write_streamed(got, tensors, {"format": "pt"}, align=align)
+    save_file(tensors, str(want), metadata={"format": "pt"})
+    infos = read_header(got)
+    data_start = min(info.offset for info in infos.values())
+    assert data_start % align == 0 and data_start >= align
+    assert (
+        got.read_bytes()[data_start:]
+        == want.read_bytes()[min(i.offset for i in read_header(want).values()) :]
+    )
+    with safe_open(str(got), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    loaded = load_file(str(got))
+    assert all(torch.equal(loaded[k], t) for k, t in tensors.items())
+
+
+def test_largest_first_reads_back_in_stock_safetensors(tmp_path) -> None:
+    """Data by size, largest first (then by name), not by dtype: stock readers find each tensor all the same."""
+    tensors = {
+        "scale": torch.rand(3),  # F32: first in save_file's order
+        "codes": torch.randint(-128, 127, (4, 64), dtype=torch.int8),
+        "b": torch.randn(2, 8).bfloat16(),
+        "a": torch.randn(4, 4).bfloat16(),
+    }
+    path = tmp_path / "x"
+    write_streamed(path, tensors, align=4096, largest_first=True)
+    order = [i.key for i in sorted(read_header(path).values(), key=lambda info: info.offset)]
+    assert order == ["codes", "a", "b", "scale"]  # 256, 32, 32 (a before b), 12 bytes
+    assert min(i.offset for i in read_header(path).values()) == 4096
+    loaded = load_file(str(path))
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], t) for k, t in tensors.items())
+    with safe_open(str(path), "pt") as f:
+        assert torch.equal(f.get_tensor("scale"), tensors["scale"])
+
+
+@pytest.mark.parametrize("align", [0, 12, -8])
+def test_alignment_that_is_not_a_multiple_of_8_is_refused(tmp_path, align) -> None:
+    with pytest.raises(MoetuneError, match=rf"multiple of 8 bytes; got {align}"):
+        write_streamed(tmp_path / "x", {"a": torch.ones(2)}, align=align)
+    assert not (tmp_path / "x").exists()

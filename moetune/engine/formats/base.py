@@ -139,14 +139,30 @@ class ExpertFormat(ABC):
         memory (``tile`` would return its views); else None (the default)."""
         return None
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """All experts as dense tensors: gate_up ``[E, 2I, H]`` and down ``[E, H, I]`` in ``dtype``."""
-        out = []
-        for proj in ("gate_up", "down"):
-            full = torch.empty((self.num_experts, *self.shape(proj)), dtype=dtype)
+    def dequantize(
+        self, dtype: torch.dtype = torch.float32, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """All experts as dense tensors: gate_up ``[E, 2I, H]`` and down ``[E, H, I]`` in ``dtype``, new ones or
+        ``out`` filled (those shapes and dtype, any strides: ``DenseExperts.empty``'s rows) and returned."""
+        if out is None:
+            e = self.num_experts
+            out = (
+                torch.empty((e, *self.shape("gate_up")), dtype=dtype),
+                torch.empty((e, *self.shape("down")), dtype=dtype),
+            )
+        projs: tuple[Projection, Projection] = ("gate_up", "down")
+        for proj, full in zip(projs, out):
+            want = (self.num_experts, *self.shape(proj))
+            if tuple(full.shape) != want or full.dtype != dtype:
+                raise EngineError(
+                    f"{self.name}.dequantize: out's {proj} is {full.dtype} {tuple(full.shape)}; {dtype} {want} "
+                    "was asked for"
+                )
+            # formats decode into a buffer with contiguous rows: padded rows take each expert through one
+            contiguous = full.is_contiguous()
+            buf = None if contiguous else torch.empty(self.shape(proj), dtype=dtype)
             for e in range(self.num_experts):
-                full[e].copy_(self.tile(proj, e, dtype, full[e]))
-            out.append(full)
+                full[e].copy_(self.tile(proj, e, dtype, full[e] if contiguous else buf))
         return out[0], out[1]
 
     def params(self) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -41,6 +42,19 @@ def row_stride(cols: int, dtype: torch.dtype) -> int:
     if dtype != torch.bfloat16 or (cols * dtype.itemsize) % ALIAS_BYTES:
         return cols
     return cols + PAD_BYTES // dtype.itemsize
+
+
+def _with_padding(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[E, O, K]``, or, where it is a view of the first K columns of a contiguous ``[E, O, row_stride(K)]``
+    tensor (``DenseExperts.empty``'s layout), that tensor."""
+    e, o, k = t.shape
+    ld = row_stride(k, t.dtype)
+    if ld == k or t.stride() != (o * ld, ld, 1):
+        return t
+    end = (t.storage_offset() + e * o * ld) * t.element_size()
+    if end > t.untyped_storage().nbytes():  # a view of a tensor that ends with its last row's K-th value
+        return t
+    return t.as_strided((e, o, ld), (o * ld, ld, 1))
 
 
 def _rows_apart(t: torch.Tensor) -> bool:
@@ -94,11 +108,13 @@ class DenseExperts(ExpertFormat):
         num_experts: int, intermediate_size: int, hidden_size: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Uninitialized gate_up ``[E, 2I, H]`` and down ``[E, H, I]`` in ``dtype``, their rows ``row_stride`` apart
-        (views of padded tensors where that differs from the row's length): where a loader that fills weights
-        for this format writes them."""
+        (views of padded tensors where that differs from the row's length, the padding zeros): where a loader
+        that fills weights for this format writes them."""
 
         def rows(o: int, k: int) -> torch.Tensor:
-            return torch.empty(num_experts, o, row_stride(k, dtype), dtype=dtype)[:, :, :k]
+            full = torch.empty(num_experts, o, row_stride(k, dtype), dtype=dtype)
+            full[:, :, k:].zero_()  # what a store writes between the rows (``state_tensors``)
+            return full[:, :, :k]
 
         return rows(2 * intermediate_size, hidden_size), rows(hidden_size, intermediate_size)
 
@@ -106,6 +122,31 @@ class DenseExperts(ExpertFormat):
     def from_dense(cls, gate_up: torch.Tensor, down: torch.Tensor) -> DenseExperts:
         """The weights as given (the contract's common constructor; same as ``DenseExperts(gate_up, down)``)."""
         return cls(gate_up, down)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """gate_up and down as held: rows ``row_stride`` apart (``empty``'s layout) are given as the whole padded
+        tensors ``[E, O, row_stride(K)]`` whose views they are (no copy), so a store keeps the layout and its
+        mapping is used as it is; anything else as it is (a store then holds contiguous rows)."""
+        return {name: _with_padding(t) for name, t in (("gate_up", self.gate_up), ("down", self.down))}
+
+    @classmethod
+    def from_state_tensors(cls, tensors: Mapping[str, torch.Tensor], **params: Any) -> ExpertFormat:
+        """As every format's, and padded rows (``state_tensors``) taken as views of their first K columns: K =
+        H for gate_up, I for down, read from the other tensor's shape; each row's length must be K or
+        ``row_stride(K)``."""
+        views = dict(tensors)
+        gate_up, down = views.get("gate_up"), views.get("down")
+        if gate_up is not None and down is not None and gate_up.dim() == down.dim() == 3:
+            for name, t, k in (("gate_up", gate_up, down.shape[1]), ("down", down, gate_up.shape[1] // 2)):
+                allowed = sorted({k, row_stride(k, t.dtype)})
+                if t.shape[2] not in allowed:
+                    raise EngineError(
+                        f"{cls.name}.from_state_tensors: {name} {tuple(t.shape)} has rows of {t.shape[2]} values; "
+                        f"with gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} they hold {k} "
+                        f"(stored {' or '.join(map(str, allowed))} apart)"
+                    )
+                views[name] = t[:, :, :k]
+        return super().from_state_tensors(views, **params)
 
     def _stored(self, proj: Projection) -> torch.Tensor:
         return self.gate_up if proj == "gate_up" else self.down
@@ -139,8 +180,12 @@ class DenseExperts(ExpertFormat):
     def fused_run_operands(self, proj: Projection) -> tuple[str, tuple[Any, ...]]:
         return "bf16_gemm_run", (self._stored(proj),)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.gate_up.to(dtype), self.down.to(dtype)
+    def dequantize(
+        self, dtype: torch.dtype = torch.float32, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if out is None:
+            return self.gate_up.to(dtype), self.down.to(dtype)
+        return super().dequantize(dtype, out)
 
     @property
     def nbytes(self) -> int:  # padding included (``empty``)

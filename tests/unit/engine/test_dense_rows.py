@@ -17,6 +17,7 @@ from moetune.engine import DenseExperts
 from moetune.engine.formats import dense
 from moetune.engine.kernels import fused_variant
 from moetune.errors import EngineError
+from tests.unit.engine.test_formats import QUANTIZED, E, H, I, gaussian
 from tests.unit.engine_cases import build_module, make_layer, run_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -90,3 +91,89 @@ def test_engine_on_padded_rows_equals_contiguous(mode, path):
         for name in g0:
             assert (g[name] is None) == (g0[name] is None), name
             assert g0[name] is None or torch.equal(g[name], g0[name]), name
+
+
+# ---- serialization (stores): the padded tensors themselves, read back as views
+
+
+def test_empty_zeroes_the_padding(monkeypatch):
+    """The bytes between rows are zeros (a store writes them), also where the allocator hands back memory that
+    held other values (small tensors: freed ones of the same size are reused)."""
+    monkeypatch.setattr(dense, "ALIAS_BYTES", 16)  # H = I = 8 bf16 values: 16-byte rows, padded by 32 values
+    for _ in range(4):
+        junk = [torch.full((2, 16, 40), 7.0, dtype=torch.bfloat16) for _ in range(8)]
+        del junk
+        gate_up, down = DenseExperts.empty(2, 8, 8, torch.bfloat16)
+        for t in (gate_up, down):
+            assert t.stride() == (t.shape[1] * 40, 40, 1)
+            full = t.as_strided((2, t.shape[1], 40), t.stride())
+            assert torch.count_nonzero(full[:, :, 8:]) == 0
+
+
+def test_state_tensors_are_the_padded_tensors_and_read_back_as_views_of_them():
+    gate_up, down = DenseExperts.empty(
+        2, 1024, 2048, torch.bfloat16
+    )  # gate_up's 4 KiB rows padded, down's not
+    gate_up.normal_(), down.normal_()
+    tensors = DenseExperts(gate_up, down).state_tensors()
+    assert tensors["gate_up"].shape == (2, 2048, 2080) and tensors["gate_up"].is_contiguous()
+    assert tensors["gate_up"].data_ptr() == gate_up.data_ptr()  # the tensor itself, no copy
+    assert tensors["down"] is not None and tensors["down"].shape == (2, 2048, 1024)
+    again = DenseExperts.from_state_tensors(tensors)
+    assert isinstance(again, DenseExperts)
+    assert again.gate_up.data_ptr() == gate_up.data_ptr() and again.gate_up.stride() == gate_up.stride()
+    assert torch.equal(again.gate_up, gate_up) and torch.equal(again.down, down)
+
+
+def test_weights_held_otherwise_are_given_as_they_are():
+    """Contiguous 4 KiB rows, and padded-looking rows whose storage ends at the last row's K-th value (nothing
+    after it to give), are given as held; contiguous rows read back as they are."""
+    flat = torch.randn(2, 2048, 2048).bfloat16()  # gate_up [E, 2I, H]: 4 KiB rows, contiguous
+    down = torch.randn(2, 2048, 1024).bfloat16()  # down [E, H, I]: 2 KiB rows
+    assert DenseExperts(flat, down).state_tensors()["gate_up"] is flat
+    storage = torch.randn(1 * 2048 * 2080 + 2047 * 2080 + 2048).bfloat16()
+    tight = storage.as_strided((2, 2048, 2048), (2048 * 2080, 2080, 1))
+    assert DenseExperts(tight, down).state_tensors()["gate_up"] is tight
+    again = DenseExperts.from_state_tensors({"gate_up": flat, "down": down})
+    assert isinstance(again, DenseExperts) and again.gate_up.data_ptr() == flat.data_ptr()
+    assert again.gate_up.is_contiguous() and torch.equal(again.gate_up, flat)
+
+
+@pytest.mark.parametrize("width", [2047, 2049, 2112])
+def test_stored_rows_of_another_length_are_refused(width):
+    down = torch.zeros(2, 2048, 1024, dtype=torch.bfloat16)
+    with pytest.raises(
+        EngineError, match=rf"gate_up \(2, 2048, {width}\) has rows of {width} values.*hold 2048 "
+    ):
+        DenseExperts.from_state_tensors(
+            {"gate_up": torch.zeros(2, 2048, width, dtype=torch.bfloat16), "down": down}
+        )
+
+
+@pytest.mark.parametrize("case", QUANTIZED, ids=lambda c: c.id)
+def test_dequantize_into_padded_rows(case, monkeypatch):
+    """Every format dequantizes into ``DenseExperts.empty``'s rows (padding forced onto the small rows here)
+    the values it gives into new tensors, and leaves the padding alone."""
+    monkeypatch.setattr(
+        dense, "ALIAS_BYTES", 256
+    )  # bf16 rows of H = 256 and I = 128 values: 512 and 256 bytes
+    fmt = case.build(*gaussian())
+    out = DenseExperts.empty(E, I, H, torch.bfloat16)
+    assert out[0].stride(1) == H + 32 and out[1].stride(1) == I + 32
+    got = fmt.dequantize(torch.bfloat16, out)
+    assert got[0] is out[0] and got[1] is out[1]
+    for a, b in zip(got, fmt.dequantize(torch.bfloat16)):
+        assert torch.equal(a, b)
+    full = out[0].as_strided((E, 2 * I, H + 32), out[0].stride())
+    assert torch.count_nonzero(full[:, :, H:]) == 0
+
+
+def test_dequantize_into_tensors_of_another_shape_or_dtype_is_refused():
+    fmt = QUANTIZED[0].build(*gaussian())
+    gate_up, down = DenseExperts.empty(E, I, H, torch.bfloat16)
+    with pytest.raises(
+        EngineError, match=r"out's gate_up is torch.bfloat16 .*; torch.float32 .* was asked for"
+    ):
+        fmt.dequantize(torch.float32, (gate_up, down))
+    with pytest.raises(EngineError, match=rf"out's down is torch.bfloat16 \({E}, {H}, {I - 1}\)"):
+        fmt.dequantize(torch.bfloat16, (gate_up, down[:, :, 1:]))

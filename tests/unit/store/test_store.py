@@ -8,20 +8,24 @@ load round trip through a real checkpoint is in tests/integration/test_convert.p
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from moetune.arch import ExpertsSite
 from moetune.arch.detect import ExpertsLayout
 from moetune.config import parse_config
-from moetune.engine.formats import FORMATS, DenseExperts
+from moetune.engine.formats import FORMATS, DenseExperts, dense
 from moetune.errors import ConfigError, EngineError, LoadError
+from moetune.store import files
 from moetune.store.destination import staging_paths
 from moetune.store.files import ExpertStore, StoreWriter
 from moetune.store.manifest import MANIFEST, SourceIdentity
+from moetune.tensorfile import read_header
 from moetune.testing.memory import mapped_usage, rss_anon
 from tests.unit.config.test_config import minimal, problems_of, workdir  # noqa: F401  (workdir: a fixture)
 from tests.unit.engine.test_formats import CASES, E, H, I, case_params, gaussian
@@ -141,6 +145,143 @@ def test_reading_maps_the_file_and_copies_nothing(tmp_path):
     mapped.release()
     assert mapped_usage(root).rss == 0
     assert torch.equal(fmt.tile("down", 7, torch.float32, None), down[7])  # paged in again from the file
+
+
+# ---- layout in memory: data on a page, dense rows as the engine holds them
+
+
+@case_params
+def test_each_file_starts_its_data_on_a_page_and_stock_safetensors_reads_it(case, tmp_path):
+    """The data section starts at ``DATA_ALIGN`` (the mapping starts on a page, so do the first weights), the
+    weights (gate_up, down) first and on 64-byte lines, the scales and biases after them; safetensors' own loader
+    reads the same tensors."""
+    store = ExpertStore.open(_write(tmp_path / "s", case))
+    for module in MODULES:
+        path = store.root / store.layers[module].file
+        infos = sorted(read_header(path).values(), key=lambda info: info.offset)
+        assert infos[0].offset % files.DATA_ALIGN == 0, infos
+        assert {i.key for i in infos[:2]} == {"gate_up", "down"} and infos[1].offset % 64 == 0, infos
+        fmt, gate_up_bias, down_bias = _build(store, module)
+        stock = load_file(str(path))
+        held = {**fmt.state_tensors(), "gate_up_bias": gate_up_bias, "down_bias": down_bias}
+        assert stock.keys() == held.keys()
+        for name, t in stock.items():
+            assert torch.equal(t.view(torch.uint8), held[name].contiguous().view(torch.uint8)), name
+
+
+def _dense_layer(seed: int = 0) -> DenseExperts:
+    """bf16 dense experts in the engine's layout (``DenseExperts.empty``)."""
+    gate_up, down = DenseExperts.empty(E, I, H, torch.bfloat16)
+    for dst, src in zip((gate_up, down), gaussian(seed=seed)):
+        dst.copy_(src)
+    return DenseExperts(gate_up, down)
+
+
+def test_padded_dense_rows_are_stored_padded_and_mapped_as_they_are(tmp_path, monkeypatch):
+    """bf16 rows the engine pads (forced onto H = 256 and I = 128 here: bf16 rows whose bytes are a multiple of 256)
+    are written with their padding (zeros), and the store's experts are views of the mapping with the same row
+    strides: nothing copied, nothing laid out anew."""
+    monkeypatch.setattr(dense, "ALIAS_BYTES", 256)
+    want = [_dense_layer(seed=n) for n in range(len(MODULES))]
+    writer = StoreWriter.prepare(tmp_path / "s")
+    writer.begin()
+    for module, fmt in zip(MODULES, want):
+        writer.add(module, fmt)
+    writer.finish("qwen3_moe", SOURCE)
+    store = ExpertStore.open(tmp_path / "s")
+    for module, ref in zip(MODULES, want):
+        mapped = store.map_layer(module)
+        stored = load_file(str(mapped.path))
+        assert stored["gate_up"].shape == (E, 2 * I, H + 32) and stored["down"].shape == (E, H, I + 32)
+        assert (
+            torch.count_nonzero(stored["gate_up"][:, :, H:])
+            == torch.count_nonzero(stored["down"][:, :, I:])
+            == 0
+        )
+        fmt, _, _ = store.build(module, mapped)
+        assert isinstance(fmt, DenseExperts)
+        assert fmt.gate_up.stride(1) == H + 32 and fmt.down.stride(1) == I + 32
+        assert fmt.gate_up.data_ptr() == mapped.tensors["gate_up"].data_ptr()  # a view of the mapping
+        assert torch.equal(fmt.gate_up, ref.gate_up) and torch.equal(fmt.down, ref.down)
+
+
+def test_a_dense_store_with_contiguous_rows_still_loads(tmp_path, monkeypatch):
+    """A store whose dense rows were written contiguous (before padding, or by a build that does not pad them)
+    loads as it is where the engine would pad them: contiguous views of the mapping."""
+    writer = StoreWriter.prepare(tmp_path / "s")
+    writer.begin()
+    writer.add(MODULES[0], _dense_layer())
+    writer.finish("qwen3_moe", SOURCE)
+    monkeypatch.setattr(dense, "ALIAS_BYTES", 256)
+    store = ExpertStore.open(tmp_path / "s")
+    fmt, _, _ = _build(store, MODULES[0])
+    assert isinstance(fmt, DenseExperts) and fmt.gate_up.is_contiguous() and fmt.down.is_contiguous()
+    gate_up, down = gaussian()
+    assert torch.equal(fmt.gate_up, gate_up.bfloat16()) and torch.equal(fmt.down, down.bfloat16())
+
+
+def test_stored_dense_rows_of_another_length_fail_the_build_naming_the_file(tmp_path, monkeypatch):
+    layer = _dense_layer()
+    wide = torch.zeros(E, 2 * I, H + 5, dtype=torch.bfloat16)
+    monkeypatch.setattr(DenseExperts, "state_tensors", lambda self: {"gate_up": wide, "down": self.down})
+    writer = StoreWriter.prepare(tmp_path / "s")
+    writer.begin()
+    writer.add(MODULES[0], layer)
+    writer.finish("qwen3_moe", SOURCE)
+    path = tmp_path / "s" / f"{MODULES[0]}.safetensors"
+    with pytest.raises(
+        LoadError, match=rf"{path} does not hold valid dense experts: .*rows of {H + 5} values"
+    ):
+        _build(ExpertStore.open(tmp_path / "s"), MODULES[0])
+
+
+def _write_dense(root: Path, layers: list[str] = MODULES) -> Path:
+    writer = StoreWriter.prepare(root)
+    writer.begin()
+    for n, module in enumerate(layers):
+        writer.add(module, _dense_layer(seed=n))
+    writer.finish("qwen3_moe", SOURCE)
+    return root
+
+
+def _stale_warnings(caplog, roots: list[Path]) -> tuple[list[str], dict[Path, ExpertStore]]:
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="moetune.store.files"):
+        stores = {root: ExpertStore.open(root) for root in roots}
+    return [r.getMessage() for r in caplog.records if "older moetune" in r.getMessage()], stores
+
+
+def test_a_bf16_store_written_before_this_layout_loads_with_a_warning(tmp_path, monkeypatch, caplog):
+    """bf16 files whose data section is off a cache line (safetensors' own 8-byte alignment, as stores were
+    written before ``DATA_ALIGN``) still load, the same values, with a warning naming the store and the command
+    that rewrites it; so do bf16 rows the engine now pads stored contiguous. A store written now, and a quantized
+    one off the lines (its steps measured level), get none."""
+    # module names 8 bytes apart in length: so are the headers, and the data start at every multiple of 8 mod 64
+    layers = [f"model.layers.{n}.mlp.experts{'_' * 8 * n}" for n in range(8)]
+    monkeypatch.setattr(files, "DATA_ALIGN", 8)
+    old, old_int8 = _write_dense(tmp_path / "old", layers), _write(tmp_path / "old-int8", layers=layers)
+
+    def off_line(root: Path) -> int:
+        return sum(
+            min(i.offset for i in read_header(p).values()) % 64 != 0 for p in root.glob("*.safetensors")
+        )
+
+    assert 0 < off_line(old) < 8 and off_line(old_int8) > 0  # the premise: some files' data are off a line
+    monkeypatch.undo()
+    new = _write_dense(tmp_path / "new", layers)
+    assert off_line(new) == 0
+    warned, stores = _stale_warnings(caplog, [old, old_int8, new])
+    assert len(warned) == 1 and str(old) in warned[0]
+    assert (
+        f"moetune convert SRC {old} --overwrite" in warned[0]
+        and f"{off_line(old)} of its 8 files" in warned[0]
+    )
+    for module in layers:
+        a, b = (_build(stores[root], module)[0].dequantize() for root in (old, new))
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    monkeypatch.setattr(dense, "ALIAS_BYTES", 256)  # now the engine pads the tiny rows: new's are contiguous
+    warned, _ = _stale_warnings(caplog, [new, _write_dense(tmp_path / "padded", layers)])
+    assert len(warned) == 1 and f"store {new} was" in warned[0] and "8 of its 8 files" in warned[0]
 
 
 # ---- writing: atomic, refusing to clobber
