@@ -4,15 +4,11 @@ Nothing here asserts a speed."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from moetune.sysinfo import cpu_info
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.unit.bench.scripts import ROOT, run_script
 
 pytestmark = [
     pytest.mark.slow,  # two kernel builds, ~40 s each
@@ -27,34 +23,15 @@ pytestmark = [
 def test_the_same_kernels_give_equal_outputs_and_every_row():
     """HEAD's kernels against the tree's (the same sources in a clean clone): every product of every format runs
     on both and the outputs are reported equal bit for bit."""
-    run = subprocess.run(
-        [
-            sys.executable,
-            "bench/kernel_ab.py",
-            "--base",
-            "HEAD",
-            "--rows",
-            "1",
-            "9",
-            "--experts",
-            "2",
-            "--reps",
-            "1",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    lines = run.stdout.splitlines()
-    assert lines[0].startswith("bench/kernel_ab.py | ") and "AVX512-BF16" in lines[0]
+    args = ["--base", "HEAD", "--rows", "1", "9", "--experts", "2", "--reps", "1"]
+    lines = run_script("kernel_ab.py", *args, timeout=900)
+    assert "AVX512-BF16" in lines[0]
     rows = [
         line
         for line in lines
         if line.split()[:1] and line.split()[0] in {"bf16", "int8", "int4", "int4-asym", "fp8", "mxfp4"}
     ]
-    assert len(rows) == 6 * 2 * 2, run.stdout  # formats x shapes x row counts
+    assert len(rows) == 6 * 2 * 2, lines  # formats x shapes x row counts
     for row in rows:  # "fmt shape n  base tree ratio mark  base tree ratio mark"
         fields = row.split()
         assert fields[6] == "=" and fields[10] == "=", row
