@@ -132,18 +132,18 @@ class DenseExperts(ExpertFormat):
     @classmethod
     def from_state_tensors(cls, tensors: Mapping[str, torch.Tensor], **params: Any) -> ExpertFormat:
         """As every format's, and padded rows (``state_tensors``) taken as views of their first K columns: K =
-        H for gate_up, I for down, read from the other tensor's shape; each row's length must be K or
-        ``row_stride(K)``."""
+        H for gate_up, I for down, read from the other tensor's shape. Each row's length must be K to K plus one
+        ``PAD_BYTES`` line, whatever ``row_stride`` pads today (a store written under another rule still loads)."""
         views = dict(tensors)
         gate_up, down = views.get("gate_up"), views.get("down")
         if gate_up is not None and down is not None and gate_up.dim() == down.dim() == 3:
             for name, t, k in (("gate_up", gate_up, down.shape[1]), ("down", down, gate_up.shape[1] // 2)):
-                allowed = sorted({k, row_stride(k, t.dtype)})
-                if t.shape[2] not in allowed:
+                most = k + PAD_BYTES // t.element_size()
+                if not k <= t.shape[2] <= most:
                     raise EngineError(
                         f"{cls.name}.from_state_tensors: {name} {tuple(t.shape)} has rows of {t.shape[2]} values; "
-                        f"with gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} they hold {k} "
-                        f"(stored {' or '.join(map(str, allowed))} apart)"
+                        f"with gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} they hold {k}, stored "
+                        f"{k} to {most} apart"
                     )
                 views[name] = t[:, :, :k]
         return super().from_state_tensors(views, **params)

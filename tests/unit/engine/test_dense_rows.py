@@ -139,12 +139,23 @@ def test_weights_held_otherwise_are_given_as_they_are():
     assert again.gate_up.is_contiguous() and torch.equal(again.gate_up, flat)
 
 
-@pytest.mark.parametrize("width", [2047, 2049, 2112])
+def test_stored_rows_padded_under_another_rule_read_back_as_views():
+    """Rows padded by less than a line, or where ``row_stride`` does not pad (2 KiB rows), read back all the same:
+    a store written under another padding rule still loads."""
+    for width in (1025, 1056):
+        down = torch.randn(2, 2048, width).bfloat16()
+        again = DenseExperts.from_state_tensors(
+            {"gate_up": torch.zeros(2, 2048, 2048).bfloat16(), "down": down}
+        )
+        assert isinstance(again, DenseExperts) and again.down.stride(1) == width
+        assert again.down.data_ptr() == down.data_ptr() and torch.equal(again.down, down[:, :, :1024])
+
+
+@pytest.mark.parametrize("width", [2047, 2081, 4096])
 def test_stored_rows_of_another_length_are_refused(width):
     down = torch.zeros(2, 2048, 1024, dtype=torch.bfloat16)
-    with pytest.raises(
-        EngineError, match=rf"gate_up \(2, 2048, {width}\) has rows of {width} values.*hold 2048 "
-    ):
+    match = rf"gate_up \(2, 2048, {width}\) has rows of {width} values.*hold 2048, stored 2048 to 2080 apart"
+    with pytest.raises(EngineError, match=match):
         DenseExperts.from_state_tensors(
             {"gate_up": torch.zeros(2, 2048, width, dtype=torch.bfloat16), "down": down}
         )

@@ -222,7 +222,7 @@ def test_a_dense_store_with_contiguous_rows_still_loads(tmp_path, monkeypatch):
 
 def test_stored_dense_rows_of_another_length_fail_the_build_naming_the_file(tmp_path, monkeypatch):
     layer = _dense_layer()
-    wide = torch.zeros(E, 2 * I, H + 5, dtype=torch.bfloat16)
+    wide = torch.zeros(E, 2 * I, H + 40, dtype=torch.bfloat16)  # more than a line of padding
     monkeypatch.setattr(DenseExperts, "state_tensors", lambda self: {"gate_up": wide, "down": self.down})
     writer = StoreWriter.prepare(tmp_path / "s")
     writer.begin()
@@ -230,7 +230,7 @@ def test_stored_dense_rows_of_another_length_fail_the_build_naming_the_file(tmp_
     writer.finish("qwen3_moe", SOURCE)
     path = tmp_path / "s" / f"{MODULES[0]}.safetensors"
     with pytest.raises(
-        LoadError, match=rf"{path} does not hold valid dense experts: .*rows of {H + 5} values"
+        LoadError, match=rf"{path} does not hold valid dense experts: .*rows of {H + 40} values"
     ):
         _build(ExpertStore.open(tmp_path / "s"), MODULES[0])
 
