@@ -248,7 +248,7 @@ def _run(engines: list[ExpertEngine], seed: int) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("label", ["int8", "fp8_block", "int8_biases"])
+@pytest.mark.parametrize("label", ["int8", "fp8_block", "int8_biases", "bf16_padded"])
 def test_a_rank_pages_only_its_experts_from_disk(stores, label, tmp_path, monkeypatch, one_thread) -> None:
     """``expert_residency: disk`` with a rank's share: the paged engines hold the whole engine's rows of the rank's
     experts byte for byte and compute what the rank's engines in RAM compute, bit for bit; the pager brings in
