@@ -4,7 +4,8 @@ Benchmarks (registered in ``SUITE``, run in this order): ``engine`` (the expert 
 transformers' experts, with the roofline), ``scaling`` (the engine's thread scaling, 1 .. N threads),
 ``model`` (whole-model forward + backward against transformers), ``train_step`` (full LoRA training steps
 against transformers + PEFT), ``pipeline`` (the CPU/device schedule with a simulated device), and the scripts
-under the source tree's ``bench/`` folder (``formats``, ``overhead``, ``residency``, ``profile_engine``), run as
+under the source tree's ``bench/`` folder (``formats``, ``overhead``, ``residency``, ``profile_engine``,
+``row_padding``, ``store_layout``), run as
 subprocesses (recorded as failed, naming the missing script, where moetune is installed without its source
 tree).
 
@@ -244,7 +245,19 @@ SCRIPT_ARGS: dict[str, dict[str, str]] = {  # script -> size -> its options ("fu
         "tiny": "--experts 8 --tokens 16 --modes lora",
         "small": "--experts 16 --tokens 128 512",
     },
+    "row_padding": {
+        "tiny": "--cols 64 2048 --rows 1 9 --tokens 16 --experts 4 --reps 1",
+        "small": "--rows 1 8 32 --experts 32 --tokens 128 512 --reps 3",
+    },
+    "store_layout": {
+        "tiny": "--experts 4 --tokens 16 --reps 1",
+        "small": "--experts 32 --tokens 128 512 --reps 3",
+    },
 }
+DIR_SCRIPTS = (
+    "residency",
+    "store_layout",
+)  # scripts that write files: given a folder under the run's scratch folder
 
 
 def _script_bench(name: str) -> Bench:
@@ -255,8 +268,9 @@ def _script_bench(name: str) -> Bench:
                 f"{script} not found: moetune runs bench/ scripts from its source tree only"
             )
         args = SCRIPT_ARGS[name].get(ctx.size, "").split() + ["--threads", str(ctx.threads)]
-        if name == "residency":
-            args += ["--dir", str(ctx.workdir / "residency")]
+        if name in DIR_SCRIPTS:
+            (ctx.workdir / name).mkdir(parents=True, exist_ok=True)
+            args += ["--dir", str(ctx.workdir / name)]
         ctx.shapes = {"argv": " ".join(args)}
         env = {
             **os.environ,
