@@ -1,7 +1,7 @@
 """``manifest.json`` of a pre-quantized expert store: what was converted, from what, into which files.
 
     {
-      "moetune_store": 1,                       format version of this layout
+      "moetune_store": 2,                       format version of this layout
       "model_type": "qwen3_moe",
       "format": "int4", "params": {"group_size": 64, "symmetric": true},
       "source": {"path": ..., "config_sha256": ..., "files": [[name, size], ...], "fingerprint": ...},
@@ -10,6 +10,11 @@
       "files": {"model.layers.0.mlp.experts.safetensors": {"size": ..., "sha256": ...,
                 "experts_sha256": [...]}, ...}
     }
+
+Versions: 2 lays each file out for the mapping the engine computes on (``StoreWriter``: the data section on a page,
+the weights first, dense bf16 rows padded as the engine holds them, ``[E, O, K + 32]``); 1 wrote safetensors' own
+layout (contiguous rows, data 8-byte aligned). Both are read; a version-1 bf16 store gets a warning
+(``ExpertStore.open``), and an older moetune refuses version 2 by name instead of failing on a padded shape.
 
 ``experts_sha256`` (one per expert: ``moetune.store.files.experts_sha256``) lets a rank of ``expert_parallel:
 sharded`` verify the experts it holds without reading the others; stores written before it have none (the
@@ -33,7 +38,7 @@ from typing import Any, Protocol
 from moetune.errors import LoadError
 
 MANIFEST = "manifest.json"
-VERSION = 1  # bump when the layout of stores changes; older readers then refuse newer stores by name
+VERSION = 2  # bump when the layout of stores changes; older readers then refuse newer stores by name
 FINGERPRINT_BYTES = 1 << 20  # per shard: its header and the start of its data
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
 

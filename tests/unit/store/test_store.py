@@ -254,8 +254,9 @@ def _stale_warnings(caplog, roots: list[Path]) -> tuple[list[str], dict[Path, Ex
 def test_a_bf16_store_written_before_this_layout_loads_with_a_warning(tmp_path, monkeypatch, caplog):
     """bf16 files whose data section is off a cache line (safetensors' own 8-byte alignment, as stores were
     written before ``DATA_ALIGN``) still load, the same values, with a warning naming the store and the command
-    that rewrites it; so do bf16 rows the engine now pads stored contiguous. A store written now, and a quantized
-    one off the lines (its steps measured level), get none."""
+    that rewrites it (their manifests at format version 1, as older moetunes wrote them); so do bf16 rows the
+    engine now pads stored contiguous. A store written now (version 2), and a quantized one off the lines (its
+    steps measured level), get none."""
     # module names 8 bytes apart in length: so are the headers, and the data start at every multiple of 8 mod 64
     layers = [f"model.layers.{n}.mlp.experts{'_' * 8 * n}" for n in range(8)]
     monkeypatch.setattr(files, "DATA_ALIGN", 8)
@@ -267,9 +268,13 @@ def test_a_bf16_store_written_before_this_layout_loads_with_a_warning(tmp_path, 
         )
 
     assert 0 < off_line(old) < 8 and off_line(old_int8) > 0  # the premise: some files' data are off a line
+    for root in (old, old_int8):  # as older moetunes wrote the manifest: format version 1
+        manifest = json.loads((root / MANIFEST).read_text())
+        manifest["moetune_store"] = 1
+        (root / MANIFEST).write_text(json.dumps(manifest))
     monkeypatch.undo()
     new = _write_dense(tmp_path / "new", layers)
-    assert off_line(new) == 0
+    assert off_line(new) == 0 and json.loads((new / MANIFEST).read_text())["moetune_store"] == 2
     warned, stores = _stale_warnings(caplog, [old, old_int8, new])
     assert len(warned) == 1 and str(old) in warned[0]
     assert (
@@ -421,7 +426,7 @@ def test_header_that_disagrees_with_the_manifest(tmp_path):
     [
         (lambda m: m.pop("layers"), r"field 'layers' is missing or malformed"),
         (lambda m: m["files"].clear(), r"layer file\(s\) \[.*\] have no size and SHA-256"),
-        (lambda m: m.update(moetune_store=99), r"store format version 99; this moetune reads versions 1..1"),
+        (lambda m: m.update(moetune_store=99), r"store format version 99; this moetune reads versions 1..2"),
         (
             lambda m: m.update(format="int3"),
             r"unknown expert weight format 'int3'; supported: dense, fp8_block",
