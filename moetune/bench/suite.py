@@ -254,10 +254,8 @@ SCRIPT_ARGS: dict[str, dict[str, str]] = {  # script -> size -> its options ("fu
         "small": "--experts 32 --tokens 128 512 --reps 3",
     },
 }
-DIR_SCRIPTS = (
-    "residency",
-    "store_layout",
-)  # scripts that write files: given a folder under the run's scratch folder
+# scripts that write files: given a folder under the run's scratch folder
+DIR_SCRIPTS = ("residency", "store_layout")
 
 
 def _script_bench(name: str) -> Bench:

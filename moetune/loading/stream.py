@@ -47,11 +47,22 @@ def _deinterleave(t: torch.Tensor) -> torch.Tensor:
     return torch.cat((t[0::2], t[1::2]))
 
 
+def _dense_weights(
+    layout: ExpertsLayout, dtype: torch.dtype, experts: int, engine_layout: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized gate_up ``[E, 2I, H]`` and down ``[E, H, I]`` for ``experts`` experts: where the engine will
+    hold them (``engine_layout``: dense format), their rows as ``DenseExperts.empty`` lays them out (maybe padded);
+    else contiguous (quantized from)."""
+    i, h = layout.intermediate_size, layout.hidden_size
+    if engine_layout:
+        return DenseExperts.empty(experts, i, h, dtype)
+    return torch.empty(experts, 2 * i, h, dtype=dtype), torch.empty(experts, h, i, dtype=dtype)
+
+
 class _LayerBuffers:
     """One layer's engine tensors, filled slice by slice: those of ``experts`` (global ids; default every
-    expert of the layer), the first of them at index 0. ``engine_layout``: the engine will hold them (dense
-    format), so their rows are laid out as ``DenseExperts.empty`` lays them out; else contiguous (quantized from,
-    then reused for the next layer)."""
+    expert of the layer), the first of them at index 0. ``engine_layout``: the engine will hold them
+    (``_dense_weights``); else they are quantized from, then reused for the next layer."""
 
     def __init__(
         self,
@@ -63,11 +74,7 @@ class _LayerBuffers:
         self.experts = range(layout.num_experts) if experts is None else experts
         e, h, i = len(self.experts), layout.hidden_size, layout.intermediate_size
         self.layout = layout
-        if engine_layout:  # [E, 2I, H], [E, H, I], rows maybe padded
-            self.gate_up, self.down = DenseExperts.empty(e, i, h, dtype)
-        else:
-            self.gate_up = torch.empty(e, 2 * i, h, dtype=dtype)  # [E, 2I, H]
-            self.down = torch.empty(e, h, i, dtype=dtype)  # [E, H, I]
+        self.gate_up, self.down = _dense_weights(layout, dtype, e, engine_layout)  # [E, 2I, H], [E, H, I]
         self.gate_up_bias = torch.empty(e, 2 * i, dtype=dtype) if layout.has_bias else None  # [E, 2I]
         self.down_bias = torch.empty(e, h, dtype=dtype) if layout.has_bias else None  # [E, H]
 
@@ -203,9 +210,8 @@ def build_engine(
     if stored is not None and layer.method is not None:
         if choice == layer.method.native:
             weights = stored
-        else:  # dense: dequantized straight into the layout the engine holds (rows maybe padded, as _LayerBuffers')
-            e, i, h = len(held), lay.intermediate_size, lay.hidden_size
-            out = DenseExperts.empty(e, i, h, dtype) if choice.keeps_input else None
+        else:  # dense: dequantized straight into the layout the engine holds
+            out = _dense_weights(lay, dtype, len(held), choice.keeps_input)
             weights = choice.from_dense(*stored.dequantize(dtype, out))
     else:
         weights = choice.from_dense(buffers.gate_up, buffers.down)

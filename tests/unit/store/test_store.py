@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,8 +19,9 @@ from safetensors.torch import load_file
 
 from moetune.arch import ExpertsSite
 from moetune.arch.detect import ExpertsLayout
+from moetune.bench.runners import as_loaded
 from moetune.config import parse_config
-from moetune.engine.formats import FORMATS, DenseExperts, dense
+from moetune.engine.formats import FORMATS, DenseExperts, ExpertFormat, dense
 from moetune.errors import ConfigError, EngineError, LoadError
 from moetune.store import files
 from moetune.store.destination import staging_paths
@@ -39,20 +41,25 @@ def _site(path: str, e: int = E, h: int = H, i: int = I, bias: bool = True) -> E
 
 
 def _write(
-    root: Path, case=CASES[1], layers=MODULES, bias: bool = True, fail_after: int | None = None
+    root: Path,
+    case=CASES[1],
+    layers=MODULES,
+    bias: bool = True,
+    fail_after: int | None = None,
+    build: Callable[[int], ExpertFormat] | None = None,
 ) -> Path:
-    """A store of ``case``'s format, one Gaussian layer per module (seed = its index), biases included."""
+    """A store of ``case``'s format, one Gaussian layer per module (seed = its index), biases included; ``build``:
+    the layer of each index instead (``_dense_layer``)."""
     writer = StoreWriter.prepare(root)
     writer.begin()
     for n, module in enumerate(layers):
         if n == fail_after:
             raise RuntimeError("injected failure mid-conversion")
-        gate_up, down = gaussian(seed=n)
         gen = torch.Generator().manual_seed(100 + n)
         biases = (
             (torch.randn(E, 2 * I, generator=gen), torch.randn(E, H, generator=gen)) if bias else (None, None)
         )
-        writer.add(module, case.build(gate_up, down), *biases)
+        writer.add(module, case.build(*gaussian(seed=n)) if build is None else build(n), *biases)
     writer.finish("qwen3_moe", SOURCE)
     return root
 
@@ -171,10 +178,7 @@ def test_each_file_starts_its_data_on_a_page_and_stock_safetensors_reads_it(case
 
 def _dense_layer(seed: int = 0) -> DenseExperts:
     """bf16 dense experts in the engine's layout (``DenseExperts.empty``)."""
-    gate_up, down = DenseExperts.empty(E, I, H, torch.bfloat16)
-    for dst, src in zip((gate_up, down), gaussian(seed=seed)):
-        dst.copy_(src)
-    return DenseExperts(gate_up, down)
+    return DenseExperts(*as_loaded(*(t.bfloat16() for t in gaussian(seed=seed))))
 
 
 def test_padded_dense_rows_are_stored_padded_and_mapped_as_they_are(tmp_path, monkeypatch):
@@ -182,13 +186,8 @@ def test_padded_dense_rows_are_stored_padded_and_mapped_as_they_are(tmp_path, mo
     are written with their padding (zeros), and the store's experts are views of the mapping with the same row
     strides: nothing copied, nothing laid out anew."""
     monkeypatch.setattr(dense, "ALIAS_BYTES", 256)
+    store = ExpertStore.open(_write(tmp_path / "s", bias=False, build=_dense_layer))
     want = [_dense_layer(seed=n) for n in range(len(MODULES))]
-    writer = StoreWriter.prepare(tmp_path / "s")
-    writer.begin()
-    for module, fmt in zip(MODULES, want):
-        writer.add(module, fmt)
-    writer.finish("qwen3_moe", SOURCE)
-    store = ExpertStore.open(tmp_path / "s")
     for module, ref in zip(MODULES, want):
         mapped = store.map_layer(module)
         stored = load_file(str(mapped.path))
@@ -208,12 +207,9 @@ def test_padded_dense_rows_are_stored_padded_and_mapped_as_they_are(tmp_path, mo
 def test_a_dense_store_with_contiguous_rows_still_loads(tmp_path, monkeypatch):
     """A store whose dense rows were written contiguous (before padding, or by a build that does not pad them)
     loads as it is where the engine would pad them: contiguous views of the mapping."""
-    writer = StoreWriter.prepare(tmp_path / "s")
-    writer.begin()
-    writer.add(MODULES[0], _dense_layer())
-    writer.finish("qwen3_moe", SOURCE)
+    root = _write(tmp_path / "s", layers=MODULES[:1], bias=False, build=_dense_layer)
     monkeypatch.setattr(dense, "ALIAS_BYTES", 256)
-    store = ExpertStore.open(tmp_path / "s")
+    store = ExpertStore.open(root)
     fmt, _, _ = _build(store, MODULES[0])
     assert isinstance(fmt, DenseExperts) and fmt.gate_up.is_contiguous() and fmt.down.is_contiguous()
     gate_up, down = gaussian()
@@ -221,13 +217,9 @@ def test_a_dense_store_with_contiguous_rows_still_loads(tmp_path, monkeypatch):
 
 
 def test_stored_dense_rows_of_another_length_fail_the_build_naming_the_file(tmp_path, monkeypatch):
-    layer = _dense_layer()
     wide = torch.zeros(E, 2 * I, H + 40, dtype=torch.bfloat16)  # more than a line of padding
     monkeypatch.setattr(DenseExperts, "state_tensors", lambda self: {"gate_up": wide, "down": self.down})
-    writer = StoreWriter.prepare(tmp_path / "s")
-    writer.begin()
-    writer.add(MODULES[0], layer)
-    writer.finish("qwen3_moe", SOURCE)
+    _write(tmp_path / "s", layers=MODULES[:1], bias=False, build=_dense_layer)
     path = tmp_path / "s" / f"{MODULES[0]}.safetensors"
     with pytest.raises(
         LoadError, match=rf"{path} does not hold valid dense experts: .*rows of {H + 40} values"
@@ -235,13 +227,8 @@ def test_stored_dense_rows_of_another_length_fail_the_build_naming_the_file(tmp_
         _build(ExpertStore.open(tmp_path / "s"), MODULES[0])
 
 
-def _write_dense(root: Path, layers: list[str] = MODULES) -> Path:
-    writer = StoreWriter.prepare(root)
-    writer.begin()
-    for n, module in enumerate(layers):
-        writer.add(module, _dense_layer(seed=n))
-    writer.finish("qwen3_moe", SOURCE)
-    return root
+def _write_dense(root: Path, layers: list[str]) -> Path:
+    return _write(root, layers=layers, bias=False, build=_dense_layer)
 
 
 def _stale_warnings(caplog, roots: list[Path]) -> tuple[list[str], dict[Path, ExpertStore]]:
