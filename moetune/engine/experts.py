@@ -370,12 +370,14 @@ class ExpertEngine:
         gh_all = self.ws.get("gh", (n, i), cd)  # [N, I]: grad at the activation's output
         gxs = self.ws.get("gxs", (n, h), cd)  # [N, H]: grad at the sorted inputs
         gw_sorted = torch.empty(n, dtype=cd)  # [N]: grad of the routing weights, sorted
-        lora_g = lora_pass.zero_grads() if lora_pass is not None else {}
         base_g = BaseGrads() if plan.base_grads else None
         # why fp32: these are summed over micro-batches (fp64 for an fp64 engine, as its LoRA grads)
         gdt = torch.promote_types(cd, torch.float32)
 
         batch = self._lora_batch(lora_pass, disp)
+        # a batched pass writes every expert's LoRA grads, so they need no zeros first (per expert, experts without
+        # rows are never visited)
+        lora_g = lora_pass.zero_grads(zeroed=batch is None) if lora_pass is not None else {}
         own = self._own_lora(lora_pass, batch)  # own(run): its experts with per-expert LoRA terms
         ggu_all = None  # [N, 2I] grad at gate_up, kept between the two loops when LoRA runs batched
         if batch is not None:

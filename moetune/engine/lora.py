@@ -338,13 +338,15 @@ class LoraPass:
         split.mm_t(a_proj, g_out, grads[f"{proj}_B"][e].t())
         grads[f"{proj}_B"][e].mul_(s)
 
-    def zero_grads(self) -> dict[str, torch.Tensor]:
-        """Zeroed grads shaped like the four tensors in the engine's order (gate_up_B ``[E, 2I, r]``), keyed by
+    def zero_grads(self, zeroed: bool = True) -> dict[str, torch.Tensor]:
+        """Grads shaped like the four tensors in the engine's order (gate_up_B ``[E, 2I, r]``), keyed by
         ``LORA_NAMES``: fp32 at least (fp64 for fp64 LoRA), so that accumulating them over many micro-batches
-        loses nothing."""
+        loses nothing. Zeroed, or (``zeroed`` False) left uninitialised for a pass that writes every expert's
+        grads (a batched pass: ``LoraBatch.backward_weights`` and the per-expert terms of its large experts)."""
         (a1, b1), (a2, b2) = self._ab["gate_up"], self._ab["down"]
+        new = torch.zeros if zeroed else torch.empty
         return {
-            name: torch.zeros(t.shape, dtype=torch.promote_types(p.dtype, torch.float32))
+            name: new(t.shape, dtype=torch.promote_types(p.dtype, torch.float32))
             for name, t, p in zip(LORA_NAMES, (a1, b1, a2, b2), self.lora.tensors())
         }
 

@@ -175,7 +175,8 @@ class LoraBatch:
         w: torch.Tensor | None,
         grads: dict[str, torch.Tensor],
     ) -> None:
-        """The chunk's experts' A and B grads into ``grads`` (fp32, from ``LoraPass.zero_grads``), after
+        """The chunk's experts' A and B grads written into ``grads`` (fp32, from ``LoraPass.zero_grads``; its large
+        experts' left to their per-expert terms), after
         :meth:`backward_input` on the same chunk, from the projection's input inp ``[N, D_in]``. The gradient at the
         output is unweighted for down (w ``[N, 1]`` the routing weights, applied here) and already weighted for
         gate_up (w None); a_proj ``[N, r]`` is inp's A-projection as forward computed it, or None to recompute it."""
@@ -196,7 +197,22 @@ class LoraBatch:
         # r = 8, m = 14, one thread; the bmm itself 0.9-1.15x either way)
         grad_b = self.slots(f"{proj}_grad_b", chunk, (d_out, r), gb.dtype)  # [e, D_out, r]
         torch.bmm(g_pad.transpose(1, 2), xa * factor, out=grad_b)
-        # added to the zeros of zero_grads (exact), so a large expert's per-expert grads, written first for down,
-        # get + 0
-        grads[f"{proj}_A"][e0:e1].add_(grad_a)
-        grads[f"{proj}_B"][e0:e1].add_(grad_b)
+        # written (converted to the grads' fp32), every expert but the large ones, whose per-expert grads come
+        # before (down) or after (gate_up): zero_grads leaves a batched pass's grads uninitialised. (Added to zeros
+        # instead, the mixed-dtype add_ converted each product into a fresh fp32 temporary first: a zero fill and
+        # a copy of 25 MB per step at E = 128, H = 2048, r = 8, most of it page faults.)
+        for lo, hi in self._batched_within(e0, e1):
+            grads[f"{proj}_A"][lo:hi].copy_(grad_a[lo - e0 : hi - e0])
+            grads[f"{proj}_B"][lo:hi].copy_(grad_b[lo - e0 : hi - e0])
+
+    def _batched_within(self, e0: int, e1: int) -> list[tuple[int, int]]:
+        """The runs ``[a, b)`` of consecutive experts in ``[e0, e1)`` that are not large (the batch's own)."""
+        runs: list[tuple[int, int]] = []
+        for e in range(e0, e1):
+            if self.large[e]:
+                continue
+            if runs and runs[-1][1] == e:
+                runs[-1] = (runs[-1][0], e + 1)
+            else:
+                runs.append((e, e + 1))
+        return runs

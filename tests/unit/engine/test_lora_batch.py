@@ -22,6 +22,19 @@ def _pass(dtype=torch.bfloat16, seed=None, E=8) -> LoraPass:
     return LoraPass(lora, dtype, seed)
 
 
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """``torch.empty`` that fills floating tensors with NaN: memory left uninitialised and read before it is written
+    (a grad the batched pass was to write and did not) shows, where fresh pages would read as zeros."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
 def _ids(counts: list[int]) -> torch.Tensor:
     """top-1 routing ``[T, 1]`` giving expert e counts[e] rows, shuffled."""
     flat = torch.cat([torch.full((c,), e, dtype=torch.int64) for e, c in enumerate(counts)])
@@ -95,7 +108,9 @@ def _case(seed=0):
 @pytest.mark.parametrize("workers", [1, 4])
 @pytest.mark.parametrize("policy", ["retain", "recompute"])
 @pytest.mark.parametrize("mode", ["lora", "full+lora"])
-def test_batched_lora_engine_matches_float64_loop(policy, mode, workers, four_threads, monkeypatch):
+def test_batched_lora_engine_matches_float64_loop(
+    policy, mode, workers, four_threads, monkeypatch, nan_empty
+):
     """One chunk of experts, or four run by the expert pool (each writes its own rows and grad slices)."""
     layer, x, ids, w, gy = _case()
     full = mode.startswith("full")
@@ -130,9 +145,10 @@ def test_batched_lora_engine_matches_float64_loop(policy, mode, workers, four_th
 
 @pytest.mark.parametrize("policy", ["retain", "recompute"])
 @pytest.mark.parametrize("mode", ["lora", "full+lora"])
-def test_few_row_experts_batched_beside_large_ones_per_expert(policy, mode, monkeypatch):
+def test_few_row_experts_batched_beside_large_ones_per_expert(policy, mode, monkeypatch, nan_empty):
     """Expert 0 gets 45 rows (per expert), the others 0-9 (batched): the batch writes first, the per-expert terms
-    of expert 0 replace its rows and its grads get the batch's + 0; all against the float64 loop."""
+    of expert 0 replace its rows and write its grads, which the batch leaves alone; all against the float64 loop,
+    every grad written (``nan_empty``: the pass's grads start uninitialised)."""
     layer = make_layer(E=8, H=64, I=32, r=4)
     layer.gate_up, layer.down = layer.gate_up.bfloat16().double(), layer.down.bfloat16().double()
     ids = _ids([45, 3, 9, 0, 7, 2, 9, 4])
