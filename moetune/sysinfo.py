@@ -1,4 +1,5 @@
-"""Facts about the host CPU that the engine and ``moetune doctor`` need, and this process's peak memory.
+"""Facts about the host CPU that the engine and ``moetune doctor`` need, this process's peak memory, and whether
+torch's allocations get transparent huge pages.
 
 Read from Linux's /proc and /sys where present; every function degrades to a safe answer elsewhere.
 """
@@ -188,3 +189,37 @@ def peak_rss_bytes() -> int:
                 return int(line.split()[1]) * 1024  # "VmHWM:  123456 kB"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+# torch's CPU allocator reads this once, at its first allocation: "1" makes it page-align its blocks of 2 MiB or
+# more and madvise(MADV_HUGEPAGE) them (off by default; docs/performance.md, "Huge pages for torch's allocations")
+THP_ENV = "THP_MEM_ALLOC_ENABLE"
+THP_SYSFS = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_mode(path: Path = THP_SYSFS) -> str:
+    """The kernel's transparent huge page mode, the bracketed word of ``path`` ("always", "madvise" or "never"),
+    or "unknown" where the file is missing or unreadable (not Linux, or a kernel without THP)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return "unknown"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else "unknown"
+
+
+def torch_advises_huge_pages() -> bool:
+    """Whether torch's CPU allocator in this process advises huge pages: ``THP_MEM_ALLOC_ENABLE`` is on (a non-zero
+    number) in the environment and was when torch first allocated, which the blocks show: with it, torch aligns blocks of 2 MiB
+    or more to a page (then ``madvise``s them), without it to 64 bytes, which glibc's large blocks sit 64 bytes
+    past a page with. (An allocator preloaded in glibc's place may page-align large blocks anyway: then this reads
+    the environment alone.)"""
+    import mmap
+
+    import torch
+
+    value = os.environ.get(THP_ENV, "").strip()
+    if not (value.isdigit() and int(value)):  # as torch reads it (atoi: a non-zero number)
+        return False
+    blocks = [torch.empty(2 << 20, dtype=torch.uint8) for _ in range(4)]  # held together: 4 distinct blocks
+    return all(b.data_ptr() % mmap.PAGESIZE == 0 for b in blocks)

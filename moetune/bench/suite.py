@@ -249,6 +249,10 @@ SCRIPT_ARGS: dict[str, dict[str, str]] = {  # script -> size -> its options ("fu
         "tiny": "--cols 64 2048 --rows 1 9 --tokens 16 --experts 4 --reps 1",
         "small": "--rows 1 8 32 --experts 32 --tokens 128 512 --reps 3",
     },
+    "huge_pages": {
+        "tiny": "--experts 4 --hidden 64 --inter 32 --tokens 16 --top-k 2 --reps 1 --rounds 1",
+        "small": "--experts 32 --tokens 128 512 --reps 2 --rounds 2",
+    },
     "store_layout": {
         "tiny": "--experts 4 --tokens 16 --reps 1",
         "small": "--experts 32 --tokens 128 512 --reps 3",

@@ -18,7 +18,13 @@ from moetune.doctor.memory import check_memory
 from moetune.doctor.packages import check_install, check_packages, check_python
 from moetune.doctor.threads import check_threads
 from moetune.engine import resolve_compute_dtype
-from moetune.sysinfo import cgroup_cpu_quota, cpu_info, default_num_threads
+from moetune.sysinfo import (
+    cgroup_cpu_quota,
+    cpu_info,
+    default_num_threads,
+    thp_mode,
+    torch_advises_huge_pages,
+)
 
 
 def guarded(name: str, check: Callable[[], Check]) -> Check:
@@ -63,7 +69,7 @@ def run_checks(*, selftest: bool = True) -> list[Check]:
             "threads",
             lambda: check_threads(cpu_info(), default_num_threads(), os.cpu_count() or 1, cgroup_cpu_quota()),
         ),
-        guarded("memory", check_memory),
+        guarded("memory", lambda: check_memory(thp_mode(), torch_advises_huge_pages())),
         guarded(
             "gemm",
             lambda: check_gemm(gemm_tflops(torch.bfloat16), gemm_tflops(torch.float32), onednn_bf16_kernel()),

@@ -1,6 +1,11 @@
-"""Host facts the engine's defaults depend on: the cgroup CPU quota and the default thread count."""
+"""Host facts the engine's defaults depend on: the cgroup CPU quota, the default thread count, and transparent huge
+pages (the kernel's mode, and whether torch's allocator asks for them)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 from moetune import sysinfo
 from moetune.sysinfo import CpuInfo, cgroup_cpu_quota, default_num_threads, parse_cpu_quota
@@ -51,3 +56,36 @@ def test_a_child_does_not_report_its_parents_peak() -> None:
     )
     del ballast
     assert child < 256 << 20, child  # a bare interpreter plus moetune.sysinfo: tens of MiB
+
+
+def test_thp_mode_is_the_bracketed_word(tmp_path):
+    f = tmp_path / "enabled"
+    f.write_text("always [madvise] never\n")
+    assert sysinfo.thp_mode(f) == "madvise"
+    f.write_text("[always] madvise never\n")
+    assert sysinfo.thp_mode(f) == "always"
+    f.write_text("garbled\n")
+    assert sysinfo.thp_mode(f) == "unknown"
+    assert sysinfo.thp_mode(tmp_path / "missing") == "unknown"
+
+
+def _advised(env: dict[str, str], before: str = "") -> bool:
+    """torch_advises_huge_pages() in a fresh process started with ``env`` (THP_MEM_ALLOC_ENABLE removed first),
+    after ``before`` (Python run first)."""
+    script = (
+        f"{before}\nfrom moetune.sysinfo import torch_advises_huge_pages\nprint(torch_advises_huge_pages())"
+    )
+    base = {k: v for k, v in os.environ.items() if k != sysinfo.THP_ENV}
+    run = subprocess.run(
+        [sys.executable, "-c", script], env={**base, **env}, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return {"True": True, "False": False}[run.stdout.split()[-1]]
+
+
+def test_torch_advises_huge_pages_as_torch_read_the_environment_at_its_first_allocation():
+    assert _advised({sysinfo.THP_ENV: "1"}) is True
+    assert _advised({}) is False and _advised({sysinfo.THP_ENV: "0"}) is False
+    # set after torch's first allocation: torch never sees it, and the check says so
+    late = "import os, torch\nx = torch.empty(1 << 20)\nos.environ['THP_MEM_ALLOC_ENABLE'] = '1'"
+    assert _advised({}, before=late) is False

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import subprocess
+import sys
 from functools import partial
 
 import pytest
@@ -20,6 +23,7 @@ from moetune.doctor import (
     check_engine,
     check_gpu,
     check_install,
+    check_memory,
     check_packages,
     check_python,
     check_threads,
@@ -101,6 +105,34 @@ def test_cpu_isa():
     assert check_cpu(cpu(isa=()), "aarch64", "DEFAULT", torch.float32).status is Status.OK
     native = check_cpu(cpu(isa=("AMX-BF16", "AVX512F", "AVX2")), "x86_64", "AVX512", torch.bfloat16)
     assert any("compute in bfloat16 (native" in d for d in native.details)
+
+
+def test_memory_reports_the_kernels_huge_page_mode_and_torchs_allocator():
+    on = check_memory("madvise", True)
+    assert on.status is Status.OK and not on.fix
+    assert on.details == ("transparent huge pages: kernel mode madvise; torch's allocator advises them: yes "
+                          "(THP_MEM_ALLOC_ENABLE)",)  # fmt: skip
+    off = check_memory("never", False)
+    assert off.status is Status.OK and off.details[0].endswith("kernel mode never; torch's allocator advises them: "
+                                                               "no (THP_MEM_ALLOC_ENABLE)")  # fmt: skip
+
+
+def test_the_command_reports_torchs_huge_pages_as_the_process_started():
+    """``moetune doctor`` in a fresh process (the command's own entry point): torch advises huge pages when the
+    environment sets THP_MEM_ALLOC_ENABLE=1, not when it leaves it unset (torch's default)."""
+    base = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    entry = "import sys; from moetune.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    seen = {}
+    for label, env in (("unset", {}), ("1", {"THP_MEM_ALLOC_ENABLE": "1"})):
+        run = subprocess.run(
+            [sys.executable, "-c", entry, "doctor", "--json", "--skip-selftest"],
+            env={**base, **env}, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-2000:]
+        (memory,) = [c for c in json.loads(run.stdout)["checks"] if c["name"] == "memory"]
+        seen[label] = memory["details"][0]
+    assert seen["unset"].endswith("advises them: no (THP_MEM_ALLOC_ENABLE)"), seen
+    assert seen["1"].endswith("advises them: yes (THP_MEM_ALLOC_ENABLE)"), seen
 
 
 def test_threads_against_quota():
