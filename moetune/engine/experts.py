@@ -377,7 +377,7 @@ class ExpertEngine:
         batch = self._lora_batch(lora_pass, disp)
         # a batched pass writes every expert's LoRA grads, so they need no zeros first (per expert, experts without
         # rows are never visited)
-        lora_g = lora_pass.zero_grads(zeroed=batch is None) if lora_pass is not None else {}
+        lora_g = lora_pass.new_grads(zeroed=batch is None) if lora_pass is not None else {}
         own = self._own_lora(lora_pass, batch)  # own(run): its experts with per-expert LoRA terms
         ggu_all = None  # [N, 2I] grad at gate_up, kept between the two loops when LoRA runs batched
         if batch is not None:

@@ -311,7 +311,7 @@ class LoraPass:
         weights w_e ``[n, 1]`` applied to the LoRA grads here; already weighted for gate_up (w_e None).
         Writes the LoRA term into g_in ``[n, D_in]``, the gradient at inp ``[n, D_in]`` (the caller's base GEMM
         then accumulates into it), and writes expert e's
-        grads of A ``[r, D_in]`` and B ``[D_out, r]`` into ``grads`` (fp32, from ``zero_grads``).
+        grads of A ``[r, D_in]`` and B ``[D_out, r]`` into ``grads`` (fp32, from ``new_grads``).
         ``a_proj`` ``[n, r]`` is drop(inp) A_e^T as forward computed it, or None to recompute it here.
         """
         s = self.lora.scaling
@@ -338,7 +338,7 @@ class LoraPass:
         split.mm_t(a_proj, g_out, grads[f"{proj}_B"][e].t())
         grads[f"{proj}_B"][e].mul_(s)
 
-    def zero_grads(self, zeroed: bool = True) -> dict[str, torch.Tensor]:
+    def new_grads(self, zeroed: bool) -> dict[str, torch.Tensor]:
         """Grads shaped like the four tensors in the engine's order (gate_up_B ``[E, 2I, r]``), keyed by
         ``LORA_NAMES``: fp32 at least (fp64 for fp64 LoRA), so that accumulating them over many micro-batches
         loses nothing. Zeroed, or (``zeroed`` False) left uninitialised for a pass that writes every expert's

@@ -175,7 +175,7 @@ class LoraBatch:
         w: torch.Tensor | None,
         grads: dict[str, torch.Tensor],
     ) -> None:
-        """The chunk's experts' A and B grads written into ``grads`` (fp32, from ``LoraPass.zero_grads``; its large
+        """The chunk's experts' A and B grads written into ``grads`` (fp32, from ``LoraPass.new_grads``; its large
         experts' left to their per-expert terms), after
         :meth:`backward_input` on the same chunk, from the projection's input inp ``[N, D_in]``. The gradient at the
         output is unweighted for down (w ``[N, 1]`` the routing weights, applied here) and already weighted for
@@ -198,7 +198,7 @@ class LoraBatch:
         grad_b = self.slots(f"{proj}_grad_b", chunk, (d_out, r), gb.dtype)  # [e, D_out, r]
         torch.bmm(g_pad.transpose(1, 2), xa * factor, out=grad_b)
         # written (converted to the grads' fp32), every expert but the large ones, whose per-expert grads come
-        # before (down) or after (gate_up): zero_grads leaves a batched pass's grads uninitialised. (Added to zeros
+        # before (down) or after (gate_up): new_grads leaves a batched pass's grads uninitialised. (Added to zeros
         # instead, the mixed-dtype add_ converted each product into a fresh fp32 temporary first: a zero fill and
         # a copy of 25 MB per step at E = 128, H = 2048, r = 8, most of it page faults.)
         for lo, hi in self._batched_within(e0, e1):

@@ -155,7 +155,7 @@ def test_lora_pass_equals_its_reference(n: int, dtype: torch.dtype, seed: int | 
                     lp = LoraPass(lo, dtype, seed, rs, Workspace())
                     out, a_out = torch.empty(n, 48, dtype=dtype), torch.empty(n, 6, dtype=dtype)
                     lp.forward_run("gate_up", ((2, 0, n),), inp, out, a_out)
-                    g_in, grads = torch.empty(n, 40, dtype=dtype), lp.zero_grads()
+                    g_in, grads = torch.empty(n, 40, dtype=dtype), lp.new_grads(zeroed=True)
                     a_proj, w = (a_out if keep_proj else None), (w_e if weighted else None)
                     lp.backward_run("gate_up", ((2, 0, n),), grads, g_out, g_in, inp, a_proj, w)
                     results.append((out, a_out, g_in, *grads.values()))
@@ -249,7 +249,7 @@ def test_lora_runs_equal_their_reference(dtype: torch.dtype) -> None:
         lp = LoraPass(lo, dtype, None, rs, Workspace())
         out, a_out = torch.zeros(120, 48, dtype=dtype), torch.zeros(120, 6, dtype=dtype)
         lp.forward_run("gate_up", segs, inp, out, a_out)
-        g_in, grads = torch.zeros(120, 40, dtype=dtype), lp.zero_grads()
+        g_in, grads = torch.zeros(120, 40, dtype=dtype), lp.new_grads(zeroed=True)
         lp.backward_run("gate_up", segs, grads, g_run, g_in, inp, a_out, w, g_out_offset=10)
         results.append((out, a_out, g_in, *grads.values()))
     for x, y in zip(*results):
