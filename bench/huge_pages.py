@@ -12,8 +12,9 @@ every round, so that drift falls on both alike), each child timing ``--reps`` en
 process CPU time, after one warm-up) per (T, mode) on the engine benchmark's layer (``moetune.bench.runners``:
 bf16 weights laid out as the loader lays them out, LoRA r = 8). Printed per (T, mode): the median over all
 rounds' reps for each setting, off / on (> 1: huge pages are faster), each child's median (the spread between
-processes), and the anonymous huge pages the children held (``AnonHugePages`` of ``/proc/self/smaps_rollup``). Not a test: a machine's answer, at the moment it ran
-(docs/performance.md, "Huge pages for torch's allocations"), for deciding whether to export the variable.
+processes), and the anonymous huge pages the children held (``AnonHugePages`` of ``/proc/self/smaps_rollup``).
+Not a test: a machine's answer, at the moment it ran (docs/performance.md, "Huge pages for torch's allocations"),
+for deciding whether to export the variable.
 """
 
 from __future__ import annotations

@@ -210,10 +210,10 @@ def thp_mode(path: Path = THP_SYSFS) -> str:
 
 def torch_advises_huge_pages() -> bool:
     """Whether torch's CPU allocator in this process advises huge pages: ``THP_MEM_ALLOC_ENABLE`` is on (a non-zero
-    number) in the environment and was when torch first allocated, which the blocks show: with it, torch aligns blocks of 2 MiB
-    or more to a page (then ``madvise``s them), without it to 64 bytes, which glibc's large blocks sit 64 bytes
-    past a page with. (An allocator preloaded in glibc's place may page-align large blocks anyway: then this reads
-    the environment alone.)"""
+    number) in the environment and was when torch first allocated, which the blocks show: with it, torch aligns
+    blocks of 2 MiB or more to a page (then ``madvise``s them), without it to 64 bytes, which glibc's large blocks
+    sit 64 bytes past a page with. (An allocator preloaded in glibc's place may page-align large blocks anyway:
+    then this reads the environment alone.)"""
     import mmap
 
     import torch

@@ -5,7 +5,7 @@ transformers' experts, with the roofline), ``scaling`` (the engine's thread scal
 ``model`` (whole-model forward + backward against transformers), ``train_step`` (full LoRA training steps
 against transformers + PEFT), ``pipeline`` (the CPU/device schedule with a simulated device), and the scripts
 under the source tree's ``bench/`` folder (``formats``, ``overhead``, ``residency``, ``profile_engine``,
-``row_padding``, ``store_layout``), run as
+``row_padding``, ``huge_pages``, ``store_layout``), run as
 subprocesses (recorded as failed, naming the missing script, where moetune is installed without its source
 tree).
 
