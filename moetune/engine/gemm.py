@@ -76,6 +76,8 @@ class GemmPath:
     fused_variant: str = ""
     # the weights are stored as floats (dense experts): the kernels widen them, there are no codes to dequantize
     dense: bool = False
+    # the kernels multiply the codes with the activations as 16-bit integer rows (the variant's ``int16_rows``)
+    int16_rows: bool = False
 
     def describe(self) -> str:
         """One line for ``moetune doctor`` and the benchmarks."""
@@ -98,7 +100,13 @@ class GemmPath:
             return f"{what}, in {size}"
         if self.fused_rows >= SMALL_ROWS:  # scaled codes only served experts the kernels now take
             what = "weights dequantized"
-        how = "weights widened to fp32 in registers" if self.dense else "codes dequantized in registers"
+        how = (
+            "weights widened to fp32 in registers"
+            if self.dense
+            else "codes times the activations as 16-bit integer rows, exact int32 sums"
+            if self.int16_rows
+            else "codes dequantized in registers"
+        )
         return (
             f"experts with <= {self.fused_rows} rows: fused kernel ({self.fused_variant}, {how}); "
             f"more rows: {what}, in {size}"
@@ -127,7 +135,15 @@ def resolve_gemm_path(
     amx = "AMX-BF16" in (cpu or cpu_info()).isa
     bf16 = compute_dtype == torch.bfloat16
     dense = isinstance(weights, DenseExperts)
-    return GemmPath(conversion, whole_tiles=amx and bf16, fused_rows=rows, fused_variant=variant, dense=dense)
+    int16 = bool(rows) and spec is not None and weights.name in spec.int16_rows
+    return GemmPath(
+        conversion,
+        whole_tiles=amx and bf16,
+        fused_rows=rows,
+        fused_variant=variant,
+        dense=dense,
+        int16_rows=int16,
+    )
 
 
 class BlockedGemm:

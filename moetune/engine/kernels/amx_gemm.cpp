@@ -68,6 +68,7 @@ std::string variant_unavailable() {
   bool avx512 = (b & (1u << 16)) && (b & (1u << 30)) && (b & (1u << 31));  // F, BW, VL
   if (!amx_tile || !amx_bf16) return "the CPU has no AMX-BF16";
   if (!avx512) return "the CPU has no AVX512F/BW/VL";
+  if (!(c & (1u << 11))) return "the CPU has no AVX512-VNNI";  // decoders.h's target
   if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return "the CPU has no AVX512-BF16";
   // Linux hands out the AMX register state only on request (once per process; oneDNN makes the same call).
   if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0)

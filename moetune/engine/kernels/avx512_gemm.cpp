@@ -2,7 +2,7 @@
 // shared decoders (decoders.h), multiplied with vdpbf16ps (pairs of bf16 products summed into fp32 lanes).
 // Same products, roundings and Python API as amx_gemm.cpp (see its header and entry.h):
 //
-//   forward : out[n, O] (+)= x[n, K] @ W^T     up to 32 rows (int8: all): lanes along k, acc[r][o] += x[r, k..k+32) .
+//   forward : out[n, O] (+)= x[n, K] @ W^T     up to 32 rows: lanes along k, acc[r][o] += x[r, k..k+32) .
 //             W[o, k..k+32), W's 32 values of a row decoded once per 8 rows of x and used for all of them, two
 //             weight rows at a time, the accumulators summed across their lanes at the end of the rows (reduce16
 //             from 4 rows of x: 1.04-1.26x); fp8_block in its group-scaled form there (x times the block scales,
@@ -10,15 +10,17 @@
 //             decoded once, transposed to lanes along o, x pairs broadcast.
 //   backward: out[n, K] (+)= g[n, O] @ W      lanes along k: acc[r][k..k+16) += bcast(g[r, o:o+2]) . pairs
 //             (W[o, k..k+16), W[o+1, k..k+16)) (layouts.h's pair layout). Group-scaled weights (int4 with groups
-//             of >= 32, fp8_block, mxfp4, and int8 with S = 1; decoders.h) with up to 8-32 rows of g (by the
-//             columns a scale covers: use_raw_pairs): few_rows.h's band walk on their raw values, g times the
-//             scales rounded once to bf16 (RawPairs32: 1.03-1.8x against the paths below; fp8_block, mxfp4 and
-//             int8 decoded between the dot products at 6-8 rows: raw_staged). More rows: the band walk on the
+//             of >= 32, fp8_block, mxfp4; decoders.h) with up to 8-32 rows of g (by the columns a scale covers:
+//             use_raw_pairs): few_rows.h's band walk on their raw values, g times the scales rounded once to bf16
+//             (RawPairs32: 1.03-1.8x against the paths below; fp8_block and mxfp4 decoded between the dot
+//             products at 6-8 rows: raw_staged). More rows: the band walk on the
 //             weights' bf16 values for the decoders with a table the walk takes (int4, mxfp4: DecodedPairs32,
 //             staged), else each 32 x 64 block decoded once into L1 and used by every row of g, each 64-column
 //             strip's fp32 sums in a per-thread [n, 64] buffer.
 //
-// Weights stored in bf16 (dense experts, moetune::Bf16Rows) take few_rows.h's own loops (no decoding).
+// Weights stored in bf16 (dense experts, moetune::Bf16Rows) take few_rows.h's own loops (no decoding); int8 weights
+// take int16_rows.h's (x, or g times the row scales, as 16-bit integers per row against the codes, by vpdpwssd:
+// 1.0-1.4x the bf16 dot products' path it replaces at 1-128 rows, whose decode was 5 instructions per 32 codes).
 //
 // Each weight is decoded once per call for up to 8 rows (the engine's few-row experts), so the loops stream the
 // codes once.
@@ -27,6 +29,7 @@
 
 #include "decoders.h"
 #include "few_rows.h"  // the band walk (backward, <= 8 rows) and run_gemm for dense bf16 weights
+#include "int16_rows.h"  // int8 weights against int16 rows (vpdpwssd)
 #include "layouts.h"
 
 #include <ATen/Parallel.h>
@@ -35,7 +38,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -51,18 +53,14 @@ constexpr int kRows = 8;  // rows of x / g per register block: 2 x 8 accumulator
 // forward_rows prefetches the weight rows this many pairs ahead (a line per 64 columns, as it reaches them): it
 // took int8's [1536, 2048] forward at n = 8 from 0.74 to 0.54 ms, [2048, 768] from 0.37 to 0.22 ms (one thread)
 constexpr int kAheadPairs = 2;
-// forward: up to dot_rows<Dec>() rows of x by dot products (forward_rows, decoding W again per 8 rows), more by
+// forward: up to kDotRows rows of x by dot products (forward_rows, decoding W again per 8 rows), more by
 // forward_panel (each weight decoded once). With the sums taken at once (reduce16), the dot products beat the panel
-// up to 32 rows (1.0-1.68x at 17-32 rows, [1536, 2048] and [2048, 768]; 0.75-0.98x at 33-64 for int4, fp8, mxfp4),
-// and for int8, whose decode is a widening and a conversion, at every row count measured (1.13-1.34x at 33-192).
-template <class Dec>
-constexpr int64_t dot_rows() {
-  return std::is_same_v<Dec, moetune::Int8Rows> ? std::numeric_limits<int64_t>::max() : 32;
-}
+// up to 32 rows (1.0-1.68x at 17-32 rows, [1536, 2048] and [2048, 768]; 0.75-0.98x at 33-64 for int4, fp8, mxfp4).
+constexpr int64_t kDotRows = 32;
 // backward past the group-scaled form's rows: the strips below, except where the band walk's pairs come staged
 // (int4, mxfp4: decoded once per band for all blocks of 8 rows), which take the walk at every row count (int4
-// 1.07-1.5x, mxfp4 1.0-1.08x against the strips at 9-192 rows, [1536, 2048] and [2048, 768]; int8's and fp8's walk,
-// decoding per block of 8 rows, measured 0.5-0.9x against the strips above 8).
+// 1.07-1.5x, mxfp4 1.0-1.08x against the strips at 9-192 rows, [1536, 2048] and [2048, 768]; fp8's walk (and int8's
+// in bf16, before int16_rows.h), decoding per block of 8 rows, measured 0.5-0.9x against the strips above 8).
 
 using moetune_few_rows::with_rows;
 
@@ -71,6 +69,7 @@ std::string variant_unavailable() {
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return "CPUID leaf 7 is missing";
   if (!((b & (1u << 16)) && (b & (1u << 30)) && (b & (1u << 31)))) return "the CPU has no AVX512F/BW/VL";
+  if (!(c & (1u << 11))) return "the CPU has no AVX512-VNNI";
   if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return "the CPU has no AVX512-BF16";
   return "";
 }
@@ -126,24 +125,7 @@ MOETUNE_AVX512 void forward_rows(const Dec& dec, const at::BFloat16* x, int64_t 
     int64_t k0 = 0;
     for (; k0 + 32 <= K; k0 += 32) step(k0, 32);
     if (k0 < K) step(k0, static_cast<int>(K - k0));
-    if constexpr (R >= 4) {  // the 2 R sums at once (reduce16: 45 instructions, against ~8 per sum)
-      __m512 v[16];
-      for (int r = 0; r < 8; ++r) {
-        v[r] = r < R ? acc0[r] : _mm512_setzero_ps();
-        v[8 + r] = r < R ? acc1[r] : _mm512_setzero_ps();
-      }
-      alignas(64) float sums[16];
-      _mm512_store_ps(sums, moetune_few_rows::reduce16(v));
-      for (int r = 0; r < R; ++r) {
-        res[r * 16 + j] = sums[r];
-        if (two) res[r * 16 + j + 1] = sums[8 + r];
-      }
-    } else {
-      for (int r = 0; r < R; ++r) {
-        res[r * 16 + j] = _mm512_reduce_add_ps(acc0[r]);
-        if (two) res[r * 16 + j + 1] = _mm512_reduce_add_ps(acc1[r]);
-      }
-    }
+    moetune_few_rows::pair_sums<R>(acc0, acc1, two, res, j);
   }
 }
 
@@ -265,7 +247,7 @@ MOETUNE_AVX512 void scale_x(const moetune::Fp8BlockRows& dec, int64_t gr, const 
     }
 }
 
-// Forward, output columns (weight rows) [16 ob0, 16 ob1), 16 at a time: up to dot_rows rows of x by dot
+// Forward, output columns (weight rows) [16 ob0, 16 ob1), 16 at a time: up to kDotRows rows of x by dot
 // products (forward_dots; fp8_block on x times its scales where fp8_scaled_x), more by forward_panel.
 template <class Dec>
 MOETUNE_AVX512 void forward_range(const Dec& dec, const float* row_scale, const at::BFloat16* x, int64_t ldx,
@@ -273,7 +255,7 @@ MOETUNE_AVX512 void forward_range(const Dec& dec, const float* row_scale, const 
                                   int64_t ob0, int64_t ob1) {
   std::vector<float> res(std::max<int64_t>(n, kRows) * 16 + 16);  // [n, 16] fp32 sums
   float* acc = res.data() + (16 - reinterpret_cast<uintptr_t>(res.data()) / 4 % 16) % 16;  // 64-byte aligned
-  const bool scaled = n <= dot_rows<Dec>() && fp8_scaled_x(dec);
+  const bool scaled = n <= kDotRows && fp8_scaled_x(dec);
   std::vector<uint16_t> xs(scaled ? n * K : 0);  // x times one grid row's scales (scale_x)
   int64_t xs_row = -1;  // that grid row
   for (int64_t ob = ob0; ob < ob1; ++ob) {
@@ -282,7 +264,7 @@ MOETUNE_AVX512 void forward_range(const Dec& dec, const float* row_scale, const 
     const __mmask16 m = first(rows);
     const __m512 scale = row_scale ? _mm512_maskz_loadu_ps(m, row_scale + o0) : _mm512_set1_ps(1.0f);
     const int ahead = static_cast<int>(O - o0);
-    if (n > dot_rows<Dec>()) {
+    if (n > kDotRows) {
       forward_panel(dec, x, ldx, n, K, o0, rows, acc);
     } else if (scaled) {
       if constexpr (std::is_same_v<Dec, moetune::Fp8BlockRows>) {  // (scaled: fp8_block only)
@@ -374,6 +356,13 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
   const auto* ap = a.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
   const int64_t lda = a.stride(0), ldo = out.stride(0);
+  if constexpr (std::is_same_v<Dec, moetune::Int8Rows>) {  // int16 rows against the codes (int16_rows.h)
+    if (forward)
+      moetune_int16::forward(dec, row_scale, ap, lda, n, K, O, op, ldo, accumulate);
+    else
+      moetune_int16::backward(dec, row_scale, ap, lda, n, K, O, op, ldo, accumulate);
+    return;
+  }
   if (forward) {
     at::parallel_for(0, (O + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
       forward_range(dec, row_scale, ap, lda, n, K, O, op, ldo, accumulate, b0, b1);
@@ -390,8 +379,8 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
       return;
     }
   }
-  // (int8 and fp8_block take the group-scaled form at every row count up to 32, so no decoder reaches the lines
-  // below with 8 rows or fewer)
+  // (fp8_block takes the group-scaled form at every row count up to 32, so no decoder reaches the lines below with 8
+  // rows or fewer)
   if constexpr (moetune_few_rows::table_in_band_walk<Dec>()) {  // bands of weight rows walked along k (few_rows.h)
     moetune_few_rows::backward(moetune_few_rows::DecodedPairs32<Dec>{dec, O}, ap, lda, n, K, O, row_scale, op, ldo,
                                accumulate);

@@ -50,7 +50,7 @@
 #include <type_traits>
 #include <utility>
 
-#define MOETUNE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define MOETUNE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
 #define MOETUNE_AVX2 __attribute__((target("avx2,fma,f16c")))
 // for the small helpers the loops call per chunk: GCC left some out of line (a call per 32 weights: 2x slower)
 #define MOETUNE_ALWAYS_INLINE inline __attribute__((always_inline))
@@ -138,7 +138,8 @@ struct Bf16Rows {
   inline const void* code(int64_t o, int64_t k) const { return w + o * ld + k; }
 };
 
-// int8: codes [O, K] int8; W = diag(row scale) @ codes, the scale applied by the caller (exact codes here).
+// int8: codes [O, K] int8; W = diag(row scale) @ codes, the scale applied by the caller (exact codes here). (The
+// AVX512-BF16 variant multiplies the codes as int16 instead: int16_rows.h.)
 struct Int8Rows {
   const int8_t* codes;  // [O, K]
   int64_t K;
@@ -162,39 +163,6 @@ struct Int8Rows {
       _mm256_storeu_ps(dst + c, decode8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + c))));
   }
   inline const void* code(int64_t o, int64_t k) const { return codes + o * K + k; }
-  // group-scaled form (below): V = the codes, S = 1 (the row scale is the caller's, applied to g as entry.h's
-  // contract says), one group per row. At 6-8 rows of g decoded between the dot products (kRawUnstaged): 1.11-1.14x
-  // against DecodedPairs32's 16-column decodes and their cross-lane interleave (vpermw) there, whose staged form had
-  // measured 0.92-1.0x of them (AMD EPYC Zen 4, [1536, 2048] and [2048, 768]; docs/performance.md, "int8's backward
-  // at 6-8 rows")
-  inline bool raw_ok(int64_t /*rows*/) const { return true; }
-  static constexpr bool kRawUnstaged = true;
-  inline int raw_shift() const { return 30; }
-  MOETUNE_AVX512 inline __m512 scales16(int64_t, int64_t, __mmask16 m) const {
-    return _mm512_maskz_mov_ps(m, _mm512_set1_ps(1.0f));
-  }
-  template <class F>
-  MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void raw_rows(int64_t o0, int64_t k0, int64_t valid, F&& f) const {
-    const int8_t* p = codes + o0 * K + k0;
-    const int64_t step = K;
-    auto addr = [=](int64_t i) { return static_cast<const void*>(p + i * step); };
-    auto raw = [](__m128i lo, __m128i hi) MOETUNE_AVX512 {
-      return (__m512i)_mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)),
-                                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
-    };
-    if (valid < 32) {  // K's last, partial 32: zeros past K
-      const __mmask16 m0 = first(static_cast<int>(valid)), m1 = first(static_cast<int>(valid - 16));
-      f([=](int64_t i) MOETUNE_AVX512 {
-        return raw(_mm_maskz_loadu_epi8(m0, p + i * step), _mm_maskz_loadu_epi8(m1, p + i * step + 16));
-      }, addr);
-      return;
-    }
-    f([=](int64_t i) MOETUNE_AVX512 {
-      const int8_t* row = p + i * step;
-      return raw(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)),
-                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)));
-    }, addr);
-  }
 };
 
 // the 16 bf16 values of the table f(0 .. 15) (fp32 values, rounded to nearest even) in a vpermw table's first 16 words

@@ -8,7 +8,8 @@
 //             one share of the four rows: the rate the memory is asked for stays level): a row is K apart from the
 //             next, too short a run for the hardware prefetcher to lock on for K = 768-2048. (Two weight rows against
 //             8 rows of x read each row of x twice as often: 15-20% slower at 16-32 rows.)
-//   backward (dense bf16; the AVX512 variant's decoders: group-scaled up to 8-32 rows, all where staged):
+//   backward (dense bf16; the AVX512 variant's decoders: group-scaled up to 8-32 rows, all where staged; int8 as
+//             int16 pairs at all rows, int16_rows.h):
 //             out[n, K] (+)= g[n, O] @ W
 //             bands of weight row pairs (8, 16 or 32 pairs by rows of g: band_pairs) walked along k 32 columns
 //             at a time, rows o and o + 1 interleaved in registers into (W[o, k], W[o + 1, k]) pairs (bf16:
@@ -86,6 +87,31 @@ MOETUNE_AVX512 inline __m512 reduce16(const __m512 v[16]) {
     t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
                          _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x88), _mm512_shuffle_f32x4(t[0], t[1], 0xDD));
+}
+
+// res[r * 16 + j] = the sum of acc0[r]'s lanes and res[r * 16 + j + 1] that of acc1[r]'s (where two) for r < R: two
+// weight rows' dot products with R rows of x (from 4 rows the 2 R sums at once: reduce16, 45 instructions against ~8
+// per sum)
+template <int R>
+MOETUNE_AVX512 inline void pair_sums(const __m512 acc0[R], const __m512 acc1[R], bool two, float* res, int j) {
+  if constexpr (R >= 4) {
+    __m512 v[16];
+    for (int r = 0; r < 8; ++r) {
+      v[r] = r < R ? acc0[r] : _mm512_setzero_ps();
+      v[8 + r] = r < R ? acc1[r] : _mm512_setzero_ps();
+    }
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, reduce16(v));
+    for (int r = 0; r < R; ++r) {
+      res[r * 16 + j] = sums[r];
+      if (two) res[r * 16 + j + 1] = sums[8 + r];
+    }
+  } else {
+    for (int r = 0; r < R; ++r) {
+      res[r * 16 + j] = _mm512_reduce_add_ps(acc0[r]);
+      if (two) res[r * 16 + j + 1] = _mm512_reduce_add_ps(acc1[r]);
+    }
+  }
 }
 
 // sums[j * 4 + r] = x[r] . W[o + j] over K columns, for j < 4 weight rows (w[j]; a repeated pointer past a block's
@@ -176,9 +202,10 @@ struct Bf16Pairs {
 
 // The same from a quantized format's decoder (decoders.h) with a table (bf16x32) that the band walk takes
 // (kTableInBandWalk: int4, mxfp4): each row's 32 values at once, interleaved as Bf16Pairs' (kPermuted), the band's
-// pairs decoded before its dot products (kStaged: 1.05-1.4x at n = 1-8; decoded between them 0.7x). The decoders
-// without one (int8, fp8_block) take RawPairs32 below instead; their 16-column decodes in column order here
-// (layouts.h's decode_pair) were last taken by int8 at 6-8 rows, where RawPairs32 unstaged measured 1.11-1.14x.
+// pairs decoded before its dot products (kStaged: 1.05-1.4x at n = 1-8; decoded between them 0.7x). fp8_block,
+// without one, takes RawPairs32 below instead (and int8 int16_rows.h's Int16Pairs); their 16-column decodes in
+// column order here (layouts.h's decode_pair) were last taken by int8 at 6-8 rows, where RawPairs32 unstaged
+// measured 1.11-1.14x.
 // Dropped: fp8_block's table here, staged (0.78-0.94x at n = 1-8: its four table vectors per row and 32 columns are
 // loads where the 16-column decoder computes); a prefetch 64 columns ahead in each row as well (int4's backward
 // 1.4-1.6x slower at n = 8, int8's up to 1.1x faster).
@@ -207,7 +234,7 @@ struct DecodedPairs32 {
 // The same from a group-scaled decoder (decoders.h's raw_rows / scales16: W[o, k] = S(o, k) * V[o, k], V exact in
 // bf16, S one fp32 scale per row and aligned 32 or more columns), its scales taken into g instead (scale_band
 // below): g[r, o] * S(o, k) rounded once to bf16, times V. A row's V decodes with a constant table (int4 symmetric,
-// mxfp4; with zero points one of 16 made once per process) or none (fp8_block, int8), where the weights' own bf16
+// mxfp4; with zero points one of 16 made once per process) or none (fp8_block), where the weights' own bf16
 // values need a table or a multiply per row and 32 columns; the scaled g costs a multiply per row of g, row of W and
 // column group instead, so this form pays with few rows of g (use_raw_pairs). Rows of W from one base pointer, one
 // stride apart (raw_rows), not through a per-row index: the decoding loop keeps its pointers in registers. Staged
@@ -321,19 +348,40 @@ MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void stage_band(const Pairs& pairs, int64_t
   }
 }
 
+// acc + a . b (vpdpwssd: per 32-bit lane, the two int16 products summed into acc). Through asm: for the intrinsic
+// GCC 12 copied every accumulator to another register and back around each instruction, and spilled one to the stack
+// at 8 rows of x (the forward at n = 8 0.8x of 7 rows' speed)
+MOETUNE_ALWAYS_INLINE __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+// whether a Pairs hands out int16 pairs for int32 sums (int16_rows.h's Int16Pairs: kInt16Sums) instead of bf16 ones
+template <class Pairs, class = void>
+struct int16_sums : std::false_type {};
+template <class Pairs>
+struct int16_sums<Pairs, std::void_t<decltype(Pairs::kInt16Sums)>> : std::bool_constant<Pairs::kInt16Sums> {};
+
 // acc rows r < R, columns [k0, k0 + 32) (lo: the first 16 lanes, hi: the next, in the pairs' column order)
 // += g[r, o0 .. o0 + 2 np) @ W[o0 .. o0 + 2 np, k0 .. k0 + 32); ahead > 0: the rows that many below each pair
-// prefetched along the same columns (the next band's)
+// prefetched along the same columns (the next band's). int16_sums Pairs: g's rows and the pairs int16, the band's
+// products summed in int32 lanes (vpdpwssd) and added into acc once.
 template <int R, class Pairs>
 MOETUNE_AVX512 inline void backward_chunk(const Pairs& pairs, int64_t o0, int np, int64_t k0, int64_t valid,
                                           const uint16_t* g, int64_t ldg, float* acc, int64_t ldacc, int64_t ahead) {
   constexpr bool kStage = Pairs::kStaged;
+  constexpr bool kInt = int16_sums<Pairs>::value;
+  using Sum = std::conditional_t<kInt, __m512i, __m512>;
   alignas(64) __m512bh staged[kStage ? 2 * kBandPairs : 1];  // the band's pairs, decoded first
   if constexpr (kStage) stage_band(pairs, o0, np, k0, valid, ahead, staged);
-  __m512 lo[R], hi[R];
+  Sum lo[R], hi[R];
   for (int r = 0; r < R; ++r) {
-    lo[r] = _mm512_loadu_ps(acc + r * ldacc + k0);
-    hi[r] = _mm512_loadu_ps(acc + r * ldacc + k0 + 16);
+    if constexpr (kInt) {
+      lo[r] = hi[r] = _mm512_setzero_si512();
+    } else {
+      lo[r] = _mm512_loadu_ps(acc + r * ldacc + k0);
+      hi[r] = _mm512_loadu_ps(acc + r * ldacc + k0 + 16);
+    }
   }
   for (int p = 0; p < np; ++p) {
     __m512bh wl, wh;
@@ -347,14 +395,26 @@ MOETUNE_AVX512 inline void backward_chunk(const Pairs& pairs, int64_t o0, int np
     for (int r = 0; r < R; ++r) {
       int32_t pair;
       std::memcpy(&pair, g + r * ldg + 2 * p, 4);
-      const __m512bh gp = (__m512bh)_mm512_set1_epi32(pair);
-      lo[r] = _mm512_dpbf16_ps(lo[r], gp, wl);
-      hi[r] = _mm512_dpbf16_ps(hi[r], gp, wh);
+      if constexpr (kInt) {
+        const __m512i gp = _mm512_set1_epi32(pair);
+        lo[r] = dpwssd(lo[r], gp, (__m512i)wl);
+        hi[r] = dpwssd(hi[r], gp, (__m512i)wh);
+      } else {
+        const __m512bh gp = (__m512bh)_mm512_set1_epi32(pair);
+        lo[r] = _mm512_dpbf16_ps(lo[r], gp, wl);
+        hi[r] = _mm512_dpbf16_ps(hi[r], gp, wh);
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(acc + r * ldacc + k0, lo[r]);
-    _mm512_storeu_ps(acc + r * ldacc + k0 + 16, hi[r]);
+    float* a = acc + r * ldacc + k0;
+    if constexpr (kInt) {
+      _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_cvtepi32_ps(lo[r])));
+      _mm512_storeu_ps(a + 16, _mm512_add_ps(_mm512_loadu_ps(a + 16), _mm512_cvtepi32_ps(hi[r])));
+    } else {
+      _mm512_storeu_ps(a, lo[r]);
+      _mm512_storeu_ps(a + 16, hi[r]);
+    }
   }
 }
 
@@ -401,7 +461,10 @@ MOETUNE_AVX512 inline void backward_range(const Pairs& pairs, const uint16_t* g,
   std::vector<float> accv(n * width, 0.0f);
   float* acc = accv.data() - c0 * 32;  // acc + r * width + k for k in [32 c0, 32 c1)
   constexpr bool kScaled = is_raw_pairs<Pairs>::value;
-  const int band = kScaled ? raw_band_pairs(n) : band_pairs(n);
+  // int16 pairs: each band's int32 sums are converted and added into acc, so wider bands from 5 rows (64 pairs, 128
+  // from 33: 1.0-1.07x against 32 at 6-128 rows, [1536, 2048] and [2048, 768]; an int32 lane then sums 256
+  // products of at most 32767 * 128, below 2^31)
+  const int band = kScaled ? raw_band_pairs(n) : int16_sums<Pairs>::value && n > 4 ? (n > 32 ? 128 : 64) : band_pairs(n);
   std::vector<uint16_t> scaled(kScaled ? n * 2 * band : 0);  // g times the band's scales (scale_band)
   for (int64_t ob = 0; ob < Oe; ob += 2 * band) {
     const int np = static_cast<int>(std::min<int64_t>(band, (Oe - ob) / 2));
@@ -440,6 +503,11 @@ MOETUNE_AVX512 inline void backward_range(const Pairs& pairs, const uint16_t* g,
         const __m512 a = _mm512_permutex2var_ps(lo, first16, hi);
         hi = _mm512_permutex2var_ps(lo, next16, hi);
         lo = a;
+      }
+      if constexpr (int16_sums<Pairs>::value) {  // g's row r was int16 in steps of step[r]
+        const __m512 step = _mm512_set1_ps(pairs.step[r]);
+        lo = _mm512_mul_ps(lo, step);
+        hi = _mm512_mul_ps(hi, step);
       }
       at::BFloat16* dst = out + r * ldo + k0;
       store_row(dst, lo, first(static_cast<int>(K - k0)), accumulate);

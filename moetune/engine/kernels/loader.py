@@ -58,13 +58,16 @@ CFLAGS = [
 class KernelVariant:
     """One build of the fused kernels: its name (the module's ``variant``), its source in this folder, the
     ``cpu_info().isa`` flag the CPU needs for it to run, the dtype its operands and sums are in (the engine's
-    compute dtype it serves), and the compile flags its source needs (beyond ``CFLAGS``)."""
+    compute dtype it serves), the compile flags its source needs (beyond ``CFLAGS``), and the formats
+    (``ExpertFormat.name``) whose products it computes with the activations as 16-bit integer rows against the
+    codes (``int16_rows.h``) instead of dequantized weights."""
 
     name: str
     source: str
     isa: str
     compute: torch.dtype = torch.bfloat16
     flags: tuple[str, ...] = ()
+    int16_rows: tuple[str, ...] = ()
 
     def sources(self) -> list[Path]:
         """The variant's source and every header it includes from this folder (transitively), in include order."""
@@ -81,7 +84,7 @@ class KernelVariant:
 # best first: AMX tiles do 16x more bf16 products per instruction than AVX512 dot products
 VARIANTS: tuple[KernelVariant, ...] = (
     KernelVariant("AMX-BF16", "amx_gemm.cpp", "AMX-BF16"),
-    KernelVariant("AVX512-BF16", "avx512_gemm.cpp", "AVX512-BF16"),
+    KernelVariant("AVX512-BF16", "avx512_gemm.cpp", "AVX512-BF16", int16_rows=("int8",)),
     # fp32 compute (CPUs without AVX512-BF16 compute in fp32: ``resolve_compute_dtype``)
     KernelVariant("AVX2", "avx2_gemm.cpp", "AVX2", torch.float32, ("-mavx2", "-mfma", "-mf16c")),
 )

@@ -6,7 +6,9 @@ on an AVX2-only CPU the variant that loads computes in fp32 and ``test_fused_avx
 the registry's choice per CPU is checked on fake ISA tuples with a fake build.
 
 Each kernel product is compared with float64 arithmetic on the format's own weights: int8 as ``codes`` times the
-fp32 row scale (the backward's ``g * scale`` rounded once to bf16, the torch path's definition), int4 as
+fp32 row scale (the backward's ``g * scale`` rounded once to bf16, the torch path's definition; on the AVX512-BF16
+variant x, or g times the scale, as 16-bit integers per row: ``int16_rows``, and ``test_int16_rows`` bounds
+that form against the exact product), int4 as
 ``dequantize(bf16)`` (each weight rounded once to bf16, as the torch path's tiles are); where the loaded variant's
 backward takes a weight's group-scaled form (W = S * V, decoders.h; the AVX512-BF16 variant with up to
 ``group_scaled_rows`` rows; and its fp8_block forward with up to ``FP8_SCALED_X_ROWS`` rows), as g (or x) times S
@@ -158,12 +160,37 @@ def takes_scaled_form(kernel: str, operands: tuple, forward: bool, n: int) -> tu
     return form[0], form[1]
 
 
+def forward_qmax(k: int) -> int:
+    """The largest |q| of x's 16-bit rows in the AVX512-BF16 variant's int8 forward over ``k`` columns
+    (int16_rows.h's forward_qmax): an int32 lane sums 2 ceil(k / 32) products of at most qmax * 128."""
+    return min(32767, (2**31 - 1) // (128 * 2 * -(-k // 32)))
+
+
+def int16_rows(a: torch.Tensor, scale: torch.Tensor | None, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q ``[n, cols]``, step ``[n, 1]``) in float64: a's rows (times ``scale`` per column in fp32, where given) as
+    the AVX512-BF16 variant's int8 products take them (int16_rows.h): q = round(v * (qmax / max |v|)) in fp32, ties
+    to even, within +-qmax, and step = max |v| / qmax in fp32."""
+    v = a.float() if scale is None else a.float() * scale.float()
+    top = v.abs().amax(dim=1, keepdim=True)
+    inv = torch.where(top > 0, torch.tensor(float(qmax)) / top, torch.zeros(()))
+    q = (v * inv).round().clamp(-qmax, qmax)
+    return q.double(), (top / qmax).double()
+
+
 def _int8_reference(
     a: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, forward: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(a @ W^T or a @ W in float64, the same product of magnitudes) for int8 codes ``[O, K]`` and row scales
-    ``[O]``: the forward scales the fp32 sums, the backward takes g times the row scale rounded once to bf16."""
+    ``[O]``, with a as the loaded variant takes it: on the AVX512-BF16 variant a's rows as 16-bit integers
+    (``int16_rows``; the backward's g times the row scale first), elsewhere a itself (the forward scales the fp32
+    sums, the backward takes g times the row scale rounded once to bf16)."""
     c, s = codes.double(), scale.double()
+    if fused_variant() == "AVX512-BF16":
+        if forward:
+            q, step = int16_rows(a, None, forward_qmax(codes.shape[1]))
+            return step * (q @ c.t()) * s, step * (q.abs() @ c.abs().t()) * s
+        q, step = int16_rows(a, scale, 32767)
+        return step * (q @ c), step * (q.abs() @ c.abs())
     if forward:
         return (a.double() @ c.t()) * s, (a.double().abs() @ c.abs().t()) * s
     scaled = (a.double() * s).to(torch.bfloat16).double()  # g * scale, rounded once
@@ -240,9 +267,8 @@ def test_kernel_shapes(name, o, k, accumulate):
 @pytest.mark.parametrize("o,k", [(35, 64), (33, 75)])
 def test_int8_kernel_odd_rows(o, k):
     """The int8 kernel entry with an odd number of weight rows (a down projection of odd H): the backward's last
-    pair of rows has one past O, read as zeros, at every row count of g (1-8: the band walk, staged and decoded
-    between the dot products; 9 and 20: staged for all blocks of 8), against float64 (g times the row scale
-    rounded once, as ``_reference`` takes it); the forward as well."""
+    pair of rows has one past O, read as zeros, at every row count of g (the band walk's bands of 8 to 128 pairs),
+    against float64 (g as ``_int8_reference`` takes it); the forward as well."""
     gen = torch.Generator().manual_seed(4)
     codes = torch.randint(-127, 128, (o, k), generator=gen, dtype=torch.int8)
     scale = torch.rand(o, generator=gen) * 0.01 + 0.001
@@ -435,8 +461,8 @@ def test_a_cpu_with_neither_isa_takes_the_torch_path_and_says_why(monkeypatch, c
 def test_the_build_key_covers_every_header_a_variant_includes():
     """A changed shared header must rebuild every variant: each variant's hashed files include all of them (the
     fp32 AVX2 variant all but layouts.h, the bf16 pair layouts it does not use), and a variant's own loops
-    (few_rows.h: the AVX512-BF16 variant's loops for few rows) are in its key."""
-    own = {"AVX512-BF16": {"few_rows.h"}}
+    (few_rows.h: the AVX512-BF16 variant's loops for few rows; int16_rows.h: its int8 loops) are in its key."""
+    own = {"AVX512-BF16": {"few_rows.h", "int16_rows.h"}}
     headers = {p.name for p in loader.HERE.glob("*.h")} - set().union(*own.values())
     for variant in loader.VARIANTS:
         names = [p.name for p in variant.sources()]

@@ -176,7 +176,10 @@ def test_resolve_gemm_path_per_format_dtype_and_cpu(formats):
         assert (f"fused kernel ({variant}," in path.describe()) is bool(variant)
         assert resolve_gemm_path(fmt, other, own).fused_rows == 0
         assert resolve_gemm_path(fmt, compute, _cpu("SSE4.2")).fused_rows == 0
-        assert not path.dense and ("codes dequantized in registers" in path.describe()) is bool(variant)
+        int16 = variant == "AVX512-BF16" and fmt is int8  # its int8 products: int16_rows.h
+        assert not path.dense and path.int16_rows is int16
+        assert ("codes dequantized in registers" in path.describe()) is (bool(variant) and not int16)
+        assert ("16-bit integer rows" in path.describe()) is int16
     # dense weights have no codes: on the fp32 variant (AVX2) the kernels widen bf16 weights in registers
     dense = resolve_gemm_path(bf16, torch.float32, _cpu("AVX2"))
     assert dense.dense and "codes" not in dense.describe()
