@@ -464,7 +464,9 @@ MOETUNE_AVX512 inline void backward_range(const Pairs& pairs, const uint16_t* g,
   // int16 pairs: each band's int32 sums are converted and added into acc, so wider bands from 5 rows (64 pairs, 128
   // from 33: 1.0-1.07x against 32 at 6-128 rows, [1536, 2048] and [2048, 768]; an int32 lane then sums 256
   // products of at most 32767 * 128, below 2^31)
-  const int band = kScaled ? raw_band_pairs(n) : int16_sums<Pairs>::value && n > 4 ? (n > 32 ? 128 : 64) : band_pairs(n);
+  const int band = kScaled                               ? raw_band_pairs(n)
+                   : int16_sums<Pairs>::value && n > 4 ? (n > 32 ? 128 : 64)
+                   : band_pairs(n);
   std::vector<uint16_t> scaled(kScaled ? n * 2 * band : 0);  // g times the band's scales (scale_band)
   for (int64_t ob = 0; ob < Oe; ob += 2 * band) {
     const int np = static_cast<int>(std::min<int64_t>(band, (Oe - ob) / 2));
