@@ -2,12 +2,12 @@
 // shared decoders (decoders.h), multiplied with vdpbf16ps (pairs of bf16 products summed into fp32 lanes).
 // Same products, roundings and Python API as amx_gemm.cpp (see its header and entry.h):
 //
-//   forward : out[n, O] (+)= x[n, K] @ W^T     up to 32 rows: lanes along k, acc[r][o] += x[r, k..k+32) .
-//             W[o, k..k+32), W's 32 values of a row decoded once per 8 rows of x and used for all of them, two
-//             weight rows at a time, the accumulators summed across their lanes at the end of the rows (reduce16
-//             from 4 rows of x: 1.04-1.26x); fp8_block in its group-scaled form there (x times the block scales,
-//             rounded once to bf16, against the codes' values: fp8_scaled_x); more rows: 16 x 32 blocks of W
-//             decoded once, transposed to lanes along o, x pairs broadcast.
+//   forward : out[n, O] (+)= x[n, K] @ W^T     up to 16-32 rows (dot_rows): lanes along k, acc[r][o] +=
+//             x[r, k..k+32) . W[o, k..k+32), W's 32 values of a row decoded once per 8 rows of x and used for all
+//             of them, two weight rows at a time, the accumulators summed across their lanes at the end of the rows
+//             (reduce16 from 4 rows of x: 1.04-1.26x); fp8_block in its group-scaled form there (x times the block
+//             scales, rounded once to bf16, against the codes' values: fp8_scaled_x); more rows: four weight rows
+//             decoded once into an L1 buffer, then dense bf16's loop on them (forward_decoded).
 //   backward: out[n, K] (+)= g[n, O] @ W      lanes along k: acc[r][k..k+16) += bcast(g[r, o:o+2]) . pairs
 //             (W[o, k..k+16), W[o+1, k..k+16)) (layouts.h's pair layout). Group-scaled weights (int4 with groups
 //             of >= 32, fp8_block, mxfp4; decoders.h) with up to 8-32 rows of g (by the columns a scale covers:
@@ -53,10 +53,6 @@ constexpr int kRows = 8;  // rows of x / g per register block: 2 x 8 accumulator
 // forward_rows prefetches the weight rows this many pairs ahead (a line per 64 columns, as it reaches them): it
 // took int8's [1536, 2048] forward at n = 8 from 0.74 to 0.54 ms, [2048, 768] from 0.37 to 0.22 ms (one thread)
 constexpr int kAheadPairs = 2;
-// forward: up to kDotRows rows of x by dot products (forward_rows, decoding W again per 8 rows), more by
-// forward_panel (each weight decoded once). With the sums taken at once (reduce16), the dot products beat the panel
-// up to 32 rows (1.0-1.68x at 17-32 rows, [1536, 2048] and [2048, 768]; 0.75-0.98x at 33-64 for int4, fp8, mxfp4).
-constexpr int64_t kDotRows = 32;
 // backward past the group-scaled form's rows: the strips below, except where the band walk's pairs come staged
 // (int4, mxfp4: decoded once per band for all blocks of 8 rows), which take the walk at every row count (int4
 // 1.07-1.5x, mxfp4 1.0-1.08x against the strips at 9-192 rows, [1536, 2048] and [2048, 768]; fp8's walk (and int8's
@@ -136,73 +132,28 @@ inline bool keep_tables(const Dec& dec) {
   return false;
 }
 
-// 16 x 16 32-bit transpose in registers: lane j of v[i] -> lane i of v[j].
-MOETUNE_AVX512 inline void transpose16(__m512i v[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(v[i], v[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(v[i], v[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_i32x4(v[i + 8], v[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(v[i + 8], v[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 8; ++i) {
-    v[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    v[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-  }
-}
-
-// acc[r][0 .. 16) += x[r, k0 .. k0 + 2 pairs (+ 1 when odd)) @ w for r < R: w[p] lane j holds the pair
-// (W[o0 + j, k0 + 2p], W[o0 + j, k0 + 2p + 1]); x row r at xk + r * ldx.
-template <int R>
-MOETUNE_AVX512 void forward_block(const __m512i* w, int pairs, bool odd, const at::BFloat16* xk, int64_t ldx,
-                                  float* acc) {
-  __m512 c[R];
-  for (int r = 0; r < R; ++r) c[r] = _mm512_load_ps(acc + r * 16);
-  for (int p = 0; p < pairs; ++p) {
-    const __m512bh wp = (__m512bh)_mm512_load_si512(w + p);
-    for (int r = 0; r < R; ++r) c[r] = dp_pair(c[r], wp, xk + r * ldx + 2 * p);
-  }
-  if (odd) {  // the last column alone: x's value past K is not read (it could be inf or nan)
-    const __m512bh wp = (__m512bh)_mm512_load_si512(w + pairs);
-    for (int r = 0; r < R; ++r) {
-      uint16_t last;
-      std::memcpy(&last, xk + r * ldx + 2 * pairs, 2);
-      c[r] = _mm512_dpbf16_ps(c[r], (__m512bh)_mm512_set1_epi32(last), wp);
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm512_store_ps(acc + r * 16, c[r]);
-}
-
-// Forward with more rows than one register block: each 16 x 32 block of W decoded once into L1, transposed to
-// lanes along o, and multiplied with every row of x (broadcast pairs), the [n, 16] fp32 sums in L1. (The dot
-// products above would decode W again per 8 rows and re-read all of x from L2 per weight row.)
+// acc [n, 16] = x [n, K] @ W[o0 .. o0 + rows)^T with the weights decoded once: each four weight rows' bf16 values
+// into an L1 buffer (buf: 4 rows of ld >= K, 64-byte aligned), then few_rows.h's forward_group on them, four rows of
+// x at a time (dense bf16's own loop)
 template <class Dec>
-MOETUNE_AVX512 void forward_panel(const Dec& dec, const at::BFloat16* x, int64_t ldx, int64_t n, int64_t K,
-                                  int64_t o0, int rows, float* acc) {
-  alignas(64) __m512i w[16];
-  std::fill(acc, acc + n * 16, 0.0f);
-  for (int64_t k0 = 0; k0 < K; k0 += 32) {
-    const int valid = static_cast<int>(std::min<int64_t>(32, K - k0));
-    for (int i = 0; i < 16; ++i) w[i] = i < rows ? (__m512i)chunk(dec, o0 + i, k0, valid) : _mm512_setzero_si512();
-    transpose16(w);
-    const int pairs = valid / 2;
-    const bool odd = valid % 2;
-    for (int64_t r0 = 0; r0 < n; r0 += kRows) {
-      const at::BFloat16* xk = x + r0 * ldx + k0;
-      float* a = acc + r0 * 16;
-      with_rows<kRows>(n - r0, [&](auto R) MOETUNE_AVX512 {
-        forward_block<decltype(R)::value>(w, pairs, odd, xk, ldx, a);
+MOETUNE_AVX512 void forward_decoded(const Dec& dec, const at::BFloat16* x, int64_t ldx, int64_t n, int64_t K,
+                                    int64_t o0, int rows, float* acc, uint16_t* buf, int64_t ld) {
+  const auto* xp = reinterpret_cast<const uint16_t*>(x);
+  for (int j0 = 0; j0 < rows; j0 += 4) {
+    const int group = std::min(4, rows - j0);
+    for (int j = 0; j < group; ++j)
+      for (int64_t k0 = 0; k0 < K; k0 += 32)
+        _mm512_store_si512(buf + j * ld + k0,
+                           (__m512i)chunk(dec, o0 + j0 + j, k0, static_cast<int>(std::min<int64_t>(32, K - k0))));
+    const uint16_t* wr[4];
+    for (int j = 0; j < 4; ++j) wr[j] = buf + std::min(j, group - 1) * ld;
+    for (int64_t r0 = 0; r0 < n; r0 += 4) {
+      alignas(64) float sums[16];
+      with_rows<4>(n - r0, [&](auto R) MOETUNE_AVX512 {
+        moetune_few_rows::forward_group<decltype(R)::value>(wr, xp + r0 * ldx, ldx, K, ld, buf, 0, 0, sums);
       });
+      for (int64_t r = 0; r < std::min<int64_t>(4, n - r0); ++r)
+        for (int j = 0; j < group; ++j) acc[(r0 + r) * 16 + j0 + j] = sums[j * 4 + r];
     }
   }
 }
@@ -247,25 +198,41 @@ MOETUNE_AVX512 void scale_x(const moetune::Fp8BlockRows& dec, int64_t gr, const 
     }
 }
 
-// Forward, output columns (weight rows) [16 ob0, 16 ob1), 16 at a time: up to kDotRows rows of x by dot
-// products (forward_dots; fp8_block on x times its scales where fp8_scaled_x), more by forward_panel.
+// Rows of x up to which the forward takes dot products (forward_dots: W decoded again per 8 rows, in registers);
+// more take forward_decoded (each weight decoded once, then dense bf16's loop). Measured crossings (AMD EPYC Zen 4,
+// one thread, [1536, 2048] and [2048, 768], docs/performance.md "The forward with many rows"): int4 with groups of
+// 32, with zero points, and mxfp4 at 12-16 rows (forward_decoded 0.93-1.10x there, 1.08-1.28x at 24-32); int4
+// keeping its tables (groups of >= 64) at 24 (0.99-1.03x; 1.07-1.11x at 32); fp8_block, whose dot products take x
+// times its scales, at 32 (0.94-1.02x at 24-32, 1.23x at 33).
+template <class Dec>
+inline int64_t dot_rows(const Dec& dec) {
+  if constexpr (std::is_same_v<Dec, moetune::Fp8BlockRows>) return 32;
+  return keep_tables(dec) ? 24 : 16;
+}
+
+// Forward, output columns (weight rows) [16 ob0, 16 ob1), 16 at a time: up to dot_rows rows of x by dot
+// products (forward_dots; fp8_block on x times its scales where fp8_scaled_x), more by forward_decoded.
 template <class Dec>
 MOETUNE_AVX512 void forward_range(const Dec& dec, const float* row_scale, const at::BFloat16* x, int64_t ldx,
                                   int64_t n, int64_t K, int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate,
                                   int64_t ob0, int64_t ob1) {
   std::vector<float> res(std::max<int64_t>(n, kRows) * 16 + 16);  // [n, 16] fp32 sums
   float* acc = res.data() + (16 - reinterpret_cast<uintptr_t>(res.data()) / 4 % 16) % 16;  // 64-byte aligned
-  const bool scaled = n <= kDotRows && fp8_scaled_x(dec);
+  const bool dots = n <= dot_rows(dec);
+  const bool scaled = dots && fp8_scaled_x(dec);
   std::vector<uint16_t> xs(scaled ? n * K : 0);  // x times one grid row's scales (scale_x)
   int64_t xs_row = -1;  // that grid row
+  const int64_t wld = (K + 31) / 32 * 32 + 32;  // forward_decoded's rows: a line past a multiple of 32 columns
+  std::vector<uint16_t> wdec(dots ? 0 : 4 * wld + 32);
+  uint16_t* wbuf = wdec.data() + (32 - reinterpret_cast<uintptr_t>(wdec.data()) / 2 % 32) % 32;
   for (int64_t ob = ob0; ob < ob1; ++ob) {
     const int64_t o0 = ob * 16;
     const int rows = static_cast<int>(std::min<int64_t>(16, O - o0));
     const __mmask16 m = first(rows);
     const __m512 scale = row_scale ? _mm512_maskz_loadu_ps(m, row_scale + o0) : _mm512_set1_ps(1.0f);
     const int ahead = static_cast<int>(O - o0);
-    if (n > kDotRows) {
-      forward_panel(dec, x, ldx, n, K, o0, rows, acc);
+    if (!dots) {
+      forward_decoded(dec, x, ldx, n, K, o0, rows, acc, wbuf, wld);
     } else if (scaled) {
       if constexpr (std::is_same_v<Dec, moetune::Fp8BlockRows>) {  // (scaled: fp8_block only)
         if (dec.grid_row(o0) != xs_row) {
