@@ -141,10 +141,14 @@ MOETUNE_AVX512 void forward_decoded(const Dec& dec, const at::BFloat16* x, int64
   const auto* xp = reinterpret_cast<const uint16_t*>(x);
   for (int j0 = 0; j0 < rows; j0 += 4) {
     const int group = std::min(4, rows - j0);
-    for (int j = 0; j < group; ++j)
-      for (int64_t k0 = 0; k0 < K; k0 += 32)
-        _mm512_store_si512(buf + j * ld + k0,
-                           (__m512i)chunk(dec, o0 + j0 + j, k0, static_cast<int>(std::min<int64_t>(32, K - k0))));
+    for (int j = 0; j < group; ++j) {
+      moetune::TableCache cache;
+      for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        const int valid = static_cast<int>(std::min<int64_t>(32, K - k0));
+        _mm512_store_si512(buf + j * ld + k0, keep_tables(dec) ? moetune::bf16_chunk(dec, o0 + j0 + j, k0, valid, cache)
+                                                               : moetune::bf16_chunk(dec, o0 + j0 + j, k0, valid));
+      }
+    }
     const uint16_t* wr[4];
     for (int j = 0; j < 4; ++j) wr[j] = buf + std::min(j, group - 1) * ld;
     for (int64_t r0 = 0; r0 < n; r0 += 4) {

@@ -256,6 +256,12 @@ struct Int4Rows {
   // (unstaged at 6-8 rows: 0.33-0.5x, its decoding per call (the zero points' table, the K/2 cases) made per pair)
   static constexpr bool kRawUnstaged = false;
   inline int raw_shift() const { return shift; }
+  // rows of g up to which the backward takes this form (few_rows.h's use_raw_pairs): 8 per 32 columns a scale
+  // covers, symmetric codes (V from one constant table) twice that, at most 32 (g32 / g64 / g128: 8 / 16 / 32 with
+  // zero points, 16 / 32 / 32 without). Symmetric at twice the rows against the weights' bf16 values: g32 at 9-12
+  // rows 1.06-1.24x, g64 at 20-32 rows 1.01-1.15x; with zero points g64 at 20-32 0.98x (docs/performance.md, "The
+  // forward with many rows").
+  inline int64_t raw_rows() const { return int64_t{8} << std::min(shift - (zero ? 5 : 4), 2); }
   MOETUNE_AVX512 inline __m512 scales16(int64_t o, int64_t k0, __mmask16 m) const {
     const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(rows16(o), _mm512_set1_epi32(static_cast<int>(groups))),
                                          _mm512_set1_epi32(static_cast<int>(k0 >> shift)));
@@ -370,6 +376,7 @@ struct Fp8BlockRows {
   inline bool raw_ok(int64_t /*rows*/) const { return true; }
   static constexpr bool kRawUnstaged = true;
   inline int raw_shift() const { return 7; }
+  inline int64_t raw_rows() const { return 32; }  // (use_raw_pairs; Int4Rows::raw_rows)
   MOETUNE_AVX512 inline __m512 scales16(int64_t o, int64_t k0, __mmask16 m) const {
     // the grid row: o >> 7 before seg, seg_grid + ((o - seg) >> 7) from it
     const __m512i r = rows16(o), cut = _mm512_set1_epi32(static_cast<int>(seg));
@@ -504,6 +511,7 @@ struct Mxfp4Rows {
   inline bool raw_ok(int64_t /*rows*/) const { return true; }
   static constexpr bool kRawUnstaged = true;
   inline int raw_shift() const { return 5; }
+  inline int64_t raw_rows() const { return 8; }  // (use_raw_pairs; 16 measured 0.92-1.07x at 9-16 rows)
   MOETUNE_AVX512 inline __m512 scales16(int64_t o, int64_t k0, __mmask16 m) const {
     const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(rows16(o), _mm512_set1_epi32(static_cast<int>(blocks))),
                                          _mm512_set1_epi32(static_cast<int>(k0 >> 5)));

@@ -286,14 +286,14 @@ struct has_raw : std::false_type {};
 template <class Dec>
 struct has_raw<Dec, std::void_t<decltype(std::declval<const Dec&>().scales16(0, 0, 0))>> : std::true_type {};
 
-// Whether the backward with n rows of g takes RawPairs32: up to 8 rows per 32 columns a scale covers, at most 32
-// (mxfp4 and int4 g32: 8, int4 g64: 16, int4 g128 and fp8_block: 32). The scaled g's cost grows with the rows of g
-// and falls with the columns per scale; the decoding it saves does not grow with rows (staged per band): against
-// the weights' bf16 values (AMD EPYC Zen 4, one thread, [1536, 2048] and [2048, 768]) 1.03-1.8x up to these rows,
-// 0.8-0.96x at twice them for g32 and mxfp4 (docs/performance.md, "Scales into g").
+// Whether the backward with n rows of g takes RawPairs32: up to the decoder's raw_rows, 8 per 32 columns a scale
+// covers, at most 32 (mxfp4: 8, fp8_block: 32; int4 by group and zero points, decoders.h). The scaled g's cost grows
+// with the rows of g and falls with the columns per scale; the decoding it saves does not grow with rows (staged per
+// band): against the weights' bf16 values (AMD EPYC Zen 4, one thread, [1536, 2048] and [2048, 768]) 1.03-1.8x up
+// to these rows, 0.8-0.96x at twice them for g32 with zero points and mxfp4 (docs/performance.md, "Scales into g").
 template <class Dec>
 inline bool use_raw_pairs(const Dec& dec, int64_t n) {
-  if constexpr (has_raw<Dec>::value) return dec.raw_ok(n) && n <= (int64_t{8} << std::min(dec.raw_shift() - 5, 2));
+  if constexpr (has_raw<Dec>::value) return dec.raw_ok(n) && n <= dec.raw_rows();
   return false;
 }
 // Whether RawPairs32 with n rows of g stages a band's pairs: not at 6-8 rows for decoders with kRawUnstaged, where

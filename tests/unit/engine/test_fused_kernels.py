@@ -117,10 +117,11 @@ def _scaled_form(kernel: str, operands: tuple) -> tuple[torch.Tensor, torch.Tens
     return None
 
 
-def group_scaled_rows(columns: int) -> int:
+def group_scaled_rows(columns: int, symmetric_int4: bool = False) -> int:
     """The rows of g up to which the AVX512-BF16 variant's backward takes the group-scaled form (few_rows.h's
-    use_raw_pairs): 8 per 32 columns a scale covers, at most 32."""
-    return min(32, 8 * columns // 32)
+    use_raw_pairs, decoders.h's raw_rows): 8 per 32 columns a scale covers, twice that for int4 without zero points,
+    at most 32."""
+    return min(32, 8 * columns // 32 * (2 if symmetric_int4 else 1))
 
 
 def _scaled_backward(g: torch.Tensor, s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +156,7 @@ def takes_scaled_form(kernel: str, operands: tuple, forward: bool, n: int) -> tu
         return None
     if forward and not (kernel == "fp8_block_gemm" and n <= FP8_SCALED_X_ROWS and operands[2] % 16 == 0):
         return None
-    if not forward and n > group_scaled_rows(form[2]):
+    if not forward and n > group_scaled_rows(form[2], kernel == "int4_gemm" and operands[2] is None):
         return None
     return form[0], form[1]
 
