@@ -342,7 +342,9 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
   }
   if constexpr (moetune_few_rows::has_raw<Dec>::value) {
     if (moetune_few_rows::use_raw_pairs(dec, n)) {  // the scales into g: few_rows.h's RawPairs32
-      auto walk = [&](auto pairs) { moetune_few_rows::backward(pairs, ap, lda, n, K, O, row_scale, op, ldo, accumulate); };
+      auto walk = [&](auto pairs) {
+        moetune_few_rows::backward(pairs, ap, lda, n, K, O, row_scale, op, ldo, accumulate);
+      };
       if (moetune_few_rows::raw_staged<Dec>(n))
         walk(moetune_few_rows::RawPairs32<Dec, true>{dec, O});
       else

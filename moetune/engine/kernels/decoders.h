@@ -253,7 +253,9 @@ struct Int4Rows {
   inline bool table_lasts() const { return shift > 5; }
   // group-scaled form (below): S = the group's scale, V = u - z; groups of >= 32 columns only
   inline bool raw_ok(int64_t /*rows*/) const { return shift >= 5; }
-  // (unstaged at 6-8 rows: 0.33-0.5x, its decoding per call (the zero points' table, the K/2 cases) made per pair)
+  // (unstaged at 6-8 rows: 0.33-0.5x, its decoding per call (the zero points' table, the K/2 cases) made per pair;
+  // again on 2026-12-06: 1.04-1.08x at 8 rows, 0.95-1.03x at 6, 0.28x with groups of 128 and 0.88-0.90x with zero
+  // points at 7: left staged)
   static constexpr bool kRawUnstaged = false;
   inline int raw_shift() const { return shift; }
   // rows of g up to which the backward takes this form (few_rows.h's use_raw_pairs): 8 per 32 columns a scale
