@@ -13,10 +13,8 @@
 //             of >= 32, fp8_block, mxfp4; decoders.h) with up to 8-32 rows of g (by the columns a scale covers:
 //             use_raw_pairs): few_rows.h's band walk on their raw values, g times the scales rounded once to bf16
 //             (RawPairs32: 1.03-1.8x against the paths below; fp8_block and mxfp4 decoded between the dot
-//             products at 6-8 rows: raw_staged). More rows: the band walk on the
-//             weights' bf16 values for the decoders with a table the walk takes (int4, mxfp4: DecodedPairs32,
-//             staged), else each 32 x 64 block decoded once into L1 and used by every row of g, each 64-column
-//             strip's fp32 sums in a per-thread [n, 64] buffer.
+//             products at 6-8 rows: raw_staged). More rows: the band walk on the weights' bf16 values
+//             (DecodedPairs32 by table, staged).
 //
 // Weights stored in bf16 (dense experts, moetune::Bf16Rows) take few_rows.h's own loops (no decoding); int8 weights
 // take int16_rows.h's (x, or g times the row scales, as 16-bit integers per row against the codes, by vpdpwssd:
@@ -44,19 +42,18 @@
 
 namespace {
 
-using moetune::decode_pairs;
 using moetune::first;
-using moetune::scaled_rows;
 using moetune::store_row;
 
 constexpr int kRows = 8;  // rows of x / g per register block: 2 x 8 accumulators + operands fit 32 zmm
 // forward_rows prefetches the weight rows this many pairs ahead (a line per 64 columns, as it reaches them): it
 // took int8's [1536, 2048] forward at n = 8 from 0.74 to 0.54 ms, [2048, 768] from 0.37 to 0.22 ms (one thread)
 constexpr int kAheadPairs = 2;
-// backward past the group-scaled form's rows: the strips below, except where the band walk's pairs come staged
-// (int4, mxfp4: decoded once per band for all blocks of 8 rows), which take the walk at every row count (int4
-// 1.07-1.5x, mxfp4 1.0-1.08x against the strips at 9-192 rows, [1536, 2048] and [2048, 768]; fp8's walk (and int8's
-// in bf16, before int16_rows.h), decoding per block of 8 rows, measured 0.5-0.9x against the strips above 8).
+// backward past the group-scaled form's rows: few_rows.h's band walk on the weights' bf16 values, each band's pairs
+// decoded once for all blocks of 8 rows (staged). Against the strips it replaced (each 32 x 64 block of W decoded
+// once into L1, g's pairs broadcast from a re-laid copy): int4 1.07-1.5x, mxfp4 1.0-1.08x at 9-192 rows, fp8_block
+// 1.04-1.14x at 33-128 rows (2026-12-06), [1536, 2048] and [2048, 768]; the walk decoding per block of 8 rows
+// instead measured 0.5-0.9x against the strips above 8 (fp8's, and int8's in bf16 before int16_rows.h).
 
 using moetune_few_rows::with_rows;
 
@@ -68,14 +65,6 @@ std::string variant_unavailable() {
   if (!(c & (1u << 11))) return "the CPU has no AVX512-VNNI";
   if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return "the CPU has no AVX512-BF16";
   return "";
-}
-
-// acc + pair . w, the 32-bit pair at `pair` broadcast to every lane. (vdpbf16ps's own {1to16} memory broadcast,
-// through inline asm, measured 1.5-2x slower on Zen 4 than a separate vpbroadcastd.)
-MOETUNE_AVX512 inline __m512 dp_pair(__m512 acc, __m512bh w, const void* pair) {
-  int32_t v;
-  std::memcpy(&v, pair, 4);
-  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(v), w);
 }
 
 // W[o, k0 .. k0 + 32) as 32 bf16 in k order (zero past K: valid = K - k0)
@@ -254,72 +243,6 @@ MOETUNE_AVX512 void forward_range(const Dec& dec, const float* row_scale, const 
   }
 }
 
-// acc[r][0 .. 64) += g[r, 32 os .. 32 os + 32) @ W[32 os .. 32 os + 32, 64 s .. 64 s + 64) for r < R: pair(p, q)
-// the block's pair vector of rows 32 os + 2p and + 1, columns 64 s + 16 q .. + 16 (decode_pair's layout), g row
-// r's 16 pairs at g + 32 r (scaled_rows' layout).
-template <int R, class Pairs>
-MOETUNE_AVX512 void backward_rows(const Pairs& pair, const uint16_t* g, float* acc) {
-  for (int h = 0; h < 2; ++h) {  // two 16-column quarters per pass: 2 x 8 accumulators
-    __m512 c0[R], c1[R];
-    for (int r = 0; r < R; ++r) {
-      c0[r] = _mm512_loadu_ps(acc + r * 64 + h * 32);
-      c1[r] = _mm512_loadu_ps(acc + r * 64 + h * 32 + 16);
-    }
-    for (int p = 0; p < 16; ++p) {
-      const __m512bh w0 = pair(p, 2 * h), w1 = pair(p, 2 * h + 1);
-      for (int r = 0; r < R; ++r) {
-        c0[r] = dp_pair(c0[r], w0, g + r * 32 + 2 * p);
-        c1[r] = dp_pair(c1[r], w1, g + r * 32 + 2 * p);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(acc + r * 64 + h * 32, c0[r]);
-      _mm512_storeu_ps(acc + r * 64 + h * 32 + 16, c1[r]);
-    }
-  }
-}
-
-// backward_rows for n rows of g, from the pair vectors `pair` hands out
-template <class Pairs>
-MOETUNE_AVX512 void backward_block(const Pairs& pair, int64_t n, const uint16_t* g, float* acc) {
-  with_rows<kRows>(n, [&](auto R) MOETUNE_AVX512 { backward_rows<decltype(R)::value>(pair, g, acc); });
-}
-
-// the pairs decoded into L1 by decode_pairs (four 16-column tiles of 16 pairs)
-struct TilePairs {
-  const uint16_t* bt;
-  MOETUNE_AVX512 __m512bh operator()(int p, int q) const {
-    return (__m512bh)_mm512_load_si512(bt + q * 512 + p * 32);
-  }
-};
-
-// Backward with more than 8 rows of g (fewer: few_rows.h's band walk), output columns [64 s0, 64 s1) a strip of
-// 64 at a time: each 32-row block of W decoded once into L1 (decode_pairs) and multiplied with every row of g (gt:
-// scaled_rows' layout, opad = O rounded up to 32).
-template <class Dec>
-MOETUNE_AVX512 void backward_range(const Dec& dec, const uint16_t* gt, int64_t opad, int64_t n, int64_t K,
-                                   int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate, int64_t s0,
-                                   int64_t s1) {
-  const int64_t steps = opad / 32;
-  alignas(64) uint16_t bt[4 * 512];
-  std::vector<float> acc(n * 64);
-  for (int64_t s = s0; s < s1; ++s) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t os = 0; os < steps; ++os) {
-      decode_pairs<_MM_HINT_T2>(dec, os, s, K, O, bt, 512);
-      for (int64_t r0 = 0; r0 < n; r0 += kRows)  // r0 % 8 == 0: a chunk stays in one 16-row block of gt
-        backward_block(TilePairs{bt}, std::min<int64_t>(kRows, n - r0),
-                       gt + (((r0 / 16) * steps + os) * 16 + r0 % 16) * 32, acc.data() + r0 * 64);
-    }
-    for (int q = 0; q < 4 && s * 64 + q * 16 < K; ++q) {
-      const int64_t k0 = s * 64 + q * 16;
-      const __mmask16 m = first(static_cast<int>(K - k0));
-      for (int64_t r = 0; r < n; ++r)
-        store_row(out + r * ldo + k0, _mm512_loadu_ps(acc.data() + r * 64 + q * 16), m, accumulate);
-    }
-  }
-}
-
 template <class Dec>
 void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch::Tensor& a, torch::Tensor& out,
               int64_t O, int64_t K, bool accumulate) {
@@ -332,38 +255,28 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
       moetune_int16::forward(dec, row_scale, ap, lda, n, K, O, op, ldo, accumulate);
     else
       moetune_int16::backward(dec, row_scale, ap, lda, n, K, O, op, ldo, accumulate);
-    return;
-  }
-  if (forward) {
-    at::parallel_for(0, (O + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
-      forward_range(dec, row_scale, ap, lda, n, K, O, op, ldo, accumulate, b0, b1);
-    });
-    return;
-  }
-  if constexpr (moetune_few_rows::has_raw<Dec>::value) {
-    if (moetune_few_rows::use_raw_pairs(dec, n)) {  // the scales into g: few_rows.h's RawPairs32
-      auto walk = [&](auto pairs) {
-        moetune_few_rows::backward(pairs, ap, lda, n, K, O, row_scale, op, ldo, accumulate);
-      };
-      if (moetune_few_rows::raw_staged<Dec>(n))
-        walk(moetune_few_rows::RawPairs32<Dec, true>{dec, O});
-      else
-        walk(moetune_few_rows::RawPairs32<Dec, false>{dec, O});
+  } else {
+    if (forward) {
+      at::parallel_for(0, (O + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
+        forward_range(dec, row_scale, ap, lda, n, K, O, op, ldo, accumulate, b0, b1);
+      });
       return;
     }
-  }
-  // (fp8_block takes the group-scaled form at every row count up to 32, so no decoder reaches the lines below with 8
-  // rows or fewer)
-  if constexpr (moetune_few_rows::table_in_band_walk<Dec>()) {  // bands of weight rows walked along k (few_rows.h)
+    if constexpr (moetune_few_rows::has_raw<Dec>::value) {
+      if (moetune_few_rows::use_raw_pairs(dec, n)) {  // the scales into g: few_rows.h's RawPairs32
+        auto walk = [&](auto pairs) {
+          moetune_few_rows::backward(pairs, ap, lda, n, K, O, row_scale, op, ldo, accumulate);
+        };
+        if (moetune_few_rows::raw_staged<Dec>(n))
+          walk(moetune_few_rows::RawPairs32<Dec, true>{dec, O});
+        else
+          walk(moetune_few_rows::RawPairs32<Dec, false>{dec, O});
+        return;
+      }
+    }
+    // past the group-scaled form's rows: bands of weight rows walked along k on the weights' bf16 values (few_rows.h)
     moetune_few_rows::backward(moetune_few_rows::DecodedPairs32<Dec>{dec, O}, ap, lda, n, K, O, row_scale, op, ldo,
                                accumulate);
-  } else {
-    const int64_t opad = (O + 31) / 32 * 32;
-    std::vector<uint16_t> gt((n + 15) / 16 * 16 * opad);
-    scaled_rows(ap, lda, n, O, opad, row_scale, gt.data());
-    at::parallel_for(0, (K + 63) / 64, 1, [&](int64_t s0, int64_t s1) {
-      backward_range(dec, gt.data(), opad, n, K, O, op, ldo, accumulate, s0, s1);
-    });
   }
 }
 

@@ -327,7 +327,9 @@ struct Fp8BlockRows {
   int64_t seg, seg_grid;
   // [grid rows, cols, 128]: each block's 128 magnitudes in bf16 (fp8_tables below), or null: bf16x32 decodes
   const uint16_t* table = nullptr;
-  static constexpr bool kTableInBandWalk = false;  // few_rows.h
+  // few_rows.h: taken past the group-scaled form's 32 rows (1.04-1.14x against avx512_gemm.cpp's former strips at
+  // 33-128 rows); at 1-8 rows, staged, it measured 0.78-0.94x against the group-scaled form, which takes those rows
+  static constexpr bool kTableInBandWalk = true;
   MOETUNE_AVX512 inline __m512 operator()(int64_t o, int64_t k0, int valid) const {
     if (valid <= 0) return _mm512_setzero_ps();  // k0 may be past K: no scale to read
     // masks only on a row's last, partial 16: masked loads and multiplies on every call measured 1.3-1.6x slower

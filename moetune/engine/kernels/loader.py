@@ -177,8 +177,8 @@ def _build() -> tuple[ModuleType | None, str]:
     for variant in fits:
         module, why = _built(variant)
         if module is not None:
-            if reasons:
-                log.info("moetune fused kernels: %s used (%s)", variant.name, "; ".join(reasons))
+            if reasons:  # a better variant the CPU has did not build or run: slower kernels, so said loudly
+                log.warning("moetune fused kernels: %s used (%s)", variant.name, "; ".join(reasons))
             return module, ""
         reasons.append(why)
     return None, "; ".join(reasons)

@@ -42,6 +42,7 @@ from moetune.engine.kernels import (
     fused_unavailable,
     fused_variant,
     load_fused,
+    load_variant,
     loader,
     variant_named,
 )
@@ -445,6 +446,17 @@ def test_a_variant_that_cannot_run_falls_back_to_the_next(monkeypatch, caplog):
         assert fused_variant() == "AVX512-BF16"
     assert built == ["amx_gemm.cpp", "avx512_gemm.cpp"]
     assert any("AMX-BF16: the kernel refused AMX tile state" in r.getMessage() for r in caplog.records)
+
+
+@needs_compiler
+def test_every_variant_this_cpu_runs_builds_here():
+    """Each variant whose ISA this CPU has builds and loads (``load_variant`` raises with the compiler's error):
+    where the best one failed to build, the registry would fall back to the next (a warning) and the kernel tests
+    above would skip as if the CPU lacked it."""
+    runnable = [v.name for v in loader.VARIANTS if v.isa in loader.cpu_info().isa]
+    for name in runnable:
+        assert load_variant(name).variant == name
+    assert fused_variant() == (runnable[0] if runnable else "")
 
 
 def test_a_cpu_with_neither_isa_takes_the_torch_path_and_says_why(monkeypatch, caplog):
