@@ -23,8 +23,6 @@
 //       rounded to nearest even, each code looked up instead of decoded: int4's and mxfp4's 16 values of the
 //       chunk's group computed into a register (vpermw); fp8_block's 128 magnitudes of each block computed once
 //       per call by fp8_tables where the variant builds them (MOETUNE_TABLES, entry.h; two vpermt2w).
-//   static constexpr bool kTableInBandWalk
-//       whether few_rows.h's backward band walk takes the table too (measured per format)
 // and, where each value is a scale times a value exact in bf16 (the group-scaled form, for few_rows.h's backward with
 // few rows of g: RawPairs32 there multiplies g by the scales instead of each weight):
 //   W[o, k] = S(o, k) * V[o, k], S constant over aligned runs of 2^raw_shift() >= 32 columns of a row
@@ -188,7 +186,6 @@ struct Int4Rows {
   const uint8_t* zero;  // [O, K/g] or null (symmetric: z = 8)
   int64_t half, groups;  // K/2, K/g
   int shift;  // log2(g): g is a power of two (32, 64, 128), so no division per call
-  static constexpr bool kTableInBandWalk = true;
   MOETUNE_AVX512 inline __m512 operator()(int64_t o, int64_t k0, int valid) const {
     // K is a multiple of 32 (K/2 of 16) and k0 of 16, so valid is >= 16 or <= 0: whole loads, no masks; past K
     // there is no scale or zero point to read
@@ -327,9 +324,6 @@ struct Fp8BlockRows {
   int64_t seg, seg_grid;
   // [grid rows, cols, 128]: each block's 128 magnitudes in bf16 (fp8_tables below), or null: bf16x32 decodes
   const uint16_t* table = nullptr;
-  // few_rows.h: taken past the group-scaled form's 32 rows (1.04-1.14x against avx512_gemm.cpp's former strips at
-  // 33-128 rows); at 1-8 rows, staged, it measured 0.78-0.94x against the group-scaled form, which takes those rows
-  static constexpr bool kTableInBandWalk = true;
   MOETUNE_AVX512 inline __m512 operator()(int64_t o, int64_t k0, int valid) const {
     if (valid <= 0) return _mm512_setzero_ps();  // k0 may be past K: no scale to read
     // masks only on a row's last, partial 16: masked loads and multiplies on every call measured 1.3-1.6x slower
@@ -433,7 +427,6 @@ struct Fp8BlockRows {
 // product whose other operand carries the block scales instead (the AVX512 forward with few rows, avx512_gemm.cpp)
 struct Fp8Values {
   const Fp8BlockRows& fp8;
-  static constexpr bool kTableInBandWalk = false;
   MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i bf16x32(int64_t o, int64_t k0) const {
     return Fp8BlockRows::raw32(_mm256_loadu_si256(static_cast<const __m256i*>(fp8.code(o, k0))));
   }
@@ -467,7 +460,6 @@ struct Mxfp4Rows {
   const uint8_t* packed;  // [O, K/2]: byte j holds element 2j (low nibble) and 2j + 1 (high nibble)
   const uint8_t* scale;  // [O, K/32]
   int64_t half, blocks;  // K/2, K/32
-  static constexpr bool kTableInBandWalk = true;
   MOETUNE_AVX512 inline __m512 operator()(int64_t o, int64_t k0, int valid) const {
     // K is a multiple of 32 and k0 of 16, so valid is >= 16 or <= 0: whole loads, no masks
     if (valid <= 0) return _mm512_setzero_ps();

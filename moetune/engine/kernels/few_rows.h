@@ -200,24 +200,18 @@ struct Bf16Pairs {
   inline const void* code(int64_t o, int64_t k) const { return w + o * ldw + k; }  // for prefetch_pair
 };
 
-// The same from a quantized format's decoder (decoders.h) with a table (bf16x32) that the band walk takes
-// (kTableInBandWalk: int4, mxfp4): each row's 32 values at once, interleaved as Bf16Pairs' (kPermuted), the band's
-// pairs decoded before its dot products (kStaged: 1.05-1.4x at n = 1-8; decoded between them 0.7x). fp8_block,
-// without one, takes RawPairs32 below instead (and int8 int16_rows.h's Int16Pairs); their 16-column decodes in
-// column order here (layouts.h's decode_pair) were last taken by int8 at 6-8 rows, where RawPairs32 unstaged
-// measured 1.11-1.14x.
-// Dropped: fp8_block's table here, staged (0.78-0.94x at n = 1-8: its four table vectors per row and 32 columns are
-// loads where the 16-column decoder computes); a prefetch 64 columns ahead in each row as well (int4's backward
-// 1.4-1.6x slower at n = 8, int8's up to 1.1x faster).
-template <class Dec>
-constexpr bool table_in_band_walk() {
-  if constexpr (moetune::has_table<Dec>::value) return Dec::kTableInBandWalk;
-  return false;
-}
-
+// The same from a quantized format's decoder (decoders.h) with a table (bf16x32: int4, mxfp4, fp8_block), past the
+// rows of g that RawPairs32 below takes: each row's 32 values at once, interleaved as Bf16Pairs' (kPermuted), the
+// band's pairs decoded before its dot products (kStaged: 1.05-1.4x at n = 1-8; decoded between them 0.7x). (int8
+// takes int16_rows.h's Int16Pairs.) fp8_block's table here at 1-8 rows measured 0.78-0.94x against RawPairs32 (its
+// four table vectors per row and 32 columns are loads where the 16-column decoder computes), past 32 rows 1.04-1.14x
+// against the strips it replaced (avx512_gemm.cpp). Its 16-column decodes in column order here (layouts.h's
+// decode_pair) were last taken by int8 at 6-8 rows, where RawPairs32 unstaged measured 1.11-1.14x.
+// Dropped: a prefetch 64 columns ahead in each row as well (int4's backward 1.4-1.6x slower at n = 8, int8's up to
+// 1.1x faster).
 template <class Dec>
 struct DecodedPairs32 {
-  static_assert(table_in_band_walk<Dec>(), "DecodedPairs32: decoders with a table the band walk takes");
+  static_assert(moetune::has_table<Dec>::value, "DecodedPairs32: decoders with a table (bf16x32)");
   static constexpr bool kPermuted = true;
   static constexpr bool kStaged = true;
   const Dec& dec;
