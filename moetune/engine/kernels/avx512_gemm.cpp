@@ -2,7 +2,7 @@
 // shared decoders (decoders.h), multiplied with vdpbf16ps (pairs of bf16 products summed into fp32 lanes).
 // Same products, roundings and Python API as amx_gemm.cpp (see its header and entry.h):
 //
-//   forward : out[n, O] (+)= x[n, K] @ W^T     up to 16-32 rows (dot_rows): lanes along k, acc[r][o] +=
+//   forward : out[n, O] (+)= x[n, K] @ W^T     up to 8-32 rows (dot_rows): lanes along k, acc[r][o] +=
 //             x[r, k..k+32) . W[o, k..k+32), W's 32 values of a row decoded once per 8 rows of x and used for all
 //             of them, two weight rows at a time, the accumulators summed across their lanes at the end of the rows
 //             (reduce16 from 4 rows of x: 1.04-1.26x); fp8_block in its group-scaled form there (x times the block
@@ -122,8 +122,9 @@ inline bool keep_tables(const Dec& dec) {
 }
 
 // acc [n, 16] = x [n, K] @ W[o0 .. o0 + rows)^T with the weights decoded once: each four weight rows' bf16 values
-// into an L1 buffer (buf: 4 rows of ld >= K, 64-byte aligned), then few_rows.h's forward_group on them, four rows of
-// x at a time (dense bf16's own loop)
+// into an L1 buffer (buf: 4 rows of ld >= K, 64-byte aligned; whole rows by the decoder's bf16_row where it has one),
+// then few_rows.h's forward_group on them, four rows of x at a time (dense bf16's own loop), while the next four
+// rows' codes are prefetched into L2 (1.01-1.10x at 33-128 rows, int4 / fp8_block / mxfp4)
 template <class Dec>
 MOETUNE_AVX512 void forward_decoded(const Dec& dec, const at::BFloat16* x, int64_t ldx, int64_t n, int64_t K,
                                     int64_t o0, int rows, float* acc, uint16_t* buf, int64_t ld) {
@@ -131,12 +132,23 @@ MOETUNE_AVX512 void forward_decoded(const Dec& dec, const at::BFloat16* x, int64
   for (int j0 = 0; j0 < rows; j0 += 4) {
     const int group = std::min(4, rows - j0);
     for (int j = 0; j < group; ++j) {
+      if constexpr (moetune::has_bf16_row<Dec>::value) {
+        if (dec.whole_rows()) {
+          dec.bf16_row(o0 + j0 + j, buf + j * ld);
+          continue;
+        }
+      }
       moetune::TableCache cache;
       for (int64_t k0 = 0; k0 < K; k0 += 32) {
         const int valid = static_cast<int>(std::min<int64_t>(32, K - k0));
         _mm512_store_si512(buf + j * ld + k0, keep_tables(dec) ? moetune::bf16_chunk(dec, o0 + j0 + j, k0, valid, cache)
                                                                : moetune::bf16_chunk(dec, o0 + j0 + j, k0, valid));
       }
+    }
+    if (j0 + 4 < rows) {  // the next four rows' codes into L2 while these are multiplied
+      const char* a = static_cast<const char*>(dec.code(o0 + j0 + 4, 0));
+      const char* b = static_cast<const char*>(dec.code(o0 + std::min(j0 + 8, rows) - 1, K - 1));
+      for (; a <= b; a += 64) moetune::prefetch_line<_MM_HINT_T2>(a);
     }
     const uint16_t* wr[4];
     for (int j = 0; j < 4; ++j) wr[j] = buf + std::min(j, group - 1) * ld;
@@ -193,13 +205,18 @@ MOETUNE_AVX512 void scale_x(const moetune::Fp8BlockRows& dec, int64_t gr, const 
 
 // Rows of x up to which the forward takes dot products (forward_dots: W decoded again per 8 rows, in registers);
 // more take forward_decoded (each weight decoded once, then dense bf16's loop). Measured crossings (AMD EPYC Zen 4,
-// one thread, [1536, 2048] and [2048, 768], docs/performance.md "The forward with many rows"): int4 with groups of
-// 32, with zero points, and mxfp4 at 12-16 rows (forward_decoded 0.93-1.10x there, 1.08-1.28x at 24-32); int4
-// keeping its tables (groups of >= 64) at 24 (0.99-1.03x; 1.07-1.11x at 32); fp8_block, whose dot products take x
-// times its scales, at 32 (0.94-1.02x at 24-32, 1.23x at 33).
+// one thread, [1536, 2048] and [2048, 768], docs/performance.md "The forward with many rows" and "int4's rows
+// decoded with their tables made first"): int4 whose rows its decoder writes whole (bf16_row: groups of 32-128
+// columns, K/2 a multiple of 32) at 8 (forward_decoded 1.10-1.54x at 9-24 rows, 0.82-1.36x at 1-8); other int4 with
+// groups of 32 or zero points, and mxfp4, at 12-16 rows (forward_decoded 0.93-1.10x there, 1.08-1.28x at 24-32);
+// other int4 keeping its tables (groups of >= 64) at 24 (0.99-1.03x; 1.07-1.11x at 32); fp8_block, whose dot
+// products take x times its scales, at 32 (0.94-1.02x at 24-32, 1.23x at 33).
 template <class Dec>
 inline int64_t dot_rows(const Dec& dec) {
   if constexpr (std::is_same_v<Dec, moetune::Fp8BlockRows>) return 32;
+  if constexpr (moetune::has_bf16_row<Dec>::value) {
+    if (dec.whole_rows()) return 8;  // int4 by bf16_row: 1.10-1.54x against the dot products at 9-24 rows
+  }
   return keep_tables(dec) ? 24 : 16;
 }
 

@@ -23,6 +23,10 @@
 //       rounded to nearest even, each code looked up instead of decoded: int4's and mxfp4's 16 values of the
 //       chunk's group computed into a register (vpermw); fp8_block's 128 magnitudes of each block computed once
 //       per call by fp8_tables where the variant builds them (MOETUNE_TABLES, entry.h; two vpermt2w).
+// and, optionally, for the AVX512 forward's decoded rows (avx512_gemm.cpp's forward_decoded takes it when present):
+//   bool whole_rows() const; void bf16_row(int64_t o, uint16_t* dst) const
+//       W[o, 0 .. K) into dst (64-byte aligned), bf16x32's values, where whole_rows() (int4: its row's tables made
+//       first, RowTables)
 // and, where each value is a scale times a value exact in bf16 (the group-scaled form, for few_rows.h's backward with
 // few rows of g: RawPairs32 there multiplies g by the scales instead of each weight):
 //   W[o, k] = S(o, k) * V[o, k], S constant over aligned runs of 2^raw_shift() >= 32 columns of a row
@@ -179,6 +183,15 @@ struct TableCache {
   int64_t key = -1;
 };
 
+// a row's vpermw tables of 16 bf16 values, one per group, made before any lookup (bf16_row; the tables made as a
+// row's chunks reach their groups held each lookup on the table's making: int4's forward at 25-64 rows 1.02-1.24x)
+struct RowTables {
+  static constexpr int64_t kMax = 256;  // groups per row (K = 8192 with groups of 32)
+  alignas(64) __m256i t[kMax];
+  MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void set(int64_t g, __m512i table) { t[g] = _mm512_castsi512_si256(table); }
+  MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i get(int64_t g) const { return _mm512_castsi256_si512(t[g]); }
+};
+
 // int4: W[o, k] = (u - z) * s with u the 4-bit code, z the group's zero point (8 when symmetric), s its bf16 scale.
 struct Int4Rows {
   const uint8_t* packed;  // [O, K/2]: byte j holds u[j] (low nibble) and u[j + K/2] (high nibble)
@@ -233,9 +246,7 @@ struct Int4Rows {
       return (__m512i)_mm512_cvtne2ps_pbh((*this)(o, k0 + 16, 16), (*this)(o, k0, 16));
     const int64_t gi = o * groups + (k0 >> shift);
     if (gi != cache.key) {
-      const __m512i u = _mm512_sub_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                         _mm512_set1_epi32(zero_point(gi)));
-      cache.table = table16(_mm512_mul_ps(_mm512_cvtepi32_ps(u), _mm512_set1_ps(bf16_to_float(scale[gi]))));
+      cache.table = table(gi);
       cache.key = gi;
     }
     __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + o * half + (high ? k0 - half : k0)));
@@ -248,6 +259,28 @@ struct Int4Rows {
   }
   // whether a table lasts more than one 32-column chunk (groups of 64 or more)
   inline bool table_lasts() const { return shift > 5; }
+  // group gi's 16 values (u - z) * s rounded to bf16, u = 0 .. 15 (a vpermw table)
+  MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i table(int64_t gi) const {
+    const __m512i u = _mm512_sub_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                       _mm512_set1_epi32(zero_point(gi)));
+    return table16(_mm512_mul_ps(_mm512_cvtepi32_ps(u), _mm512_set1_ps(bf16_to_float(scale[gi]))));
+  }
+  // W[o, 0 .. K) rounded to bf16 into dst (64-byte aligned), bit for bit bf16x32's values, where whole_rows(): the
+  // row's tables made first (RowTables: no chunk's lookup waits on its table's making), then each 32 bytes of codes
+  // read once for both halves of the row (low nibbles: columns j .., high: K/2 + j ..)
+  inline bool whole_rows() const { return shift >= 5 && half % 32 == 0 && groups <= RowTables::kMax; }
+  MOETUNE_AVX512 void bf16_row(int64_t o, uint16_t* dst) const {
+    RowTables t;
+    for (int64_t g = 0; g < groups; ++g) t.set(g, table(o * groups + g));
+    const uint8_t* p = packed + o * half;
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    for (int64_t j = 0; j < half; j += 32) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j));
+      _mm512_store_si512(dst + j, lookup32(_mm256_and_si256(b, nib), t.get(j >> shift)));
+      _mm512_store_si512(dst + half + j,
+                         lookup32(_mm256_and_si256(_mm256_srli_epi16(b, 4), nib), t.get((half + j) >> shift)));
+    }
+  }
   // group-scaled form (below): S = the group's scale, V = u - z; groups of >= 32 columns only
   inline bool raw_ok(int64_t /*rows*/) const { return shift >= 5; }
   // (unstaged at 6-8 rows: 0.33-0.5x, its decoding per call (the zero points' table, the K/2 cases) made per pair;
@@ -561,6 +594,12 @@ template <class Dec>
 struct has_cached_table<
     Dec, std::void_t<decltype(std::declval<const Dec&>().bf16x32(0, 0, std::declval<TableCache&>()))>>
     : std::true_type {};
+
+// whether a decoder writes whole rows in bf16 (bf16_row, where its whole_rows())
+template <class Dec, class = void>
+struct has_bf16_row : std::false_type {};
+template <class Dec>
+struct has_bf16_row<Dec, std::void_t<decltype(std::declval<const Dec&>().bf16_row(0, nullptr))>> : std::true_type {};
 
 template <class Dec>
 MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i bf16_chunk(const Dec& dec, int64_t o, int64_t k0, int64_t valid) {

@@ -237,9 +237,9 @@ FORMATS_UNDER_TEST = ["int8", "int4-g32-sym", "int4-g64-asym", "int4-g128-sym"]
 @needs_kernels
 @pytest.mark.parametrize("name", FORMATS_UNDER_TEST)
 @pytest.mark.parametrize("forward", [True, False], ids=["forward", "backward"])
-# AMX: past 64 rows several passes over the tiles; AVX512: the forward's dot products up to 16 or 24 rows (int4
-# keeping its tables: groups of >= 64), more with each weight decoded once (avx512_gemm.cpp's dot_rows); the
-# backward's group-scaled form up to 8-32 rows
+# AMX: past 64 rows several passes over the tiles; AVX512: the forward's dot products up to 8 rows (int4 whose rows
+# its decoder writes whole: these formats; 16-32 for the others), more with each weight decoded once
+# (avx512_gemm.cpp's dot_rows); the backward's group-scaled form up to 8-32 rows
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8, 9, 16, 17, 24, 25, 33, 64, 65, 129, 150, 300])
 def test_kernel_matches_float64(name, forward, n):
     _check(_weights(name, 256, 256), forward, n, accumulate=n % 2 == 1)
@@ -287,12 +287,14 @@ def test_int8_kernel_odd_rows(o, k):
 
 
 @needs_kernels
-@pytest.mark.parametrize("group,k", [(16, 128), (16, 96), (32, 96)])
+@pytest.mark.parametrize("group,k", [(16, 128), (16, 96), (32, 96), (32, 8192), (32, 8256)])
 def test_int4_kernel_off_the_table_path(group, k):
     """The int4 kernel entry with groups the format does not make (16: two per 32-column step) and a step across
-    K/2 (K = 96) decodes without its one-table chunk (decoders.h's bf16x32 falls back): still the dequantized
-    weights, each (u - z) * s rounded once to bf16 (or, where the backward takes the group-scaled form, g times s
-    rounded once, times u - z), against float64 within the bound of ``_check``."""
+    K/2 (K = 96) decodes without its one-table chunk (decoders.h's bf16x32 falls back), and a row of more groups
+    than the AVX512 forward's row tables hold (258 > RowTables::kMax = 256, K = 8256; 8192: exactly 256) decodes
+    chunk by chunk: still the dequantized weights, each (u - z) * s rounded once to bf16 (or, where the backward
+    takes the group-scaled form, g times s rounded once, times u - z), against float64 within the bound of
+    ``_check``."""
     gen = torch.Generator().manual_seed(3)
     o = 48
     packed = torch.randint(0, 256, (o, k // 2), generator=gen, dtype=torch.uint8)
