@@ -73,19 +73,28 @@ MOETUNE_AVX512 inline __m512bh chunk(const Dec& dec, int64_t o, int64_t k0, int 
   return (__m512bh)moetune::bf16_chunk(dec, o, k0, valid);
 }
 
+// forward_rows' tables: none (each chunk decoded alone), each row's last kept while its group lasts, or each row's
+// made first (the decoder's row_tables: int4 with whole rows)
+constexpr int kNoTables = 0, kKeptTables = 1, kRowTables = 2;
+
 // res[r * 16 + j] = sum_k x[r, k] W[o0 + j, k] (fp32) for r < R, j < rows (up to 16 weight rows from o0);
 // rows_ahead: weight rows from o0 to O (the prefetched ones stay inside W). kKeep: each row's table kept while its
 // group of columns lasts (decoders.h's TableCache; int4 with groups of 64 or more: 1.08-1.36x at 1-32 rows, and
 // 0.95-0.97x with groups of 32, which therefore do not keep them)
-template <int R, bool kKeep, class Dec>
+template <int R, int kTables, class Dec>
 MOETUNE_AVX512 void forward_rows(const Dec& dec, const at::BFloat16* x, int64_t ldx, int64_t K, int64_t o0,
                                  int rows, float* res, int rows_ahead) {
+  moetune::RowTables t0, t1;  // (kTables == kRowTables)
   for (int j = 0; j < rows; j += 2) {
     const int64_t o = o0 + j;
     const bool two = j + 1 < rows;
     __m512 acc0[R], acc1[R];
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
     moetune::TableCache cache0, cache1;
+    if constexpr (kTables == kRowTables) {
+      dec.row_tables(o, t0);
+      if (two) dec.row_tables(o + 1, t1);
+    }
     // valid: K - k0, at most 32 (a literal 32 in the main loop, so the decoders' masks fold to constants)
     auto step = [&](int64_t k0, int valid) MOETUNE_AVX512 {
       const __mmask32 m = moetune::first32(valid);
@@ -94,7 +103,10 @@ MOETUNE_AVX512 void forward_rows(const Dec& dec, const at::BFloat16* x, int64_t 
         moetune::prefetch<_MM_HINT_T2>(dec, o + 2 * kAheadPairs + 1, k0);
       }
       __m512bh w0, w1 = (__m512bh)_mm512_setzero_si512();
-      if constexpr (kKeep) {
+      if constexpr (kTables == kRowTables) {
+        w0 = (__m512bh)dec.row_chunk(o, k0, t0);
+        if (two) w1 = (__m512bh)dec.row_chunk(o + 1, k0, t1);
+      } else if constexpr (kTables == kKeptTables) {
         w0 = (__m512bh)moetune::bf16_chunk(dec, o, k0, valid, cache0);
         if (two) w1 = (__m512bh)moetune::bf16_chunk(dec, o + 1, k0, valid, cache1);
       } else {
@@ -172,10 +184,16 @@ MOETUNE_AVX512 void forward_dots(const Dec& dec, const at::BFloat16* x, int64_t 
     const at::BFloat16* xr = x + r0 * ldx;
     float* res = acc + r0 * 16;
     with_rows<kRows>(n - r0, [&](auto R) MOETUNE_AVX512 {
+      if constexpr (moetune::has_bf16_row<Dec>::value) {
+        if (dec.dot_row_tables()) {
+          forward_rows<decltype(R)::value, kRowTables>(dec, xr, ldx, K, o0, rows, res, ahead);
+          return;
+        }
+      }
       if (keep_tables(dec))
-        forward_rows<decltype(R)::value, true>(dec, xr, ldx, K, o0, rows, res, ahead);
+        forward_rows<decltype(R)::value, kKeptTables>(dec, xr, ldx, K, o0, rows, res, ahead);
       else
-        forward_rows<decltype(R)::value, false>(dec, xr, ldx, K, o0, rows, res, ahead);
+        forward_rows<decltype(R)::value, kNoTables>(dec, xr, ldx, K, o0, rows, res, ahead);
     });
   }
 }

@@ -269,9 +269,25 @@ struct Int4Rows {
   // row's tables made first (RowTables: no chunk's lookup waits on its table's making), then each 32 bytes of codes
   // read once for both halves of the row (low nibbles: columns j .., high: K/2 + j ..)
   inline bool whole_rows() const { return shift >= 5 && half % 32 == 0 && groups <= RowTables::kMax; }
+  // whether the AVX512 forward's dot products (1-8 rows) take row_chunk: symmetric codes 1.09-1.24x against the
+  // tables made as a row's walk reaches its groups, with zero points 0.93-1.03x (docs/performance.md, "int4's rows
+  // decoded with their tables made first")
+  inline bool dot_row_tables() const { return whole_rows() && zero == nullptr; }
+  // row o's tables, where whole_rows() (for row_chunk and bf16_row)
+  MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void row_tables(int64_t o, RowTables& t) const {
+    for (int64_t g = 0; g < groups; ++g) t.set(g, table(o * groups + g));
+  }
+  // W[o, k0 .. k0 + 32) in bf16 by row o's tables (row_tables), bf16x32's bits; where whole_rows() a chunk lies on
+  // one side of K/2 and is whole
+  MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i row_chunk(int64_t o, int64_t k0, const RowTables& t) const {
+    const bool high = k0 >= half;
+    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + o * half + (high ? k0 - half : k0)));
+    if (high) b = _mm256_srli_epi16(b, 4);
+    return lookup32(_mm256_and_si256(b, _mm256_set1_epi8(0x0F)), t.get(k0 >> shift));
+  }
   MOETUNE_AVX512 void bf16_row(int64_t o, uint16_t* dst) const {
     RowTables t;
-    for (int64_t g = 0; g < groups; ++g) t.set(g, table(o * groups + g));
+    row_tables(o, t);
     const uint8_t* p = packed + o * half;
     const __m256i nib = _mm256_set1_epi8(0x0F);
     for (int64_t j = 0; j < half; j += 32) {
