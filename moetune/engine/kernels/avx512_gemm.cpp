@@ -78,9 +78,10 @@ MOETUNE_AVX512 inline __m512bh chunk(const Dec& dec, int64_t o, int64_t k0, int 
 constexpr int kNoTables = 0, kKeptTables = 1, kRowTables = 2;
 
 // res[r * 16 + j] = sum_k x[r, k] W[o0 + j, k] (fp32) for r < R, j < rows (up to 16 weight rows from o0);
-// rows_ahead: weight rows from o0 to O (the prefetched ones stay inside W). kKeep: each row's table kept while its
-// group of columns lasts (decoders.h's TableCache; int4 with groups of 64 or more: 1.08-1.36x at 1-32 rows, and
-// 0.95-0.97x with groups of 32, which therefore do not keep them)
+// rows_ahead: weight rows from o0 to O (the prefetched ones stay inside W). kTables: kKeptTables, each row's table
+// kept while its group of columns lasts (decoders.h's TableCache; int4 with groups of 64 or more: 1.08-1.36x at 1-32
+// rows, and 0.95-0.97x with groups of 32, which therefore do not keep them); kRowTables, each pair of rows' tables
+// made first (symmetric int4 with whole rows: 1.09-1.30x against those)
 template <int R, int kTables, class Dec>
 MOETUNE_AVX512 void forward_rows(const Dec& dec, const at::BFloat16* x, int64_t ldx, int64_t K, int64_t o0,
                                  int rows, float* res, int rows_ahead) {

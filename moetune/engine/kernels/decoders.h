@@ -23,10 +23,12 @@
 //       rounded to nearest even, each code looked up instead of decoded: int4's and mxfp4's 16 values of the
 //       chunk's group computed into a register (vpermw); fp8_block's 128 magnitudes of each block computed once
 //       per call by fp8_tables where the variant builds them (MOETUNE_TABLES, entry.h; two vpermt2w).
-// and, optionally, for the AVX512 forward's decoded rows (avx512_gemm.cpp's forward_decoded takes it when present):
+// and, optionally, for the AVX512 forward (avx512_gemm.cpp takes them when bf16_row is present; int4):
 //   bool whole_rows() const; void bf16_row(int64_t o, uint16_t* dst) const
-//       W[o, 0 .. K) into dst (64-byte aligned), bf16x32's values, where whole_rows() (int4: its row's tables made
-//       first, RowTables)
+//       W[o, 0 .. K) into dst (64-byte aligned), bf16x32's values, where whole_rows() (the decoded forward)
+//   bool dot_row_tables() const; void row_tables(int64_t o, RowTables& t) const;
+//   __m512i row_chunk(int64_t o, int64_t k0, const RowTables& t) const
+//       the same 32 values at k0 from row o's tables made first (the forward's dot products, where dot_row_tables())
 // and, where each value is a scale times a value exact in bf16 (the group-scaled form, for few_rows.h's backward with
 // few rows of g: RawPairs32 there multiplies g by the scales instead of each weight):
 //   W[o, k] = S(o, k) * V[o, k], S constant over aligned runs of 2^raw_shift() >= 32 columns of a row
@@ -265,9 +267,7 @@ struct Int4Rows {
                                        _mm512_set1_epi32(zero_point(gi)));
     return table16(_mm512_mul_ps(_mm512_cvtepi32_ps(u), _mm512_set1_ps(bf16_to_float(scale[gi]))));
   }
-  // W[o, 0 .. K) rounded to bf16 into dst (64-byte aligned), bit for bit bf16x32's values, where whole_rows(): the
-  // row's tables made first (RowTables: no chunk's lookup waits on its table's making), then each 32 bytes of codes
-  // read once for both halves of the row (low nibbles: columns j .., high: K/2 + j ..)
+  // whether a row's chunks each lie in one group and on one side of K/2, and its tables fit RowTables
   inline bool whole_rows() const { return shift >= 5 && half % 32 == 0 && groups <= RowTables::kMax; }
   // whether the AVX512 forward's dot products (1-8 rows) take row_chunk: symmetric codes 1.09-1.24x against the
   // tables made as a row's walk reaches its groups, with zero points 0.93-1.03x (docs/performance.md, "int4's rows
@@ -285,6 +285,9 @@ struct Int4Rows {
     if (high) b = _mm256_srli_epi16(b, 4);
     return lookup32(_mm256_and_si256(b, _mm256_set1_epi8(0x0F)), t.get(k0 >> shift));
   }
+  // W[o, 0 .. K) rounded to bf16 into dst (64-byte aligned), bit for bit bf16x32's values, where whole_rows(): the
+  // row's tables made first (RowTables: no chunk's lookup waits on its table's making), then each 32 bytes of codes
+  // read once for both halves of the row (low nibbles: columns j .., high: K/2 + j ..)
   MOETUNE_AVX512 void bf16_row(int64_t o, uint16_t* dst) const {
     RowTables t;
     row_tables(o, t);
