@@ -251,9 +251,14 @@ struct Int4Rows {
       cache.table = table(gi);
       cache.key = gi;
     }
+    return lookup32(codes32(o, k0), cache.table);
+  }
+  // the 32 codes u of W[o, k0 .. k0 + 32), one per byte, for a chunk on one side of K/2
+  MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m256i codes32(int64_t o, int64_t k0) const {
+    const bool high = k0 >= half;
     __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + o * half + (high ? k0 - half : k0)));
     if (high) b = _mm256_srli_epi16(b, 4);
-    return lookup32(_mm256_and_si256(b, _mm256_set1_epi8(0x0F)), cache.table);
+    return _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
   }
   MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i bf16x32(int64_t o, int64_t k0) const {
     TableCache none;
@@ -280,10 +285,7 @@ struct Int4Rows {
   // W[o, k0 .. k0 + 32) in bf16 by row o's tables (row_tables), bf16x32's bits; where whole_rows() a chunk lies on
   // one side of K/2 and is whole
   MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i row_chunk(int64_t o, int64_t k0, const RowTables& t) const {
-    const bool high = k0 >= half;
-    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + o * half + (high ? k0 - half : k0)));
-    if (high) b = _mm256_srli_epi16(b, 4);
-    return lookup32(_mm256_and_si256(b, _mm256_set1_epi8(0x0F)), t.get(k0 >> shift));
+    return lookup32(codes32(o, k0), t.get(k0 >> shift));
   }
   // W[o, 0 .. K) rounded to bf16 into dst (64-byte aligned), bit for bit bf16x32's values, where whole_rows(): the
   // row's tables made first (RowTables: no chunk's lookup waits on its table's making), then each 32 bytes of codes
