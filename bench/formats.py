@@ -9,7 +9,8 @@ One fp32 Gaussian layer is stored as bf16 (the baseline; in the layout the loade
 INT4 checkpoint (Kimi-K2-Thinking) loads, i.e. each expert matrix quantized the way compressed-tensors does
 it (groups of 32, scale max|w| / 7.5, codes -8..7), packed as its int32 words, then re-packed into int4's
 nibble order by the checkpoint loader's own path (the time that takes, the load cost per layer, is printed
-too).
+too). int8-a8 is int8 with ``int8_activations`` (the kernels round the activations to 8-bit integer rows; its
+torch path is int8's, not run twice).
 Formats with a fused kernel in use on this machine (``moetune.engine.kernels``: int8, int4, fp8_block and
 mxfp4 on AMX-BF16 or AVX512-BF16 CPUs) run twice, as themselves and as ``<label> torch`` with the kernels off
 (the torch path, pinned per engine), and a line per format gives the fused / torch CPU-time ratio.
@@ -84,7 +85,10 @@ FORMAT_BUILDS: dict[str, tuple[Build, torch.dtype]] = {  # label -> (build, dtyp
     "fp8_block": (FORMATS.get("fp8_block").from_dense, torch.float32),
     "compressed-int4": (from_compressed_int4, torch.float32),
     "mxfp4": (FORMATS.get("mxfp4").from_dense, torch.float32),
+    "int8-a8": (FORMATS.get("int8").from_dense, torch.float32),
 }
+# labels whose engines take options of their own: int8-a8 is int8 with int8_activations (its torch path is int8's)
+LABEL_OPTIONS: dict[str, dict[str, object]] = {"int8-a8": {"int8_activations": True}}
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -148,7 +152,8 @@ def main() -> None:
         err /= float(torch.cat([gate_up.flatten(), down.flatten()]).norm())
         del gq, dq
         info[label] = (fmt.bytes_per_param, err)
-        engines[label] = ExpertEngine(fmt, lora=lora, options=options)
+        own = LABEL_OPTIONS.get(label, {})
+        engines[label] = ExpertEngine(fmt, lora=lora, options=replace(options, **own))
         path = engines[label].gemm.path
         if args.variant is not None and fmt.FUSED_MAX_ROWS:  # the named variant, built by name
             rows = fmt.FUSED_MAX_ROWS.get(args.variant, 0)
@@ -156,7 +161,9 @@ def main() -> None:
             engines[label].gemm.path = path
         if path.fused_rows and args.fused_max_rows is not None:
             engines[label].gemm.path = replace(path, fused_rows=args.fused_max_rows)
-        if engines[label].gemm.path.fused_rows:  # the same weights on the torch path, side by side
+        if (
+            engines[label].gemm.path.fused_rows and not own
+        ):  # the same weights on the torch path, side by side
             torch_label = f"{label} torch"
             engines[torch_label] = ExpertEngine(fmt, lora=lora, options=options)
             engines[torch_label].gemm.path = resolve_gemm_path(fmt, engines[label].compute_dtype, fused=False)

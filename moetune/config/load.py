@@ -237,6 +237,7 @@ _EXPERT_OPTION_TYPES: dict[str, Any] = {
     "expert_workers": int,
     "gpu_experts_warmup": int,
     "int4_symmetric": bool,
+    "int8_activations": bool,
     "check_finite": bool,
 }
 

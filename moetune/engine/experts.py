@@ -109,7 +109,9 @@ class ExpertEngine:
         self.split = (
             RowSplit.for_dtype(self.compute_dtype, native) if split is None else RowSplit(split, native)
         )
-        self.gemm = BlockedGemm(weights, self.compute_dtype, split=self.split)
+        self.gemm = BlockedGemm(
+            weights, self.compute_dtype, split=self.split, int8_rows=self.options.int8_activations
+        )
         if self.options.expert_workers is not None and self.options.expert_workers < 1:
             raise EngineError(f"expert_workers must be >= 1 or None; got {self.options.expert_workers}")
         self.schedule = ExpertSchedule(self.options.expert_workers, 3 * h * i)
@@ -122,7 +124,9 @@ class ExpertEngine:
 
     @weights.setter
     def weights(self, weights: ExpertFormat) -> None:
-        self.gemm = BlockedGemm(weights, self.compute_dtype, split=self.split)
+        self.gemm = BlockedGemm(
+            weights, self.compute_dtype, split=self.split, int8_rows=self.options.int8_activations
+        )
 
     @property
     def mode(self) -> TrainMode:

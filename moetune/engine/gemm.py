@@ -37,7 +37,15 @@ import torch
 
 from moetune.engine.formats import DenseExperts, ExpertFormat
 from moetune.engine.formats.base import Projection
-from moetune.engine.kernels import fused_kernels, load_fused, load_variant, variant_named
+from moetune.engine.kernels import (
+    KERNELS_ENV,
+    VARIANTS,
+    fused_kernels,
+    kernels_disabled,
+    load_fused,
+    load_variant,
+    variant_named,
+)
 from moetune.engine.routing import Segment, flat_segments
 from moetune.engine.shapes import RowSplit, native_ops, padded_rows
 from moetune.engine.workspace import thread_workspace
@@ -78,6 +86,17 @@ class GemmPath:
     dense: bool = False
     # the kernels multiply the codes with the activations as 16-bit integer rows (the variant's ``int16_rows``)
     int16_rows: bool = False
+    # ... as 8-bit integer rows instead (the opt-in int8 activations: the variant's ``int8_rows``, its kernels
+    # ``<kernel>_a8``)
+    int8_rows: bool = False
+
+    def kernel(self, name: str) -> str:
+        """The name of the kernel this path calls for a format's kernel ``name`` (``fused_operands``' or its run
+        form's): ``<kernel>_a8`` / ``<kernel>_a8_run`` with ``int8_rows``."""
+        if not self.int8_rows:
+            return name
+        run = name.endswith("_run")  # the run form, <kernel>_run -> <kernel>_a8_run
+        return f"{name.removesuffix('_run')}_a8" + ("_run" if run else "")
 
     def describe(self) -> str:
         """One line for ``moetune doctor`` and the benchmarks."""
@@ -103,6 +122,8 @@ class GemmPath:
         how = (
             "weights widened to fp32 in registers"
             if self.dense
+            else "codes times the activations rounded to 8-bit integer rows (int8_activations), exact int32 sums"
+            if self.int8_rows
             else "codes times the activations as 16-bit integer rows, exact int32 sums"
             if self.int16_rows
             else "codes dequantized in registers"
@@ -114,36 +135,78 @@ class GemmPath:
 
 
 def resolve_gemm_path(
-    weights: ExpertFormat, compute_dtype: torch.dtype, cpu: CpuInfo | None = None, fused: bool = True
+    weights: ExpertFormat,
+    compute_dtype: torch.dtype,
+    cpu: CpuInfo | None = None,
+    fused: bool = True,
+    int8_rows: bool = False,
 ) -> GemmPath:
     """The GEMM path for ``weights`` computed in ``compute_dtype`` on ``cpu`` (default: this machine's).
 
     ``fused``: route few-row experts to the compiled kernels when the variant that loads here (building it on
     first use; ``kernels.fused_kernels``) computes in ``compute_dtype``, the format has a threshold for it and
     ``cpu`` has its ISA; False resolves the torch path alone. ``whole_tiles`` (the torch path's) depends on ``cpu`` alone.
+    ``int8_rows`` (the int8 format's ``int8_activations``): the few-row experts' products with the activations
+    rounded to 8-bit integer rows, on the first variant that offers them for the format and runs here (AVX512-BF16
+    on AMX CPUs too); ``EngineError`` saying why where none does.
     """
-    kernels = fused_kernels() if fused and weights.FUSED_MAX_ROWS else None
+    isa = (cpu or cpu_info()).isa
+    kernels: ModuleType | None
+    if int8_rows:
+        kernels = _int8_rows_kernels(weights, compute_dtype, isa, fused)
+    else:
+        kernels = fused_kernels() if fused and weights.FUSED_MAX_ROWS else None
     variant = str(kernels.variant) if kernels is not None else ""
     spec = variant_named(variant)
-    fits = spec is not None and spec.compute == compute_dtype and spec.isa in (cpu or cpu_info()).isa
+    fits = spec is not None and spec.compute == compute_dtype and spec.isa in isa
     rows = weights.FUSED_MAX_ROWS.get(variant, 0) if fits else 0
     variant = variant if rows else ""
     if not weights.needs_buffer(compute_dtype):
         return GemmPath(Conversion.VIEW, whole_tiles=True, fused_rows=rows, fused_variant=variant)
     scaled = compute_dtype in weights.SCALED_TILE_DTYPES
     conversion = Conversion.SCALED_CODES if scaled else Conversion.DEQUANTIZED
-    amx = "AMX-BF16" in (cpu or cpu_info()).isa
     bf16 = compute_dtype == torch.bfloat16
     dense = isinstance(weights, DenseExperts)
-    int16 = bool(rows) and spec is not None and weights.name in spec.int16_rows
+    int16 = bool(rows) and spec is not None and weights.name in spec.int16_rows and not int8_rows
     return GemmPath(
         conversion,
-        whole_tiles=amx and bf16,
+        whole_tiles="AMX-BF16" in isa and bf16,
         fused_rows=rows,
         fused_variant=variant,
         dense=dense,
         int16_rows=int16,
+        int8_rows=int8_rows,
     )
+
+
+def _int8_rows_kernels(
+    weights: ExpertFormat, compute_dtype: torch.dtype, isa: tuple[str, ...], fused: bool
+) -> ModuleType:
+    """The built variant that computes ``weights``' products with 8-bit integer rows here (resolve_gemm_path's
+    ``int8_rows``), or ``EngineError`` naming what is missing."""
+    offering = [v for v in VARIANTS if weights.name in v.int8_rows]
+    if not offering:
+        raise EngineError(
+            f"int8_activations: no kernel variant computes {weights.name!r} experts with 8-bit activations; "
+            f"allowed: expert_format int8"
+        )
+    off = "resolved without them" if not fused else kernels_disabled()
+    if off:
+        raise EngineError(
+            f"int8_activations needs the fused kernels, which are off ({off}); turn them on ({KERNELS_ENV}) or "
+            "remove int8_activations"
+        )
+    runs = [v for v in offering if v.isa in isa and v.compute == compute_dtype]
+    if not runs:
+        raise EngineError(
+            "int8_activations needs the "
+            + " or ".join(
+                f"{v.name} kernels (a CPU with {v.isa}, computing in {v.compute})" for v in offering
+            )
+            + f"; this CPU has {', '.join(sorted(isa)) or 'none of them'} and computes in {compute_dtype}. "
+            "Remove int8_activations"
+        )
+    return load_variant(runs[0].name)  # EngineError saying why, where it does not build
 
 
 class BlockedGemm:
@@ -154,6 +217,7 @@ class BlockedGemm:
         compute_dtype: the dtype the GEMMs run in (``resolve_compute_dtype``).
         path: how weights reach the GEMMs (default: ``resolve_gemm_path`` on this machine).
         split: whether GEMMs split their rows into fixed sizes (default: ``RowSplit.for_dtype``).
+        int8_rows: the default path's kernels round the activations to 8-bit integer rows (``resolve_gemm_path``).
 
     Tile buffers and the transposed small-n result are the calling thread's scratch (``thread_workspace``), so
     experts may be multiplied in parallel threads.
@@ -165,10 +229,11 @@ class BlockedGemm:
         compute_dtype: torch.dtype,
         path: GemmPath | None = None,
         split: RowSplit | None = None,
+        int8_rows: bool = False,
     ) -> None:
         self.weights = weights
         self.compute_dtype = compute_dtype
-        self.path = path or resolve_gemm_path(weights, compute_dtype)
+        self.path = path or resolve_gemm_path(weights, compute_dtype, int8_rows=int8_rows)
         self._kernels: tuple[GemmPath, ModuleType] | None = None  # _kernels_for's cache
         # fp32/fp64 partial sums lose nothing, so backward may sum block by block (see matmul_w)
         self.exact_sums = compute_dtype in (torch.float32, torch.float64)
@@ -286,7 +351,7 @@ class BlockedGemm:
             few = flat_segments(seg for seg in segments if seg[2] - seg[1] <= fused)
             if few:
                 kernel, operands = self.weights.fused_run_operands(proj)
-                run = getattr(self._kernels_for(self.path), kernel)
+                run = getattr(self._kernels_for(self.path), self.path.kernel(kernel))
                 run(forward, inp, inp_offset, out, few, *operands, accumulate)
             segments = [seg for seg in segments if seg[2] - seg[1] > fused]
         # asked on every call, never kept: a module may swap the tensors (full mode's nn.Parameters)
@@ -344,4 +409,5 @@ class BlockedGemm:
         kernels = self._kernels_for(self.path)
         assert out.stride(-1) == 1, "the fused kernels write rows of out in place"
         a = a if a.stride(-1) == 1 else a.contiguous()
-        self.weights.fused_gemm(kernels, forward, proj, e, a, out, accumulate)
+        kernel, weights = self.weights.fused_operands(proj, e)
+        getattr(kernels, self.path.kernel(kernel))(forward, a, out, *weights, accumulate)

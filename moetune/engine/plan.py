@@ -40,6 +40,9 @@ class EngineOptions:
     # experts computed at once (``threads.split_threads``); None: one per thread of the caller's intra-op pool
     # (experts under ``threads.MIN_POOL_EXPERT_PARAMS`` one at a time), 1: one expert at a time on all of them
     expert_workers: int | None = None
+    # the int8 format's kernels round the activations to 8-bit integer rows (``ExpertOptions.int8_activations``,
+    # ``gemm.resolve_gemm_path``'s ``int8_rows``)
+    int8_activations: bool = False
     # GEMM rows in pieces from a fixed set of sizes (``engine.shapes``); None: where the compute dtype runs on
     # oneDNN's per-shape kernels (bf16, fp16); False measures the whole-row GEMMs (the benchmarks' A/B)
     split_rows: bool | None = None

@@ -146,6 +146,7 @@ class LoadOptions:
             compute_dtype=self.dtype if exact else None,
             check_finite=self.experts.check_finite,
             expert_workers=self.experts.expert_workers,
+            int8_activations=bool(self.experts.int8_activations),
         )
 
     def layer_format(

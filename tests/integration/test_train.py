@@ -202,6 +202,64 @@ def test_plot_loss_false_writes_no_loss_curve(tmp_path, demo_model) -> None:
     assert json.loads((out / "run_summary.json").read_text())["loss_curve"] is None
 
 
+def _avx512_bf16_or_why() -> str:
+    from moetune.sysinfo import cpu_info
+
+    isa = cpu_info().isa
+    return (
+        "" if "AVX512-BF16" in isa else f"int8_activations needs AVX512-BF16; this CPU has {', '.join(isa)}"
+    )
+
+
+@pytest.mark.skipif(bool(_avx512_bf16_or_why()), reason=_avx512_bf16_or_why())
+def test_int8_activations_train_save_and_reload(tmp_path, demo_model) -> None:
+    """``moetune: {expert_format: int8, int8_activations: true}`` in bf16: the engines take the 8-bit rows, the
+    losses stay within 5% of the default int8 run's (the same weights, 16-bit rows), the adapter loads in stock PEFT,
+    and ``load_model`` with the same options runs it, its logits near the trained model's."""
+    import math
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from moetune.adapters.load import load_model
+    from moetune.layer import CpuExperts
+    from moetune.train.recipe import run
+
+    results = {}
+    for a8 in (False, True):
+        (tmp_path / str(a8)).mkdir()
+        engine = {"device": "cpu", "num_threads": 1, "expert_format": "int8", "int8_activations": a8}
+        cfg = _config(tmp_path / str(a8), demo_model, save_steps=10, bf16=True, moetune=engine)
+        results[a8] = run(load_config(cfg), progress=False)
+    want, got = _losses(tmp_path / "False" / "out"), _losses(tmp_path / "True" / "out")
+    assert len(got) == len(want) == 4 and all(math.isfinite(v) for v in got)
+    assert got == pytest.approx(want, rel=0.05)
+    assert got != want  # the rounding is really taken
+    model = results[True].model.eval()
+    paths = [m.engine.gemm.path for m in model.modules() if isinstance(m, CpuExperts)]
+    assert paths and all(p.int8_rows for p in paths)
+    out = tmp_path / "True" / "out"
+    ids = torch.randint(4, 17, (2, 10))
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits.float()
+        stock = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32), out
+        )
+        assert stock(input_ids=ids).logits.isfinite().all()
+        again = load_model(
+            demo_model,
+            device="cpu",
+            dtype="bfloat16",
+            progress=False,
+            adapter=out,
+            expert_format="int8",
+            int8_activations=True,
+        )
+        assert all(m.engine.gemm.path.int8_rows for m in again.modules() if isinstance(m, CpuExperts))
+        reloaded = again(input_ids=ids).logits.float()
+    assert float((reloaded - trained).abs().max()) <= 0.05 * float(trained.abs().max())
+
+
 def test_gpu_experts_train_like_all_cpu(tmp_path, demo_model) -> None:
     """``moetune: {gpu_experts: 2}`` (device cpu standing in): the same losses and adapter as the all-CPU run, and
     the summary's memory report counts the device copies."""

@@ -24,10 +24,12 @@
 // codes once.
 #define MOETUNE_VARIANT "AVX512-BF16"
 #define MOETUNE_TABLES  // fp8_block by table (entry.h)
+#define MOETUNE_INT8_ROWS  // int8_gemm_a8 (entry.h, int8_rows.h)
 
 #include "decoders.h"
 #include "few_rows.h"  // the band walk (backward, <= 8 rows) and run_gemm for dense bf16 weights
 #include "int16_rows.h"  // int8 weights against int16 rows (vpdpwssd)
+#include "int8_rows.h"   // the same against int8 rows (vpdpbusd): int8_gemm_a8
 #include "layouts.h"
 
 #include <ATen/Parallel.h>

@@ -79,6 +79,32 @@ void int8_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const to
               accumulate);
 }
 
+#ifdef MOETUNE_INT8_ROWS
+// int8_gemm with a's rows as 8-bit integers (the int8 format's opt-in int8 activations: int8_rows.h); the variants
+// that define MOETUNE_INT8_ROWS (AVX512-BF16) have it
+void int8_gemm_a8(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& codes,
+                  const torch::Tensor& scale, bool accumulate) {
+  require_variant();
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(), "codes: int8 [O, K]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == codes.size(0),
+              "scale: fp32 [O]");
+  const int64_t O = codes.size(0), K = codes.size(1);
+  TORCH_CHECK(O <= moetune_int8::kMaxO, "int8 activations: at most ", moetune_int8::kMaxO,
+              " weight rows (exact int32 sums); got ", O);
+  check_operands(a, out, forward ? K : O, forward ? O : K);
+  const int64_t n = a.size(0);
+  if (n == 0) return;
+  const moetune::Int8Rows dec{codes.data_ptr<int8_t>(), K};
+  auto* op = out.data_ptr<at::BFloat16>();
+  if (forward)
+    moetune_int8::forward(dec, scale.data_ptr<float>(), a.data_ptr<at::BFloat16>(), a.stride(0), n, K, O, op,
+                          out.stride(0), accumulate);
+  else
+    moetune_int8::backward(dec, scale.data_ptr<float>(), a.data_ptr<at::BFloat16>(), a.stride(0), n, K, O, op,
+                           out.stride(0), accumulate);
+}
+#endif
+
 // packed [O, K/2] uint8; scale [O, K/g] bf16; zero [O, K/g] uint8 or None.
 void int4_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& packed,
                const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero, int64_t group,
@@ -165,6 +191,16 @@ void int8_gemm_run(bool forward, const torch::Tensor& a, int64_t a_offset, const
   });
 }
 
+#ifdef MOETUNE_INT8_ROWS
+void int8_gemm_a8_run(bool forward, const torch::Tensor& a, int64_t a_offset, const torch::Tensor& out,
+                      const std::vector<int64_t>& segs, const torch::Tensor& codes, const torch::Tensor& scale,
+                      bool accumulate) {
+  each_segment(segs, a, a_offset, out, [&](int64_t e, const torch::Tensor& a_e, const torch::Tensor& out_e) {
+    int8_gemm_a8(forward, a_e, out_e, codes.select(0, e), scale.select(0, e), accumulate);
+  });
+}
+#endif
+
 void int4_gemm_run(bool forward, const torch::Tensor& a, int64_t a_offset, const torch::Tensor& out,
                    const std::vector<int64_t>& segs, const torch::Tensor& packed, const torch::Tensor& scale,
                    const c10::optional<torch::Tensor>& zero, int64_t group, bool accumulate) {
@@ -201,6 +237,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("int8_gemm", &int8_gemm, "int8 per-row-scale GEMM (forward: x @ W^T, backward: g @ W)",
         py::call_guard<py::gil_scoped_release>());
+#ifdef MOETUNE_INT8_ROWS
+  m.def("int8_gemm_a8", &int8_gemm_a8, "int8_gemm with the activations as 8-bit integers per row",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int8_gemm_a8_run", &int8_gemm_a8_run, "int8_gemm_a8 over a run of experts",
+        py::call_guard<py::gil_scoped_release>());
+#endif
   m.def("int4_gemm", &int4_gemm, "int4 group-wise GEMM (forward: x @ W^T, backward: g @ W)",
         py::call_guard<py::gil_scoped_release>());
   m.def("fp8_block_gemm", &fp8_block_gemm, "fp8 e4m3 128x128-block GEMM (forward: x @ W^T, backward: g @ W)",

@@ -44,26 +44,33 @@ inline int32_t forward_qmax(int64_t K) {
   return static_cast<int32_t>(std::min<int64_t>(32767, std::numeric_limits<int32_t>::max() / (128 * terms)));
 }
 
-// Rows of a [n, cols] (times col_scale[c] in fp32 where given) as 16-bit integers, the header's rounding: q [n, ld]
-// (ld >= cols, a multiple of 32; zeros past cols) and step [n]
-struct Int16Rows {
-  std::vector<int16_t> q;
+// Rows of a [n, cols] (times col_scale[c] in fp32 where given) as integers of T (int16_t here, int8_t for
+// int8_rows.h), the header's rounding with T's qmax: q [n, ld] (ld >= cols, a whole number of 64-byte lines; zeros
+// past cols), step [n] and sum [n] (each row's integers summed, exactly)
+template <class T>
+struct IntRows {
+  std::vector<T> q;
   std::vector<float> step;
+  std::vector<int32_t> sum;
   int64_t ld = 0, at = 0;  // row r at q.data() + at + r * ld, 64-byte aligned
-  int16_t* row(int64_t r) { return q.data() + at + r * ld; }
-  const int16_t* row(int64_t r) const { return q.data() + at + r * ld; }
+  T* row(int64_t r) { return q.data() + at + r * ld; }
+  const T* row(int64_t r) const { return q.data() + at + r * ld; }
 };
+using Int16Rows = IntRows<int16_t>;
 
-MOETUNE_AVX512 inline Int16Rows int16_rows(const at::BFloat16* a, int64_t lda, int64_t n, int64_t cols,
-                                           const float* col_scale, int32_t qmax) {
-  Int16Rows rows;
-  rows.ld = (cols + 31) / 32 * 32;
-  // rows 4 KiB apart would share one L1 set: one line more (without it the forward at K = 2048 measured 0.97-1.01x,
-  // within noise, at 4-64 rows of x)
-  if (rows.ld % 2048 == 0) rows.ld += 32;
-  rows.q.assign(n * rows.ld + 32, 0);  // + 32: room to align the rows to 64 bytes
-  rows.at = (32 - reinterpret_cast<uintptr_t>(rows.q.data()) / 2 % 32) % 32;
+template <class T>
+MOETUNE_AVX512 inline IntRows<T> int_rows(const at::BFloat16* a, int64_t lda, int64_t n, int64_t cols,
+                                          const float* col_scale, int32_t qmax) {
+  constexpr int64_t kLine = 64 / sizeof(T);  // values per cache line
+  IntRows<T> rows;
+  rows.ld = (cols + kLine - 1) / kLine * kLine;
+  // rows 4 KiB apart would share one L1 set: one line more (without it the int16 forward at K = 2048 measured
+  // 0.97-1.01x, within noise, at 4-64 rows of x)
+  if (rows.ld * static_cast<int64_t>(sizeof(T)) % 4096 == 0) rows.ld += kLine;
+  rows.q.assign(n * rows.ld + kLine, 0);  // + a line: room to align the rows to 64 bytes
+  rows.at = (kLine - reinterpret_cast<uintptr_t>(rows.q.data()) / sizeof(T) % kLine) % kLine;
   rows.step.resize(n);
+  rows.sum.resize(n);
   auto value = [&](int64_t r, int64_t c) MOETUNE_AVX512 {  // a[r, c .. c + 16) (times the scales), 0 past cols
     __m512 v = moetune::widen16(a + r * lda, c, cols);
     if (col_scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(first(static_cast<int>(cols - c)), col_scale + c));
@@ -82,12 +89,18 @@ MOETUNE_AVX512 inline Int16Rows int16_rows(const at::BFloat16* a, int64_t lda, i
     rows.step[r] = bad || std::isinf(m) ? std::numeric_limits<float>::quiet_NaN() : m / q;
     const __m512 inv = _mm512_set1_ps(m > 0 && std::isfinite(m) ? q / m : 0.0f);
     const __m512i lim = _mm512_set1_epi32(qmax);
-    int16_t* dst = rows.row(r);
+    __m512i total = _mm512_setzero_si512();
+    T* dst = rows.row(r);
     for (int64_t c = 0; c < cols; c += 16) {
       __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(value(r, c), inv));  // nearest, ties to even (MXCSR's default)
       i = _mm512_max_epi32(_mm512_min_epi32(i, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
-      _mm256_mask_storeu_epi16(dst + c, first(static_cast<int>(cols - c)), _mm512_cvtepi32_epi16(i));
+      total = _mm512_add_epi32(total, i);
+      if constexpr (sizeof(T) == 2)
+        _mm256_mask_storeu_epi16(dst + c, first(static_cast<int>(cols - c)), _mm512_cvtepi32_epi16(i));
+      else
+        _mm_mask_storeu_epi8(dst + c, first(static_cast<int>(cols - c)), _mm512_cvtepi32_epi8(i));
     }
+    rows.sum[r] = _mm512_reduce_add_epi32(total);
   }
   return rows;
 }
@@ -196,7 +209,7 @@ struct Int16Pairs {
 MOETUNE_AVX512 inline void forward(const moetune::Int8Rows& dec, const float* row_scale, const at::BFloat16* x,
                                    int64_t ldx, int64_t n, int64_t K, int64_t O, at::BFloat16* out, int64_t ldo,
                                    bool accumulate) {
-  const Int16Rows xq = int16_rows(x, ldx, n, K, nullptr, forward_qmax(K));
+  const Int16Rows xq = int_rows<int16_t>(x, ldx, n, K, nullptr, forward_qmax(K));
   at::parallel_for(0, (O + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
     forward_range(dec, row_scale, xq, n, K, O, out, ldo, accumulate, b0, b1);
   });
@@ -206,7 +219,7 @@ MOETUNE_AVX512 inline void forward(const moetune::Int8Rows& dec, const float* ro
 MOETUNE_AVX512 inline void backward(const moetune::Int8Rows& dec, const float* row_scale, const at::BFloat16* g,
                                     int64_t ldg, int64_t n, int64_t K, int64_t O, at::BFloat16* out, int64_t ldo,
                                     bool accumulate) {
-  const Int16Rows gq = int16_rows(g, ldg, n, O, row_scale, 32767);  // ld: O rounded up to 32, so even
+  const Int16Rows gq = int_rows<int16_t>(g, ldg, n, O, row_scale, 32767);  // ld: O rounded up to 32, so even
   const Int16Pairs pairs{dec, O, gq.step.data()};
   const auto* gp = reinterpret_cast<const uint16_t*>(gq.row(0));
   at::parallel_for(0, (K + 31) / 32, 1, [&](int64_t c0, int64_t c1) {

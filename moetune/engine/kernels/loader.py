@@ -60,7 +60,8 @@ class KernelVariant:
     ``cpu_info().isa`` flag the CPU needs for it to run, the dtype its operands and sums are in (the engine's
     compute dtype it serves), the compile flags its source needs (beyond ``CFLAGS``), and the formats
     (``ExpertFormat.name``) whose products it computes with the activations as 16-bit integer rows against the
-    codes (``int16_rows.h``) instead of dequantized weights."""
+    codes (``int16_rows.h``) instead of dequantized weights, and those it also offers with 8-bit integer rows
+    (``int8_rows.h``: the kernel ``<name>_a8``, the int8 format's opt-in ``int8_activations``)."""
 
     name: str
     source: str
@@ -68,6 +69,7 @@ class KernelVariant:
     compute: torch.dtype = torch.bfloat16
     flags: tuple[str, ...] = ()
     int16_rows: tuple[str, ...] = ()
+    int8_rows: tuple[str, ...] = ()
 
     def sources(self) -> list[Path]:
         """The variant's source and every header it includes from this folder (transitively), in include order."""
@@ -84,7 +86,7 @@ class KernelVariant:
 # best first: AMX tiles do 16x more bf16 products per instruction than AVX512 dot products
 VARIANTS: tuple[KernelVariant, ...] = (
     KernelVariant("AMX-BF16", "amx_gemm.cpp", "AMX-BF16"),
-    KernelVariant("AVX512-BF16", "avx512_gemm.cpp", "AVX512-BF16", int16_rows=("int8",)),
+    KernelVariant("AVX512-BF16", "avx512_gemm.cpp", "AVX512-BF16", int16_rows=("int8",), int8_rows=("int8",)),
     # fp32 compute (CPUs without AVX512-BF16 compute in fp32: ``resolve_compute_dtype``)
     KernelVariant("AVX2", "avx2_gemm.cpp", "AVX2", torch.float32, ("-mavx2", "-mfma", "-mf16c")),
 )
@@ -106,7 +108,7 @@ def _built(variant: KernelVariant) -> tuple[ModuleType | None, str]:
     return _state[variant.name]
 
 
-def _disabled() -> str:
+def kernels_disabled() -> str:
     """Why ``MOETUNE_KERNELS`` turns the kernels off, or "" (unset, "on", "1"); other values are refused."""
     value = os.environ.get(KERNELS_ENV, "on").strip().lower()
     if value in ("on", "1", ""):
@@ -221,13 +223,13 @@ def load_fused() -> ModuleType | None:
 def fused_unavailable() -> str:
     """Why the fused kernels are not used now (``MOETUNE_KERNELS=off``, or why they did not build or load), or
     "" when they are (builds them if needed)."""
-    return _disabled() or _resolve()[1]
+    return kernels_disabled() or _resolve()[1]
 
 
 def check_kernels_env() -> None:
     """Raise the ``ConfigError`` for a ``MOETUNE_KERNELS`` value other than on/off/1/0 now (the preflight calls
     it before the model loads; engines would otherwise meet it at their first GEMM path, mid-load)."""
-    _disabled()
+    kernels_disabled()
 
 
 def fused_variant() -> str:
@@ -238,4 +240,4 @@ def fused_variant() -> str:
 
 def fused_kernels() -> ModuleType | None:
     """``load_fused()`` unless ``MOETUNE_KERNELS`` turns the kernels off now (checked per call; no build)."""
-    return None if _disabled() else load_fused()
+    return None if kernels_disabled() else load_fused()
