@@ -86,9 +86,13 @@ FORMAT_BUILDS: dict[str, tuple[Build, torch.dtype]] = {  # label -> (build, dtyp
     "compressed-int4": (from_compressed_int4, torch.float32),
     "mxfp4": (FORMATS.get("mxfp4").from_dense, torch.float32),
     "int8-a8": (FORMATS.get("int8").from_dense, torch.float32),
+    "int4-g64-a8": (lambda gu, dn: FORMATS.get("int4").from_dense(gu, dn, group_size=64), torch.float32),
 }
 # labels whose engines take options of their own: int8-a8 is int8 with int8_activations (its torch path is int8's)
-LABEL_OPTIONS: dict[str, dict[str, object]] = {"int8-a8": {"int8_activations": True}}
+LABEL_OPTIONS: dict[str, dict[str, object]] = {
+    "int8-a8": {"int8_activations": True},
+    "int4-g64-a8": {"int8_activations": True},
+}
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -25,6 +25,8 @@ AUTO = "auto"  # expert_format resolved per layer from what the checkpoint store
 # Spellings accepted besides the registered format names.
 FORMAT_ALIASES = {"bf16": "dense", "fp8": "fp8_block"}
 INT4_OPTIONS = ("int4_group_size", "int4_symmetric")
+# the formats whose kernels offer int8_activations (kernels.loader.VARIANTS' int8_rows)
+INT8_ACTIVATION_FORMATS = ("int8", "int4")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 
@@ -89,12 +91,13 @@ class ExpertOptions:
             ``fp8`` = fp8_block). Stored as the registered name, or ``auto``.
         int4_group_size: int4 only: inputs per scale (None: 64); must divide H and I.
         int4_symmetric: int4 only: no zero points (None: True).
-        int8_activations: int8 only: the fused kernels round each row of the experts' inputs (and of the
-            gradients their backward takes) to 8-bit integers, a step of its largest magnitude / 127, and multiply
-            them with the codes exactly (vpdpbusd): 1.4-1.9x the products of the default, which rounds to 16-bit
-            integers (a step of max / 32767); the error that adds is at most half a step per value
-            (``kernels/int8_rows.h``). None / False: the default. Needs the AVX512-BF16 kernels (CPUs with
-            AVX512-BF16 and VNNI, AMX ones included); elsewhere loading raises ``EngineError``.
+        int8_activations: int8 and int4 only: the fused kernels round each row of the experts' inputs (and of
+            the gradients their backward takes, int4: per group of columns, times its scales) to 8-bit integers, a
+            step of its largest magnitude / 127, and multiply them with the codes exactly (vpdpbusd): int8 1.4-1.9x
+            the products of its default (16-bit rows, a step of max / 32767), int4 1.1-1.6x its default (bf16); the
+            error that adds is at most half a step per value (``kernels/int8_rows.h``). None / False: the default.
+            Needs the AVX512-BF16 kernels (CPUs with AVX512-BF16 and VNNI, AMX ones included); elsewhere loading
+            raises ``EngineError``.
         expert_path: a store written by ``moetune convert`` to take the routed experts from.
         expert_residency: with ``expert_path``: ``ram`` or ``disk`` (paged layer by layer).
         expert_residency_budget: disk only: bytes (an int or a size such as ``"64GB"``); None: the two
@@ -308,13 +311,13 @@ def expert_option_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
         "expert_format" not in bad
         and "int8_activations" not in bad
         and values.get("int8_activations")
-        and FORMAT_ALIASES.get(expert_format, expert_format) != "int8"
+        and FORMAT_ALIASES.get(expert_format, expert_format) not in INT8_ACTIVATION_FORMATS
     ):
         problems.append(
             (
                 "int8_activations",
-                f"is true but applies to expert_format int8 only (the int8 kernels); expert_format is "
-                f"{expert_format!r}. Set expert_format: int8, or remove int8_activations",
+                f"is true but applies to expert_format {' or '.join(INT8_ACTIVATION_FORMATS)} only (their kernels); "
+                f"expert_format is {expert_format!r}. Set one of them, or remove int8_activations",
             )
         )
     if "gpu_experts" not in bad:

@@ -186,9 +186,10 @@ def _int8_rows_kernels(
     ``int8_rows``), or ``EngineError`` naming what is missing."""
     offering = [v for v in VARIANTS if weights.name in v.int8_rows]
     if not offering:
+        allowed = sorted({name for v in VARIANTS for name in v.int8_rows})
         raise EngineError(
             f"int8_activations: no kernel variant computes {weights.name!r} experts with 8-bit activations; "
-            f"allowed: expert_format int8"
+            f"allowed: expert_format {', '.join(allowed)}"
         )
     off = "resolved without them" if not fused else kernels_disabled()
     if off:

@@ -212,10 +212,11 @@ def _avx512_bf16_or_why() -> str:
 
 
 @pytest.mark.skipif(bool(_avx512_bf16_or_why()), reason=_avx512_bf16_or_why())
-def test_int8_activations_train_save_and_reload(tmp_path, demo_model) -> None:
-    """``moetune: {expert_format: int8, int8_activations: true}`` in bf16: the engines take the 8-bit rows, the
-    losses stay within 5% of the default int8 run's (the same weights, 16-bit rows), the adapter loads in stock PEFT,
-    and ``load_model`` with the same options runs it, its logits near the trained model's."""
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_int8_activations_train_save_and_reload(tmp_path, demo_model, fmt) -> None:
+    """``moetune: {expert_format: int8 (or int4), int8_activations: true}`` in bf16: the engines take the 8-bit rows,
+    the losses stay within 5% of the same format's default run (int8: 16-bit rows, int4: bf16), the adapter loads in
+    stock PEFT, and ``load_model`` with the same options runs it, its logits near the trained model's."""
     import math
 
     from peft import PeftModel
@@ -225,10 +226,29 @@ def test_int8_activations_train_save_and_reload(tmp_path, demo_model) -> None:
     from moetune.layer import CpuExperts
     from moetune.train.recipe import run
 
+    if fmt == "int4":  # the demo's experts (I = 24) with I = 32: int4 groups of 32 divide H and I
+        from transformers import AutoTokenizer
+
+        from moetune.testing.tiny import save_tiny_model
+
+        tokenizer = AutoTokenizer.from_pretrained(demo_model)
+        demo_model = save_tiny_model(
+            "qwen3_moe",
+            tmp_path / "i32",
+            tokenizer=False,
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            moe_intermediate_size=32,
+        )
+        tokenizer.save_pretrained(demo_model)
     results = {}
     for a8 in (False, True):
         (tmp_path / str(a8)).mkdir()
-        engine = {"device": "cpu", "num_threads": 1, "expert_format": "int8", "int8_activations": a8}
+        engine = {"device": "cpu", "num_threads": 1, "expert_format": fmt, "int8_activations": a8}
+        if fmt == "int4":
+            engine["int4_group_size"] = 32
         cfg = _config(tmp_path / str(a8), demo_model, save_steps=10, bf16=True, moetune=engine)
         results[a8] = run(load_config(cfg), progress=False)
     want, got = _losses(tmp_path / "False" / "out"), _losses(tmp_path / "True" / "out")
@@ -252,8 +272,9 @@ def test_int8_activations_train_save_and_reload(tmp_path, demo_model) -> None:
             dtype="bfloat16",
             progress=False,
             adapter=out,
-            expert_format="int8",
+            expert_format=fmt,
             int8_activations=True,
+            **({"int4_group_size": 32} if fmt == "int4" else {}),
         )
         assert all(m.engine.gemm.path.int8_rows for m in again.modules() if isinstance(m, CpuExperts))
         reloaded = again(input_ids=ids).logits.float()

@@ -128,6 +128,40 @@ void int4_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const to
   run_checked(forward, dec, nullptr, a, out, O, K, accumulate);
 }
 
+#ifdef MOETUNE_INT8_ROWS
+// int4_gemm with a's rows as 8-bit integers (int8_activations: int8_rows.h)
+void int4_gemm_a8(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& packed,
+                  const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero, int64_t group,
+                  bool accumulate) {
+  require_variant();
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              "packed: uint8 [O, K/2]");
+  const int64_t O = packed.size(0), K = 2 * packed.size(1);
+  TORCH_CHECK((group == 32 || group == 64 || group == 128) && K % group == 0 && (K / 2) % 16 == 0,
+              "int8 activations: group 32, 64 or 128 dividing K (K / 2 a multiple of 16)");
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.is_contiguous() && scale.numel() == O * (K / group),
+              "scale: bf16 [O, K/g]");
+  const uint8_t* zp = nullptr;
+  if (zero.has_value()) {
+    TORCH_CHECK(zero->scalar_type() == at::kByte && zero->is_contiguous() && zero->numel() == O * (K / group),
+                "zero: uint8 [O, K/g]");
+    zp = zero->data_ptr<uint8_t>();
+  }
+  check_operands(a, out, forward ? K : O, forward ? O : K);
+  const int64_t n = a.size(0);
+  if (n == 0) return;
+  const moetune::Int4Rows dec{packed.data_ptr<uint8_t>(), scale.data_ptr<at::BFloat16>(), zp, K / 2, K / group,
+                              __builtin_ctzll(static_cast<unsigned long long>(group))};
+  auto* op = out.data_ptr<at::BFloat16>();
+  if (forward)
+    moetune_int8::int4_forward(dec, a.data_ptr<at::BFloat16>(), a.stride(0), n, K, O, op, out.stride(0),
+                               accumulate);
+  else
+    moetune_int8::int4_backward(dec, a.data_ptr<at::BFloat16>(), a.stride(0), n, K, O, op, out.stride(0),
+                                accumulate);
+}
+#endif
+
 // codes [O, K] e4m3fn; scale_inv [R, ceil(K/128)] fp32, the grid rows of both segments: rows from seg on take
 // grid rows from seg_grid = ceil(seg / 128) (gate_up: up's grid after gate's; one segment: seg = 0).
 void fp8_block_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& codes,
@@ -201,6 +235,18 @@ void int8_gemm_a8_run(bool forward, const torch::Tensor& a, int64_t a_offset, co
 }
 #endif
 
+#ifdef MOETUNE_INT8_ROWS
+void int4_gemm_a8_run(bool forward, const torch::Tensor& a, int64_t a_offset, const torch::Tensor& out,
+                      const std::vector<int64_t>& segs, const torch::Tensor& packed, const torch::Tensor& scale,
+                      const c10::optional<torch::Tensor>& zero, int64_t group, bool accumulate) {
+  each_segment(segs, a, a_offset, out, [&](int64_t e, const torch::Tensor& a_e, const torch::Tensor& out_e) {
+    c10::optional<torch::Tensor> z;
+    if (zero.has_value()) z = zero->select(0, e);
+    int4_gemm_a8(forward, a_e, out_e, packed.select(0, e), scale.select(0, e), z, group, accumulate);
+  });
+}
+#endif
+
 void int4_gemm_run(bool forward, const torch::Tensor& a, int64_t a_offset, const torch::Tensor& out,
                    const std::vector<int64_t>& segs, const torch::Tensor& packed, const torch::Tensor& scale,
                    const c10::optional<torch::Tensor>& zero, int64_t group, bool accumulate) {
@@ -239,6 +285,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
 #ifdef MOETUNE_INT8_ROWS
   m.def("int8_gemm_a8", &int8_gemm_a8, "int8_gemm with the activations as 8-bit integers per row",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int4_gemm_a8", &int4_gemm_a8, "int4_gemm with the activations as 8-bit integers per row",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int4_gemm_a8_run", &int4_gemm_a8_run, "int4_gemm_a8 over a run of experts",
         py::call_guard<py::gil_scoped_release>());
   m.def("int8_gemm_a8_run", &int8_gemm_a8_run, "int8_gemm_a8 over a run of experts",
         py::call_guard<py::gil_scoped_release>());

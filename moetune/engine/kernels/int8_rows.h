@@ -125,20 +125,23 @@ MOETUNE_AVX512 inline void forward(const moetune::Int8Rows& dec, const float* ro
   });
 }
 
-// Rows o .. o + 4 of the codes plus 128 (zero rows past O), columns [k0, k0 + 64), as four vectors of quads: lane
-// 4 L + i of v[j] holds (W[o, k], .., W[o + 3, k]) + 128 for k = k0 + 16 L + 4 j + i (two rounds of unpacks within
-// each 128-bit lane; unquad puts the sums back in column order)
-MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void quads(const moetune::Int8Rows& dec, int64_t O, int64_t o, int64_t k0,
-                                                int64_t valid, __m512i v[4]) {
-  __m512i w[4];
-  for (int i = 0; i < 4; ++i)
-    w[i] = o + i < O ? biased64(dec.codes + (o + i) * dec.K + k0, valid) : _mm512_setzero_si512();
+// Four rows of 64 bytes (w[0 .. 4)) as four vectors of quads: lane 4 L + i of v[j] holds (w[0][c], .., w[3][c]) for
+// c = 16 L + 4 j + i (two rounds of unpacks within each 128-bit lane; unquad puts them, or their sums, in column
+// order). quads: rows o .. o + 4 of the int8 codes plus 128 (zero rows past O), columns [k0, k0 + 64).
+MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void interleave4(const __m512i w[4], __m512i v[4]) {
   const __m512i t0 = _mm512_unpacklo_epi8(w[0], w[1]), t1 = _mm512_unpackhi_epi8(w[0], w[1]);
   const __m512i t2 = _mm512_unpacklo_epi8(w[2], w[3]), t3 = _mm512_unpackhi_epi8(w[2], w[3]);
   v[0] = _mm512_unpacklo_epi16(t0, t2);
   v[1] = _mm512_unpackhi_epi16(t0, t2);
   v[2] = _mm512_unpacklo_epi16(t1, t3);
   v[3] = _mm512_unpackhi_epi16(t1, t3);
+}
+MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void quads(const moetune::Int8Rows& dec, int64_t O, int64_t o, int64_t k0,
+                                                int64_t valid, __m512i v[4]) {
+  __m512i w[4];
+  for (int i = 0; i < 4; ++i)
+    w[i] = o + i < O ? biased64(dec.codes + (o + i) * dec.K + k0, valid) : _mm512_setzero_si512();
+  interleave4(w, v);
 }
 
 // quads' column order undone: a[j] in quads' lanes -> a[L] columns 16 L .. 16 L + 16 (a 4 x 4 transpose of 128-bit
@@ -214,6 +217,243 @@ MOETUNE_AVX512 inline void backward(const moetune::Int8Rows& dec, const float* r
           moetune::store_row(out + r * ldo + k0 + 16 * j, _mm512_mul_ps(_mm512_cvtepi32_ps(v[j]), step),
                              first(static_cast<int>(K - k0 - 16 * j)), accumulate);
       }
+    }
+  });
+}
+
+// ---- int4 weights (decoders.h's Int4Rows: W[o, k] = s[o, g] (u[o, k] - z[o, g]), g = k / group) ----
+//
+//   forward : out[r, o] (+)= step_r sum_g s[o, g] (sum_{k in g} q[r, k] u[o, k] - z[o, g] sum_{k in g} q[r, k]);
+//             weight rows on the lanes (a group's scale multiplies 16 rows' int32 sums at once, where lanes along k
+//             would need one multiply per row, row of x and group): each 16 weight rows' codes first transposed into
+//             64-byte vectors of [16 rows][4 columns] (int4_columns), then per row of x one vpdpbusd per 4 columns
+//             against its 4 bytes broadcast, the group's int32 sums (at most 127 * 15 * 128 a lane) times the scales
+//             and less z s times the group's sum of q, in fp32, once per group.
+
+// Weight rows o0 .. o0 + 16 of the codes (zeros from `rows` on) as 64-byte vectors of 16 rows x 4 columns of
+// unsigned codes, in column order: buf[k / 4] for k < K, lane 4 L + q holding row 4 q + L (kRowOfLane). Per 16
+// packed bytes of four rows: one load and three broadcasts into the other 128-bit lanes, then a 4 x 4 transpose
+// of 32-bit words within the lanes, then each byte's two nibbles: the low one column j, the high one column
+// j + K/2. (A 16 x 16 transpose of the rows' words, with rows in order, measured 0.8x of it.)
+MOETUNE_AVX512 inline void int4_columns(const moetune::Int4Rows& dec, int64_t o0, int rows, __m512i* buf) {
+  const int64_t half = dec.half;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t j0 = 0; j0 < half; j0 += 16) {  // K / 2 is a multiple of 16
+    __m512i y[4];  // y[q] lane L: bytes j0 .. j0 + 16 of row 4 q + L
+    for (int q = 0; q < 4; ++q) {
+      y[q] = _mm512_setzero_si512();
+      for (int L = 0; L < 4 && 4 * q + L < rows; ++L)
+        y[q] = _mm512_mask_broadcast_i32x4(
+            y[q], static_cast<__mmask16>(0xF << (4 * L)),
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(dec.packed + (o0 + 4 * q + L) * half + j0)));
+    }
+    const __m512i t0 = _mm512_unpacklo_epi32(y[0], y[1]), t1 = _mm512_unpackhi_epi32(y[0], y[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(y[2], y[3]), t3 = _mm512_unpackhi_epi32(y[2], y[3]);
+    const __m512i w[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                          _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+    for (int m = 0; m < 4; ++m) {  // w[m] lane 4 L + q: word m of y[q]'s lane L
+      buf[j0 / 4 + m] = _mm512_and_si512(w[m], low4);
+      buf[(half + j0) / 4 + m] = _mm512_and_si512(_mm512_srli_epi16(w[m], 4), low4);
+    }
+  }
+}
+
+// the weight row int4_columns puts in lane j (4 L + q -> 4 q + L: its own inverse)
+MOETUNE_AVX512 inline __m512i row_of_lane() {
+  return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+}
+
+// res[r * 16 + i] = sum_g (s[g][i] P[r, i, g] - sz[g][i] sx[r, g]) for r < R, P the group's int32 sum of q[r, k]
+// u[o0 + i, k] from int4_columns' buf; x's rows ldx apart, sx[r * groups + g] their group sums; steps: group / 4
+template <int R>
+MOETUNE_AVX512 void int4_rows(const __m512i* buf, const int8_t* x, int64_t ldx, const int32_t* sx, int64_t groups,
+                              int64_t steps, const float* s, const float* sz, float* res) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
+    for (int64_t kk = g * steps; kk < (g + 1) * steps; ++kk) {
+      const __m512i v = _mm512_load_si512(buf + kk);
+      for (int r = 0; r < R; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, x + r * ldx + 4 * kk, 4);
+        sum[r] = dpbusd(sum[r], v, _mm512_set1_epi32(quad));
+      }
+    }
+    const __m512 sg = _mm512_load_ps(s + 16 * g), szg = _mm512_load_ps(sz + 16 * g);
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), sg, acc[r]);
+      acc[r] = _mm512_fnmadd_ps(szg, _mm512_set1_ps(static_cast<float>(sx[r * groups + g])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_store_ps(res + r * 16, acc[r]);
+}
+
+// out[n, O] (+)= x[n, K] @ W^T for int4 W, the forward above
+MOETUNE_AVX512 inline void int4_forward(const moetune::Int4Rows& dec, const at::BFloat16* x, int64_t ldx, int64_t n,
+                                        int64_t K, int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate) {
+  const Int8Acts xq = moetune_int16::int_rows<int8_t>(x, ldx, n, K, nullptr, 127);
+  const int64_t groups = dec.groups, group = int64_t{1} << dec.shift;
+  std::vector<int32_t> sx(n * groups);  // each row's sums of q per group
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t t = 0;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) t += xq.row(r)[k];
+      sx[r * groups + g] = t;
+    }
+  at::parallel_for(0, (O + 15) / 16, 1, [&](int64_t ob0, int64_t ob1) MOETUNE_AVX512 {
+    // the codes' K / 4 vectors; s and s z per group, [groups, 16] each; the [n, 16] sums (64-byte aligned)
+    std::vector<float> space(16 * (K / 4 + 2 * groups + std::max<int64_t>(n, 8) + 1));
+    float* s = space.data() + (16 - reinterpret_cast<uintptr_t>(space.data()) / 4 % 16) % 16;
+    float* sz = s + 16 * groups;
+    float* res = sz + 16 * groups;
+    auto* buf = reinterpret_cast<__m512i*>(res + 16 * std::max<int64_t>(n, 8));
+    for (int64_t ob = ob0; ob < ob1; ++ob) {
+      const int64_t o0 = ob * 16;
+      const int rows = static_cast<int>(std::min<int64_t>(16, O - o0));
+      const __m512i lanes = row_of_lane();
+      const __m512i at = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int>(groups)));
+      const __mmask16 m = _mm512_cmplt_epi32_mask(lanes, _mm512_set1_epi32(rows));  // lanes of rows < rows
+      const int64_t base = o0 * groups;  // the block's scales and zero points: group g of row i at base + i groups + g
+      for (int64_t g = 0; g < groups; ++g) {  // gathered across the 16 rows (scalar loads measured 2x the decode)
+        const __m512i idx = _mm512_add_epi32(at, _mm512_set1_epi32(static_cast<int>(g)));
+        const __m512 sg = _mm512_castsi512_ps(_mm512_slli_epi32(moetune::gather_u16(dec.scale + base, idx, m), 16));
+        const __m512 z = dec.zero ? _mm512_cvtepi32_ps(moetune::gather_u8(dec.zero + base, idx, m)) : _mm512_set1_ps(8.0f);
+        _mm512_store_ps(s + 16 * g, sg);
+        _mm512_store_ps(sz + 16 * g, _mm512_mul_ps(sg, z));
+      }
+      int4_columns(dec, o0, rows, buf);
+      for (int64_t r0 = 0; r0 < n; r0 += 8)
+        moetune_few_rows::with_rows<8>(n - r0, [&](auto R) MOETUNE_AVX512 {
+          int4_rows<decltype(R)::value>(buf, xq.row(r0), xq.ld, sx.data() + r0 * groups, groups, group / 4,
+                                        s, sz, res + r0 * 16);
+        });
+      for (int64_t r = 0; r < n; ++r) {  // back to row order
+        const __m512 v = _mm512_permutexvar_ps(lanes, _mm512_load_ps(res + r * 16));
+        moetune::store_row(out + r * ldo + o0, _mm512_mul_ps(v, _mm512_set1_ps(xq.step[r])), first(rows), accumulate);
+      }
+    }
+  });
+}
+
+//   backward: out[r, k] (+)= sum_o g[r, o] W[o, k] = step_rg (sum_o q_g[r, o] u[o, k] - sum_o q_g[r, o] z[o, g]) for
+//             k in group g, where q_g, step_rg are row r of g times the group's scales s[., g] as 8-bit integer rows
+//             (each group's own: the scales into g, as few_rows.h's RawPairs32 takes them in bf16); lanes along k
+//             in column order, four weight rows' codes per lane (int4_quads), bands of 32 quads staged once for all
+//             rows of g, q_g's four values broadcast per 16 columns (one group), the int32 sums (at most 15 * 127 O
+//             a lane) kept per call and converted once at the end.
+
+// Weight rows o .. o + 4 of the packed codes (zero rows past O), packed bytes [j0, j0 + 64) (zeros past valid):
+// lo[L] lane i holds (u[o, c], .., u[o + 3, c]) for column c = j0 + 16 L + i (the low nibbles), hi[L] for column
+// K/2 + j0 + 16 L + i (the high ones)
+MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void int4_quads(const moetune::Int4Rows& dec, int64_t O, int64_t o, int64_t j0,
+                                                     int64_t valid, __m512i lo[4], __m512i hi[4]) {
+  __m512i w[4], v[4];
+  for (int i = 0; i < 4; ++i)
+    w[i] = o + i < O ? _mm512_maskz_loadu_epi8(first64(valid), dec.packed + (o + i) * dec.half + j0)
+                     : _mm512_setzero_si512();
+  interleave4(w, v);
+  unquad(v);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int L = 0; L < 4; ++L) {
+    lo[L] = _mm512_and_si512(v[L], low4);
+    hi[L] = _mm512_and_si512(_mm512_srli_epi16(v[L], 4), low4);
+  }
+}
+
+// acc rows r < R, 64 columns (four vectors of 16, int32, ldacc apart) += sum_q (g_L[r, 4 q .. 4 q + 4) . w[4 q + L]),
+// q < nq: gl[L] the rows of g's integers for the group of columns 16 L .. 16 L + 16 (from the band's first row), ldg
+// apart
+template <int R>
+MOETUNE_AVX512 inline void int4_band_rows(const __m512i* w, int nq, const int8_t* const gl[4], int64_t ldg,
+                                          int32_t* acc, int64_t ldacc) {
+  __m512i s[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int L = 0; L < 4; ++L) s[r][L] = _mm512_setzero_si512();
+  for (int q = 0; q < nq; ++q)
+    for (int L = 0; L < 4; ++L) {
+      const __m512i v = _mm512_load_si512(w + 4 * q + L);
+      for (int r = 0; r < R; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, gl[L] + r * ldg + 4 * q, 4);
+        s[r][L] = dpbusd(s[r][L], v, _mm512_set1_epi32(quad));
+      }
+    }
+  for (int r = 0; r < R; ++r)
+    for (int L = 0; L < 4; ++L) {
+      int32_t* a = acc + r * ldacc + 16 * L;
+      _mm512_storeu_si512(a, _mm512_add_epi32(_mm512_loadu_si512(a), s[r][L]));
+    }
+}
+
+// out[n, K] (+)= g[n, O] @ W for int4 W, the backward above
+MOETUNE_AVX512 inline void int4_backward(const moetune::Int4Rows& dec, const at::BFloat16* g, int64_t ldg, int64_t n,
+                                         int64_t K, int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate) {
+  const int64_t groups = dec.groups, half = dec.half;
+  const int shift = dec.shift;
+  // each group's scales (and zero points) along O, then g times them as 8-bit rows, and each row's z term
+  std::vector<float> st(O);
+  std::vector<Int8Acts> gq;
+  std::vector<int32_t> zterm(groups * n);
+  gq.reserve(groups);
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    for (int64_t o = 0; o < O; ++o) st[o] = moetune::bf16_to_float(dec.scale[o * groups + gi]);
+    gq.push_back(moetune_int16::int_rows<int8_t>(g, ldg, n, O, st.data(), 127));
+    for (int64_t r = 0; r < n; ++r) {
+      if (!dec.zero) {
+        zterm[gi * n + r] = 8 * gq.back().sum[r];
+        continue;
+      }
+      const int8_t* q = gq.back().row(r);
+      int32_t t = 0;
+      for (int64_t o = 0; o < O; ++o) t += q[o] * static_cast<int32_t>(dec.zero[o * groups + gi]);
+      zterm[gi * n + r] = t;
+    }
+  }
+  const int64_t ldq = gq[0].ld;
+  at::parallel_for(0, (half + 63) / 64, 1, [&](int64_t c0, int64_t c1) MOETUNE_AVX512 {
+    // per packed chunk c: the sums of its low columns, then of its high ones (128 int32 a row)
+    const int64_t width = (c1 - c0) * 128 + (n > 2 ? 16 : 0);
+    std::vector<int32_t> accv(n * width, 0);
+    alignas(64) __m512i staged[8 * kBandQuads];  // the band's quads: low nibbles' 4 vectors, then the high ones'
+    for (int64_t ob = 0; ob < O; ob += 4 * kBandQuads) {
+      const int nq = static_cast<int>(std::min<int64_t>(kBandQuads, (O - ob + 3) / 4));
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t j0 = c * 64, valid = std::min<int64_t>(64, half - j0);
+        for (int q = 0; q < nq; ++q) {
+          const int64_t o = ob + 4 * q, ahead = o + 4 * kBandQuads;  // the next band's rows, the same bytes
+          for (int64_t i = ahead; i < std::min(ahead + 4, O); ++i)
+            _mm_prefetch(reinterpret_cast<const char*>(dec.packed + i * half + j0), _MM_HINT_T2);
+          int4_quads(dec, O, o, j0, valid, staged + 4 * q, staged + 4 * (kBandQuads + q));
+        }
+        for (int h = 0; h < 2; ++h) {  // the low columns, then the high ones
+          const int64_t k0 = h ? half + j0 : j0;
+          const int8_t* gl[4];
+          for (int L = 0; L < 4; ++L) gl[L] = gq[std::min(groups - 1, (k0 + 16 * L) >> shift)].row(0) + ob;
+          int32_t* acc = accv.data() + (c - c0) * 128 + 64 * h;
+          for (int64_t r0 = 0; r0 < n; r0 += 6) {
+            const int8_t* gr[4] = {gl[0] + r0 * ldq, gl[1] + r0 * ldq, gl[2] + r0 * ldq, gl[3] + r0 * ldq};
+            moetune_few_rows::with_rows<6>(n - r0, [&](auto R) MOETUNE_AVX512 {
+              int4_band_rows<decltype(R)::value>(staged + 4 * kBandQuads * h, nq, gr, ldq, acc + r0 * width, width);
+            });
+          }
+        }
+      }
+    }
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t j0 = c * 64, valid = std::min<int64_t>(64, half - j0);
+      for (int h = 0; h < 2; ++h)
+        for (int L = 0; 16 * L < valid; ++L) {
+          const int64_t k = (h ? half + j0 : j0) + 16 * L, gi = k >> shift;
+          for (int64_t r = 0; r < n; ++r) {
+            const int32_t* a = accv.data() + r * width + (c - c0) * 128 + 64 * h + 16 * L;
+            const __m512i v = _mm512_sub_epi32(_mm512_loadu_si512(a), _mm512_set1_epi32(zterm[gi * n + r]));
+            moetune::store_row(out + r * ldo + k,
+                               _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(gq[gi].step[r])), 0xFFFF,
+                               accumulate);
+          }
+        }
     }
   });
 }

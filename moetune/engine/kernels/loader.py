@@ -86,7 +86,9 @@ class KernelVariant:
 # best first: AMX tiles do 16x more bf16 products per instruction than AVX512 dot products
 VARIANTS: tuple[KernelVariant, ...] = (
     KernelVariant("AMX-BF16", "amx_gemm.cpp", "AMX-BF16"),
-    KernelVariant("AVX512-BF16", "avx512_gemm.cpp", "AVX512-BF16", int16_rows=("int8",), int8_rows=("int8",)),
+    KernelVariant(
+        "AVX512-BF16", "avx512_gemm.cpp", "AVX512-BF16", int16_rows=("int8",), int8_rows=("int8", "int4")
+    ),
     # fp32 compute (CPUs without AVX512-BF16 compute in fp32: ``resolve_compute_dtype``)
     KernelVariant("AVX2", "avx2_gemm.cpp", "AVX2", torch.float32, ("-mavx2", "-mfma", "-mf16c")),
 )

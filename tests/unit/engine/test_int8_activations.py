@@ -21,7 +21,7 @@ import torch
 
 from moetune.config.experts import ExpertOptions
 from moetune.engine import EngineOptions, ExpertEngine
-from moetune.engine.formats import Int4Experts, Int8Experts
+from moetune.engine.formats import FORMATS, Int4Experts, Int8Experts
 from moetune.engine.gemm import resolve_gemm_path
 from moetune.engine.kernels import KERNELS_ENV, load_variant
 from moetune.errors import ConfigError, EngineError
@@ -147,14 +147,104 @@ def test_a8_gives_the_same_bits_on_two_threads():
     assert all(torch.equal(p, q) for p, q in zip(*results))
 
 
+def _int4(
+    o: int, k: int, group: int, symmetric: bool, seed: int
+) -> tuple[tuple, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4_gemm's operands for a random [o, k] weight (packed, scale, zero or None, group) and, float64 [o, k] each,
+    its codes u - z, u + z (the magnitudes the kernel's sums carry) and its scales per column: W = s (u - z)."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (o, k // 2), generator=gen, dtype=torch.uint8)
+    scale = ((torch.rand(o, k // group, generator=gen) - 0.3) * 0.05).bfloat16()  # some negative
+    zero = None if symmetric else torch.randint(0, 16, (o, k // group), generator=gen, dtype=torch.uint8)
+    u = torch.cat((packed & 15, packed >> 4), dim=1).double()  # byte j: column j (low nibble), j + K/2 (high)
+    z = torch.full_like(u, 8.0) if zero is None else zero.double().repeat_interleave(group, 1)
+    return (packed, scale, zero, group), u - z, u + z, scale.double().repeat_interleave(group, 1)
+
+
+def _int4_reference(
+    forward: bool, a: torch.Tensor, v: torch.Tensor, uz: torch.Tensor, s: torch.Tensor, group: int
+):
+    """(the product as the int4 kernel rounds a, its product of magnitudes) in float64: forward x's rows as 8-bit rows
+    against W = s v; backward, per group of columns, g times that group's scales as 8-bit rows against v."""
+    if forward:
+        q, step = int16_rows(a, None, 127)
+        return step * (q @ (s * v).t()), step * (q.abs() @ (s.abs() * uz).t())
+    ref = torch.empty(a.shape[0], v.shape[1], dtype=torch.float64)
+    mag = torch.empty_like(ref)
+    for c in range(0, v.shape[1], group):
+        q, step = int16_rows(a, s[:, c].float(), 127)
+        ref[:, c : c + group] = step * (q @ v[:, c : c + group])
+        mag[:, c : c + group] = step * (q.abs() @ uz[:, c : c + group])
+    return ref, mag
+
+
 @needs_a8
+@pytest.mark.parametrize("forward", [True, False], ids=["forward", "backward"])
+@pytest.mark.parametrize(
+    "o,k,group,symmetric",
+    [
+        (64, 128, 32, True),
+        (37, 96, 32, False),
+        (130, 160, 32, True),
+        (48, 256, 64, False),
+        (40, 384, 128, True),
+    ],
+)
+@pytest.mark.parametrize("n", [1, 3, 8, 9, 13, 33])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_int4_a8_kernel_is_the_rounded_product(forward, o, k, group, symmetric, n, accumulate):
+    """K / 2 = 48 and 80: a packed chunk shorter than 64 bytes, groups across K / 2; O not a multiple of 4 or 16."""
+    operands, v, uz, s = _int4(o, k, group, symmetric, seed=o + k + n)
+    gen = torch.Generator().manual_seed(n)
+    a = (torch.randn(n, k if forward else o, generator=gen) * torch.rand(n, 1, generator=gen) * 4).bfloat16()
+    out = torch.randn(n, o if forward else k, generator=gen).bfloat16()
+    before = out.double()
+    load_variant("AVX512-BF16").int4_gemm_a8(forward, a, out, *operands, accumulate)
+    ref, mag = _int4_reference(forward, a, v, uz, s, group)
+    if accumulate:
+        ref, mag = ref + before, mag + before.abs()
+    bound = 2.0**-8 * ref.abs() + (k if forward else o) * 2.0**-22 * mag + 1e-30
+    worst = float(((out.double() - ref).abs() / bound).max())
+    assert worst <= 1.0, worst
+
+
+@needs_a8
+@pytest.mark.parametrize("forward", [True, False], ids=["forward", "backward"])
+def test_int4_a8_error_is_at_most_half_a_step_per_value(forward):
+    o, k, group, n = 96, 256, 64, 5
+    operands, v, _, s = _int4(o, k, group, False, seed=9)
+    a = torch.randn(n, k if forward else o, generator=torch.Generator().manual_seed(2)).bfloat16()
+    out = torch.zeros(n, o if forward else k, dtype=torch.bfloat16)
+    load_variant("AVX512-BF16").int4_gemm_a8(forward, a, out, *operands, False)
+    w = s * v
+    if forward:
+        exact = a.double() @ w.t()
+        room = a.double().abs().amax(1, keepdim=True) / 254 * w.abs().sum(1)[None, :]
+    else:
+        exact = a.double() @ w
+        room = torch.empty_like(exact)
+        for c in range(0, k, group):  # each group's step: max |g s| / 127, against sum_o |u - z|
+            half_step = (a.double() * s[:, c]).abs().amax(1, keepdim=True) / 254
+            room[:, c : c + group] = half_step * v[:, c : c + group].abs().sum(0)[None, :]
+    err = (out.double() - exact).abs()
+    assert float((err / (room + 2.0**-8 * exact.abs() + 1e-6 * room.max())).max()) <= 1.0
+    assert float(err.max()) > 1e-3 * float(room.max())
+
+
+@needs_a8
+@pytest.mark.parametrize("name", ["int8", "int4"])
 @pytest.mark.parametrize("with_lora", [True, False], ids=["lora", "frozen"])
-def test_engine_with_int8_activations_stays_near_the_default(with_lora):
-    """The engine module with int8_activations against the same int8 weights on the default path (16-bit rows):
+def test_engine_with_int8_activations_stays_near_the_default(name, with_lora):
+    """The engine module with int8_activations against the same weights on the default path (int8: 16-bit rows;
+    int4 with groups of 32 and zero points: bf16):
     forward and every gradient within 2^-4 of each quantity's max (measured: 5e-3 to 2.1e-2), and not equal to it
     (the rounding is really taken); the path says so."""
     gate_up, down = gaussian()
-    fmt = Int8Experts.from_dense(gate_up, down)
+    fmt = (
+        Int8Experts.from_dense(gate_up, down)
+        if name == "int8"
+        else Int4Experts.from_dense(gate_up, down, group_size=32, symmetric=False)
+    )
     x, ids, w = make_routing(T=40, E=gate_up.shape[0], k=2, H=gate_up.shape[2], dtype=torch.float32)
     gy = torch.randn(40, gate_up.shape[2], generator=torch.Generator().manual_seed(5))
     results = []
@@ -188,9 +278,12 @@ def test_amx_cpus_take_the_avx512_kernels_for_int8_activations():
 
 def test_int8_activations_errors_name_what_is_missing(monkeypatch):
     int8 = Int8Experts.from_dense(*gaussian())
-    int4 = Int4Experts.from_dense(*gaussian(), group_size=32)
-    with pytest.raises(EngineError, match="no kernel variant computes 'int4' experts with 8-bit activations"):
-        resolve_gemm_path(int4, torch.bfloat16, AMX, int8_rows=True)
+    fp8 = FORMATS.get("fp8_block").from_dense(*gaussian())
+    with pytest.raises(
+        EngineError,
+        match="no kernel variant computes 'fp8_block' experts with 8-bit activations; allowed: expert_format int4, int8",
+    ):
+        resolve_gemm_path(fp8, torch.bfloat16, AMX, int8_rows=True)
     with pytest.raises(EngineError, match=r"needs the AVX512-BF16 kernels \(a CPU with AVX512-BF16"):
         resolve_gemm_path(int8, torch.bfloat16, AVX2, int8_rows=True)
     with pytest.raises(EngineError, match="computes in torch.float32"):
@@ -209,13 +302,16 @@ def test_int8_activations_option(tmp_path):
         device="cpu", expert_format="int8", int8_activations=True
     ).engine.int8_activations
     assert not LoadOptions.create(device="cpu", expert_format="int8").engine.int8_activations
-    with pytest.raises(ConfigError, match="int8_activations is true but applies to expert_format int8 only"):
-        ExpertOptions.create(expert_format="int4", int8_activations=True)
+    with pytest.raises(
+        ConfigError, match="int8_activations is true but applies to expert_format int8 or int4 only"
+    ):
+        ExpertOptions.create(expert_format="mxfp4", int8_activations=True)
+    assert ExpertOptions.create(expert_format="int4", int8_activations=True).int8_activations
     with pytest.raises(ConfigError, match="expert_format is 'auto'"):
         ExpertOptions.create(int8_activations=True)
     with pytest.raises(ConfigError, match="int8_activations got 'yes'; allowed: true or false"):
         ExpertOptions.create(expert_format="int8", int8_activations="yes")
-    ExpertOptions.create(expert_format="int4", int8_activations=False)  # false: nothing asked
+    ExpertOptions.create(expert_format="fp8", int8_activations=False)  # false: nothing asked
     raw = {
         "model_name_or_path": "m",
         "dataset": "demo_train",
