@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "decoders.h"
@@ -58,9 +59,9 @@ struct IntRows {
 };
 using Int16Rows = IntRows<int16_t>;
 
-template <class T>
-MOETUNE_AVX512 inline IntRows<T> int_rows(const at::BFloat16* a, int64_t lda, int64_t n, int64_t cols,
-                                          const float* col_scale, int32_t qmax) {
+template <class T, class Src>
+MOETUNE_AVX512 inline IntRows<T> int_rows(const Src* a, int64_t lda, int64_t n, int64_t cols, const float* col_scale,
+                                          int32_t qmax) {
   constexpr int64_t kLine = 64 / sizeof(T);  // values per cache line
   IntRows<T> rows;
   rows.ld = (cols + kLine - 1) / kLine * kLine;
@@ -72,7 +73,11 @@ MOETUNE_AVX512 inline IntRows<T> int_rows(const at::BFloat16* a, int64_t lda, in
   rows.step.resize(n);
   rows.sum.resize(n);
   auto value = [&](int64_t r, int64_t c) MOETUNE_AVX512 {  // a[r, c .. c + 16) (times the scales), 0 past cols
-    __m512 v = moetune::widen16(a + r * lda, c, cols);
+    __m512 v;  // a's rows in bf16 or fp32
+    if constexpr (std::is_same_v<Src, float>)
+      v = _mm512_maskz_loadu_ps(first(static_cast<int>(cols - c)), a + r * lda + c);
+    else
+      v = moetune::widen16(a + r * lda, c, cols);
     if (col_scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(first(static_cast<int>(cols - c)), col_scale + c));
     return v;
   };
@@ -93,12 +98,13 @@ MOETUNE_AVX512 inline IntRows<T> int_rows(const at::BFloat16* a, int64_t lda, in
     T* dst = rows.row(r);
     for (int64_t c = 0; c < cols; c += 16) {
       __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(value(r, c), inv));  // nearest, ties to even (MXCSR's default)
-      i = _mm512_max_epi32(_mm512_min_epi32(i, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+      if (sizeof(T) == 2 || qmax < 127)  // (int8 at 127: the saturating conversion below clamps)
+        i = _mm512_max_epi32(_mm512_min_epi32(i, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
       total = _mm512_add_epi32(total, i);
       if constexpr (sizeof(T) == 2)
         _mm256_mask_storeu_epi16(dst + c, first(static_cast<int>(cols - c)), _mm512_cvtepi32_epi16(i));
       else
-        _mm_mask_storeu_epi8(dst + c, first(static_cast<int>(cols - c)), _mm512_cvtepi32_epi8(i));
+        _mm_mask_storeu_epi8(dst + c, first(static_cast<int>(cols - c)), _mm512_cvtsepi32_epi8(i));
     }
     rows.sum[r] = _mm512_reduce_add_epi32(total);
   }

@@ -345,8 +345,10 @@ MOETUNE_AVX512 inline void int4_forward(const moetune::Int4Rows& dec, const at::
 //             a lane) kept per call and converted once at the end.
 
 // Weight rows o .. o + 4 of the packed codes (zero rows past O), packed bytes [j0, j0 + 64) (zeros past valid):
-// lo[L] lane i holds (u[o, c], .., u[o + 3, c]) for column c = j0 + 16 L + i (the low nibbles), hi[L] for column
-// K/2 + j0 + 16 L + i (the high ones)
+// lo[j] the low nibbles (columns j0 ..), hi[j] the high ones (columns K/2 + j0 ..), four codes a lane: in column
+// order (kOrdered: lane i of lo[L] holds (u[o, c], .., u[o + 3, c]) for c = j0 + 16 L + i) or in interleave4's
+// (lane 4 L + i of lo[j]: c = j0 + 16 L + 4 j + i; one unquad fewer per quad, for chunks inside one group)
+template <bool kOrdered>
 MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void int4_quads(const moetune::Int4Rows& dec, int64_t O, int64_t o, int64_t j0,
                                                      int64_t valid, __m512i lo[4], __m512i hi[4]) {
   __m512i w[4], v[4];
@@ -354,61 +356,94 @@ MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void int4_quads(const moetune::Int4Rows& de
     w[i] = o + i < O ? _mm512_maskz_loadu_epi8(first64(valid), dec.packed + (o + i) * dec.half + j0)
                      : _mm512_setzero_si512();
   interleave4(w, v);
-  unquad(v);
+  if constexpr (kOrdered) unquad(v);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int L = 0; L < 4; ++L) {
-    lo[L] = _mm512_and_si512(v[L], low4);
-    hi[L] = _mm512_and_si512(_mm512_srli_epi16(v[L], 4), low4);
+  for (int j = 0; j < 4; ++j) {
+    lo[j] = _mm512_and_si512(v[j], low4);
+    hi[j] = _mm512_and_si512(_mm512_srli_epi16(v[j], 4), low4);
   }
 }
 
-// acc rows r < R, 64 columns (four vectors of 16, int32, ldacc apart) += sum_q (g_L[r, 4 q .. 4 q + 4) . w[4 q + L]),
-// q < nq: gl[L] the rows of g's integers for the group of columns 16 L .. 16 L + 16 (from the band's first row), ldg
-// apart
-template <int R>
+// acc rows r < R, 64 columns (four vectors of 16 in int4_quads' order, int32, ldacc apart) += sum_q (g_j[r, 4 q ..
+// 4 q + 4) . w[4 q + j]), q < nq: gl[j] the rows of g's integers for w[.. + j]'s group (from the band's first row),
+// ldg apart; kOne: one group for all four (one broadcast per row and quad)
+template <int R, bool kOne>
 MOETUNE_AVX512 inline void int4_band_rows(const __m512i* w, int nq, const int8_t* const gl[4], int64_t ldg,
                                           int32_t* acc, int64_t ldacc) {
   __m512i s[R][4];
   for (int r = 0; r < R; ++r)
-    for (int L = 0; L < 4; ++L) s[r][L] = _mm512_setzero_si512();
-  for (int q = 0; q < nq; ++q)
-    for (int L = 0; L < 4; ++L) {
-      const __m512i v = _mm512_load_si512(w + 4 * q + L);
-      for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) s[r][j] = _mm512_setzero_si512();
+  for (int q = 0; q < nq; ++q) {
+    for (int r = 0; r < R; ++r) {
+      __m512i b[4];
+      for (int j = 0; j < (kOne ? 1 : 4); ++j) {
         int32_t quad;
-        std::memcpy(&quad, gl[L] + r * ldg + 4 * q, 4);
-        s[r][L] = dpbusd(s[r][L], v, _mm512_set1_epi32(quad));
+        std::memcpy(&quad, gl[j] + r * ldg + 4 * q, 4);
+        b[j] = _mm512_set1_epi32(quad);
       }
+      for (int j = 0; j < 4; ++j) s[r][j] = dpbusd(s[r][j], _mm512_load_si512(w + 4 * q + j), b[kOne ? 0 : j]);
     }
+  }
   for (int r = 0; r < R; ++r)
-    for (int L = 0; L < 4; ++L) {
-      int32_t* a = acc + r * ldacc + 16 * L;
-      _mm512_storeu_si512(a, _mm512_add_epi32(_mm512_loadu_si512(a), s[r][L]));
+    for (int j = 0; j < 4; ++j) {
+      int32_t* a = acc + r * ldacc + 16 * j;
+      _mm512_storeu_si512(a, _mm512_add_epi32(_mm512_loadu_si512(a), s[r][j]));
     }
 }
 
-// out[n, K] (+)= g[n, O] @ W for int4 W, the backward above
+// each group's scales (fp32) and zero points (int32, where there are) along O: st[gi * O + o], zt[gi * O + o]
+MOETUNE_AVX512 inline void int4_columns_of_groups(const moetune::Int4Rows& dec, int64_t O, std::vector<float>& st,
+                                                  std::vector<int32_t>& zt) {
+  const int64_t groups = dec.groups;
+  st.resize(groups * O);
+  zt.resize(dec.zero ? groups * O : 0);
+  const __m512i step = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int>(groups)));
+  for (int64_t o = 0; o < O; o += 16) {
+    const __mmask16 m = first(static_cast<int>(O - o));
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const __m512i idx = _mm512_add_epi32(step, _mm512_set1_epi32(static_cast<int>(gi)));
+      const __m512i s16 = moetune::gather_u16(dec.scale + o * groups, idx, m);
+      _mm512_mask_storeu_ps(st.data() + gi * O + o, m, _mm512_castsi512_ps(_mm512_slli_epi32(s16, 16)));
+      if (dec.zero)
+        _mm512_mask_storeu_epi32(zt.data() + gi * O + o, m, moetune::gather_u8(dec.zero + o * groups, idx, m));
+    }
+  }
+}
+
+// out[n, K] (+)= g[n, O] @ W for int4 W, the backward above; kOne: every 64 columns of a packed chunk in one group
+// (groups of 64 or more, K / 2 a multiple of 64)
+template <bool kOne>
 MOETUNE_AVX512 inline void int4_backward(const moetune::Int4Rows& dec, const at::BFloat16* g, int64_t ldg, int64_t n,
                                          int64_t K, int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate) {
   const int64_t groups = dec.groups, half = dec.half;
   const int shift = dec.shift;
-  // each group's scales (and zero points) along O, then g times them as 8-bit rows, and each row's z term
-  std::vector<float> st(O);
+  // g times each group's scales as 8-bit rows, and each row's z term sum_o q[r, o] z[o, g]
+  std::vector<float> st;
+  std::vector<int32_t> zt;
+  int4_columns_of_groups(dec, O, st, zt);
+  std::vector<float> gf(n * O);  // g in fp32, widened once for all groups
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t o = 0; o < O; o += 16)
+      _mm512_mask_storeu_ps(gf.data() + r * O + o, first(static_cast<int>(O - o)), moetune::widen16(g + r * ldg, o, O));
   std::vector<Int8Acts> gq;
   std::vector<int32_t> zterm(groups * n);
   gq.reserve(groups);
   for (int64_t gi = 0; gi < groups; ++gi) {
-    for (int64_t o = 0; o < O; ++o) st[o] = moetune::bf16_to_float(dec.scale[o * groups + gi]);
-    gq.push_back(moetune_int16::int_rows<int8_t>(g, ldg, n, O, st.data(), 127));
+    gq.push_back(moetune_int16::int_rows<int8_t>(gf.data(), O, n, O, st.data() + gi * O, 127));
     for (int64_t r = 0; r < n; ++r) {
-      if (!dec.zero) {
+      if (!dec.zero) {  // z = 8
         zterm[gi * n + r] = 8 * gq.back().sum[r];
         continue;
       }
       const int8_t* q = gq.back().row(r);
-      int32_t t = 0;
-      for (int64_t o = 0; o < O; ++o) t += q[o] * static_cast<int32_t>(dec.zero[o * groups + gi]);
-      zterm[gi * n + r] = t;
+      __m512i t = _mm512_setzero_si512();
+      for (int64_t o = 0; o < O; o += 16) {
+        const __mmask16 m = first(static_cast<int>(O - o));
+        const __m512i qv = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, q + o));
+        t = _mm512_add_epi32(t, _mm512_mullo_epi32(qv, _mm512_maskz_loadu_epi32(m, zt.data() + gi * O + o)));
+      }
+      zterm[gi * n + r] = _mm512_reduce_add_epi32(t);
     }
   }
   const int64_t ldq = gq[0].ld;
@@ -425,7 +460,7 @@ MOETUNE_AVX512 inline void int4_backward(const moetune::Int4Rows& dec, const at:
           const int64_t o = ob + 4 * q, ahead = o + 4 * kBandQuads;  // the next band's rows, the same bytes
           for (int64_t i = ahead; i < std::min(ahead + 4, O); ++i)
             _mm_prefetch(reinterpret_cast<const char*>(dec.packed + i * half + j0), _MM_HINT_T2);
-          int4_quads(dec, O, o, j0, valid, staged + 4 * q, staged + 4 * (kBandQuads + q));
+          int4_quads<!kOne>(dec, O, o, j0, valid, staged + 4 * q, staged + 4 * (kBandQuads + q));
         }
         for (int h = 0; h < 2; ++h) {  // the low columns, then the high ones
           const int64_t k0 = h ? half + j0 : j0;
@@ -435,7 +470,8 @@ MOETUNE_AVX512 inline void int4_backward(const moetune::Int4Rows& dec, const at:
           for (int64_t r0 = 0; r0 < n; r0 += 6) {
             const int8_t* gr[4] = {gl[0] + r0 * ldq, gl[1] + r0 * ldq, gl[2] + r0 * ldq, gl[3] + r0 * ldq};
             moetune_few_rows::with_rows<6>(n - r0, [&](auto R) MOETUNE_AVX512 {
-              int4_band_rows<decltype(R)::value>(staged + 4 * kBandQuads * h, nq, gr, ldq, acc + r0 * width, width);
+              int4_band_rows<decltype(R)::value, kOne>(staged + 4 * kBandQuads * h, nq, gr, ldq, acc + r0 * width,
+                                                      width);
             });
           }
         }
@@ -443,19 +479,32 @@ MOETUNE_AVX512 inline void int4_backward(const moetune::Int4Rows& dec, const at:
     }
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t j0 = c * 64, valid = std::min<int64_t>(64, half - j0);
-      for (int h = 0; h < 2; ++h)
-        for (int L = 0; 16 * L < valid; ++L) {
-          const int64_t k = (h ? half + j0 : j0) + 16 * L, gi = k >> shift;
-          for (int64_t r = 0; r < n; ++r) {
-            const int32_t* a = accv.data() + r * width + (c - c0) * 128 + 64 * h + 16 * L;
-            const __m512i v = _mm512_sub_epi32(_mm512_loadu_si512(a), _mm512_set1_epi32(zterm[gi * n + r]));
-            moetune::store_row(out + r * ldo + k,
-                               _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(gq[gi].step[r])), 0xFFFF,
+      for (int h = 0; h < 2; ++h) {
+        const int64_t k0 = h ? half + j0 : j0;
+        for (int64_t r = 0; r < n; ++r) {
+          const int32_t* a = accv.data() + r * width + (c - c0) * 128 + 64 * h;
+          __m512i v[4];
+          for (int j = 0; j < 4; ++j) v[j] = _mm512_loadu_si512(a + 16 * j);
+          if constexpr (kOne) unquad(v);
+          for (int L = 0; 16 * L < valid; ++L) {
+            const int64_t gi = (k0 + 16 * L) >> shift;
+            const __m512i t = _mm512_sub_epi32(v[L], _mm512_set1_epi32(zterm[gi * n + r]));
+            moetune::store_row(out + r * ldo + k0 + 16 * L,
+                               _mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(gq[gi].step[r])), 0xFFFF,
                                accumulate);
           }
         }
+      }
     }
   });
+}
+
+MOETUNE_AVX512 inline void int4_backward(const moetune::Int4Rows& dec, const at::BFloat16* g, int64_t ldg, int64_t n,
+                                         int64_t K, int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate) {
+  if (dec.shift >= 6 && dec.half % 64 == 0)
+    int4_backward<true>(dec, g, ldg, n, K, O, out, ldo, accumulate);
+  else
+    int4_backward<false>(dec, g, ldg, n, K, O, out, ldo, accumulate);
 }
 
 }  // namespace moetune_int8
