@@ -230,15 +230,18 @@ MOETUNE_AVX512 inline void backward(const moetune::Int8Rows& dec, const float* r
 //             against its 4 bytes broadcast, the group's int32 sums (at most 127 * 15 * 128 a lane) times the scales
 //             and less z s times the group's sum of q, in fp32, once per group.
 
-// Weight rows o0 .. o0 + 16 of the codes (zeros from `rows` on) as 64-byte vectors of 16 rows x 4 columns of
-// unsigned codes, in column order: buf[k / 4] for k < K, lane 4 L + q holding row 4 q + L (kRowOfLane). Per 16
+// Weight rows o0 .. o0 + 16 of the codes (zeros from `rows` on; the next `ahead` rows prefetched along the same
+// bytes) as 64-byte vectors of 16 rows x 4 columns of unsigned codes, in column order: buf[k / 4] for k < K, lane 4 L + q holding row 4 q + L (kRowOfLane). Per 16
 // packed bytes of four rows: one load and three broadcasts into the other 128-bit lanes, then a 4 x 4 transpose
 // of 32-bit words within the lanes, then each byte's two nibbles: the low one column j, the high one column
 // j + K/2. (A 16 x 16 transpose of the rows' words, with rows in order, measured 0.8x of it.)
-MOETUNE_AVX512 inline void int4_columns(const moetune::Int4Rows& dec, int64_t o0, int rows, __m512i* buf) {
+MOETUNE_AVX512 inline void int4_columns(const moetune::Int4Rows& dec, int64_t o0, int rows, int ahead, __m512i* buf) {
   const int64_t half = dec.half;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t j0 = 0; j0 < half; j0 += 16) {  // K / 2 is a multiple of 16
+    if (j0 % 64 == 0)  // the next block's rows (`ahead` of them), this line, into L2
+      for (int i = 0; i < ahead; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(dec.packed + (o0 + 16 + i) * half + j0), _MM_HINT_T2);
     __m512i y[4];  // y[q] lane L: bytes j0 .. j0 + 16 of row 4 q + L
     for (int q = 0; q < 4; ++q) {
       y[q] = _mm512_setzero_si512();
@@ -323,7 +326,7 @@ MOETUNE_AVX512 inline void int4_forward(const moetune::Int4Rows& dec, const at::
         _mm512_store_ps(s + 16 * g, sg);
         _mm512_store_ps(sz + 16 * g, _mm512_mul_ps(sg, z));
       }
-      int4_columns(dec, o0, rows, buf);
+      int4_columns(dec, o0, rows, static_cast<int>(std::clamp<int64_t>(O - o0 - 16, 0, 16)), buf);
       for (int64_t r0 = 0; r0 < n; r0 += 8)
         moetune_few_rows::with_rows<8>(n - r0, [&](auto R) MOETUNE_AVX512 {
           int4_rows<decltype(R)::value>(buf, xq.row(r0), xq.ld, sx.data() + r0 * groups, groups, group / 4,
