@@ -235,17 +235,20 @@ MOETUNE_AVX512 inline void backward(const moetune::Int8Rows& dec, const float* r
 // packed bytes of four rows: one load and three broadcasts into the other 128-bit lanes, then a 4 x 4 transpose
 // of 32-bit words within the lanes, then each byte's two nibbles: the low one column j, the high one column
 // j + K/2. (A 16 x 16 transpose of the rows' words, with rows in order, measured 0.8x of it.)
+constexpr int kAheadBlock = 16;  // int4_columns prefetches the rows this far below its block's first
+template <bool kWhole>  // rows == 16
 MOETUNE_AVX512 inline void int4_columns(const moetune::Int4Rows& dec, int64_t o0, int rows, int ahead, __m512i* buf) {
   const int64_t half = dec.half;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t j0 = 0; j0 < half; j0 += 16) {  // K / 2 is a multiple of 16
-    if (j0 % 64 == 0)  // the next block's rows (`ahead` of them), this line, into L2
-      for (int i = 0; i < ahead; ++i)
-        _mm_prefetch(reinterpret_cast<const char*>(dec.packed + (o0 + 16 + i) * half + j0), _MM_HINT_T2);
+    // the next block's rows (`ahead` of them), this line, into L2: four rows a step, over the line's four steps
+    for (int i = static_cast<int>(j0 / 16 % 4) * 4; i < std::min<int64_t>(ahead, j0 / 16 % 4 * 4 + 4); ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(dec.packed + (o0 + kAheadBlock + i) * half + j0 / 64 * 64),
+                   _MM_HINT_T2);
     __m512i y[4];  // y[q] lane L: bytes j0 .. j0 + 16 of row 4 q + L
     for (int q = 0; q < 4; ++q) {
       y[q] = _mm512_setzero_si512();
-      for (int L = 0; L < 4 && 4 * q + L < rows; ++L)
+      for (int L = 0; L < 4 && (kWhole || 4 * q + L < rows); ++L)
         y[q] = _mm512_mask_broadcast_i32x4(
             y[q], static_cast<__mmask16>(0xF << (4 * L)),
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(dec.packed + (o0 + 4 * q + L) * half + j0)));
@@ -266,6 +269,66 @@ MOETUNE_AVX512 inline __m512i row_of_lane() {
   return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
 }
 
+// the 16 x 16 transpose of 32-bit words: r[m] <- word m of each of r[0 .. 16) (lane i: r[i]'s word m)
+MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void transpose16(__m512i r[16]) {
+  __m512i u[16];
+  for (int a = 0; a < 16; a += 4) {  // per 128-bit lane L: u[a + j] holds word 4 L + j of rows a .. a + 4
+    const __m512i t0 = _mm512_unpacklo_epi32(r[a], r[a + 1]), t1 = _mm512_unpackhi_epi32(r[a], r[a + 1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(r[a + 2], r[a + 3]), t3 = _mm512_unpackhi_epi32(r[a + 2], r[a + 3]);
+    u[a] = _mm512_unpacklo_epi64(t0, t2);
+    u[a + 1] = _mm512_unpackhi_epi64(t0, t2);
+    u[a + 2] = _mm512_unpacklo_epi64(t1, t3);
+    u[a + 3] = _mm512_unpackhi_epi64(t1, t3);
+  }
+  for (int j = 0; j < 4; ++j) {  // word 4 L + j: lane block L of u[j], u[4 + j], u[8 + j], u[12 + j]
+    __m512i v[4] = {u[j], u[4 + j], u[8 + j], u[12 + j]};
+    unquad(v);
+    for (int L = 0; L < 4; ++L) r[4 * L + j] = v[L];
+  }
+}
+
+// The block's scales and scales times zero points per group, lane j for row o0 + row_of_lane(j) (0 from `rows`
+// on): s[16 g + j], sz[16 g + j] (fp32). The rows' scales (and zero points) by 16 x 16 transposes of 32-bit words,
+// two bf16 scales (four zero points) a word (gathers, one per group and block, measured ~12% of the forward at one
+// row of x)
+MOETUNE_AVX512 inline void block_scales(const moetune::Int4Rows& dec, int64_t o0, int rows, float* s, float* sz) {
+  alignas(64) int32_t lane_row[16];
+  _mm512_store_si512(lane_row, row_of_lane());
+  const int64_t groups = dec.groups;
+  __m512i r[16];
+  for (int64_t g0 = 0; g0 < groups; g0 += 32) {  // 32 bf16 scales of each row a pass
+    const int64_t cnt = std::min<int64_t>(32, groups - g0);
+    for (int i = 0; i < 16; ++i)
+      r[i] = lane_row[i] < rows ? _mm512_maskz_loadu_epi16(moetune::first32(cnt),
+                                                           dec.scale + (o0 + lane_row[i]) * groups + g0)
+                                : _mm512_setzero_si512();
+    transpose16(r);
+    for (int64_t m = 0; 2 * m < cnt; ++m) {
+      _mm512_store_ps(s + 16 * (g0 + 2 * m), _mm512_castsi512_ps(_mm512_slli_epi32(r[m], 16)));
+      if (2 * m + 1 < cnt)
+        _mm512_store_ps(s + 16 * (g0 + 2 * m + 1),
+                        _mm512_castsi512_ps(_mm512_and_si512(r[m], _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))));
+    }
+  }
+  if (!dec.zero) {
+    for (int64_t g = 0; g < groups; ++g)
+      _mm512_store_ps(sz + 16 * g, _mm512_mul_ps(_mm512_load_ps(s + 16 * g), _mm512_set1_ps(8.0f)));
+    return;
+  }
+  for (int64_t g0 = 0; g0 < groups; g0 += 64) {  // 64 zero points of each row a pass
+    const int64_t cnt = std::min<int64_t>(64, groups - g0);
+    for (int i = 0; i < 16; ++i)
+      r[i] = lane_row[i] < rows ? _mm512_maskz_loadu_epi8(first64(cnt), dec.zero + (o0 + lane_row[i]) * groups + g0)
+                                : _mm512_setzero_si512();
+    transpose16(r);
+    for (int64_t g = g0; g < g0 + cnt; ++g) {
+      const int b = static_cast<int>(g - g0);
+      const __m512i z = _mm512_and_si512(_mm512_srli_epi32(r[b / 4], 8 * (b % 4)), _mm512_set1_epi32(0xFF));
+      _mm512_store_ps(sz + 16 * g, _mm512_mul_ps(_mm512_load_ps(s + 16 * g), _mm512_cvtepi32_ps(z)));
+    }
+  }
+}
+
 // res[r * 16 + i] = sum_g (s[g][i] P[r, i, g] - sz[g][i] sx[r, g]) for r < R, P the group's int32 sum of q[r, k]
 // u[o0 + i, k] from int4_columns' buf; x's rows ldx apart, sx[r * groups + g] their group sums; steps: group / 4
 template <int R>
@@ -273,20 +336,24 @@ MOETUNE_AVX512 void int4_rows(const __m512i* buf, const int8_t* x, int64_t ldx, 
                               int64_t steps, const float* s, const float* sz, float* res) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  constexpr int C = R >= 4 ? 1 : R >= 2 ? 2 : 4;  // chains of sums per row: vpdpbusd's latency hidden at 1-3 rows
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i sum[R];
-    for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
-    for (int64_t kk = g * steps; kk < (g + 1) * steps; ++kk) {
-      const __m512i v = _mm512_load_si512(buf + kk);
-      for (int r = 0; r < R; ++r) {
-        int32_t quad;
-        std::memcpy(&quad, x + r * ldx + 4 * kk, 4);
-        sum[r] = dpbusd(sum[r], v, _mm512_set1_epi32(quad));
+    __m512i sum[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) sum[r][c] = _mm512_setzero_si512();
+    for (int64_t kk = g * steps; kk < (g + 1) * steps; kk += C)  // steps (8, 16 or 32) is a multiple of C
+      for (int c = 0; c < C; ++c) {
+        const __m512i v = _mm512_load_si512(buf + kk + c);
+        for (int r = 0; r < R; ++r) {
+          int32_t quad;
+          std::memcpy(&quad, x + r * ldx + 4 * (kk + c), 4);
+          sum[r][c] = dpbusd(sum[r][c], v, _mm512_set1_epi32(quad));
+        }
       }
-    }
     const __m512 sg = _mm512_load_ps(s + 16 * g), szg = _mm512_load_ps(sz + 16 * g);
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), sg, acc[r]);
+      for (int c = 1; c < C; ++c) sum[r][0] = _mm512_add_epi32(sum[r][0], sum[r][c]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), sg, acc[r]);
       acc[r] = _mm512_fnmadd_ps(szg, _mm512_set1_ps(static_cast<float>(sx[r * groups + g])), acc[r]);
     }
   }
@@ -316,17 +383,12 @@ MOETUNE_AVX512 inline void int4_forward(const moetune::Int4Rows& dec, const at::
       const int64_t o0 = ob * 16;
       const int rows = static_cast<int>(std::min<int64_t>(16, O - o0));
       const __m512i lanes = row_of_lane();
-      const __m512i at = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int>(groups)));
-      const __mmask16 m = _mm512_cmplt_epi32_mask(lanes, _mm512_set1_epi32(rows));  // lanes of rows < rows
-      const int64_t base = o0 * groups;  // the block's scales and zero points: group g of row i at base + i groups + g
-      for (int64_t g = 0; g < groups; ++g) {  // gathered across the 16 rows (scalar loads measured 2x the decode)
-        const __m512i idx = _mm512_add_epi32(at, _mm512_set1_epi32(static_cast<int>(g)));
-        const __m512 sg = _mm512_castsi512_ps(_mm512_slli_epi32(moetune::gather_u16(dec.scale + base, idx, m), 16));
-        const __m512 z = dec.zero ? _mm512_cvtepi32_ps(moetune::gather_u8(dec.zero + base, idx, m)) : _mm512_set1_ps(8.0f);
-        _mm512_store_ps(s + 16 * g, sg);
-        _mm512_store_ps(sz + 16 * g, _mm512_mul_ps(sg, z));
-      }
-      int4_columns(dec, o0, rows, static_cast<int>(std::clamp<int64_t>(O - o0 - 16, 0, 16)), buf);
+      block_scales(dec, o0, rows, s, sz);
+      const int ahead = static_cast<int>(std::clamp<int64_t>(O - o0 - kAheadBlock, 0, 16));
+      if (rows == 16)
+        int4_columns<true>(dec, o0, rows, ahead, buf);
+      else
+        int4_columns<false>(dec, o0, rows, ahead, buf);
       for (int64_t r0 = 0; r0 < n; r0 += 8)
         moetune_few_rows::with_rows<8>(n - r0, [&](auto R) MOETUNE_AVX512 {
           int4_rows<decltype(R)::value>(buf, xq.row(r0), xq.ld, sx.data() + r0 * groups, groups, group / 4,
