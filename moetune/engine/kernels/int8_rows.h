@@ -193,9 +193,10 @@ MOETUNE_AVX512 inline void backward(const moetune::Int8Rows& dec, const float* r
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t k0 = c * 64;
         for (int q = 0; q < nq; ++q) {
-          const int64_t o = ob + 4 * q, ahead = o + 4 * kBandQuads;  // the next band's rows, the same columns
-          for (int64_t i = ahead; i < std::min(ahead + 4, O); ++i)
-            _mm_prefetch(reinterpret_cast<const char*>(dec.codes + i * K + k0), _MM_HINT_T2);
+          const int64_t o = ob + 4 * q;  // these rows' next 64 columns (the band's next chunk), or the next band's
+          const bool last = c + 1 == c1;
+          for (int64_t i = last ? o + 4 * kBandQuads : o; i < std::min((last ? o + 4 * kBandQuads : o) + 4, O); ++i)
+            _mm_prefetch(reinterpret_cast<const char*>(dec.codes + i * K + (last ? c0 * 64 : k0 + 64)), _MM_HINT_T2);
           quads(dec, O, o, k0, K - k0, staged + 4 * q);
         }
         for (int64_t r0 = 0; r0 < n; r0 += 4)
@@ -522,9 +523,11 @@ MOETUNE_AVX512 inline void int4_backward(const moetune::Int4Rows& dec, const at:
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t j0 = c * 64, valid = std::min<int64_t>(64, half - j0);
         for (int q = 0; q < nq; ++q) {
-          const int64_t o = ob + 4 * q, ahead = o + 4 * kBandQuads;  // the next band's rows, the same bytes
-          for (int64_t i = ahead; i < std::min(ahead + 4, O); ++i)
-            _mm_prefetch(reinterpret_cast<const char*>(dec.packed + i * half + j0), _MM_HINT_T2);
+          const int64_t o = ob + 4 * q;  // these rows' next 64 bytes (the band's next chunk), or the next band's
+          const bool last = c + 1 == c1;
+          for (int64_t i = last ? o + 4 * kBandQuads : o; i < std::min((last ? o + 4 * kBandQuads : o) + 4, O); ++i)
+            _mm_prefetch(reinterpret_cast<const char*>(dec.packed + i * half + (last ? c0 * 64 : j0 + 64)),
+                         _MM_HINT_T2);
           int4_quads<!kOne>(dec, O, o, j0, valid, staged + 4 * q, staged + 4 * (kBandQuads + q));
         }
         for (int h = 0; h < 2; ++h) {  // the low columns, then the high ones
