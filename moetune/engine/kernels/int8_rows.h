@@ -1,6 +1,7 @@
-// int8 weights against 8-bit integer activations on AVX512-VNNI (the opt-in int8 activations of the int8 format,
-// formats/int8.py): vpdpbusd multiplies four unsigned bytes by four signed bytes and adds the four products into an
-// exact int32 lane, 64 products per instruction where int16_rows.h's vpdpwssd makes 32 and the bf16 dot products 32.
+// int8 and int4 weights against 8-bit integer activations on AVX512-VNNI (the opt-in int8_activations of the int8
+// and int4 formats: entry.h's int8_gemm_a8 / int4_gemm_a8): vpdpbusd multiplies four unsigned bytes by four signed
+// bytes and adds the four products into an exact int32 lane, 64 products per instruction where int16_rows.h's
+// vpdpwssd makes 32 and the bf16 dot products 32. int8 first; int4 (its own forward and backward) below.
 //
 //   the rows: each row r of the activations (x in the forward; g times the weight's fp32 row scales in the
 //             backward) as q[r, c] = round(a[r, c] * inv_r), saturated to +-127 (int16_rows.h's int_rows with qmax
@@ -17,8 +18,9 @@
 //             (its conversion and the 16-lane sum) it rounds as the bf16 path's fp32 sums do.
 //   backward: out[n, K] (+)= step_r * sum_o q[r, o] codes[o, k]; lanes along k, four weight rows interleaved into
 //             quads per lane (quads below), g's four values q[r, o .. o + 4) broadcast; bands of 32 quads staged once
-//             for all rows of g, the int32 sums of every band kept in an int32 buffer: a lane sums O products of at
-//             most 255 * 127, exact for O <= kMaxO (int8_gemm_a8 checks), converted once at the end.
+//             for all rows of g (each quad's rows prefetched at the band's next 64 columns), the int32 sums of every
+//             band kept in an int32 buffer: a lane sums O products of at most 255 * 127, exact for O <= kMaxO
+//             (int8_gemm_a8 checks), converted once at the end.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -27,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "decoders.h"
@@ -229,13 +232,14 @@ MOETUNE_AVX512 inline void backward(const moetune::Int8Rows& dec, const float* r
 //             would need one multiply per row, row of x and group): each 16 weight rows' codes first transposed into
 //             64-byte vectors of [16 rows][4 columns] (int4_columns), then per row of x one vpdpbusd per 4 columns
 //             against its 4 bytes broadcast, the group's int32 sums (at most 127 * 15 * 128 a lane) times the scales
-//             and less z s times the group's sum of q, in fp32, once per group.
+//             and less z s times the group's sum of q, in fp32, once per group and 16 rows (block_scales).
 
-// Weight rows o0 .. o0 + 16 of the codes (zeros from `rows` on; the next `ahead` rows prefetched along the same
-// bytes) as 64-byte vectors of 16 rows x 4 columns of unsigned codes, in column order: buf[k / 4] for k < K, lane 4 L + q holding row 4 q + L (kRowOfLane). Per 16
-// packed bytes of four rows: one load and three broadcasts into the other 128-bit lanes, then a 4 x 4 transpose
-// of 32-bit words within the lanes, then each byte's two nibbles: the low one column j, the high one column
-// j + K/2. (A 16 x 16 transpose of the rows' words, with rows in order, measured 0.8x of it.)
+// Weight rows o0 .. o0 + 16 of the codes (zeros from `rows` on; `ahead` rows from o0 + kAheadBlock prefetched along
+// the same bytes, four a step) as 64-byte vectors of 16 rows x 4 columns of unsigned codes, in column order: buf[k /
+// 4] for k < K, lane 4 L + q holding row 4 q + L (row_of_lane). Per 16 packed bytes of four rows: one load and three
+// broadcasts into the other 128-bit lanes, then a 4 x 4 transpose of 32-bit words within the lanes, then each byte's
+// two nibbles: the low one column j, the high one column j + K/2. (transpose16 on the rows' words, rows in order,
+// measured level at 8 rows of x and 0.74-0.76x at 1-4: docs/performance.md, "int8 activations".)
 constexpr int kAheadBlock = 16;  // int4_columns prefetches the rows this far below its block's first
 template <bool kWhole>  // rows == 16
 MOETUNE_AVX512 inline void int4_columns(const moetune::Int4Rows& dec, int64_t o0, int rows, int ahead, __m512i* buf) {
@@ -457,108 +461,120 @@ MOETUNE_AVX512 inline void int4_band_rows(const __m512i* w, int nq, const int8_t
     }
 }
 
-// each group's scales (fp32) and zero points (int32, where there are) along O: st[gi * O + o], zt[gi * O + o]
-MOETUNE_AVX512 inline void int4_columns_of_groups(const moetune::Int4Rows& dec, int64_t O, std::vector<float>& st,
-                                                  std::vector<int32_t>& zt) {
-  const int64_t groups = dec.groups;
-  st.resize(groups * O);
-  zt.resize(dec.zero ? groups * O : 0);
+// Row r of g times group gi's scales as 8-bit rows (q, step, sum: int_rows) and its z term sum_o q[r, o] z[o, gi]
+struct GroupRows {
+  int64_t gi = -1;
+  Int8Acts q;
+  std::vector<int32_t> zterm;  // [n]
+};
+
+// GroupRows for group gi: gf g's rows in fp32 ([n, O]); st, zt scratch of O values
+MOETUNE_AVX512 inline void group_rows(const moetune::Int4Rows& dec, int64_t gi, const float* gf, int64_t n, int64_t O,
+                                      float* st, int32_t* zt, GroupRows& out) {
   const __m512i step = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(static_cast<int>(groups)));
-  for (int64_t o = 0; o < O; o += 16) {
+                                          _mm512_set1_epi32(static_cast<int>(dec.groups)));
+  for (int64_t o = 0; o < O; o += 16) {  // the group's scales (and zero points) along O, gathered
     const __mmask16 m = first(static_cast<int>(O - o));
-    for (int64_t gi = 0; gi < groups; ++gi) {
-      const __m512i idx = _mm512_add_epi32(step, _mm512_set1_epi32(static_cast<int>(gi)));
-      const __m512i s16 = moetune::gather_u16(dec.scale + o * groups, idx, m);
-      _mm512_mask_storeu_ps(st.data() + gi * O + o, m, _mm512_castsi512_ps(_mm512_slli_epi32(s16, 16)));
-      if (dec.zero)
-        _mm512_mask_storeu_epi32(zt.data() + gi * O + o, m, moetune::gather_u8(dec.zero + o * groups, idx, m));
+    const __m512i idx = _mm512_add_epi32(step, _mm512_set1_epi32(static_cast<int>(gi)));
+    const __m512i s16 = moetune::gather_u16(dec.scale + o * dec.groups, idx, m);
+    _mm512_mask_storeu_ps(st + o, m, _mm512_castsi512_ps(_mm512_slli_epi32(s16, 16)));
+    if (dec.zero) _mm512_mask_storeu_epi32(zt + o, m, moetune::gather_u8(dec.zero + o * dec.groups, idx, m));
+  }
+  out.gi = gi;
+  out.q = moetune_int16::int_rows<int8_t>(gf, O, n, O, st, 127);
+  out.zterm.resize(n);
+  for (int64_t r = 0; r < n; ++r) {
+    if (!dec.zero) {  // z = 8
+      out.zterm[r] = 8 * out.q.sum[r];
+      continue;
     }
+    const int8_t* q = out.q.row(r);
+    __m512i t = _mm512_setzero_si512();
+    for (int64_t o = 0; o < O; o += 16) {
+      const __mmask16 m = first(static_cast<int>(O - o));
+      const __m512i qv = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, q + o));
+      t = _mm512_add_epi32(t, _mm512_mullo_epi32(qv, _mm512_maskz_loadu_epi32(m, zt + o)));
+    }
+    out.zterm[r] = _mm512_reduce_add_epi32(t);
   }
 }
 
 // out[n, K] (+)= g[n, O] @ W for int4 W, the backward above; kOne: every 64 columns of a packed chunk in one group
-// (groups of 64 or more, K / 2 a multiple of 64)
+// (groups of 64 or more, K / 2 a multiple of 64). Each thread walks its packed chunks one at a time, all bands of
+// each (the next band's rows prefetched along the chunk), with the groups of the chunk's columns quantized as it
+// reaches them and kept while the next chunk uses them: memory per thread is a few groups' rows of g (n O bytes
+// each) and one chunk's sums, whatever K and the group count.
 template <bool kOne>
 MOETUNE_AVX512 inline void int4_backward(const moetune::Int4Rows& dec, const at::BFloat16* g, int64_t ldg, int64_t n,
                                          int64_t K, int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate) {
   const int64_t groups = dec.groups, half = dec.half;
   const int shift = dec.shift;
-  // g times each group's scales as 8-bit rows, and each row's z term sum_o q[r, o] z[o, g]
-  std::vector<float> st;
-  std::vector<int32_t> zt;
-  int4_columns_of_groups(dec, O, st, zt);
   std::vector<float> gf(n * O);  // g in fp32, widened once for all groups
   for (int64_t r = 0; r < n; ++r)
     for (int64_t o = 0; o < O; o += 16)
       _mm512_mask_storeu_ps(gf.data() + r * O + o, first(static_cast<int>(O - o)), moetune::widen16(g + r * ldg, o, O));
-  std::vector<Int8Acts> gq;
-  std::vector<int32_t> zterm(groups * n);
-  gq.reserve(groups);
-  for (int64_t gi = 0; gi < groups; ++gi) {
-    gq.push_back(moetune_int16::int_rows<int8_t>(gf.data(), O, n, O, st.data() + gi * O, 127));
-    for (int64_t r = 0; r < n; ++r) {
-      if (!dec.zero) {  // z = 8
-        zterm[gi * n + r] = 8 * gq.back().sum[r];
-        continue;
-      }
-      const int8_t* q = gq.back().row(r);
-      __m512i t = _mm512_setzero_si512();
-      for (int64_t o = 0; o < O; o += 16) {
-        const __mmask16 m = first(static_cast<int>(O - o));
-        const __m512i qv = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, q + o));
-        t = _mm512_add_epi32(t, _mm512_mullo_epi32(qv, _mm512_maskz_loadu_epi32(m, zt.data() + gi * O + o)));
-      }
-      zterm[gi * n + r] = _mm512_reduce_add_epi32(t);
-    }
-  }
-  const int64_t ldq = gq[0].ld;
   at::parallel_for(0, (half + 63) / 64, 1, [&](int64_t c0, int64_t c1) MOETUNE_AVX512 {
-    // per packed chunk c: the sums of its low columns, then of its high ones (128 int32 a row)
-    const int64_t width = (c1 - c0) * 128 + (n > 2 ? 16 : 0);
-    std::vector<int32_t> accv(n * width, 0);
+    std::vector<float> st(O);
+    std::vector<int32_t> zt(dec.zero ? O : 0);
+    std::vector<std::unique_ptr<GroupRows>> held, next;  // the groups quantized for this chunk (and the last)
+    const int64_t width = 128 + 16;  // a row's sums: the chunk's low columns, then its high ones; a line more
+    std::vector<int32_t> accv(n * width);
     alignas(64) __m512i staged[8 * kBandQuads];  // the band's quads: low nibbles' 4 vectors, then the high ones'
-    for (int64_t ob = 0; ob < O; ob += 4 * kBandQuads) {
-      const int nq = static_cast<int>(std::min<int64_t>(kBandQuads, (O - ob + 3) / 4));
-      for (int64_t c = c0; c < c1; ++c) {
-        const int64_t j0 = c * 64, valid = std::min<int64_t>(64, half - j0);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t j0 = c * 64, valid = std::min<int64_t>(64, half - j0);
+      const GroupRows* gl[2][4];  // per stream and 16 columns: its group's rows
+      next.clear();
+      for (int h = 0; h < 2; ++h)
+        for (int L = 0; L < 4; ++L) {
+          const int64_t gi = std::min(groups - 1, ((h ? half + j0 : j0) + 16 * L) >> shift);
+          auto find = [gi](const std::unique_ptr<GroupRows>& x) { return x && x->gi == gi; };
+          auto in_next = std::find_if(next.begin(), next.end(), find);
+          if (in_next == next.end()) {
+            auto in_held = std::find_if(held.begin(), held.end(), find);
+            if (in_held != held.end()) {
+              next.push_back(std::move(*in_held));
+            } else {
+              next.push_back(std::make_unique<GroupRows>());
+              group_rows(dec, gi, gf.data(), n, O, st.data(), zt.data(), *next.back());
+            }
+            in_next = next.end() - 1;
+          }
+          gl[h][L] = in_next->get();
+        }
+      std::swap(held, next);
+      std::fill(accv.begin(), accv.end(), 0);
+      for (int64_t ob = 0; ob < O; ob += 4 * kBandQuads) {
+        const int nq = static_cast<int>(std::min<int64_t>(kBandQuads, (O - ob + 3) / 4));
         for (int q = 0; q < nq; ++q) {
-          const int64_t o = ob + 4 * q;  // these rows' next 64 bytes (the band's next chunk), or the next band's
-          const bool last = c + 1 == c1;
-          for (int64_t i = last ? o + 4 * kBandQuads : o; i < std::min((last ? o + 4 * kBandQuads : o) + 4, O); ++i)
-            _mm_prefetch(reinterpret_cast<const char*>(dec.packed + i * half + (last ? c0 * 64 : j0 + 64)),
-                         _MM_HINT_T2);
+          const int64_t o = ob + 4 * q, ahead = o + 4 * kBandQuads;  // the next band's rows, the same bytes
+          for (int64_t i = ahead; i < std::min(ahead + 4, O); ++i)
+            _mm_prefetch(reinterpret_cast<const char*>(dec.packed + i * half + j0), _MM_HINT_T2);
           int4_quads<!kOne>(dec, O, o, j0, valid, staged + 4 * q, staged + 4 * (kBandQuads + q));
         }
         for (int h = 0; h < 2; ++h) {  // the low columns, then the high ones
-          const int64_t k0 = h ? half + j0 : j0;
-          const int8_t* gl[4];
-          for (int L = 0; L < 4; ++L) gl[L] = gq[std::min(groups - 1, (k0 + 16 * L) >> shift)].row(0) + ob;
-          int32_t* acc = accv.data() + (c - c0) * 128 + 64 * h;
+          const int64_t ldq = gl[h][0]->q.ld;
           for (int64_t r0 = 0; r0 < n; r0 += 6) {
-            const int8_t* gr[4] = {gl[0] + r0 * ldq, gl[1] + r0 * ldq, gl[2] + r0 * ldq, gl[3] + r0 * ldq};
+            const int8_t* gr[4];
+            for (int L = 0; L < 4; ++L) gr[L] = gl[h][L]->q.row(r0) + ob;
             moetune_few_rows::with_rows<6>(n - r0, [&](auto R) MOETUNE_AVX512 {
-              int4_band_rows<decltype(R)::value, kOne>(staged + 4 * kBandQuads * h, nq, gr, ldq, acc + r0 * width,
-                                                      width);
+              int4_band_rows<decltype(R)::value, kOne>(staged + 4 * kBandQuads * h, nq, gr, ldq,
+                                                      accv.data() + r0 * width + 64 * h, width);
             });
           }
         }
       }
-    }
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t j0 = c * 64, valid = std::min<int64_t>(64, half - j0);
       for (int h = 0; h < 2; ++h) {
         const int64_t k0 = h ? half + j0 : j0;
         for (int64_t r = 0; r < n; ++r) {
-          const int32_t* a = accv.data() + r * width + (c - c0) * 128 + 64 * h;
+          const int32_t* a = accv.data() + r * width + 64 * h;
           __m512i v[4];
           for (int j = 0; j < 4; ++j) v[j] = _mm512_loadu_si512(a + 16 * j);
           if constexpr (kOne) unquad(v);
           for (int L = 0; 16 * L < valid; ++L) {
-            const int64_t gi = (k0 + 16 * L) >> shift;
-            const __m512i t = _mm512_sub_epi32(v[L], _mm512_set1_epi32(zterm[gi * n + r]));
+            const GroupRows& gg = *gl[h][L];
+            const __m512i t = _mm512_sub_epi32(v[L], _mm512_set1_epi32(gg.zterm[r]));
             moetune::store_row(out + r * ldo + k0 + 16 * L,
-                               _mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(gq[gi].step[r])), 0xFFFF,
+                               _mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(gg.q.step[r])), 0xFFFF,
                                accumulate);
           }
         }

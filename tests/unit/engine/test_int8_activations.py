@@ -188,12 +188,14 @@ def _int4_reference(
         (130, 160, 32, True),
         (48, 256, 64, False),
         (40, 384, 128, True),
+        (20, 4096, 32, False),
     ],
 )
 @pytest.mark.parametrize("n", [1, 3, 8, 9, 13, 33])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_int4_a8_kernel_is_the_rounded_product(forward, o, k, group, symmetric, n, accumulate):
-    """K / 2 = 48 and 80: a packed chunk shorter than 64 bytes, groups across K / 2; O not a multiple of 4 or 16."""
+    """K / 2 = 48 and 80: a packed chunk shorter than 64 bytes, groups across K / 2; O not a multiple of 4 or 16;
+    128 groups (the backward quantizes each chunk's groups as it reaches them; groups of 128 span two chunks)."""
     operands, v, uz, s = _int4(o, k, group, symmetric, seed=o + k + n)
     gen = torch.Generator().manual_seed(n)
     a = (torch.randn(n, k if forward else o, generator=gen) * torch.rand(n, 1, generator=gen) * 4).bfloat16()
