@@ -17,10 +17,15 @@ DEMO_TOKENIZER = Path("examples/data/demo_tokenizer")
 
 
 def make_demo_model(
-    path: str | Path, tokenizer_dir: str | Path = DEMO_TOKENIZER, seed: int = 0, family: str = "qwen3_moe"
+    path: str | Path,
+    tokenizer_dir: str | Path = DEMO_TOKENIZER,
+    seed: int = 0,
+    family: str = "qwen3_moe",
+    **overrides: Any,
 ) -> Path:
     """Write the demo's tiny Qwen3-MoE (or tiny ``family`` model: ``moetune.testing.tiny``; fp32 safetensors) and
-    the demo tokenizer to ``path``; same bytes every time."""
+    the demo tokenizer to ``path``; same bytes every time. ``overrides``: config fields to change (e.g.
+    ``moe_intermediate_size``)."""
     from transformers import AutoTokenizer
 
     from moetune.testing.tiny import save_tiny_model
@@ -35,6 +40,7 @@ def make_demo_model(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        **overrides,
     )
     tokenizer.save_pretrained(out)
     return out

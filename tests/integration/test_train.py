@@ -227,22 +227,9 @@ def test_int8_activations_train_save_and_reload(tmp_path, demo_model, fmt) -> No
     from moetune.train.recipe import run
 
     if fmt == "int4":  # the demo's experts (I = 24) with I = 32: int4 groups of 32 divide H and I
-        from transformers import AutoTokenizer
-
-        from moetune.testing.tiny import save_tiny_model
-
-        tokenizer = AutoTokenizer.from_pretrained(demo_model)
-        demo_model = save_tiny_model(
-            "qwen3_moe",
-            tmp_path / "i32",
-            tokenizer=False,
-            vocab_size=len(tokenizer),
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            moe_intermediate_size=32,
+        demo_model = make_demo_model(
+            tmp_path / "i32", ROOT / "examples/data/demo_tokenizer", moe_intermediate_size=32
         )
-        tokenizer.save_pretrained(demo_model)
     results = {}
     for a8 in (False, True):
         (tmp_path / str(a8)).mkdir()

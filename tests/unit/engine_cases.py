@@ -128,3 +128,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b| (b the reference)."""
     a, b = a.detach().to(torch.float64), b.detach().to(torch.float64)
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def run_errors(got: tuple, want: tuple) -> dict[str, float]:
+    """``rel_err`` of y and of every gradient between two ``run_module`` results (``want`` the reference)."""
+    (y, grads), (y_ref, grads_ref) = got, want
+    return {"y": rel_err(y, y_ref), **{n: rel_err(grads[n], grads_ref[n]) for n in grads_ref}}

@@ -68,15 +68,18 @@ void bf16_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const to
 }
 
 // a: x [n, K] (forward) or g [n, O] (backward); out: [n, O] or [n, K]; codes [O, K] int8; scale [O] fp32.
-void int8_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& codes,
-               const torch::Tensor& scale, bool accumulate) {
-  require_variant();
+moetune::Int8Rows int8_rows_of(const torch::Tensor& codes, const torch::Tensor& scale) {
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(), "codes: int8 [O, K]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == codes.size(0),
               "scale: fp32 [O]");
-  const int64_t O = codes.size(0), K = codes.size(1);
-  run_checked(forward, moetune::Int8Rows{codes.data_ptr<int8_t>(), K}, scale.data_ptr<float>(), a, out, O, K,
-              accumulate);
+  return moetune::Int8Rows{codes.data_ptr<int8_t>(), codes.size(1)};
+}
+
+void int8_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& codes,
+               const torch::Tensor& scale, bool accumulate) {
+  require_variant();
+  const moetune::Int8Rows dec = int8_rows_of(codes, scale);
+  run_checked(forward, dec, scale.data_ptr<float>(), a, out, codes.size(0), dec.K, accumulate);
 }
 
 #ifdef MOETUNE_INT8_ROWS
@@ -85,16 +88,13 @@ void int8_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const to
 void int8_gemm_a8(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& codes,
                   const torch::Tensor& scale, bool accumulate) {
   require_variant();
-  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(), "codes: int8 [O, K]");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == codes.size(0),
-              "scale: fp32 [O]");
-  const int64_t O = codes.size(0), K = codes.size(1);
+  const moetune::Int8Rows dec = int8_rows_of(codes, scale);
+  const int64_t O = codes.size(0), K = dec.K;
   TORCH_CHECK(O <= moetune_int8::kMaxO, "int8 activations: at most ", moetune_int8::kMaxO,
               " weight rows (exact int32 sums); got ", O);
   check_operands(a, out, forward ? K : O, forward ? O : K);
   const int64_t n = a.size(0);
   if (n == 0) return;
-  const moetune::Int8Rows dec{codes.data_ptr<int8_t>(), K};
   auto* op = out.data_ptr<at::BFloat16>();
   if (forward)
     moetune_int8::forward(dec, scale.data_ptr<float>(), a.data_ptr<at::BFloat16>(), a.stride(0), n, K, O, op,
@@ -106,10 +106,8 @@ void int8_gemm_a8(bool forward, const torch::Tensor& a, torch::Tensor out, const
 #endif
 
 // packed [O, K/2] uint8; scale [O, K/g] bf16; zero [O, K/g] uint8 or None.
-void int4_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& packed,
-               const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero, int64_t group,
-               bool accumulate) {
-  require_variant();
+moetune::Int4Rows int4_rows_of(const torch::Tensor& packed, const torch::Tensor& scale,
+                               const c10::optional<torch::Tensor>& zero, int64_t group) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
               "packed: uint8 [O, K/2]");
   const int64_t O = packed.size(0), K = 2 * packed.size(1);
@@ -123,9 +121,16 @@ void int4_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const to
     zp = zero->data_ptr<uint8_t>();
   }
   TORCH_CHECK((group & (group - 1)) == 0, "group must be a power of two");
-  moetune::Int4Rows dec{packed.data_ptr<uint8_t>(), scale.data_ptr<at::BFloat16>(), zp, K / 2, K / group,
-                        __builtin_ctzll(static_cast<unsigned long long>(group))};
-  run_checked(forward, dec, nullptr, a, out, O, K, accumulate);
+  return moetune::Int4Rows{packed.data_ptr<uint8_t>(), scale.data_ptr<at::BFloat16>(), zp, K / 2, K / group,
+                           __builtin_ctzll(static_cast<unsigned long long>(group))};
+}
+
+void int4_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& packed,
+               const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero, int64_t group,
+               bool accumulate) {
+  require_variant();
+  const moetune::Int4Rows dec = int4_rows_of(packed, scale, zero, group);
+  run_checked(forward, dec, nullptr, a, out, packed.size(0), 2 * dec.half, accumulate);
 }
 
 #ifdef MOETUNE_INT8_ROWS
@@ -134,24 +139,12 @@ void int4_gemm_a8(bool forward, const torch::Tensor& a, torch::Tensor out, const
                   const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero, int64_t group,
                   bool accumulate) {
   require_variant();
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
-              "packed: uint8 [O, K/2]");
-  const int64_t O = packed.size(0), K = 2 * packed.size(1);
-  TORCH_CHECK((group == 32 || group == 64 || group == 128) && K % group == 0 && (K / 2) % 16 == 0,
-              "int8 activations: group 32, 64 or 128 dividing K (K / 2 a multiple of 16)");
-  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.is_contiguous() && scale.numel() == O * (K / group),
-              "scale: bf16 [O, K/g]");
-  const uint8_t* zp = nullptr;
-  if (zero.has_value()) {
-    TORCH_CHECK(zero->scalar_type() == at::kByte && zero->is_contiguous() && zero->numel() == O * (K / group),
-                "zero: uint8 [O, K/g]");
-    zp = zero->data_ptr<uint8_t>();
-  }
+  const moetune::Int4Rows dec = int4_rows_of(packed, scale, zero, group);
+  const int64_t O = packed.size(0), K = 2 * dec.half;
+  TORCH_CHECK(group >= 32, "int8 activations: groups of 32, 64 or 128; got ", group);
   check_operands(a, out, forward ? K : O, forward ? O : K);
   const int64_t n = a.size(0);
   if (n == 0) return;
-  const moetune::Int4Rows dec{packed.data_ptr<uint8_t>(), scale.data_ptr<at::BFloat16>(), zp, K / 2, K / group,
-                              __builtin_ctzll(static_cast<unsigned long long>(group))};
   auto* op = out.data_ptr<at::BFloat16>();
   if (forward)
     moetune_int8::int4_forward(dec, a.data_ptr<at::BFloat16>(), a.stride(0), n, K, O, op, out.stride(0),

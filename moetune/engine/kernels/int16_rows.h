@@ -158,11 +158,13 @@ MOETUNE_AVX512 void forward_rows(const moetune::Int8Rows& dec, const int16_t* x,
   }
 }
 
-// forward for output columns (weight rows) [16 ob0, 16 ob1): x's rows (int16_rows) against the codes, 8 rows of x
-// at a time, times x's steps and the weight's row scales on the fp32 sums
-MOETUNE_AVX512 inline void forward_range(const moetune::Int8Rows& dec, const float* row_scale, const Int16Rows& x,
-                                         int64_t n, int64_t K, int64_t O, at::BFloat16* out, int64_t ldo,
-                                         bool accumulate, int64_t ob0, int64_t ob1) {
+// out[n, O] columns [16 ob0, 16 ob1) (+)= each 16 weight rows' [n, 16] fp32 sums (sums(o0, rows, acc): rows weight
+// rows from o0, acc [n, 16] 64-byte aligned) times step[r] and row_scale[o]: the integer rows' forwards (this
+// header's and int8_rows.h's)
+template <class Sums>
+MOETUNE_AVX512 inline void scaled_blocks(const float* row_scale, const float* step, int64_t n, int64_t O,
+                                         at::BFloat16* out, int64_t ldo, bool accumulate, int64_t ob0, int64_t ob1,
+                                         Sums&& sums) {
   std::vector<float> res(std::max<int64_t>(n, 8) * 16 + 16);  // [n, 16] fp32 sums
   float* acc = res.data() + (16 - reinterpret_cast<uintptr_t>(res.data()) / 4 % 16) % 16;  // 64-byte aligned
   for (int64_t ob = ob0; ob < ob1; ++ob) {
@@ -170,16 +172,27 @@ MOETUNE_AVX512 inline void forward_range(const moetune::Int8Rows& dec, const flo
     const int rows = static_cast<int>(std::min<int64_t>(16, O - o0));
     const __mmask16 m = first(rows);
     const __m512 scale = _mm512_maskz_loadu_ps(m, row_scale + o0);
-    for (int64_t r0 = 0; r0 < n; r0 += 8)
-      moetune_few_rows::with_rows<8>(n - r0, [&](auto R) MOETUNE_AVX512 {
-        forward_rows<decltype(R)::value>(dec, x.row(r0), x.ld, K, o0, rows, acc + r0 * 16,
-                                         static_cast<int>(O - o0));
-      });
+    sums(o0, rows, acc);
     for (int64_t r = 0; r < n; ++r)
       moetune::store_row(out + r * ldo + o0,
-                         _mm512_mul_ps(_mm512_load_ps(acc + r * 16), _mm512_mul_ps(scale, _mm512_set1_ps(x.step[r]))),
+                         _mm512_mul_ps(_mm512_load_ps(acc + r * 16), _mm512_mul_ps(scale, _mm512_set1_ps(step[r]))),
                          m, accumulate);
   }
+}
+
+// forward for output columns (weight rows) [16 ob0, 16 ob1): x's rows (int16_rows) against the codes, 8 rows of x
+// at a time, times x's steps and the weight's row scales on the fp32 sums
+MOETUNE_AVX512 inline void forward_range(const moetune::Int8Rows& dec, const float* row_scale, const Int16Rows& x,
+                                         int64_t n, int64_t K, int64_t O, at::BFloat16* out, int64_t ldo,
+                                         bool accumulate, int64_t ob0, int64_t ob1) {
+  scaled_blocks(row_scale, x.step.data(), n, O, out, ldo, accumulate, ob0, ob1,
+                [&](int64_t o0, int rows, float* acc) MOETUNE_AVX512 {
+                  for (int64_t r0 = 0; r0 < n; r0 += 8)
+                    moetune_few_rows::with_rows<8>(n - r0, [&](auto R) MOETUNE_AVX512 {
+                      forward_rows<decltype(R)::value>(dec, x.row(r0), x.ld, K, o0, rows, acc + r0 * 16,
+                                                       static_cast<int>(O - o0));
+                    });
+                });
 }
 
 // Rows o and o + 1 of the codes (a zero row past O), columns [k0, k0 + 32) (zeros past K: valid = K - k0), widened

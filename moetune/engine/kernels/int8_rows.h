@@ -108,23 +108,15 @@ MOETUNE_AVX512 inline void forward(const moetune::Int8Rows& dec, const float* ro
                                    bool accumulate) {
   const Int8Acts xq = moetune_int16::int_rows<int8_t>(x, ldx, n, K, nullptr, 127);
   at::parallel_for(0, (O + 15) / 16, 1, [&](int64_t ob0, int64_t ob1) MOETUNE_AVX512 {
-    std::vector<float> res(std::max<int64_t>(n, 8) * 16 + 16);  // [n, 16] fp32 sums
-    float* acc = res.data() + (16 - reinterpret_cast<uintptr_t>(res.data()) / 4 % 16) % 16;  // 64-byte aligned
-    for (int64_t ob = ob0; ob < ob1; ++ob) {
-      const int64_t o0 = ob * 16;
-      const int rows = static_cast<int>(std::min<int64_t>(16, O - o0));
-      const __mmask16 m = first(rows);
-      const __m512 scale = _mm512_maskz_loadu_ps(m, row_scale + o0);
-      for (int64_t r0 = 0; r0 < n; r0 += 8)
-        moetune_few_rows::with_rows<8>(n - r0, [&](auto R) MOETUNE_AVX512 {
-          forward_rows<decltype(R)::value>(dec, xq.row(r0), xq.ld, xq.sum.data() + r0, K, o0, rows, acc + r0 * 16,
-                                           static_cast<int>(O - o0));
-        });
-      for (int64_t r = 0; r < n; ++r)
-        moetune::store_row(out + r * ldo + o0,
-                           _mm512_mul_ps(_mm512_load_ps(acc + r * 16), _mm512_mul_ps(scale, _mm512_set1_ps(xq.step[r]))),
-                           m, accumulate);
-    }
+    moetune_int16::scaled_blocks(row_scale, xq.step.data(), n, O, out, ldo, accumulate, ob0, ob1,
+                                 [&](int64_t o0, int rows, float* acc) MOETUNE_AVX512 {
+                                   for (int64_t r0 = 0; r0 < n; r0 += 8)
+                                     moetune_few_rows::with_rows<8>(n - r0, [&](auto R) MOETUNE_AVX512 {
+                                       forward_rows<decltype(R)::value>(dec, xq.row(r0), xq.ld, xq.sum.data() + r0, K,
+                                                                        o0, rows, acc + r0 * 16,
+                                                                        static_cast<int>(O - o0));
+                                     });
+                                 });
   });
 }
 

@@ -49,7 +49,7 @@ from moetune.engine.kernels import (
 from moetune.errors import ConfigError
 from moetune.sysinfo import CpuInfo
 from tests.unit.engine.test_formats import _lora, _module, gaussian
-from tests.unit.engine_cases import make_routing, run_module
+from tests.unit.engine_cases import make_routing, run_errors, run_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -341,6 +341,19 @@ def test_kernel_is_the_same_on_two_threads():
     assert_same_bits_on_two_threads(_weights("int4-g64-asym", 256, 512), 40)
 
 
+def engine_case(name: str, group: int) -> tuple:
+    """(weights, x, ids, w, gy) for an engine test: the Gaussian layer as int8 (``name`` "int8") or as int4 with
+    ``group`` and zero points, 40 tokens routed to 2 experts each, and the output's gradient."""
+    gate_up, down = gaussian()
+    fmt = (
+        Int8Experts.from_dense(gate_up, down)
+        if name == "int8"
+        else Int4Experts.from_dense(gate_up, down, group_size=group, symmetric=False)
+    )
+    x, ids, w = make_routing(T=40, E=gate_up.shape[0], k=2, H=gate_up.shape[2], dtype=torch.float32)
+    return fmt, x, ids, w, torch.randn(40, gate_up.shape[2], generator=torch.Generator().manual_seed(5))
+
+
 @needs_kernels
 @pytest.mark.parametrize("name", ["int8", "int4-g64-asym"])
 @pytest.mark.parametrize("with_lora", [True, False], ids=["lora", "frozen"])
@@ -350,14 +363,7 @@ def test_engine_with_kernels_matches_torch_path(name, with_lora, workers, four_t
     compute in bf16 with fp32 sums, so they differ by bf16 roundings of intermediates only. Bound: 2^-6 of each
     quantity's max (measured: at most 1.3e-2, y in lora mode; int4 frozen bit-identical); kernels computing
     another weight (a lost scale, a wrong expert) would be off by the quantization error or O(1)."""
-    gate_up, down = gaussian()
-    fmt = (
-        Int8Experts.from_dense(gate_up, down)
-        if name == "int8"
-        else Int4Experts.from_dense(gate_up, down, group_size=64, symmetric=False)
-    )
-    x, ids, w = make_routing(T=40, E=gate_up.shape[0], k=2, H=gate_up.shape[2], dtype=torch.float32)
-    gy = torch.randn(40, gate_up.shape[2], generator=torch.Generator().manual_seed(5))
+    fmt, x, ids, w, gy = engine_case(name, group=64)
     results = []
     for fused in (True, False):
         opts = {"compute_dtype": torch.bfloat16, "expert_workers": workers}
@@ -365,10 +371,7 @@ def test_engine_with_kernels_matches_torch_path(name, with_lora, workers, four_t
         module.engine.gemm.path = resolve_gemm_path(fmt, torch.bfloat16, AMX, fused=fused)
         assert bool(module.engine.gemm.path.fused_rows) is fused
         results.append(run_module(module, x, ids, w, gy))
-    (y_on, g_on), (y_off, g_off) = results
-    pairs = [("y", y_on, y_off)] + [(n, g_on[n], g_off[n]) for n in g_off]
-    for label, on, off in pairs:
-        err = float((on.double() - off.double()).abs().max() / off.double().abs().max())
+    for label, err in run_errors(*results).items():
         assert err <= 2.0**-6, (label, err)
 
 

@@ -21,15 +21,15 @@ import torch
 
 from moetune.config.experts import ExpertOptions
 from moetune.engine import EngineOptions, ExpertEngine
-from moetune.engine.formats import FORMATS, Int4Experts, Int8Experts
+from moetune.engine.formats import FORMATS, Int8Experts
 from moetune.engine.gemm import resolve_gemm_path
 from moetune.engine.kernels import KERNELS_ENV, load_variant
 from moetune.errors import ConfigError, EngineError
 from moetune.loading import LoadOptions
 from moetune.sysinfo import CpuInfo, cpu_info
 from tests.unit.engine.test_formats import _lora, _module, gaussian
-from tests.unit.engine.test_fused_kernels import AMX, HAS_COMPILER, int16_rows
-from tests.unit.engine_cases import make_routing, run_module
+from tests.unit.engine.test_fused_kernels import AMX, HAS_COMPILER, engine_case, int16_rows
+from tests.unit.engine_cases import run_errors, run_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[3]
@@ -52,6 +52,16 @@ def _codes(o: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.randint(-127, 128, (o, k), generator=gen, dtype=torch.int8)
     codes[0, : min(k, 3)] = -128  # codes from elsewhere may hold -128: read as they are
     return codes, torch.rand(o, generator=gen) * 0.02 + 1e-3
+
+
+def _assert_rounded(out: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor, before, terms: int) -> None:
+    """out within the output's rounding to bf16 (2^-8 |ref|) and fp32 roundings after the exact integer sums (terms
+    2^-22 mag) of ref (plus ``before``, out's values before an accumulating product)."""
+    if before is not None:
+        ref, mag = ref + before, mag + before.abs()
+    bound = 2.0**-8 * ref.abs() + terms * 2.0**-22 * mag + 1e-30
+    worst = float(((out.double() - ref).abs() / bound).max())
+    assert worst <= 1.0, worst
 
 
 def _run(forward: bool, a: torch.Tensor, out: torch.Tensor, codes, scale, accumulate: bool) -> None:
@@ -78,11 +88,7 @@ def test_a8_kernel_is_the_rounded_product(forward, o, k, n, accumulate):
     else:
         q, step = int16_rows(a, scale, 127)
         ref, mag = step * (q @ c), step * (q.abs() @ biased)
-    if accumulate:
-        ref, mag = ref + before, mag + before.abs()
-    bound = 2.0**-8 * ref.abs() + (k if forward else o) * 2.0**-22 * mag + 1e-30
-    worst = float(((out.double() - ref).abs() / bound).max())
-    assert worst <= 1.0, worst
+    _assert_rounded(out, ref, mag, before if accumulate else None, k if forward else o)
 
 
 @needs_a8
@@ -203,11 +209,7 @@ def test_int4_a8_kernel_is_the_rounded_product(forward, o, k, group, symmetric, 
     before = out.double()
     load_variant("AVX512-BF16").int4_gemm_a8(forward, a, out, *operands, accumulate)
     ref, mag = _int4_reference(forward, a, v, uz, s, group)
-    if accumulate:
-        ref, mag = ref + before, mag + before.abs()
-    bound = 2.0**-8 * ref.abs() + (k if forward else o) * 2.0**-22 * mag + 1e-30
-    worst = float(((out.double() - ref).abs() / bound).max())
-    assert worst <= 1.0, worst
+    _assert_rounded(out, ref, mag, before if accumulate else None, k if forward else o)
 
 
 @needs_a8
@@ -241,14 +243,7 @@ def test_engine_with_int8_activations_stays_near_the_default(name, with_lora):
     int4 with groups of 32 and zero points: bf16):
     forward and every gradient within 2^-4 of each quantity's max (measured: 5e-3 to 2.1e-2), and not equal to it
     (the rounding is really taken); the path says so."""
-    gate_up, down = gaussian()
-    fmt = (
-        Int8Experts.from_dense(gate_up, down)
-        if name == "int8"
-        else Int4Experts.from_dense(gate_up, down, group_size=32, symmetric=False)
-    )
-    x, ids, w = make_routing(T=40, E=gate_up.shape[0], k=2, H=gate_up.shape[2], dtype=torch.float32)
-    gy = torch.randn(40, gate_up.shape[2], generator=torch.Generator().manual_seed(5))
+    fmt, x, ids, w, gy = engine_case(name, group=32)
     results = []
     for a8 in (True, False):
         opts = {"compute_dtype": torch.bfloat16, "int8_activations": a8}
@@ -262,10 +257,7 @@ def test_engine_with_int8_activations_stays_near_the_default(name, with_lora):
         assert path.int8_rows is a8 and path.fused_variant == "AVX512-BF16"
         assert ("8-bit integer rows" in path.describe()) is a8
         results.append(run_module(module, x, ids, w, gy))
-    (y_a8, g_a8), (y_16, g_16) = results
-    pairs = [("y", y_a8, y_16)] + [(n, g_a8[n], g_16[n]) for n in g_16]
-    for label, a8, ref in pairs:
-        err = float((a8.double() - ref.double()).abs().max() / ref.double().abs().max())
+    for label, err in run_errors(*results).items():
         assert 0 < err <= 2.0**-4, (label, err)
 
 
