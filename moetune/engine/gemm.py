@@ -179,34 +179,47 @@ def resolve_gemm_path(
     )
 
 
-def _int8_rows_kernels(
-    weights: ExpertFormat, compute_dtype: torch.dtype, isa: tuple[str, ...], fused: bool
-) -> ModuleType:
-    """The built variant that computes ``weights``' products with 8-bit integer rows here (resolve_gemm_path's
-    ``int8_rows``), or ``EngineError`` naming what is missing."""
-    offering = [v for v in VARIANTS if weights.name in v.int8_rows]
+def int8_rows_problem(name: str, compute_dtype: torch.dtype, isa: tuple[str, ...], fused: bool = True) -> str:
+    """Why experts of format ``name`` cannot take 8-bit activation rows (``int8_activations``) computing in
+    ``compute_dtype`` on a CPU with ``isa``, or "" when they can; builds nothing (the load's preflight asks it
+    before any weight is read, ``resolve_gemm_path`` again when it builds an engine)."""
+    offering = [v for v in VARIANTS if name in v.int8_rows]
     if not offering:
-        allowed = sorted({name for v in VARIANTS for name in v.int8_rows})
-        raise EngineError(
-            f"int8_activations: no kernel variant computes {weights.name!r} experts with 8-bit activations; "
+        allowed = sorted({fmt for v in VARIANTS for fmt in v.int8_rows})
+        return (
+            f"int8_activations: no kernel variant computes {name!r} experts with 8-bit activations; "
             f"allowed: expert_format {', '.join(allowed)}"
         )
     off = "resolved without them" if not fused else kernels_disabled()
     if off:
-        raise EngineError(
+        return (
             f"int8_activations needs the fused kernels, which are off ({off}); turn them on ({KERNELS_ENV}) or "
             "remove int8_activations"
         )
-    runs = [v for v in offering if v.isa in isa and v.compute == compute_dtype]
-    if not runs:
-        raise EngineError(
+    if not any(v.isa in isa and v.compute == compute_dtype for v in offering):
+        return (
             "int8_activations needs the "
             + " or ".join(
                 f"{v.name} kernels (a CPU with {v.isa}, computing in {v.compute})" for v in offering
             )
             + f"; this CPU has {', '.join(sorted(isa)) or 'none of them'} and computes in {compute_dtype}. "
             "Remove int8_activations"
+            + (" (or load in bfloat16)" if compute_dtype != torch.bfloat16 and "AVX512-BF16" in isa else "")
         )
+    return ""
+
+
+def _int8_rows_kernels(
+    weights: ExpertFormat, compute_dtype: torch.dtype, isa: tuple[str, ...], fused: bool
+) -> ModuleType:
+    """The built variant that computes ``weights``' products with 8-bit integer rows here (resolve_gemm_path's
+    ``int8_rows``), or ``EngineError`` naming what is missing."""
+    why = int8_rows_problem(weights.name, compute_dtype, isa, fused)
+    if why:
+        raise EngineError(why)
+    runs = [
+        v for v in VARIANTS if weights.name in v.int8_rows and v.isa in isa and v.compute == compute_dtype
+    ]
     return load_variant(runs[0].name)  # EngineError saying why, where it does not build
 
 

@@ -37,7 +37,7 @@ from moetune.loading import hf
 from moetune.loading.checkpoint import Checkpoint
 from moetune.loading.expert_plan import ExpertPlan, LayerPlan, plan_experts
 from moetune.loading.hf import KeyTarget
-from moetune.loading.options import ExpertFormatChoice, LoadOptions
+from moetune.loading.options import ExpertFormatChoice, LoadOptions, check_int8_activations
 from moetune.loading.quant import (
     QuantizedWeight,
     QuantMethod,
@@ -172,6 +172,7 @@ def plan_load(path: str | Path, opts: LoadOptions) -> PlannedLoad:
         )
         for layer in plan.layers
     ]
+    check_int8_activations(opts, formats)
     hot = dict(
         zip(
             [s.path for s in sites],

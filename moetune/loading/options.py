@@ -189,3 +189,21 @@ class LoadOptions:
             )
         symmetric = own.get("symmetric", True) if experts.int4_symmetric is None else experts.int4_symmetric
         return ExpertFormatChoice("int4", (("group_size", g), ("symmetric", symmetric)))
+
+
+def check_int8_activations(opts: LoadOptions, formats: list[ExpertFormatChoice]) -> None:
+    """``int8_activations`` where this machine's kernels cannot take it (the format of a layer, the CPU, the
+    compute dtype, ``MOETUNE_KERNELS``): the ``ConfigError`` now, before any weight is read, that the engines
+    would raise (``EngineError``) once the first layer was loaded."""
+    if not opts.experts.int8_activations:
+        return
+    from moetune.engine.gemm import int8_rows_problem
+    from moetune.engine.plan import resolve_compute_dtype
+    from moetune.sysinfo import cpu_info
+
+    # int8 and int4 store 1-byte codes: their compute dtype is that of any 1-byte format
+    compute = resolve_compute_dtype(torch.int8, opts.engine.compute_dtype)
+    for name in dict.fromkeys(f.name for f in formats):
+        why = int8_rows_problem(name, compute, cpu_info().isa)
+        if why:
+            raise ConfigError(why)

@@ -322,3 +322,27 @@ def test_int8_activations_option(tmp_path):
         ConfigError, match=r"moetune\.int8_activations: is true but applies to expert_format int8"
     ):
         parse_config(raw, check_model_path=False)
+
+
+def test_int8_activations_refused_before_any_weight_is_read(tmp_path, monkeypatch):
+    """The load's plan (``plan_load``: the meta-device model, no tensor data read) refuses the option where the
+    engines could not take it: a float32 load (the experts compute in float32), a CPU without AVX512-BF16, the
+    kernels turned off."""
+    from moetune.loading.load import plan_load
+    from moetune.train.demo import make_demo_model
+
+    model = make_demo_model(tmp_path / "m", ROOT / "examples/data/demo_tokenizer")
+
+    def refused(match: str, dtype: str = "bfloat16") -> None:
+        opts = LoadOptions.create(device="cpu", dtype=dtype, expert_format="int8", int8_activations=True)
+        with pytest.raises(ConfigError, match=match):
+            plan_load(model, opts)
+
+    refused("computes in torch.float32", dtype="float32")
+    monkeypatch.setenv(KERNELS_ENV, "off")
+    refused(f"which are off \\({KERNELS_ENV}=off\\)")
+    monkeypatch.delenv(KERNELS_ENV)
+    monkeypatch.setattr("moetune.sysinfo.cpu_info", lambda: AVX2)
+    refused(
+        r"needs the AVX512-BF16 kernels \(a CPU with AVX512-BF16, computing in torch.bfloat16\); this CPU has AVX2"
+    )
