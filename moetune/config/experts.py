@@ -93,9 +93,10 @@ class ExpertOptions:
         int4_symmetric: int4 only: no zero points (None: True).
         int8_activations: int8 and int4 only: the fused kernels round each row of the experts' inputs (and of
             the gradients their backward takes, int4: per group of columns, times its scales) to 8-bit integers, a
-            step of its largest magnitude / 127, and multiply them with the codes exactly (vpdpbusd): int8 1.4-1.9x
-            the products of its default (16-bit rows, a step of max / 32767), int4 1.1-1.6x its default (bf16); the
-            error that adds is at most half a step per value (``kernels/int8_rows.h``). None / False: the default.
+            step of its largest magnitude / 127, and multiply them with the codes exactly (vpdpbusd): per product int8
+            1.3-1.8x its default (16-bit rows, a step of max / 32767) from 8 rows per expert, int4 1.1-1.7x its
+            default (bf16); the error that adds is at most half a step per value (``kernels/int8_rows.h``;
+            docs/formats.md). None / False: the default.
             Needs the AVX512-BF16 kernels (CPUs with AVX512-BF16 and VNNI, AMX ones included); elsewhere loading
             raises ``EngineError``.
         expert_path: a store written by ``moetune convert`` to take the routed experts from.
