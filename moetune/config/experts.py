@@ -25,8 +25,6 @@ AUTO = "auto"  # expert_format resolved per layer from what the checkpoint store
 # Spellings accepted besides the registered format names.
 FORMAT_ALIASES = {"bf16": "dense", "fp8": "fp8_block"}
 INT4_OPTIONS = ("int4_group_size", "int4_symmetric")
-# the formats whose kernels offer int8_activations (kernels.loader.VARIANTS' int8_rows)
-INT8_ACTIVATION_FORMATS = ("int8", "int4")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 
@@ -72,6 +70,13 @@ def expert_format_names() -> list[str]:
     return [AUTO, *FORMATS.names(), *FORMAT_ALIASES]
 
 
+def int8_activation_formats() -> tuple[str, ...]:
+    """The formats whose kernels offer ``int8_activations`` (the kernel registry's ``int8_rows``)."""
+    from moetune.engine.kernels import int8_rows_formats
+
+    return int8_rows_formats()
+
+
 def int4_group_sizes() -> tuple[int, ...]:
     """The int4 group sizes the int4 format implements."""
     from moetune.engine.formats.int4 import GROUP_SIZES
@@ -97,8 +102,9 @@ class ExpertOptions:
             1.3-1.8x its default (16-bit rows, a step of max / 32767) from 8 rows per expert, int4 1.1-1.7x its
             default (bf16); the error that adds is at most half a step per value (``kernels/int8_rows.h``;
             docs/formats.md). None / False: the default.
-            Needs the AVX512-BF16 kernels (CPUs with AVX512-BF16 and VNNI, AMX ones included); elsewhere loading
-            raises ``EngineError``.
+            Needs the AVX512-BF16 kernels (CPUs with AVX512-BF16 and VNNI, AMX ones included) and bf16 compute;
+            elsewhere the load's plan raises ``ConfigError`` before any weight is read
+            (``loading.options.check_int8_activations``).
         expert_path: a store written by ``moetune convert`` to take the routed experts from.
         expert_residency: with ``expert_path``: ``ram`` or ``disk`` (paged layer by layer).
         expert_residency_budget: disk only: bytes (an int or a size such as ``"64GB"``); None: the two
@@ -312,12 +318,12 @@ def expert_option_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
         "expert_format" not in bad
         and "int8_activations" not in bad
         and values.get("int8_activations")
-        and FORMAT_ALIASES.get(expert_format, expert_format) not in INT8_ACTIVATION_FORMATS
+        and FORMAT_ALIASES.get(expert_format, expert_format) not in int8_activation_formats()
     ):
         problems.append(
             (
                 "int8_activations",
-                f"is true but applies to expert_format {' or '.join(INT8_ACTIVATION_FORMATS)} only (their kernels); "
+                f"is true but applies to expert_format {' or '.join(int8_activation_formats())} only (their kernels); "
                 f"expert_format is {expert_format!r}. Set one of them, or remove int8_activations",
             )
         )

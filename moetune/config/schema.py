@@ -290,8 +290,8 @@ class EngineConfig:
     ``device`` runs the dense part (``auto``: cuda when available); ``bind_cpus`` pins each of several processes
     on one machine to its share of the cores (``moetune.dist.affinity``); every other key is a field of
     :class:`~moetune.config.experts.ExpertOptions` (``expert_format``, ``int4_group_size``, ``int4_symmetric``,
-    ``int8_activations``, ``expert_path``, ``expert_residency``, ``expert_residency_budget``, ``activation_policy``, ``num_threads``,
-    ``check_finite``), validated by the same check as ``load_model``'s keywords and passed to it whole.
+    ``int8_activations``, ``expert_path``, ``expert_residency``, ``expert_residency_budget``, ``activation_policy``,
+    ``num_threads``, ``check_finite``), validated by the same check as ``load_model``'s keywords and passed to it whole.
     docs/formats.md compares the expert formats.
     """
 

@@ -40,7 +40,10 @@ from moetune.engine.formats.base import Projection
 from moetune.engine.kernels import (
     KERNELS_ENV,
     VARIANTS,
+    KernelVariant,
+    a8_kernel,
     fused_kernels,
+    int8_rows_formats,
     kernels_disabled,
     load_fused,
     load_variant,
@@ -92,11 +95,8 @@ class GemmPath:
 
     def kernel(self, name: str) -> str:
         """The name of the kernel this path calls for a format's kernel ``name`` (``fused_operands``' or its run
-        form's): ``<kernel>_a8`` / ``<kernel>_a8_run`` with ``int8_rows``."""
-        if not self.int8_rows:
-            return name
-        run = name.endswith("_run")  # the run form, <kernel>_run -> <kernel>_a8_run
-        return f"{name.removesuffix('_run')}_a8" + ("_run" if run else "")
+        form's): ``kernels.a8_kernel(name)`` with ``int8_rows``."""
+        return a8_kernel(name) if self.int8_rows else name
 
     def describe(self) -> str:
         """One line for ``moetune doctor`` and the benchmarks."""
@@ -179,16 +179,21 @@ def resolve_gemm_path(
     )
 
 
+def _int8_rows_variants(name: str, compute_dtype: torch.dtype, isa: tuple[str, ...]) -> list[KernelVariant]:
+    """The variants that compute ``name``'s products with 8-bit activation rows, run on ``isa`` and compute in
+    ``compute_dtype``, best first."""
+    return [v for v in VARIANTS if name in v.int8_rows and v.isa in isa and v.compute == compute_dtype]
+
+
 def int8_rows_problem(name: str, compute_dtype: torch.dtype, isa: tuple[str, ...], fused: bool = True) -> str:
     """Why experts of format ``name`` cannot take 8-bit activation rows (``int8_activations``) computing in
     ``compute_dtype`` on a CPU with ``isa``, or "" when they can; builds nothing (the load's preflight asks it
     before any weight is read, ``resolve_gemm_path`` again when it builds an engine)."""
     offering = [v for v in VARIANTS if name in v.int8_rows]
     if not offering:
-        allowed = sorted({fmt for v in VARIANTS for fmt in v.int8_rows})
         return (
             f"int8_activations: no kernel variant computes {name!r} experts with 8-bit activations; "
-            f"allowed: expert_format {', '.join(allowed)}"
+            f"allowed: expert_format {', '.join(sorted(int8_rows_formats()))}"
         )
     off = "resolved without them" if not fused else kernels_disabled()
     if off:
@@ -196,7 +201,7 @@ def int8_rows_problem(name: str, compute_dtype: torch.dtype, isa: tuple[str, ...
             f"int8_activations needs the fused kernels, which are off ({off}); turn them on ({KERNELS_ENV}) or "
             "remove int8_activations"
         )
-    if not any(v.isa in isa and v.compute == compute_dtype for v in offering):
+    if not _int8_rows_variants(name, compute_dtype, isa):
         return (
             "int8_activations needs the "
             + " or ".join(
@@ -217,10 +222,8 @@ def _int8_rows_kernels(
     why = int8_rows_problem(weights.name, compute_dtype, isa, fused)
     if why:
         raise EngineError(why)
-    runs = [
-        v for v in VARIANTS if weights.name in v.int8_rows and v.isa in isa and v.compute == compute_dtype
-    ]
-    return load_variant(runs[0].name)  # EngineError saying why, where it does not build
+    # EngineError saying why, where it does not build
+    return load_variant(_int8_rows_variants(weights.name, compute_dtype, isa)[0].name)
 
 
 class BlockedGemm:
@@ -423,5 +426,4 @@ class BlockedGemm:
         kernels = self._kernels_for(self.path)
         assert out.stride(-1) == 1, "the fused kernels write rows of out in place"
         a = a if a.stride(-1) == 1 else a.contiguous()
-        kernel, weights = self.weights.fused_operands(proj, e)
-        getattr(kernels, self.path.kernel(kernel))(forward, a, out, *weights, accumulate)
+        self.weights.fused_gemm(kernels, forward, proj, e, a, out, accumulate, int8_rows=self.path.int8_rows)

@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from moetune.engine.kernels.loader import a8_kernel
 from moetune.errors import EngineError
 from moetune.registry import Registry
 
@@ -111,6 +112,7 @@ class ExpertFormat(ABC):
         a: torch.Tensor,
         out: torch.Tensor,
         accumulate: bool,
+        int8_rows: bool = False,
     ) -> None:
         """One product with expert ``expert``'s ``proj`` matrix W ``[D_out, D_in]`` on the compiled kernels
         (``kernels``: a built variant, ``kernels.load_fused()`` or ``load_variant(name)``), the codes dequantized
@@ -122,9 +124,10 @@ class ExpertFormat(ABC):
         where a variant's backward takes a weight's group-scaled form (``kernels/decoders.h``: W = S * V, int4 with
         groups of >= 32, fp8_block, mxfp4; the AVX512-BF16 variant with few rows of a): a times S rounded once to
         the compute dtype, times V, one rounding as many as the weight's own (mxfp4: the same products).
+        ``int8_rows``: its form with a's rows rounded to 8-bit integers (``kernels.a8_kernel``; ``int8_activations``).
         """
         kernel, weights = self.fused_operands(proj, expert)
-        getattr(kernels, kernel)(forward, a, out, *weights, accumulate)
+        getattr(kernels, a8_kernel(kernel) if int8_rows else kernel)(forward, a, out, *weights, accumulate)
 
     def row_align(self, proj: Projection) -> int:
         """Row blocks asked of ``tile`` start at multiples of this (block-scaled formats: their block height)."""

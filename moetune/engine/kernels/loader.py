@@ -93,6 +93,20 @@ VARIANTS: tuple[KernelVariant, ...] = (
     KernelVariant("AVX2", "avx2_gemm.cpp", "AVX2", torch.float32, ("-mavx2", "-mfma", "-mf16c")),
 )
 
+
+def int8_rows_formats() -> tuple[str, ...]:
+    """The formats (``ExpertFormat.name``) some variant computes with 8-bit integer activation rows
+    (``KernelVariant.int8_rows``), in registry order: what ``int8_activations`` applies to."""
+    return tuple(dict.fromkeys(name for v in VARIANTS for name in v.int8_rows))
+
+
+def a8_kernel(name: str) -> str:
+    """A kernel's name (``entry.h``: ``<kernel>`` or its run form ``<kernel>_run``) -> its form with 8-bit integer
+    activation rows (``<kernel>_a8`` / ``<kernel>_a8_run``)."""
+    run = name.endswith("_run")
+    return f"{name.removesuffix('_run')}_a8" + ("_run" if run else "")
+
+
 _lock = threading.Lock()
 _state: dict[str, tuple[ModuleType | None, str]] = {}
 
