@@ -210,43 +210,25 @@ void bf16_gemm_run(bool forward, const torch::Tensor& a, int64_t a_offset, const
   });
 }
 
-void int8_gemm_run(bool forward, const torch::Tensor& a, int64_t a_offset, const torch::Tensor& out,
-                   const std::vector<int64_t>& segs, const torch::Tensor& codes, const torch::Tensor& scale,
-                   bool accumulate) {
+// int8_gemm_run and int8_gemm_a8_run: Gemm over a run of experts
+template <decltype(&int8_gemm) Gemm>
+void int8_run(bool forward, const torch::Tensor& a, int64_t a_offset, const torch::Tensor& out,
+              const std::vector<int64_t>& segs, const torch::Tensor& codes, const torch::Tensor& scale,
+              bool accumulate) {
   each_segment(segs, a, a_offset, out, [&](int64_t e, const torch::Tensor& a_e, const torch::Tensor& out_e) {
-    int8_gemm(forward, a_e, out_e, codes.select(0, e), scale.select(0, e), accumulate);
+    Gemm(forward, a_e, out_e, codes.select(0, e), scale.select(0, e), accumulate);
   });
 }
 
-#ifdef MOETUNE_INT8_ROWS
-void int8_gemm_a8_run(bool forward, const torch::Tensor& a, int64_t a_offset, const torch::Tensor& out,
-                      const std::vector<int64_t>& segs, const torch::Tensor& codes, const torch::Tensor& scale,
-                      bool accumulate) {
-  each_segment(segs, a, a_offset, out, [&](int64_t e, const torch::Tensor& a_e, const torch::Tensor& out_e) {
-    int8_gemm_a8(forward, a_e, out_e, codes.select(0, e), scale.select(0, e), accumulate);
-  });
-}
-#endif
-
-#ifdef MOETUNE_INT8_ROWS
-void int4_gemm_a8_run(bool forward, const torch::Tensor& a, int64_t a_offset, const torch::Tensor& out,
-                      const std::vector<int64_t>& segs, const torch::Tensor& packed, const torch::Tensor& scale,
-                      const c10::optional<torch::Tensor>& zero, int64_t group, bool accumulate) {
+// int4_gemm_run and int4_gemm_a8_run: Gemm over a run of experts
+template <decltype(&int4_gemm) Gemm>
+void int4_run(bool forward, const torch::Tensor& a, int64_t a_offset, const torch::Tensor& out,
+              const std::vector<int64_t>& segs, const torch::Tensor& packed, const torch::Tensor& scale,
+              const c10::optional<torch::Tensor>& zero, int64_t group, bool accumulate) {
   each_segment(segs, a, a_offset, out, [&](int64_t e, const torch::Tensor& a_e, const torch::Tensor& out_e) {
     c10::optional<torch::Tensor> z;
     if (zero.has_value()) z = zero->select(0, e);
-    int4_gemm_a8(forward, a_e, out_e, packed.select(0, e), scale.select(0, e), z, group, accumulate);
-  });
-}
-#endif
-
-void int4_gemm_run(bool forward, const torch::Tensor& a, int64_t a_offset, const torch::Tensor& out,
-                   const std::vector<int64_t>& segs, const torch::Tensor& packed, const torch::Tensor& scale,
-                   const c10::optional<torch::Tensor>& zero, int64_t group, bool accumulate) {
-  each_segment(segs, a, a_offset, out, [&](int64_t e, const torch::Tensor& a_e, const torch::Tensor& out_e) {
-    c10::optional<torch::Tensor> z;
-    if (zero.has_value()) z = zero->select(0, e);
-    int4_gemm(forward, a_e, out_e, packed.select(0, e), scale.select(0, e), z, group, accumulate);
+    Gemm(forward, a_e, out_e, packed.select(0, e), scale.select(0, e), z, group, accumulate);
   });
 }
 
@@ -281,9 +263,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("int4_gemm_a8", &int4_gemm_a8, "int4_gemm with the activations as 8-bit integers per row",
         py::call_guard<py::gil_scoped_release>());
-  m.def("int4_gemm_a8_run", &int4_gemm_a8_run, "int4_gemm_a8 over a run of experts",
+  m.def("int4_gemm_a8_run", &int4_run<int4_gemm_a8>, "int4_gemm_a8 over a run of experts",
         py::call_guard<py::gil_scoped_release>());
-  m.def("int8_gemm_a8_run", &int8_gemm_a8_run, "int8_gemm_a8 over a run of experts",
+  m.def("int8_gemm_a8_run", &int8_run<int8_gemm_a8>, "int8_gemm_a8 over a run of experts",
         py::call_guard<py::gil_scoped_release>());
 #endif
   m.def("int4_gemm", &int4_gemm, "int4 group-wise GEMM (forward: x @ W^T, backward: g @ W)",
@@ -293,8 +275,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp4_gemm", &mxfp4_gemm, "mxfp4 GEMM (forward: x @ W^T, backward: g @ W)",
         py::call_guard<py::gil_scoped_release>());
   m.def("bf16_gemm_run", &bf16_gemm_run, "bf16_gemm over a run of experts", py::call_guard<py::gil_scoped_release>());
-  m.def("int8_gemm_run", &int8_gemm_run, "int8_gemm over a run of experts", py::call_guard<py::gil_scoped_release>());
-  m.def("int4_gemm_run", &int4_gemm_run, "int4_gemm over a run of experts", py::call_guard<py::gil_scoped_release>());
+  m.def("int8_gemm_run", &int8_run<int8_gemm>, "int8_gemm over a run of experts",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int4_gemm_run", &int4_run<int4_gemm>, "int4_gemm over a run of experts",
+        py::call_guard<py::gil_scoped_release>());
   m.def("fp8_block_gemm_run", &fp8_block_gemm_run, "fp8_block_gemm over a run of experts",
         py::call_guard<py::gil_scoped_release>());
   m.def("mxfp4_gemm_run", &mxfp4_gemm_run, "mxfp4_gemm over a run of experts",

@@ -150,20 +150,25 @@ MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void unquad(__m512i a[4]) {
   a[3] = _mm512_shuffle_i32x4(p2, p3, 0xDD);
 }
 
-// acc rows r < R, 64 columns in quads' order (int32, ldacc apart) += g[r, 4 q .. 4 q + 4) . staged quad q, q < nq
-template <int R>
-MOETUNE_AVX512 inline void band_rows(const __m512i* staged, int nq, const int8_t* g, int64_t ldg, int32_t* acc,
-                                     int64_t ldacc) {
+// acc rows r < R, 64 columns (four vectors of 16 in the quads' order, int32, ldacc apart) += sum_q (g_j[r, 4 q ..
+// 4 q + 4) . w[4 q + j]), q < nq, w a band's staged quads: gl[j] the rows of g's integers for w[.. + j]'s columns
+// (from the band's first row; int4: their group's), ldg apart; kOne: the same rows for all four (one broadcast per
+// row and quad: int8, and int4 chunks inside one group)
+template <int R, bool kOne>
+MOETUNE_AVX512 inline void band_rows(const __m512i* w, int nq, const int8_t* const gl[4], int64_t ldg,
+                                          int32_t* acc, int64_t ldacc) {
   __m512i s[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) s[r][j] = _mm512_setzero_si512();
   for (int q = 0; q < nq; ++q) {
-    const __m512i* w = staged + 4 * q;
     for (int r = 0; r < R; ++r) {
-      int32_t quad;
-      std::memcpy(&quad, g + r * ldg + 4 * q, 4);
-      const __m512i gq = _mm512_set1_epi32(quad);
-      for (int j = 0; j < 4; ++j) s[r][j] = dpbusd(s[r][j], w[j], gq);
+      __m512i b[4];
+      for (int j = 0; j < (kOne ? 1 : 4); ++j) {
+        int32_t quad;
+        std::memcpy(&quad, gl[j] + r * ldg + 4 * q, 4);
+        b[j] = _mm512_set1_epi32(quad);
+      }
+      for (int j = 0; j < 4; ++j) s[r][j] = dpbusd(s[r][j], _mm512_load_si512(w + 4 * q + j), b[kOne ? 0 : j]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -194,10 +199,13 @@ MOETUNE_AVX512 inline void backward(const moetune::Int8Rows& dec, const float* r
             _mm_prefetch(reinterpret_cast<const char*>(dec.codes + i * K + (last ? c0 * 64 : k0 + 64)), _MM_HINT_T2);
           quads(dec, O, o, k0, K - k0, staged + 4 * q);
         }
-        for (int64_t r0 = 0; r0 < n; r0 += 4)
+        for (int64_t r0 = 0; r0 < n; r0 += 4) {
+          const int8_t* gr = gq.row(r0) + ob;
+          const int8_t* const gl[4] = {gr, gr, gr, gr};
           moetune_few_rows::with_rows<4>(n - r0, [&](auto R) MOETUNE_AVX512 {
-            band_rows<decltype(R)::value>(staged, nq, gq.row(r0) + ob, gq.ld, acc + r0 * width + k0, width);
+            band_rows<decltype(R)::value, true>(staged, nq, gl, gq.ld, acc + r0 * width + k0, width);
           });
+        }
       }
     }
     for (int64_t c = c0; c < c1; ++c) {
@@ -226,6 +234,16 @@ MOETUNE_AVX512 inline void backward(const moetune::Int8Rows& dec, const float* r
 //             against its 4 bytes broadcast, the group's int32 sums (at most 127 * 15 * 128 a lane) times the scales
 //             and less z s times the group's sum of q, in fp32, once per group and 16 rows (block_scales).
 
+// Within each 128-bit lane L, the 4 x 4 transpose of 32-bit words: w[m] lane 4 L + q <- y[q] lane 4 L + m
+MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void transpose4(const __m512i y[4], __m512i w[4]) {
+  const __m512i t0 = _mm512_unpacklo_epi32(y[0], y[1]), t1 = _mm512_unpackhi_epi32(y[0], y[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(y[2], y[3]), t3 = _mm512_unpackhi_epi32(y[2], y[3]);
+  w[0] = _mm512_unpacklo_epi64(t0, t2);
+  w[1] = _mm512_unpackhi_epi64(t0, t2);
+  w[2] = _mm512_unpacklo_epi64(t1, t3);
+  w[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
 // Weight rows o0 .. o0 + 16 of the codes (zeros from `rows` on; `ahead` rows from o0 + kAheadBlock prefetched along
 // the same bytes, four a step) as 64-byte vectors of 16 rows x 4 columns of unsigned codes, in column order: buf[k /
 // 4] for k < K, lane 4 L + q holding row 4 q + L (row_of_lane). Per 16 packed bytes of four rows: one load and three
@@ -250,10 +268,8 @@ MOETUNE_AVX512 inline void int4_columns(const moetune::Int4Rows& dec, int64_t o0
             y[q], static_cast<__mmask16>(0xF << (4 * L)),
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(dec.packed + (o0 + 4 * q + L) * half + j0)));
     }
-    const __m512i t0 = _mm512_unpacklo_epi32(y[0], y[1]), t1 = _mm512_unpackhi_epi32(y[0], y[1]);
-    const __m512i t2 = _mm512_unpacklo_epi32(y[2], y[3]), t3 = _mm512_unpackhi_epi32(y[2], y[3]);
-    const __m512i w[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
-                          _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+    __m512i w[4];
+    transpose4(y, w);
     for (int m = 0; m < 4; ++m) {  // w[m] lane 4 L + q: word m of y[q]'s lane L
       buf[j0 / 4 + m] = _mm512_and_si512(w[m], low4);
       buf[(half + j0) / 4 + m] = _mm512_and_si512(_mm512_srli_epi16(w[m], 4), low4);
@@ -269,14 +285,7 @@ MOETUNE_AVX512 inline __m512i row_of_lane() {
 // the 16 x 16 transpose of 32-bit words: r[m] <- word m of each of r[0 .. 16) (lane i: r[i]'s word m)
 MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void transpose16(__m512i r[16]) {
   __m512i u[16];
-  for (int a = 0; a < 16; a += 4) {  // per 128-bit lane L: u[a + j] holds word 4 L + j of rows a .. a + 4
-    const __m512i t0 = _mm512_unpacklo_epi32(r[a], r[a + 1]), t1 = _mm512_unpackhi_epi32(r[a], r[a + 1]);
-    const __m512i t2 = _mm512_unpacklo_epi32(r[a + 2], r[a + 3]), t3 = _mm512_unpackhi_epi32(r[a + 2], r[a + 3]);
-    u[a] = _mm512_unpacklo_epi64(t0, t2);
-    u[a + 1] = _mm512_unpackhi_epi64(t0, t2);
-    u[a + 2] = _mm512_unpacklo_epi64(t1, t3);
-    u[a + 3] = _mm512_unpackhi_epi64(t1, t3);
-  }
+  for (int a = 0; a < 16; a += 4) transpose4(r + a, u + a);  // u[a + j] lane block L: word 4 L + j of rows a .. a + 4
   for (int j = 0; j < 4; ++j) {  // word 4 L + j: lane block L of u[j], u[4 + j], u[8 + j], u[12 + j]
     __m512i v[4] = {u[j], u[4 + j], u[8 + j], u[12 + j]};
     unquad(v);
@@ -404,7 +413,7 @@ MOETUNE_AVX512 inline void int4_forward(const moetune::Int4Rows& dec, const at::
 //             (each group's own: the scales into g, as few_rows.h's RawPairs32 takes them in bf16); lanes along k
 //             in column order, four weight rows' codes per lane (int4_quads), bands of 32 quads staged once for all
 //             rows of g, q_g's four values broadcast per 16 columns (one group), the int32 sums (at most 15 * 127 O
-//             a lane) kept per call and converted once at the end.
+//             a lane) kept per packed chunk and converted once it has seen every band.
 
 // Weight rows o .. o + 4 of the packed codes (zero rows past O), packed bytes [j0, j0 + 64) (zeros past valid):
 // lo[j] the low nibbles (columns j0 ..), hi[j] the high ones (columns K/2 + j0 ..), four codes a lane: in column
@@ -424,33 +433,6 @@ MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE void int4_quads(const moetune::Int4Rows& de
     lo[j] = _mm512_and_si512(v[j], low4);
     hi[j] = _mm512_and_si512(_mm512_srli_epi16(v[j], 4), low4);
   }
-}
-
-// acc rows r < R, 64 columns (four vectors of 16 in int4_quads' order, int32, ldacc apart) += sum_q (g_j[r, 4 q ..
-// 4 q + 4) . w[4 q + j]), q < nq: gl[j] the rows of g's integers for w[.. + j]'s group (from the band's first row),
-// ldg apart; kOne: one group for all four (one broadcast per row and quad)
-template <int R, bool kOne>
-MOETUNE_AVX512 inline void int4_band_rows(const __m512i* w, int nq, const int8_t* const gl[4], int64_t ldg,
-                                          int32_t* acc, int64_t ldacc) {
-  __m512i s[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) s[r][j] = _mm512_setzero_si512();
-  for (int q = 0; q < nq; ++q) {
-    for (int r = 0; r < R; ++r) {
-      __m512i b[4];
-      for (int j = 0; j < (kOne ? 1 : 4); ++j) {
-        int32_t quad;
-        std::memcpy(&quad, gl[j] + r * ldg + 4 * q, 4);
-        b[j] = _mm512_set1_epi32(quad);
-      }
-      for (int j = 0; j < 4; ++j) s[r][j] = dpbusd(s[r][j], _mm512_load_si512(w + 4 * q + j), b[kOne ? 0 : j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) {
-      int32_t* a = acc + r * ldacc + 16 * j;
-      _mm512_storeu_si512(a, _mm512_add_epi32(_mm512_loadu_si512(a), s[r][j]));
-    }
 }
 
 // Row r of g times group gi's scales as 8-bit rows (q, step, sum: int_rows) and its z term sum_o q[r, o] z[o, gi]
@@ -549,7 +531,7 @@ MOETUNE_AVX512 inline void int4_backward(const moetune::Int4Rows& dec, const at:
             const int8_t* gr[4];
             for (int L = 0; L < 4; ++L) gr[L] = gl[h][L]->q.row(r0) + ob;
             moetune_few_rows::with_rows<6>(n - r0, [&](auto R) MOETUNE_AVX512 {
-              int4_band_rows<decltype(R)::value, kOne>(staged + 4 * kBandQuads * h, nq, gr, ldq,
+              band_rows<decltype(R)::value, kOne>(staged + 4 * kBandQuads * h, nq, gr, ldq,
                                                       accv.data() + r0 * width + 64 * h, width);
             });
           }
