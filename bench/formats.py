@@ -37,62 +37,15 @@ from dataclasses import replace
 
 import torch
 
-from moetune.bench.runners import as_loaded
-from moetune.engine import EngineOptions, ExpertEngine, ExpertFormat, ExpertLoRA
-from moetune.engine.formats import FORMATS, DenseExperts, Int4Experts
+from moetune.bench.weight_formats import FORMAT_BUILDS, LABEL_OPTIONS
+from moetune.engine import EngineOptions, ExpertEngine, ExpertLoRA
 from moetune.engine.formats.base import Projection
 from moetune.engine.gemm import resolve_gemm_path
 from moetune.engine.kernels import VARIANTS, fused_unavailable
 from moetune.engine.threads import set_engine_threads
-from moetune.loading.quant.compressed_tensors import repack
 from moetune.sysinfo import cpu_info
-from moetune.testing.kimi import INT4_GROUP, quantize_int4
 
 PROJS: tuple[Projection, ...] = ("gate_up", "down")
-Build = Callable[
-    [torch.Tensor, torch.Tensor], ExpertFormat
-]  # gate_up [E, 2I, H], down [E, H, I] fp32 -> format
-
-
-def dense_as_loaded(gate_up: torch.Tensor, down: torch.Tensor) -> ExpertFormat:
-    """Dense experts in the layout the loader fills (``DenseExperts.empty``: bf16 rows of 4 KiB padded)."""
-    return DenseExperts(*as_loaded(gate_up, down))
-
-
-def from_compressed_int4(gate_up: torch.Tensor, down: torch.Tensor) -> ExpertFormat:
-    """int4 from compressed-tensors INT4 bytes of these weights, through the loader's unpack and re-pack."""
-    i = down.shape[2]
-    stored: dict[str, list[torch.Tensor]] = {}
-    for e in range(down.shape[0]):
-        for role, w in (("gate", gate_up[e, :i]), ("up", gate_up[e, i:]), ("down", down[e])):
-            packed, scale = quantize_int4(w)
-            stored.setdefault(role, []).append(packed)
-            stored.setdefault(f"{role}_scale", []).append(scale)
-    t0 = time.perf_counter()
-    int4 = {k: v if k.endswith("_scale") else [repack(p) for p in v] for k, v in stored.items()}
-    fmt = Int4Experts.from_per_expert(**int4, group_size=INT4_GROUP)
-    packed_mb = sum(p.nbytes for k, v in stored.items() if not k.endswith("_scale") for p in v) / 1e6
-    print(
-        f"compressed-int4: re-packing {packed_mb:.1f} MB of codes took {(time.perf_counter() - t0) * 1e3:.1f} ms"
-    )
-    return fmt
-
-
-FORMAT_BUILDS: dict[str, tuple[Build, torch.dtype]] = {  # label -> (build, dtype of the weights it is given)
-    "bf16": (dense_as_loaded, torch.bfloat16),
-    "int8": (FORMATS.get("int8").from_dense, torch.float32),
-    "int4-g64": (lambda gu, dn: FORMATS.get("int4").from_dense(gu, dn, group_size=64), torch.float32),
-    "fp8_block": (FORMATS.get("fp8_block").from_dense, torch.float32),
-    "compressed-int4": (from_compressed_int4, torch.float32),
-    "mxfp4": (FORMATS.get("mxfp4").from_dense, torch.float32),
-    "int8-a8": (FORMATS.get("int8").from_dense, torch.float32),
-    "int4-g64-a8": (lambda gu, dn: FORMATS.get("int4").from_dense(gu, dn, group_size=64), torch.float32),
-}
-# labels whose engines take options of their own: int8-a8 is int8 with int8_activations (its torch path is int8's)
-LABEL_OPTIONS: dict[str, dict[str, object]] = {
-    "int8-a8": {"int8_activations": True},
-    "int4-g64-a8": {"int8_activations": True},
-}
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -1,6 +1,6 @@
 """The kernels of a git revision against the working tree's, per product, side by side in one process.
 
-    python bench/kernel_ab.py --base REV [--variant AVX512-BF16 | AMX-BF16 | AVX2] [--formats bf16 int8 int4 int4-asym fp8 mxfp4]
+    python bench/kernel_ab.py --base REV [--variant AVX512-BF16 | AMX-BF16 | AVX2] [--formats bf16 int8 int4 int4-asym fp8 mxfp4 int8-a8 int4-a8]
                               [--rows 1 8 16 32] [--experts 48] [--reps 5] [--threads 1]
 
 For work on ``moetune/engine/kernels``: the variant's sources at ``REV`` (``git show``, into a temporary folder,
@@ -36,6 +36,8 @@ SHAPES = {"gate_up": (1536, 2048), "down": (2048, 768)}  # W [O, K]
 FORMATS = ("bf16", "int8", "int4", "int4-asym", "fp8", "mxfp4")
 # other int4 groups and zero points, on request: int4 is g64 symmetric, int4-asym g32 with zero points
 MORE_FORMATS = ("int4-g32", "int4-g128", "int4-asym-g64", "int4-asym-g128")
+# and the 8-bit activation rows' kernels (``<kernel>_a8``, int8_activations) of int8 and int4 (g64): int8-a8, int4-a8
+A8_FORMATS = ("int8-a8", "int4-a8")
 
 Product = Callable[[ModuleType, bool, torch.Tensor, torch.Tensor, int], None]
 
@@ -80,14 +82,16 @@ def cflags_at(rev: str) -> list[str]:
 
 def weights(fmt: str, e: int, o: int, k: int, gen: torch.Generator) -> Product:
     """``e`` experts' ``[o, k]`` weights in ``fmt`` (random codes and scales in the formats' ranges) and the call
-    that multiplies expert ``i``'s."""
+    that multiplies expert ``i``'s (``-a8``: the kernel's 8-bit activation rows' form)."""
+    a8 = "_a8" if fmt.endswith("-a8") else ""
+    fmt = fmt.removesuffix("-a8")
     if fmt == "bf16":
         w = torch.randn(e, o, k, generator=gen).bfloat16()
         return lambda m, fwd, a, out, i: m.bf16_gemm(fwd, a, out, w[i], False)
     if fmt == "int8":
         c8 = torch.randint(-127, 128, (e, o, k), generator=gen, dtype=torch.int8)
         s8 = torch.rand(e, o, generator=gen) * 0.01
-        return lambda m, fwd, a, out, i: m.int8_gemm(fwd, a, out, c8[i], s8[i], False)
+        return lambda m, fwd, a, out, i: getattr(m, f"int8_gemm{a8}")(fwd, a, out, c8[i], s8[i], False)
     if fmt.startswith("int4"):
         parts = fmt.split("-")
         group = int(parts[-1][1:]) if parts[-1].startswith("g") else 64 if fmt == "int4" else 32
@@ -98,7 +102,7 @@ def weights(fmt: str, e: int, o: int, k: int, gen: torch.Generator) -> Product:
             if "asym" in parts
             else None
         )
-        return lambda m, fwd, a, out, i: m.int4_gemm(
+        return lambda m, fwd, a, out, i: getattr(m, f"int4_gemm{a8}")(
             fwd, a, out, p4[i], s4[i], None if z4 is None else z4[i], group, False
         )
     if fmt == "fp8":
@@ -116,7 +120,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", required=True, help="git revision whose kernels are the baseline (e.g. HEAD~1)")
     ap.add_argument("--variant", default="AVX512-BF16")
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS + MORE_FORMATS)
+    ap.add_argument(
+        "--formats", nargs="+", default=list(FORMATS), choices=FORMATS + MORE_FORMATS + A8_FORMATS
+    )
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32])
     ap.add_argument("--experts", type=int, default=48)
     ap.add_argument("--reps", type=int, default=5)

@@ -371,13 +371,15 @@ MOETUNE_AVX512 inline void int4_forward(const moetune::Int4Rows& dec, const at::
                                         int64_t K, int64_t O, at::BFloat16* out, int64_t ldo, bool accumulate) {
   const Int8Acts xq = moetune_int16::int_rows<int8_t>(x, ldx, n, K, nullptr, 127);
   const int64_t groups = dec.groups, group = int64_t{1} << dec.shift;
-  std::vector<int32_t> sx(n * groups);  // each row's sums of q per group
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      int32_t t = 0;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) t += xq.row(r)[k];
-      sx[r * groups + g] = t;
-    }
+  std::vector<int32_t> sx(n * groups);  // each row's sums of q per group (rows over the threads, as int_rows')
+  at::parallel_for(0, n, std::max<int64_t>(1, moetune_int16::kRowsGrainValues / K), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t t = 0;
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) t += xq.row(r)[k];
+        sx[r * groups + g] = t;
+      }
+  });
   at::parallel_for(0, (O + 15) / 16, 1, [&](int64_t ob0, int64_t ob1) MOETUNE_AVX512 {
     // the codes' K / 4 vectors; s and s z per group, [groups, 16] each; the [n, 16] sums (64-byte aligned)
     std::vector<float> space(16 * (K / 4 + 2 * groups + std::max<int64_t>(n, 8) + 1));
