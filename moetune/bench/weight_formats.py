@@ -50,12 +50,12 @@ def from_compressed_int4(gate_up: torch.Tensor, down: torch.Tensor) -> ExpertFor
 FORMAT_BUILDS: dict[str, tuple[Build, torch.dtype]] = {  # label -> (build, dtype of the weights it is given)
     "bf16": (dense_as_loaded, torch.bfloat16),
     "int8": (FORMATS.get("int8").from_dense, torch.float32),
-    "int4-g64": (lambda gu, dn: FORMATS.get("int4").from_dense(gu, dn, group_size=64), torch.float32),
+    "int4-g64": (lambda gu, dn: Int4Experts.from_dense(gu, dn, group_size=64), torch.float32),
     "fp8_block": (FORMATS.get("fp8_block").from_dense, torch.float32),
     "compressed-int4": (from_compressed_int4, torch.float32),
     "mxfp4": (FORMATS.get("mxfp4").from_dense, torch.float32),
     "int8-a8": (FORMATS.get("int8").from_dense, torch.float32),
-    "int4-g64-a8": (lambda gu, dn: FORMATS.get("int4").from_dense(gu, dn, group_size=64), torch.float32),
+    "int4-g64-a8": (lambda gu, dn: Int4Experts.from_dense(gu, dn, group_size=64), torch.float32),
 }
 # labels whose engines take options of their own: int8-a8 is int8 with int8_activations (its torch path is int8's)
 LABEL_OPTIONS: dict[str, dict[str, object]] = {
