@@ -2,7 +2,8 @@
 # The checks that need a lent device machine (a CUDA GPU and its host's cores), as one script, in order of
 # priority: the machine, the gpu-marked tests, the engine's thread scaling on every core, a training step's
 # device time hidden behind the engine, the hot experts' overlap, the fused kernels' tests and thresholds on
-# that host's CPU (the dense bf16 loops against its oneDNN included), and the engine's roofline there. Each step has its own time limit, cut to what is left of
+# that host's CPU (the dense bf16 loops against its oneDNN included, every format's kernels per product and their
+# scaling over its cores), and the engine's roofline there. Each step has its own time limit, cut to what is left of
 # the whole budget (DEVICE_BUDGET_S, default 420 s); full logs go to $OUT (or /tmp/device-out), a short tail of
 # each to stdout; ONLY="name ..." runs only the steps named; SCALING_ARGS and DEVICE_STEP_ARGS replace the
 # scaling step's and the device step's arguments, TESTS the tests step's; SUITE_WORKERS and SUITE_LIMIT set the suite step's workers and limit, SCALING_LIMIT the scaling step's limit. Packages the machine lacks are installed from wheels in .whl/ when that folder exists.
@@ -74,6 +75,10 @@ step kernels 150 python3 -m pytest -q -p no:cacheprovider -W ignore tests/unit/e
 # dense bf16 experts: the AVX512 loops (kernels/few_rows.h) against this host's oneDNN (AMX there), per product: what
 # DenseExperts.FUSED_MAX_ROWS would need an AMX-BF16 entry from
 step bf16 90 python3 bench/bf16_products.py --rows 1 8 16 32 --reps 3
+# every format's kernel against bf16's per product (the a8 ones on the variant the engine takes for them), and each
+# kernel's speed-up from 1 to 4 and 16 of the host's cores
+TAIL=40 step products 120 python3 bench/products.py --rows 8 32 128 --threads 1 4 16 --experts 16 --reps 3 \
+  --formats int8 int4-g64 fp8_block int8-a8 int4-g64-a8
 if (( amx > 0 )); then
   step formats 120 python3 bench/formats.py --experts 16 --tokens 128 256 512 --formats fp8_block mxfp4 \
     --fused-max-rows 100000 --threads 1 --reps 3

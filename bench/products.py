@@ -13,7 +13,8 @@ experts), so machine noise falls on all of them alike. Printed per product, rows
 format's ms and bf16 / format (> 1: faster than bf16); with more than one ``--threads``, then each kernel's speed-up
 at each thread count over the first. Formats are the labels of ``bench/formats.py`` without compressed-int4 (the
 same kernel as int4-g64). Needs a kernel variant that runs here; the ``-a8`` labels one with 8-bit rows for the
-format (AVX512-BF16). Prints the CPU and ISA it ran on.
+format (the variant the engine takes for ``int8_activations``: AVX512-BF16, on AMX CPUs too). Prints the CPU, its
+ISA and the variants it ran.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ import torch
 from moetune.bench.timing import interleaved_min_ms
 from moetune.bench.weight_formats import FORMAT_BUILDS, LABEL_OPTIONS
 from moetune.engine.formats.base import Projection
+from moetune.engine.gemm import int8_rows_kernels
 from moetune.engine.kernels import a8_kernel, load_fused, variant_named
 from moetune.engine.threads import set_engine_threads
+from moetune.errors import EngineError
 from moetune.sysinfo import cpu_info
 
 LABELS = [label for label in FORMAT_BUILDS if label not in ("bf16", "compressed-int4")]
@@ -50,26 +53,29 @@ def main() -> None:
     variant = variant_named(kernels.variant)
     assert variant is not None
     machine = cpu_info()
-    print(
-        f"bench/products.py | {machine.model} ({', '.join(machine.isa)}) | variant {variant.name} | "
-        f"E {args.experts}, H {args.hidden}, I {args.inter}, {args.reps} reps"
-    )
     gen = torch.Generator().manual_seed(0)
     e, h, i = args.experts, args.hidden, args.inter
     gate_up = torch.randn(e, 2 * i, h, generator=gen) / h**0.5
     down = torch.randn(e, h, i, generator=gen) / i**0.5
     labels = ["bf16", *args.formats]
     formats = {}
+    modules = {}  # label -> the built variant its products run on (an -a8 label: the one the engine takes)
     for label in labels:
         build, dtype = FORMAT_BUILDS[label]
-        fmt = build(gate_up.to(dtype), down.to(dtype))
-        if label in LABEL_OPTIONS and fmt.name not in variant.int8_rows:
-            raise SystemExit(
-                f"bench/products.py: --formats {label}: the {variant.name} variant has no 8-bit rows for "
-                f"{fmt.name} (it has them for: {', '.join(variant.int8_rows) or 'none'})"
-            )
-        formats[label] = fmt
+        formats[label] = build(gate_up.to(dtype), down.to(dtype))
+        modules[label] = kernels
+        if label in LABEL_OPTIONS:
+            try:
+                modules[label] = int8_rows_kernels(formats[label], torch.bfloat16, tuple(machine.isa), True)
+            except EngineError as err:
+                raise SystemExit(f"bench/products.py: --formats {label}: {err}") from err
     del gate_up, down
+    a8 = sorted({m.variant for m in modules.values()} - {variant.name})
+    print(
+        f"bench/products.py | {machine.model} ({', '.join(machine.isa)}) | variant {variant.name}"
+        + (f" (a8 labels: {', '.join(a8)})" if a8 else "")
+        + f" | E {args.experts}, H {args.hidden}, I {args.inter}, {args.reps} reps"
+    )
     threads = [set_engine_threads(t) for t in args.threads]
     print(f"{'product':28} {'n':>4} {'thr':>3} {'bf16 ms':>8}" + "".join(f" {lb:>20}" for lb in labels[1:]))
     scaling: list[str] = []
@@ -77,12 +83,12 @@ def main() -> None:
         for forward in (True, False):
             for n in args.rows:
                 o, k = formats["bf16"].shape(proj)
-                a = torch.randn(n, k if forward else o, generator=gen).bfloat16()
-                out = torch.zeros(n, o if forward else k, dtype=torch.bfloat16)
+                a = torch.randn(n, k if forward else o, generator=gen).to(variant.compute)  # (AVX2: fp32)
+                out = torch.zeros(n, o if forward else k, dtype=variant.compute)
                 calls: dict[str, Callable[[int], None]] = {}
                 for label, fmt in formats.items():
                     name = fmt.fused_operands(proj, 0)[0]
-                    fn = getattr(kernels, a8_kernel(name) if label in LABEL_OPTIONS else name)
+                    fn = getattr(modules[label], a8_kernel(name) if label in LABEL_OPTIONS else name)
                     weights = [fmt.fused_operands(proj, x)[1] for x in range(e)]
                     calls[label] = lambda x, fn=fn, w=weights, f=forward, a=a, out=out: fn(
                         f, a, out, *w[x], False

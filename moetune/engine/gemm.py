@@ -153,7 +153,7 @@ def resolve_gemm_path(
     isa = (cpu or cpu_info()).isa
     kernels: ModuleType | None
     if int8_rows:
-        kernels = _int8_rows_kernels(weights, compute_dtype, isa, fused)
+        kernels = int8_rows_kernels(weights, compute_dtype, isa, fused)
     else:
         kernels = fused_kernels() if fused and weights.FUSED_MAX_ROWS else None
     variant = str(kernels.variant) if kernels is not None else ""
@@ -214,7 +214,7 @@ def int8_rows_problem(name: str, compute_dtype: torch.dtype, isa: tuple[str, ...
     return ""
 
 
-def _int8_rows_kernels(
+def int8_rows_kernels(
     weights: ExpertFormat, compute_dtype: torch.dtype, isa: tuple[str, ...], fused: bool
 ) -> ModuleType:
     """The built variant that computes ``weights``' products with 8-bit integer rows here (resolve_gemm_path's

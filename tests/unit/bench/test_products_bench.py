@@ -1,16 +1,21 @@
 """``bench/products.py`` end to end on a tiny layer: a row per (product, rows, threads) with every format's ms and
-ratio, the speed-ups per thread count, and an ``-a8`` label refused by name where no variant has 8-bit rows for it.
+ratio, the speed-ups per thread count, and the ``-a8`` labels run on the variant the engine takes for them, or refused
+with the engine's reason where it has none.
 Nothing here asserts a speed."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
-from moetune.engine.kernels import load_fused, variant_named
+from moetune.engine.gemm import int8_rows_problem
+from moetune.engine.kernels import load_fused
+from moetune.sysinfo import cpu_info
 from tests.unit.bench.scripts import ROOT, run_script
 
 TINY = ("--experts", "3", "--hidden", "128", "--inter", "64", "--reps", "1")
@@ -35,19 +40,31 @@ def test_every_product_rows_and_thread_count_prints_each_format():
     assert f"variant {kernels.variant}" in lines[0]
 
 
-def test_a8_labels_run_where_the_variant_has_8_bit_rows_and_are_refused_elsewhere():
-    kernels = load_fused()
-    if kernels is None:
+def test_a8_labels_run_where_the_engine_has_8_bit_rows():
+    if load_fused() is None:
         pytest.skip("no kernel variant builds or runs here")
-    variant = variant_named(kernels.variant)
-    assert variant is not None
-    args = [*TINY, "--rows", "4", "--formats", "int8-a8", "int4-g64-a8"]
-    if "int8" in variant.int8_rows and "int4" in variant.int8_rows:
-        lines = run_script("products.py", *args)
-        assert sum(bool(re.match(r"(gate_up|down) \[", line)) for line in lines) == 4, "\n".join(lines)
-        return
+    isa = tuple(cpu_info().isa)
+    if int8_rows_problem("int8", torch.bfloat16, isa) or int8_rows_problem("int4", torch.bfloat16, isa):
+        pytest.skip("no kernel variant with 8-bit activation rows runs here")
+    lines = run_script("products.py", *TINY, "--rows", "4", "--formats", "int8-a8", "int4-g64-a8")
+    assert sum(bool(re.match(r"(gate_up|down) \[", line)) for line in lines) == 4, "\n".join(lines)
+
+
+def test_an_a8_label_is_refused_with_the_engines_reason():
+    """With the kernels turned off (``MOETUNE_KERNELS=off``) the engine would refuse int8_activations: so does the
+    benchmark, naming the label, before it times anything."""
+    if load_fused() is None:
+        pytest.skip("no kernel variant builds or runs here")
     run = subprocess.run(
-        [sys.executable, "bench/products.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+        [sys.executable, "bench/products.py", *TINY, "--rows", "4", "--formats", "int8", "int8-a8"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "MOETUNE_KERNELS": "off"},
     )
     assert run.returncode != 0
-    assert "--formats int8-a8" in run.stderr and f"the {variant.name} variant has no 8-bit rows" in run.stderr
+    assert "--formats int8-a8: int8_activations needs the fused kernels, which are off" in run.stderr, (
+        run.stderr
+    )
+    assert "forward" not in run.stdout
