@@ -102,7 +102,9 @@ class ExpertOptions:
             1.3-1.8x its default (16-bit rows, a step of max / 32767) from 8 rows per expert, int4 1.1-1.7x its
             default (bf16); the error that adds is at most half a step per value (``kernels/int8_rows.h``;
             docs/formats.md). None / False: the default.
-            Needs the AVX512-BF16 kernels (CPUs with AVX512-BF16 and VNNI, AMX ones included) and bf16 compute;
+            Only the CPU kernels round: hot experts (``gpu_experts``) and experts past the kernels' rows are
+            multiplied unrounded. Needs the AVX512-BF16 kernels (CPUs with AVX512-BF16 and VNNI, AMX ones included)
+            and bf16 compute;
             elsewhere the load's plan raises ``ConfigError`` before any weight is read
             (``loading.options.check_int8_activations``).
         expert_path: a store written by ``moetune convert`` to take the routed experts from.
