@@ -5,7 +5,7 @@ transformers' experts, with the roofline), ``scaling`` (the engine's thread scal
 ``model`` (whole-model forward + backward against transformers), ``train_step`` (full LoRA training steps
 against transformers + PEFT), ``pipeline`` (the CPU/device schedule with a simulated device), and the scripts
 under the source tree's ``bench/`` folder (``formats``, ``overhead``, ``residency``, ``profile_engine``,
-``row_padding``, ``huge_pages``, ``store_layout``), run as
+``row_padding``, ``huge_pages``, ``store_layout``, ``products``), run as
 subprocesses (recorded as failed, naming the missing script, where moetune is installed without its source
 tree).
 
@@ -256,6 +256,10 @@ SCRIPT_ARGS: dict[str, dict[str, str]] = {  # script -> size -> its options ("fu
     "store_layout": {
         "tiny": "--experts 4 --tokens 16 --reps 1",
         "small": "--experts 32 --tokens 128 512 --reps 3",
+    },
+    "products": {  # (the -a8 labels only where the CPU has them: bench/formats.py times them in steps)
+        "tiny": "--experts 2 --hidden 128 --inter 64 --rows 1 9 --reps 1 --formats int8 int4-g64 fp8_block mxfp4",
+        "small": "--experts 16 --rows 1 8 32 128 --reps 3 --formats int8 int4-g64 fp8_block mxfp4",
     },
 }
 # scripts that write files: given a folder under the run's scratch folder
