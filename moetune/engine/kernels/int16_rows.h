@@ -45,12 +45,12 @@ inline int32_t forward_qmax(int64_t K) {
   return static_cast<int32_t>(std::min<int64_t>(32767, std::numeric_limits<int32_t>::max() / (128 * terms)));
 }
 
-// Rows of a [n, cols] (times col_scale[c] in fp32 where given) as integers of T (int16_t here, int8_t for
-// int8_rows.h), the header's rounding with T's qmax: q [n, ld] (ld >= cols, a whole number of 64-byte lines; zeros
-// past cols), step [n] and sum [n] (each row's integers summed, exactly)
 // int_rows' values per thread's share at least (a share smaller than this costs more to hand out than it saves)
 constexpr int64_t kRowsGrainValues = 16384;
 
+// Rows of a [n, cols] (times col_scale[c] in fp32 where given) as integers of T (int16_t here, int8_t for
+// int8_rows.h), the header's rounding with T's qmax: q [n, ld] (ld >= cols, a whole number of 64-byte lines; zeros
+// past cols), step [n] and sum [n] (each row's integers summed, exactly)
 template <class T>
 struct IntRows {
   std::vector<T> q;
