@@ -47,18 +47,23 @@ def from_compressed_int4(gate_up: torch.Tensor, down: torch.Tensor) -> ExpertFor
     return fmt
 
 
+def int4_g64(gate_up: torch.Tensor, down: torch.Tensor) -> ExpertFormat:
+    """int4 with groups of 64, symmetric (the format's defaults, named)."""
+    return Int4Experts.from_dense(gate_up, down, group_size=64)
+
+
 FORMAT_BUILDS: dict[str, tuple[Build, torch.dtype]] = {  # label -> (build, dtype of the weights it is given)
     "bf16": (dense_as_loaded, torch.bfloat16),
     "int8": (FORMATS.get("int8").from_dense, torch.float32),
-    "int4-g64": (lambda gu, dn: Int4Experts.from_dense(gu, dn, group_size=64), torch.float32),
+    "int4-g64": (int4_g64, torch.float32),
     "fp8_block": (FORMATS.get("fp8_block").from_dense, torch.float32),
     "compressed-int4": (from_compressed_int4, torch.float32),
     "mxfp4": (FORMATS.get("mxfp4").from_dense, torch.float32),
-    "int8-a8": (FORMATS.get("int8").from_dense, torch.float32),
-    "int4-g64-a8": (lambda gu, dn: Int4Experts.from_dense(gu, dn, group_size=64), torch.float32),
 }
-# labels whose engines take options of their own: int8-a8 is int8 with int8_activations (its torch path is int8's)
+# labels whose engines take options of their own, each built as the label it extends: int8-a8 is int8 with
+# int8_activations (its torch path is int8's)
 LABEL_OPTIONS: dict[str, dict[str, object]] = {
     "int8-a8": {"int8_activations": True},
     "int4-g64-a8": {"int8_activations": True},
 }
+FORMAT_BUILDS.update({label: FORMAT_BUILDS[label.removesuffix("-a8")] for label in LABEL_OPTIONS})
