@@ -10,7 +10,8 @@ INT4 checkpoint (Kimi-K2-Thinking) loads, i.e. each expert matrix quantized the 
 it (groups of 32, scale max|w| / 7.5, codes -8..7), packed as its int32 words, then re-packed into int4's
 nibble order by the checkpoint loader's own path (the time that takes, the load cost per layer, is printed
 too). int8-a8 is int8 with ``int8_activations`` (the kernels round the activations to 8-bit integer rows; its
-torch path is int8's, not run twice).
+torch path is int8's, not run twice), int4-g64-a8 int4 g64 with it; where this CPU has no kernels for them (no
+AVX512-BF16) they are skipped with the engine's reason, unless named in ``--formats`` (then the run stops with it).
 Formats with a fused kernel in use on this machine (``moetune.engine.kernels``: int8, int4, fp8_block and
 mxfp4 on AMX-BF16 or AVX512-BF16 CPUs) run twice, as themselves and as ``<label> torch`` with the kernels off
 (the torch path, pinned per engine), and a line per format gives the fused / torch CPU-time ratio.
@@ -43,6 +44,7 @@ from moetune.engine.formats.base import Projection
 from moetune.engine.gemm import resolve_gemm_path
 from moetune.engine.kernels import VARIANTS, fused_unavailable
 from moetune.engine.threads import set_engine_threads
+from moetune.errors import EngineError
 from moetune.sysinfo import cpu_info
 
 PROJS: tuple[Projection, ...] = ("gate_up", "down")
@@ -69,8 +71,9 @@ def main() -> None:
         "--formats",
         nargs="+",
         choices=list(FORMAT_BUILDS),
-        default=list(FORMAT_BUILDS),
-        help="bf16 always runs",
+        default=None,
+        help="bf16 always runs (default: every label; an -a8 label this CPU has no kernels for is skipped, "
+        "with the reason, unless named)",
     )
     ap.add_argument(
         "--fused-max-rows",
@@ -100,8 +103,10 @@ def main() -> None:
 
     engines: dict[str, ExpertEngine] = {}
     info: dict[str, tuple[float, float]] = {}  # bytes per parameter, weight error
+    named = args.formats is not None
+    skipped: dict[str, str] = {}  # label -> why the engine refused its options (default labels only)
     for label, (build, src_dtype) in FORMAT_BUILDS.items():
-        if label != "bf16" and label not in args.formats:
+        if label != "bf16" and named and label not in args.formats:
             continue
         fmt = build(gate_up.to(src_dtype), down.to(src_dtype))
         gq, dq = fmt.dequantize(torch.float32)
@@ -110,7 +115,14 @@ def main() -> None:
         del gq, dq
         info[label] = (fmt.bytes_per_param, err)
         own = LABEL_OPTIONS.get(label, {})
-        engines[label] = ExpertEngine(fmt, lora=lora, options=replace(options, **own))
+        try:
+            engines[label] = ExpertEngine(fmt, lora=lora, options=replace(options, **own))
+        except EngineError as err:  # an -a8 label on a CPU without its kernels
+            if named or not own:
+                raise SystemExit(f"bench/formats.py: --formats {label}: {err}") from err
+            skipped[label] = str(err)
+            del info[label]
+            continue
         path = engines[label].gemm.path
         if args.variant is not None and fmt.FUSED_MAX_ROWS:  # the named variant, built by name
             rows = fmt.FUSED_MAX_ROWS.get(args.variant, 0)
@@ -134,6 +146,8 @@ def main() -> None:
     )
     for label, engine in engines.items():
         print(f"  {label}: {engine.gemm.path.describe()}")
+    for label, why in skipped.items():
+        print(f"  {label}: skipped ({why})")
     why = fused_unavailable()
     print(
         f"fused kernels: {'not used (' + why + ')' if why else 'used (rows labelled torch: the same weights without)'}"

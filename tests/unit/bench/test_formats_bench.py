@@ -1,0 +1,51 @@
+"""``bench/formats.py`` where the CPU has no kernels for the ``-a8`` labels (``MOETUNE_KERNELS=off`` stands in for an
+AVX2-only CPU, on which the default run used to stop at the first one): run by default it skips them, naming the
+engine's reason, and times every other label; named in ``--formats`` it stops with that reason before any timing.
+Nothing here asserts a speed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.unit.bench.scripts import ROOT
+
+TINY = ("--experts", "4", "--hidden", "128", "--inter", "64", "--tokens", "16", "--top-k", "2", "--reps", "1")
+OFF = {**os.environ, "MOETUNE_KERNELS": "off"}
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "bench/formats.py", *TINY, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=OFF,
+        timeout=600,
+    )
+
+
+def test_default_labels_skip_the_a8_ones_with_the_reason():
+    run = _run()
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    for label in ("int8-a8", "int4-g64-a8"):
+        assert any(
+            line.startswith(f"  {label}: skipped (int8_activations needs the fused kernels, which are off")
+            for line in lines
+        ), run.stdout
+        assert not any(line.startswith(f"{label} ") for line in lines), run.stdout  # no timing row
+    timed = {
+        line.split()[0] for line in lines if line and line.split()[0] in ("bf16", "int8", "int4-g64", "mxfp4")
+    }
+    assert timed == {"bf16", "int8", "int4-g64", "mxfp4"}, run.stdout
+
+
+def test_a_named_a8_label_stops_the_run_with_the_reason():
+    run = _run("--formats", "int8", "int8-a8")
+    assert run.returncode != 0
+    assert "bench/formats.py: --formats int8-a8: int8_activations needs the fused kernels, which are off" in (
+        run.stderr
+    ), run.stderr[-2000:]
+    assert "T=16" not in run.stdout
