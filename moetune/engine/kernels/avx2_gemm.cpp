@@ -12,10 +12,13 @@
 //             bcast(g[r, o]) * W[o, k..k+8)), the [n, columns] sums in a per-thread buffer; the next block's codes
 //             prefetched meanwhile (where 128 columns of a row take >= 128 bytes).
 //
+// int8 runs the same loops on other lanes (avx2_int16.h): its codes widened to int16 against x, or g times the row
+// scale, as 16-bit integer rows (steps of each row's largest magnitude / 32767), by vpmaddwd, exact int32 sums.
 // Every weight is decoded once per call whatever n is, so the loops stream the codes once; all sums are fp32.
 #define MOETUNE_VARIANT "AVX2"
 #define MOETUNE_OPERANDS at::kFloat
 
+#include "avx2_int16.h"
 #include "decoders.h"
 
 #include <ATen/Parallel.h>
@@ -30,10 +33,6 @@
 
 namespace {
 
-constexpr int kRows = 3;  // forward: rows of x per register block: 3 x 4 accumulators + operands fit 16 ymm
-// backward: rows of g per register block, 16 columns at a time: 6 x 2 accumulators, 2 weight vectors and a
-// broadcast fit 16 ymm (8 loads per 12 FMAs; 4 columns x 3 rows reloaded W per row: 2x slower at n = 64)
-constexpr int kGRows = 6;
 constexpr int kWRows = 4;  // forward: weight rows (output columns) per block
 constexpr int64_t kChunk = 512;  // forward: columns of W per decoded block (4 x 512 fp32 = 8 KiB of L1)
 // forward: the next block's codes are prefetched (into L2) while a block is multiplied where a row of W's codes is
@@ -96,16 +95,8 @@ inline int64_t span_bytes(const Dec& dec, int64_t o, int64_t k0, int64_t k1) {
   return static_cast<const char*>(dec.code(o, k1)) - static_cast<const char*>(dec.code(o, k0)) + 1;
 }
 
-// lanes below `valid` (0 .. 8) all ones: maskload / maskstore's mask
-MOETUNE_AVX2 inline __m256i lanes(int valid) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-MOETUNE_AVX2 inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+using moetune_avx2_int16::hsum;
+using moetune_avx2_int16::lanes;  // lanes below `valid` (0 .. 8) all ones: maskload / maskstore's mask
 
 // v (+ the values at dst) -> dst for the first `valid` lanes (<= 8)
 MOETUNE_AVX2 inline void store_lanes(float* dst, __m256 v, int valid, bool accumulate) {
@@ -124,6 +115,12 @@ struct Codes {
   int64_t bytes = 0;
 };
 
+// the `line`-th prefetch of a block's next codes (the rows in turn, a cache line each), where it lies in their runs
+MOETUNE_AVX2 inline void prefetch_ahead(const Codes& ahead, int64_t line) {
+  const int64_t at = line / kWRows * 64;
+  if (at < ahead.bytes) _mm_prefetch(ahead.row[line % kWRows] + at, _MM_HINT_T2);
+}
+
 // res[r * 4 + j] += sum over the chunk's columns of x[r, k0 + c] w[j * kChunk + c] for r < R, j < 4: x row r
 // at x + r * ldx (already at k0), `full` columns in whole 8s then `tail` (< 8) more (x past them not read); a
 // cache line of `ahead` prefetched per 8 columns, the rows in turn (a whole chunk's kChunk / 8 steps cover 4 runs of
@@ -141,8 +138,7 @@ MOETUNE_AVX2 void forward_block(const float* w, const float* x, int64_t ldx, int
     }
   };
   for (int64_t c = 0; c < full; c += 8) {
-    const int64_t line = c / 8, at = line / kWRows * 64;
-    if (at < ahead.bytes) _mm_prefetch(ahead.row[line % kWRows] + at, _MM_HINT_T2);
+    prefetch_ahead(ahead, c / 8);
     __m256 xr[R];
     for (int r = 0; r < R; ++r) xr[r] = _mm256_loadu_ps(x + r * ldx + c);
     step(c, xr);
@@ -156,12 +152,12 @@ MOETUNE_AVX2 void forward_block(const float* w, const float* x, int64_t ldx, int
     for (int j = 0; j < kWRows; ++j) res[r * kWRows + j] += hsum(acc[r][j]);
 }
 
-// Forward, output columns [4 ob0, 4 ob1).
-template <class Dec>
-MOETUNE_AVX2 void forward_range(const Dec& dec, const float* row_scale, const float* x, int64_t ldx, int64_t n,
-                                int64_t K, int64_t O, float* out, int64_t ldo, bool accumulate, int64_t ob0,
-                                int64_t ob1) {
-  alignas(32) float w[kWRows * kChunk];
+// Forward, output columns [4 ob0, 4 ob1), on Lanes (below): x's rows of Lanes::A, times row_step[r] where given
+template <class Lanes, class Dec>
+MOETUNE_AVX2 void forward_range(const Dec& dec, const float* row_scale, const typename Lanes::A* x, int64_t ldx,
+                                const float* row_step, int64_t n, int64_t K, int64_t O, float* out, int64_t ldo,
+                                bool accumulate, int64_t ob0, int64_t ob1) {
+  alignas(32) typename Lanes::W w[kWRows * kChunk];
   std::vector<float> res(n * kWRows);
   const bool ahead_rows = span_bytes(dec, 0, 0, K - 1) >= kPrefetchMinRowBytes;
   for (int64_t ob = ob0; ob < ob1; ++ob) {
@@ -171,11 +167,10 @@ MOETUNE_AVX2 void forward_range(const Dec& dec, const float* row_scale, const fl
     for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
       const int64_t cols = std::min<int64_t>(kChunk, K - k0);
       for (int j = 0; j < kWRows; ++j) {
-        if (j < rows) {
-          decode_row(dec, o0 + j, k0, cols, K, w + j * kChunk);
-        } else {
-          for (int64_t c = 0; c < cols; c += 8) _mm256_store_ps(w + j * kChunk + c, _mm256_setzero_ps());
-        }
+        if (j < rows)
+          Lanes::decode(dec, o0 + j, k0, cols, K, w + j * kChunk);
+        else
+          std::fill_n(w + j * kChunk, (cols + Lanes::kCols - 1) / Lanes::kCols * Lanes::kCols, 0);
       }
       // the next block (the next chunk of these rows, else the next rows' first), for the first register block
       Codes ahead, none;
@@ -186,16 +181,15 @@ MOETUNE_AVX2 void forward_range(const Dec& dec, const float* row_scale, const fl
         const int64_t last = std::min<int64_t>(kChunk, K - nk) - 1;
         ahead.bytes = span_bytes(dec, no, nk, nk + last);
       }
-      const int64_t full = cols / 8 * 8;
-      for (int64_t r0 = 0; r0 < n; r0 += kRows)
-        with_rows<kRows>(n - r0, [&](auto R) MOETUNE_AVX2 {
-          forward_block<decltype(R)::value>(w, x + r0 * ldx + k0, ldx, full, static_cast<int>(cols - full),
-                                            res.data() + r0 * kWRows, r0 == 0 ? ahead : none);
+      for (int64_t r0 = 0; r0 < n; r0 += Lanes::kRows)
+        with_rows<Lanes::kRows>(n - r0, [&](auto R) MOETUNE_AVX2 {
+          Lanes::template forward<decltype(R)::value>(w, x + r0 * ldx + k0, ldx, cols, res.data() + r0 * kWRows,
+                                                      r0 == 0 ? ahead : none);
         });
     }
     for (int64_t r = 0; r < n; ++r)
       for (int j = 0; j < rows; ++j) {
-        const float v = res[r * kWRows + j] * (row_scale ? row_scale[o0 + j] : 1.0f);
+        const float v = res[r * kWRows + j] * (row_step ? row_step[r] : 1.0f) * (row_scale ? row_scale[o0 + j] : 1.0f);
         float& dst = out[r * ldo + o0 + j];
         dst = accumulate ? dst + v : v;
       }
@@ -241,16 +235,18 @@ MOETUNE_AVX2 inline void prefetch_share(const Dec& dec, int64_t no, int64_t rows
   }
 }
 
-// Backward, output columns [32 s0, 32 s1) (g: [n, O] already times the row scale). Blocks of W, a row block's
+// Backward, output columns [32 s0, 32 s1) (g: [n, O] already times the row scale; on Lanes, below: rows of Lanes::A,
+// the sums times row_step[r] where given). Blocks of W, a row block's
 // column blocks in turn, each decoded once into L1 (decode_row: a row's run at a time) and taken 32 columns at a
 // time by every row of g; the [n, 32 (s1 - s0)] sums in a per-thread buffer. Up to 32 rows of g the blocks are
 // kBRows x kBCols: each row's codes read 128 columns at a time (bf16 1.3-1.8x, int4 1.1-1.3x at 1-8 rows against
 // 128 x 32 blocks, whose 32-column runs, one per row of W, read 64 bytes from each of 128 rows); more rows of g
 // keep 128 x 32 (each register block's sums loaded and stored once per 128 rows of W, not 32; level at 64-256).
-template <class Dec>
-MOETUNE_AVX2 void backward_range(const Dec& dec, const float* g, int64_t ldg, int64_t n, int64_t K, int64_t O,
-                                 float* out, int64_t ldo, bool accumulate, int64_t s0, int64_t s1) {
-  alignas(32) float w[kBRows * kBCols];
+template <class Lanes, class Dec>
+MOETUNE_AVX2 void backward_range(const Dec& dec, const typename Lanes::A* g, int64_t ldg, const float* row_step,
+                                 int64_t n, int64_t K, int64_t O, float* out, int64_t ldo, bool accumulate,
+                                 int64_t s0, int64_t s1) {
+  alignas(32) typename Lanes::W w[kBRows * kBCols];
   const int64_t bR = n > 32 ? kBCols : kBRows, bC = n > 32 ? kBRows : kBCols;
   const int64_t width = (s1 - s0) * 32;
   std::vector<float> acc(n * width, 0.0f);
@@ -259,7 +255,7 @@ MOETUNE_AVX2 void backward_range(const Dec& dec, const float* g, int64_t ldg, in
     const int rows = static_cast<int>(std::min<int64_t>(bR, O - o0));
     for (int64_t k0 = s0 * 32; k0 < s1 * 32; k0 += bC) {
       const int64_t cols = std::min<int64_t>(bC, s1 * 32 - k0);  // whole 32s, past K included
-      for (int o = 0; o < rows; ++o) decode_row(dec, o0 + o, k0, cols, K, w + o * bC);
+      Lanes::decode_block(dec, o0, rows, k0, cols, K, w, bC * Lanes::kPair);
       // the next block (this row block's next columns, else the next row block's first), a share per 32 columns
       const bool along = k0 + bC < s1 * 32;
       const int64_t nk = along ? k0 + bC : s0 * 32, no = along ? o0 : o0 + bR;
@@ -267,10 +263,11 @@ MOETUNE_AVX2 void backward_range(const Dec& dec, const float* g, int64_t ldg, in
       const int64_t next_last = std::min<int64_t>({nk + bC, s1 * 32, K}) - 1;
       for (int64_t c = 0; c < cols; c += 32) {
         prefetch_share(dec, no, next_rows, nk, next_last, c / 32, cols / 32);
-        for (int64_t r0 = 0; r0 < n; r0 += kGRows)
-          with_rows<kGRows>(n - r0, [&](auto R) MOETUNE_AVX2 {
-            backward_block<decltype(R)::value>(w + c, bC, rows, g + r0 * ldg + o0, ldg,
-                                               acc.data() + r0 * width + (k0 + c - s0 * 32), width);
+        for (int64_t r0 = 0; r0 < n; r0 += Lanes::kGRows)
+          with_rows<Lanes::kGRows>(n - r0, [&](auto R) MOETUNE_AVX2 {
+            Lanes::template backward<decltype(R)::value>(w + c * Lanes::kPair, bC * Lanes::kPair, rows,
+                                                         g + r0 * ldg + o0, ldg,
+                                                         acc.data() + r0 * width + (k0 + c - s0 * 32), width);
           });
       }
     }
@@ -278,11 +275,78 @@ MOETUNE_AVX2 void backward_range(const Dec& dec, const float* g, int64_t ldg, in
   for (int64_t s = s0; s < s1; ++s) {
     const int64_t k0 = s * 32;
     for (int q = 0; q < 4 && k0 + q * 8 < K; ++q)
-      for (int64_t r = 0; r < n; ++r)
-        store_lanes(out + r * ldo + k0 + q * 8, _mm256_loadu_ps(acc.data() + r * width + (k0 - s0 * 32) + q * 8),
-                    static_cast<int>(std::min<int64_t>(8, K - k0 - q * 8)), accumulate);
+      for (int64_t r = 0; r < n; ++r) {
+        __m256 v = _mm256_loadu_ps(acc.data() + r * width + (k0 - s0 * 32) + q * 8);
+        if (row_step) v = _mm256_mul_ps(v, _mm256_set1_ps(row_step[r]));
+        store_lanes(out + r * ldo + k0 + q * 8, v, static_cast<int>(std::min<int64_t>(8, K - k0 - q * 8)),
+                    accumulate);
+      }
   }
 }
+
+// The loops' lanes. F32Lanes: every decoder's codes dequantized to fp32 (decode_row), FMA, a's rows as they are;
+// I16Lanes: int8's codes widened to int16 against a's rows as 16-bit integers (avx2_int16.h), vpmaddwd.
+struct F32Lanes {
+  using W = float;  // a decoded weight
+  using A = float;  // an activation
+  static constexpr int kCols = 8;  // a vector's columns
+  // forward: rows of x per register block: 3 x 4 accumulators + operands fit 16 ymm
+  static constexpr int kRows = 3;
+  // backward: rows of g per register block, 16 columns at a time: 6 x 2 accumulators, 2 weight vectors and a
+  // broadcast fit 16 ymm (8 loads per 12 FMAs; 4 columns x 3 rows reloaded W per row: 2x slower at n = 64)
+  static constexpr int kGRows = 6;
+  static constexpr int kPair = 1;  // backward: weight rows per row of a decoded block
+  template <class Dec>
+  MOETUNE_AVX2 static void decode(const Dec& dec, int64_t o, int64_t k0, int64_t cols, int64_t K, W* dst) {
+    decode_row(dec, o, k0, cols, K, dst);
+  }
+  template <class Dec>
+  MOETUNE_AVX2 static void decode_block(const Dec& dec, int64_t o0, int rows, int64_t k0, int64_t cols, int64_t K,
+                                        W* w, int64_t ldw) {
+    for (int o = 0; o < rows; ++o) decode_row(dec, o0 + o, k0, cols, K, w + o * ldw);
+  }
+  template <int R>
+  MOETUNE_AVX2 static void forward(const W* w, const A* x, int64_t ldx, int64_t cols, float* res, const Codes& ahead) {
+    const int64_t full = cols / 8 * 8;
+    forward_block<R>(w, x, ldx, full, static_cast<int>(cols - full), res, ahead);
+  }
+  template <int R>
+  MOETUNE_AVX2 static void backward(const W* w, int64_t ldw, int rows, const A* g, int64_t ldg, float* acc,
+                                    int64_t lda) {
+    backward_block<R>(w, ldw, rows, g, ldg, acc, lda);
+  }
+};
+
+struct I16Lanes {
+  using W = int16_t;
+  using A = int16_t;
+  static constexpr int kCols = 16;
+  // forward: 2 x 4 accumulators, 2 rows of x, a weight vector and vpmaddwd's product; 3 rows (17 ymm) spill and
+  // measured 0.8-0.95x of 2 (Zen 3, one product timed in a loop)
+  static constexpr int kRows = 2;
+  // backward: 4 x 2 accumulators, 2 weight vectors, the broadcast pair and the product; 6 rows (as F32Lanes) fit
+  // 16 ymm too but measured 0.9-1.1x of the fp32 loops at 4-32 rows of g, 4 rows 1.2-1.4x (Zen 3,
+  // bench/kernel_ab.py)
+  static constexpr int kGRows = 4;
+  static constexpr int kPair = 2;  // decode_pairs' rows hold two weight rows, interleaved
+  MOETUNE_AVX2 static void decode(const moetune::Int8Rows& dec, int64_t o, int64_t k0, int64_t cols, int64_t, W* dst) {
+    moetune_avx2_int16::decode_row(dec, o, k0, cols, dst);
+  }
+  MOETUNE_AVX2 static void decode_block(const moetune::Int8Rows& dec, int64_t o0, int rows, int64_t k0, int64_t cols,
+                                        int64_t, W* w, int64_t ldw) {
+    moetune_avx2_int16::decode_pairs(dec, o0, rows, k0, cols, w, ldw);
+  }
+  template <int R>
+  MOETUNE_AVX2 static void forward(const W* w, const A* x, int64_t ldx, int64_t cols, float* res, const Codes& ahead) {
+    moetune_avx2_int16::forward_block<R, kWRows>(w, kChunk, x, ldx, (cols + 15) / 16 * 16, res,
+                                                  [&](int64_t i) MOETUNE_AVX2 { prefetch_ahead(ahead, i); });
+  }
+  template <int R>
+  MOETUNE_AVX2 static void backward(const W* w, int64_t ldw, int rows, const A* g, int64_t ldg, float* acc,
+                                    int64_t lda) {
+    moetune_avx2_int16::backward_block<R>(w, ldw, rows, g, ldg, acc, lda);
+  }
+};
 
 template <class Dec>
 void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch::Tensor& a, torch::Tensor& out,
@@ -290,11 +354,24 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
   const int64_t n = a.size(0);
   auto* op = out.data_ptr<float>();
   const int64_t ldo = out.stride(0);
-  if (forward) {
-    const auto* ap = a.data_ptr<float>();
-    const int64_t lda = a.stride(0);
+  const auto* ap = a.data_ptr<float>();
+  const int64_t lda = a.stride(0);
+  if constexpr (std::is_same_v<Dec, moetune::Int8Rows>) {  // int16 rows against the codes (avx2_int16.h)
+    // x's rows, or g's times the row scale (in fp32), as 16-bit integers
+    const auto rows = moetune_avx2_int16::rows16(ap, lda, n, forward ? K : O, forward ? nullptr : row_scale);
+    const int16_t* q = rows.row(0);
+    const float* step = rows.step.data();
+    if (forward)
+      at::parallel_for(0, (O + kWRows - 1) / kWRows, 1, [&](int64_t b0, int64_t b1) {
+        forward_range<I16Lanes>(dec, row_scale, q, rows.ld, step, n, K, O, op, ldo, accumulate, b0, b1);
+      });
+    else
+      at::parallel_for(0, (K + 31) / 32, 1, [&](int64_t s0, int64_t s1) {
+        backward_range<I16Lanes>(dec, q, rows.ld, step, n, K, O, op, ldo, accumulate, s0, s1);
+      });
+  } else if (forward) {
     at::parallel_for(0, (O + kWRows - 1) / kWRows, 1, [&](int64_t b0, int64_t b1) {
-      forward_range(dec, row_scale, ap, lda, n, K, O, op, ldo, accumulate, b0, b1);
+      forward_range<F32Lanes>(dec, row_scale, ap, lda, nullptr, n, K, O, op, ldo, accumulate, b0, b1);
     });
   } else {
     // g * row_scale in fp32 (the torch path's scaled gradient), else g itself
@@ -302,7 +379,7 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
     const auto* gp = g.data_ptr<float>();
     const int64_t ldg = g.stride(0);
     at::parallel_for(0, (K + 31) / 32, 1, [&](int64_t s0, int64_t s1) {
-      backward_range(dec, gp, ldg, n, K, O, op, ldo, accumulate, s0, s1);
+      backward_range<F32Lanes>(dec, gp, ldg, nullptr, n, K, O, op, ldo, accumulate, s0, s1);
     });
   }
 }

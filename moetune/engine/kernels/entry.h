@@ -13,8 +13,9 @@
 //       backward: out[n, K] (+)= (a[n, O] * row_scale, rounded once to the operands' dtype) @ W; a decoder's
 //                 group-scaled form (decoders.h: W = S * V) may be taken instead: (a[r, o] * S(o, k), rounded once)
 //                 times V (the AVX512-BF16 variant with few rows of a)
-//       int8 on the AVX512-BF16 variant: a's rows (backward: times row_scale in fp32) as 16-bit integers in steps
-//                 of their largest magnitude / qmax, multiplied with the codes exactly (int16_rows.h)
+//       int8 on the AVX512-BF16 and AVX2 variants: a's rows (backward: times row_scale in fp32) as 16-bit integers
+//                 in steps of their largest magnitude / qmax, multiplied with the codes exactly (int16_rows.h,
+//                 avx2_int16.h)
 //       fp32 sums, rounded once into out (accumulate: added to out's values first).
 //
 // A new format adds its decoder to decoders.h and one entry point here (and its _run form over a run of experts),

@@ -90,7 +90,9 @@ VARIANTS: tuple[KernelVariant, ...] = (
         "AVX512-BF16", "avx512_gemm.cpp", "AVX512-BF16", int16_rows=("int8",), int8_rows=("int8", "int4")
     ),
     # fp32 compute (CPUs without AVX512-BF16 compute in fp32: ``resolve_compute_dtype``)
-    KernelVariant("AVX2", "avx2_gemm.cpp", "AVX2", torch.float32, ("-mavx2", "-mfma", "-mf16c")),
+    KernelVariant(
+        "AVX2", "avx2_gemm.cpp", "AVX2", torch.float32, ("-mavx2", "-mfma", "-mf16c"), int16_rows=("int8",)
+    ),
 )
 
 

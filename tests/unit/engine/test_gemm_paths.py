@@ -5,7 +5,9 @@ elsewhere) and on the format (int8's codes with the per-row scale moved onto the
 dequantized tiles), so each is pinned here in turn on any machine. The reference is a float64 engine on the
 format's own dequantized weights: whatever path runs, the effective weights must be the format's.
 
-Bounds (max-abs error over the reference's max-abs, per quantity): fp32 compute 1e-5 (rounding only);
+Bounds (max-abs error over the reference's max-abs, per quantity): fp32 compute 1e-5 (rounding only; 5e-4 for
+the fused kernels of a variant taking the format's activations as 16-bit integer rows, the AVX2 variant's int8:
+half a step, 2^-16 of a row's largest magnitude, per value; measured 7e-5 to 1e-4);
 bf16 compute 2e-2, and at most twice the error of a dense bf16 engine holding ``dequantize(bf16)`` (the
 accuracy bf16 compute has anyway: 5-8e-3 here, measured). Experts with few rows and with many (which take
 other branches: the weight-left GEMM, scaled codes only up to ``SMALL_ROWS``) both run. A path that dropped the scale, applied it on the
@@ -69,6 +71,12 @@ def _fused_paths(fmt: ExpertFormat, compute: torch.dtype) -> list[GemmPath]:
     return [GemmPath(p.conversion, p.whole_tiles, rows, variant) for p in _paths(fmt, compute)[-1:]]
 
 
+def _int16_rows(path: GemmPath, fmt: ExpertFormat) -> bool:
+    """Whether ``path``'s fused kernels take ``fmt``'s activations as 16-bit integer rows."""
+    spec = variant_named(path.fused_variant)
+    return bool(path.fused_rows) and spec is not None and fmt.name in spec.int16_rows
+
+
 def _errors(y, grads, ref_y, ref_grads) -> dict[str, float]:
     pairs = [("y", y, ref_y)] + [(n, grads[n], ref_grads[n]) for n in ref_grads]
     return {
@@ -119,7 +127,7 @@ def test_every_gemm_path_matches_float64(case, compute, T, with_lora, formats):
         errors = _errors(*run_module(module, x, ids, w, gy), *ref)
         for name, err in errors.items():
             if compute == torch.float32:
-                assert err <= 1e-5, (path, name, err)
+                assert err <= (5e-4 if _int16_rows(path, fmt) else 1e-5), (path, name, err)
             else:
                 assert err <= min(2e-2, max(2 * dense[name], 1e-3)), (path, name, err, dense[name])
 
@@ -176,7 +184,8 @@ def test_resolve_gemm_path_per_format_dtype_and_cpu(formats):
         assert (f"fused kernel ({variant}," in path.describe()) is bool(variant)
         assert resolve_gemm_path(fmt, other, own).fused_rows == 0
         assert resolve_gemm_path(fmt, compute, _cpu("SSE4.2")).fused_rows == 0
-        int16 = variant == "AVX512-BF16" and fmt is int8  # its int8 products: int16_rows.h
+        spec = variant_named(variant)
+        int16 = spec is not None and fmt is int8 and "int8" in spec.int16_rows  # int16_rows.h, avx2_int16.h
         assert not path.dense and path.int16_rows is int16
         assert ("codes dequantized in registers" in path.describe()) is (bool(variant) and not int16)
         assert ("16-bit integer rows" in path.describe()) is int16
