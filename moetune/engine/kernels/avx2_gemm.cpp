@@ -36,11 +36,12 @@ namespace {
 constexpr int kWRows = 4;  // forward: weight rows (output columns) per block
 constexpr int64_t kChunk = 512;  // forward: columns of W per decoded block (4 x 512 fp32 = 8 KiB of L1)
 // forward: the next block's codes are prefetched (into L2) while a block is multiplied where a row of W's codes is
-// at least this long (a 4 KiB page holds at most two rows: the hardware's stream prefetcher, which stops at pages,
-// restarts on every block). K = 2048 (bytes per row: bf16 4096, int8 / fp8_block 2048): 1.05-1.3x at 1-32 rows of x;
-// K = 768 and int4 / mxfp4 at 2048 (1024 bytes: several rows per page, read in turn): 0.76-1.09x (Zen 1,
-// bench/kernel_ab.py)
-constexpr int64_t kPrefetchMinRowBytes = 2048;
+// at least this long (a 4 KiB page holds at most four rows: the hardware's stream prefetcher, which stops at pages,
+// restarts on every block). K = 2048 (bytes per row: bf16 4096, int8 / fp8_block 2048): 1.05-1.3x at 1-32 rows of x
+// (Zen 1); int4 / mxfp4 at K = 2048 (1024 bytes): 0.76-1.09x on Zen 1, 1.05-1.21x on Zen 3 (gate_up, 4-32 rows),
+// so 1024 is in; K = 768 (int8 / fp8_block 768 bytes, int4 / mxfp4 384): 0.88-1.02x on Zen 3 with 512 here, so out
+// (bf16 at K = 768, 1536 bytes: 1.05-1.13x) (bench/kernel_ab.py --variant AVX2)
+constexpr int64_t kPrefetchMinRowBytes = 1024;
 constexpr int64_t kBRows = 32, kBCols = 128;  // backward, up to 32 rows of g: W's decoded blocks (16 KiB of L1)
 // backward: the next block's codes are prefetched (into L2) while a block is multiplied where 128 columns of a W row
 // take at least this many bytes (two cache lines): bf16, int8, fp8_block and int4 (whose 128 columns' low or high
