@@ -323,7 +323,7 @@ struct I16Lanes {
   using A = int16_t;
   static constexpr int kCols = 16;
   // forward: 2 x 4 accumulators, 2 rows of x, a weight vector and vpmaddwd's product; 3 rows (17 ymm) spill and
-  // measured 0.8-0.95x of 2 (Zen 3, one product timed in a loop)
+  // measured 0.7-0.98x of 2 (Zen 3, one product timed in a loop)
   static constexpr int kRows = 2;
   // backward: 4 x 2 accumulators, 2 weight vectors, the broadcast pair and the product; 6 rows (as F32Lanes) fit
   // 16 ymm too but measured 0.9-1.1x of the fp32 loops at 4-32 rows of g, 4 rows 1.2-1.4x (Zen 3,
