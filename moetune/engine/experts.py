@@ -109,12 +109,22 @@ class ExpertEngine:
         self.split = (
             RowSplit.for_dtype(self.compute_dtype, native) if split is None else RowSplit(split, native)
         )
-        self.gemm = BlockedGemm(
-            weights, self.compute_dtype, split=self.split, int8_rows=self.options.int8_activations
-        )
+        self.gemm = self._gemm(weights)
         if self.options.expert_workers is not None and self.options.expert_workers < 1:
             raise EngineError(f"expert_workers must be >= 1 or None; got {self.options.expert_workers}")
         self.schedule = ExpertSchedule(self.options.expert_workers, 3 * h * i)
+
+    def _gemm(self, weights: ExpertFormat) -> BlockedGemm:
+        """The GEMMs on ``weights``; a float32 / float64 compute dtype asked for in the options (a float32 load)
+        is exact: no kernel rounds the activations (``resolve_gemm_path``'s ``exact``)."""
+        exact = self.options.compute_dtype in (torch.float32, torch.float64)
+        return BlockedGemm(
+            weights,
+            self.compute_dtype,
+            split=self.split,
+            int8_rows=self.options.int8_activations,
+            exact=exact,
+        )
 
     @property
     def weights(self) -> ExpertFormat:
@@ -124,9 +134,7 @@ class ExpertEngine:
 
     @weights.setter
     def weights(self, weights: ExpertFormat) -> None:
-        self.gemm = BlockedGemm(
-            weights, self.compute_dtype, split=self.split, int8_rows=self.options.int8_activations
-        )
+        self.gemm = self._gemm(weights)
 
     @property
     def mode(self) -> TrainMode:

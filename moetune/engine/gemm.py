@@ -140,6 +140,7 @@ def resolve_gemm_path(
     cpu: CpuInfo | None = None,
     fused: bool = True,
     int8_rows: bool = False,
+    exact: bool = False,
 ) -> GemmPath:
     """The GEMM path for ``weights`` computed in ``compute_dtype`` on ``cpu`` (default: this machine's).
 
@@ -149,6 +150,10 @@ def resolve_gemm_path(
     ``int8_rows`` (the int8 format's ``int8_activations``): the few-row experts' products with the activations
     rounded to 8-bit integer rows, on the first variant that offers them for the format and runs here (AVX512-BF16
     on AMX CPUs too); ``EngineError`` saying why where none does.
+    ``exact``: ``compute_dtype`` was asked for (a float32 / float64 load, ``EngineOptions.compute_dtype``), not
+    resolved for the CPU: a format whose kernels here take the activations as 16-bit integer rows (the variant's
+    ``int16_rows``: the AVX2 variant's int8, which computes in fp32 because the CPU has no bf16) keeps the torch
+    path, which multiplies them unrounded in that dtype.
     """
     isa = (cpu or cpu_info()).isa
     kernels: ModuleType | None
@@ -159,7 +164,8 @@ def resolve_gemm_path(
     variant = str(kernels.variant) if kernels is not None else ""
     spec = variant_named(variant)
     fits = spec is not None and spec.compute == compute_dtype and spec.isa in isa
-    rows = weights.FUSED_MAX_ROWS.get(variant, 0) if fits else 0
+    rounds = spec is not None and weights.name in spec.int16_rows and not int8_rows
+    rows = weights.FUSED_MAX_ROWS.get(variant, 0) if fits and not (exact and rounds) else 0
     variant = variant if rows else ""
     if not weights.needs_buffer(compute_dtype):
         return GemmPath(Conversion.VIEW, whole_tiles=True, fused_rows=rows, fused_variant=variant)
@@ -167,7 +173,7 @@ def resolve_gemm_path(
     conversion = Conversion.SCALED_CODES if scaled else Conversion.DEQUANTIZED
     bf16 = compute_dtype == torch.bfloat16
     dense = isinstance(weights, DenseExperts)
-    int16 = bool(rows) and spec is not None and weights.name in spec.int16_rows and not int8_rows
+    int16 = bool(rows) and rounds
     return GemmPath(
         conversion,
         whole_tiles="AMX-BF16" in isa and bf16,
@@ -235,6 +241,7 @@ class BlockedGemm:
         path: how weights reach the GEMMs (default: ``resolve_gemm_path`` on this machine).
         split: whether GEMMs split their rows into fixed sizes (default: ``RowSplit.for_dtype``).
         int8_rows: the default path's kernels round the activations to 8-bit integer rows (``resolve_gemm_path``).
+        exact: ``compute_dtype`` was asked for, not resolved for the CPU (``resolve_gemm_path``).
 
     Tile buffers and the transposed small-n result are the calling thread's scratch (``thread_workspace``), so
     experts may be multiplied in parallel threads.
@@ -247,10 +254,11 @@ class BlockedGemm:
         path: GemmPath | None = None,
         split: RowSplit | None = None,
         int8_rows: bool = False,
+        exact: bool = False,
     ) -> None:
         self.weights = weights
         self.compute_dtype = compute_dtype
-        self.path = path or resolve_gemm_path(weights, compute_dtype, int8_rows=int8_rows)
+        self.path = path or resolve_gemm_path(weights, compute_dtype, int8_rows=int8_rows, exact=exact)
         self._kernels: tuple[GemmPath, ModuleType] | None = None  # _kernels_for's cache
         # fp32/fp64 partial sums lose nothing, so backward may sum block by block (see matmul_w)
         self.exact_sums = compute_dtype in (torch.float32, torch.float64)

@@ -16,17 +16,20 @@ wrong side, or read another expert's rows is off by the quantization error (~1e-
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from moetune.doctor.engine import KERNELS_LINE, gemm_paths
 from moetune.engine import DenseExperts, EngineOptions, ExpertEngine, ExpertFormat
+from moetune.engine import gemm as gemm_module
 from moetune.engine.formats import FORMATS, Int8Experts
 from moetune.engine.formats.dense import BF16_FUSED_MAX_ROWS
 from moetune.engine.gemm import Conversion, GemmPath, resolve_gemm_path
 from moetune.engine.kernels import KERNELS_ENV, fused_variant, load_fused, variant_named
 from moetune.layer import CpuExperts
-from moetune.sysinfo import CpuInfo
+from moetune.sysinfo import CpuInfo, cpu_info
 from tests.unit.engine.test_formats import QUANTIZED, E, H, _lora, _module, gaussian
 from tests.unit.engine_cases import make_routing, run_module
 
@@ -274,3 +277,23 @@ def test_replacing_the_weights_resolves_the_path_again(formats):
         x, ids, w, save=False
     )
     assert torch.equal(y, y_ref)
+
+
+def test_a_float32_asked_for_keeps_int8_off_the_16_bit_rows(formats, monkeypatch):
+    """The AVX2 variant computes in fp32 and takes int8's activations as 16-bit integer rows. Where fp32 is the
+    dtype resolved for a CPU without bf16 (a bf16 load on an AVX2-only CPU) int8 takes those kernels; where it was
+    asked for (a float32 load: ``exact``) int8 keeps the torch path, unrounded, as the float32 load promises. Other
+    formats take the kernels either way. The AVX2 variant stands in as the loaded one (no build: the path is only
+    resolved)."""
+    monkeypatch.setattr(gemm_module, "fused_kernels", lambda: SimpleNamespace(variant="AVX2"))
+    avx2 = _cpu("AVX2")
+    int8, int4 = formats["int8"], formats["int4-g64-sym"]
+    resolved = resolve_gemm_path(int8, torch.float32, avx2)
+    assert resolved.fused_rows == int8.FUSED_MAX_ROWS["AVX2"] and resolved.int16_rows
+    exact = resolve_gemm_path(int8, torch.float32, avx2, exact=True)
+    assert exact.fused_rows == 0 and not exact.int16_rows and "fused" not in exact.describe()
+    assert resolve_gemm_path(int4, torch.float32, avx2, exact=True).fused_rows == int4.FUSED_MAX_ROWS["AVX2"]
+    # the engine is exact where its options ask for float32 (what a float32 load sets)
+    for fmt, rows in ((int8, 0), (int4, int4.FUSED_MAX_ROWS["AVX2"] if "AVX2" in cpu_info().isa else 0)):
+        asked = ExpertEngine(fmt, options=EngineOptions(compute_dtype=torch.float32))
+        assert asked.gemm.path.fused_rows == rows, fmt.name
