@@ -190,7 +190,8 @@ MOETUNE_AVX2 void forward_range(const Dec& dec, const float* row_scale, const ty
     }
     for (int64_t r = 0; r < n; ++r)
       for (int j = 0; j < rows; ++j) {
-        const float v = res[r * kWRows + j] * (row_step ? row_step[r] : 1.0f) * (row_scale ? row_scale[o0 + j] : 1.0f);
+        const float v =
+            res[r * kWRows + j] * (row_step ? row_step[r] : 1.0f) * (row_scale ? row_scale[o0 + j] : 1.0f);
         float& dst = out[r * ldo + o0 + j];
         dst = accumulate ? dst + v : v;
       }
@@ -236,13 +237,13 @@ MOETUNE_AVX2 inline void prefetch_share(const Dec& dec, int64_t no, int64_t rows
   }
 }
 
-// Backward, output columns [32 s0, 32 s1) (g: [n, O] already times the row scale; on Lanes, below: rows of Lanes::A,
-// the sums times row_step[r] where given). Blocks of W, a row block's
-// column blocks in turn, each decoded once into L1 (decode_row: a row's run at a time) and taken 32 columns at a
-// time by every row of g; the [n, 32 (s1 - s0)] sums in a per-thread buffer. Up to 32 rows of g the blocks are
-// kBRows x kBCols: each row's codes read 128 columns at a time (bf16 1.3-1.8x, int4 1.1-1.3x at 1-8 rows against
-// 128 x 32 blocks, whose 32-column runs, one per row of W, read 64 bytes from each of 128 rows); more rows of g
-// keep 128 x 32 (each register block's sums loaded and stored once per 128 rows of W, not 32; level at 64-256).
+// Backward, output columns [32 s0, 32 s1) (g: [n, O] already times the row scale; on Lanes, below: rows of
+// Lanes::A, the sums times row_step[r] where given). Blocks of W, a row block's column blocks in turn, each decoded
+// once into L1 (Lanes::decode_block: a row's run at a time) and taken 32 columns at a time by every row of g; the
+// [n, 32 (s1 - s0)] sums in a per-thread buffer. Up to 32 rows of g the blocks are kBRows x kBCols: each row's
+// codes read 128 columns at a time (bf16 1.3-1.8x, int4 1.1-1.3x at 1-8 rows against 128 x 32 blocks, whose
+// 32-column runs, one per row of W, read 64 bytes from each of 128 rows); more rows of g keep 128 x 32 (each
+// register block's sums loaded and stored once per 128 rows of W, not 32; level at 64-256).
 template <class Lanes, class Dec>
 MOETUNE_AVX2 void backward_range(const Dec& dec, const typename Lanes::A* g, int64_t ldg, const float* row_step,
                                  int64_t n, int64_t K, int64_t O, float* out, int64_t ldo, bool accumulate,
@@ -326,8 +327,8 @@ struct I16Lanes {
   // measured 0.7-0.98x of 2 (Zen 3, one product timed in a loop)
   static constexpr int kRows = 2;
   // backward: 4 x 2 accumulators, 2 weight vectors, the broadcast pair and the product; 6 rows (as F32Lanes) fit
-  // 16 ymm too but measured 0.9-1.1x of the fp32 loops at 4-32 rows of g, 4 rows 1.2-1.4x (Zen 3,
-  // bench/kernel_ab.py)
+  // 16 ymm too but measured 0.89-1.34x of the fp32 loops at 1-32 rows of g, 4 rows 0.86-1.36x and 1.21-1.36x at
+  // 8-32 (Zen 3, bench/kernel_ab.py)
   static constexpr int kGRows = 4;
   static constexpr int kPair = 2;  // decode_pairs' rows hold two weight rows, interleaved
   MOETUNE_AVX2 static void decode(const moetune::Int8Rows& dec, int64_t o, int64_t k0, int64_t cols, int64_t, W* dst) {

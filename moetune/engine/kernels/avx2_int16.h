@@ -61,9 +61,9 @@ MOETUNE_AVX2 inline void row16(const float* ar, int64_t cols, const float* col_s
     const int valid = static_cast<int>(std::min<int64_t>(8, cols - c));
     if (valid <= 0) return _mm256_setzero_ps();
     const __m256i m = lanes(valid);
-    __m256 v = valid == 8 ? _mm256_loadu_ps(ar + c) : _mm256_maskload_ps(ar + c, m);
-    if (col_scale) v = _mm256_mul_ps(v, valid == 8 ? _mm256_loadu_ps(col_scale + c) : _mm256_maskload_ps(col_scale + c, m));
-    return v;
+    auto load = [&](const float* p) MOETUNE_AVX2 { return valid == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, m); };
+    const __m256 v = load(ar + c);
+    return col_scale ? _mm256_mul_ps(v, load(col_scale + c)) : v;
   };
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 top = _mm256_setzero_ps(), bad = _mm256_setzero_ps();  // bad: lanes that saw a nan (max_ps drops it)
