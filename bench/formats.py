@@ -38,13 +38,13 @@ from dataclasses import replace
 
 import torch
 
-from moetune.bench.weight_formats import FORMAT_BUILDS, LABEL_OPTIONS
+from moetune.bench.weight_formats import FORMAT_BUILDS, LABEL_OPTIONS, label_refused
 from moetune.engine import EngineOptions, ExpertEngine, ExpertLoRA
 from moetune.engine.formats.base import Projection
 from moetune.engine.gemm import resolve_gemm_path
 from moetune.engine.kernels import VARIANTS, fused_unavailable
+from moetune.engine.plan import resolve_compute_dtype
 from moetune.engine.threads import set_engine_threads
-from moetune.errors import EngineError
 from moetune.sysinfo import cpu_info
 
 PROJS: tuple[Projection, ...] = ("gate_up", "down")
@@ -94,6 +94,19 @@ def main() -> None:
     e, h, i, k = args.experts, args.hidden, args.inter, args.top_k
     threads = set_engine_threads(args.threads)  # every format on the same threads
 
+    # labels whose options this CPU's engine would refuse, asked before any weights are built: named, the run stops;
+    # by default they are skipped, with the reason
+    named = args.formats is not None
+    machine = cpu_info()
+    compute = resolve_compute_dtype(torch.int8, options.compute_dtype)  # every quantized format's
+    skipped: dict[str, str] = {}  # label -> why
+    for label in args.formats if named else FORMAT_BUILDS:
+        why = label_refused(label, compute, tuple(machine.isa))
+        if why and named:
+            raise SystemExit(f"bench/formats.py: --formats {label}: {why}")
+        if why:
+            skipped[label] = why
+
     gen = torch.Generator().manual_seed(0)
     gate_up = torch.randn(e, 2 * i, h, generator=gen) / h**0.5
     down = torch.randn(e, h, i, generator=gen) / i**0.5
@@ -103,10 +116,8 @@ def main() -> None:
 
     engines: dict[str, ExpertEngine] = {}
     info: dict[str, tuple[float, float]] = {}  # bytes per parameter, weight error
-    named = args.formats is not None
-    skipped: dict[str, str] = {}  # label -> why the engine refused its options (default labels only)
     for label, (build, src_dtype) in FORMAT_BUILDS.items():
-        if label != "bf16" and named and label not in args.formats:
+        if (label != "bf16" and named and label not in args.formats) or label in skipped:
             continue
         fmt = build(gate_up.to(src_dtype), down.to(src_dtype))
         gq, dq = fmt.dequantize(torch.float32)
@@ -115,14 +126,7 @@ def main() -> None:
         del gq, dq
         info[label] = (fmt.bytes_per_param, err)
         own = LABEL_OPTIONS.get(label, {})
-        try:
-            engines[label] = ExpertEngine(fmt, lora=lora, options=replace(options, **own))
-        except EngineError as err:  # an -a8 label on a CPU without its kernels
-            if named or not own:
-                raise SystemExit(f"bench/formats.py: --formats {label}: {err}") from err
-            skipped[label] = str(err)
-            del info[label]
-            continue
+        engines[label] = ExpertEngine(fmt, lora=lora, options=replace(options, **own))
         path = engines[label].gemm.path
         if args.variant is not None and fmt.FUSED_MAX_ROWS:  # the named variant, built by name
             rows = fmt.FUSED_MAX_ROWS.get(args.variant, 0)
@@ -139,7 +143,6 @@ def main() -> None:
             info[torch_label] = info[label]
 
     first = next(iter(engines.values()))
-    machine = cpu_info()
     print(f"bench/formats.py | {machine.model} ({', '.join(machine.isa) or 'no SIMD flags found'})")
     print(
         f"E={e} H={h} I={i} k={k} r={args.rank} threads={threads} compute={first.compute_dtype} reps={args.reps}"

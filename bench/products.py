@@ -25,12 +25,11 @@ from collections.abc import Callable
 import torch
 
 from moetune.bench.timing import interleaved_min_ms
-from moetune.bench.weight_formats import FORMAT_BUILDS, LABEL_OPTIONS
+from moetune.bench.weight_formats import FORMAT_BUILDS, LABEL_OPTIONS, label_refused
 from moetune.engine.formats.base import Projection
 from moetune.engine.gemm import int8_rows_kernels
 from moetune.engine.kernels import a8_kernel, load_fused, variant_named
 from moetune.engine.threads import set_engine_threads
-from moetune.errors import EngineError
 from moetune.sysinfo import cpu_info
 
 LABELS = [label for label in FORMAT_BUILDS if label not in ("bf16", "compressed-int4")]
@@ -56,6 +55,12 @@ def main() -> None:
         return
     variant = variant_named(kernels.variant)
     assert variant is not None
+    for (
+        label
+    ) in args.formats:  # an -a8 label this CPU has no kernels for: refused before any weights are built
+        why = label_refused(label, torch.bfloat16, tuple(machine.isa))
+        if why:
+            raise SystemExit(f"bench/products.py: --formats {label}: {why}")
     gen = torch.Generator().manual_seed(0)
     e, h, i = args.experts, args.hidden, args.inter
     gate_up = torch.randn(e, 2 * i, h, generator=gen) / h**0.5
@@ -68,10 +73,7 @@ def main() -> None:
         formats[label] = build(gate_up.to(dtype), down.to(dtype))
         modules[label] = kernels
         if label in LABEL_OPTIONS:
-            try:
-                modules[label] = int8_rows_kernels(formats[label], torch.bfloat16, tuple(machine.isa), True)
-            except EngineError as err:
-                raise SystemExit(f"bench/products.py: --formats {label}: {err}") from err
+            modules[label] = int8_rows_kernels(formats[label], torch.bfloat16, tuple(machine.isa), True)
     del gate_up, down
     a8 = sorted({m.variant for m in modules.values()} - {variant.name})
     print(

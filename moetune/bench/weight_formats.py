@@ -15,6 +15,7 @@ import torch
 from moetune.bench.runners import as_loaded
 from moetune.engine import ExpertFormat
 from moetune.engine.formats import FORMATS, DenseExperts, Int4Experts
+from moetune.engine.gemm import int8_rows_problem
 from moetune.loading.quant.compressed_tensors import repack
 from moetune.testing.kimi import INT4_GROUP, quantize_int4
 
@@ -67,3 +68,14 @@ LABEL_OPTIONS: dict[str, dict[str, object]] = {
     "int4-g64-a8": {"int8_activations": True},
 }
 FORMAT_BUILDS.update({label: FORMAT_BUILDS[label.removesuffix("-a8")] for label in LABEL_OPTIONS})
+# the format (``ExpertFormat.name``) each label with options of its own builds: what the engine's checks name
+LABEL_FORMATS: dict[str, str] = {"int8-a8": "int8", "int4-g64-a8": "int4"}
+
+
+def label_refused(label: str, compute_dtype: torch.dtype, isa: tuple[str, ...]) -> str:
+    """Why an engine computing in ``compute_dtype`` on a CPU with ``isa`` would refuse ``label``'s own options (an
+    ``-a8`` label's ``int8_activations``: the engine's own message), or "" (labels without options included);
+    builds nothing, so a benchmark asks it before it builds any weights."""
+    if label not in LABEL_OPTIONS:
+        return ""
+    return int8_rows_problem(LABEL_FORMATS[label], compute_dtype, isa)
