@@ -10,8 +10,9 @@ INT4 checkpoint (Kimi-K2-Thinking) loads, i.e. each expert matrix quantized the 
 it (groups of 32, scale max|w| / 7.5, codes -8..7), packed as its int32 words, then re-packed into int4's
 nibble order by the checkpoint loader's own path (the time that takes, the load cost per layer, is printed
 too). int8-a8 is int8 with ``int8_activations`` (the kernels round the activations to 8-bit integer rows; its
-torch path is int8's, not run twice), int4-g64-a8 int4 g64 with it; where this CPU has no kernels for them (no
-AVX512-BF16) they are skipped with the engine's reason, unless named in ``--formats`` (then the run stops with it).
+torch path is int8's, not run twice), int4-g64-a8 int4 g64 with it; where this CPU has no kernels for them (int8-a8
+without AVX512-BF16) they are skipped with the engine's reason, unless named in ``--formats`` (then the run stops
+with it).
 Formats with a fused kernel in use on this machine (``moetune.engine.kernels``: int8, int4, fp8_block and
 mxfp4 on AMX-BF16 or AVX512-BF16 CPUs) run twice, as themselves and as ``<label> torch`` with the kernels off
 (the torch path, pinned per engine), and a line per format gives the fused / torch CPU-time ratio.

@@ -13,7 +13,8 @@ experts), so machine noise falls on all of them alike. Printed per product, rows
 format's ms and bf16 / format (> 1: faster than bf16); with more than one ``--threads``, then each kernel's speed-up
 at each thread count over the first. Formats are the labels of ``bench/formats.py`` without compressed-int4 (the
 same kernel as int4-g64). Where no kernel variant runs it says so and exits 0; the ``-a8`` labels need one with
-8-bit rows for the format (the variant the engine takes for ``int8_activations``: AVX512-BF16, on AMX CPUs too).
+8-bit rows for the format that computes in this CPU's default variant's dtype (the variant the engine takes for
+``int8_activations``: AVX512-BF16, on AMX CPUs too; int4 on an AVX2-only CPU: AVX2, in fp32).
 Prints the CPU, its ISA and the variants it ran. ``moetune bench all`` runs it (``moetune.bench.suite``).
 """
 
@@ -58,7 +59,7 @@ def main() -> None:
     for (
         label
     ) in args.formats:  # an -a8 label this CPU has no kernels for: refused before any weights are built
-        why = label_refused(label, torch.bfloat16, tuple(machine.isa))
+        why = label_refused(label, variant.compute, tuple(machine.isa))
         if why:
             raise SystemExit(f"bench/products.py: --formats {label}: {why}")
     gen = torch.Generator().manual_seed(0)
@@ -73,7 +74,7 @@ def main() -> None:
         formats[label] = build(gate_up.to(dtype), down.to(dtype))
         modules[label] = kernels
         if label in LABEL_OPTIONS:
-            modules[label] = int8_rows_kernels(formats[label], torch.bfloat16, tuple(machine.isa), True)
+            modules[label] = int8_rows_kernels(formats[label], variant.compute, tuple(machine.isa), True)
     del gate_up, down
     a8 = sorted({m.variant for m in modules.values()} - {variant.name})
     print(

@@ -98,14 +98,15 @@ class ExpertOptions:
         int4_symmetric: int4 only: no zero points (None: True).
         int8_activations: int8 and int4 only: the fused kernels round each row of the experts' inputs (and of
             the gradients their backward takes, int4: per group of columns, times its scales) to 8-bit integers, a
-            step of its largest magnitude / 127, and multiply them with the codes exactly (vpdpbusd): per product int8
-            1.3-1.8x its default (16-bit rows, a step of max / 32767) from 8 rows per expert, int4 1.1-1.7x its
-            default (bf16); the error that adds is at most half a step per value (``kernels/int8_rows.h``;
-            docs/formats.md). None / False: the default.
+            step of its largest magnitude / 127, and multiply them with the codes exactly (vpdpbusd; AVX2:
+            vpmaddubsw): per product int8 1.3-1.8x its default (16-bit rows, a step of max / 32767) from 8 rows per
+            expert, int4 1.1-1.7x its default (bf16) on AVX512-BF16, 1.6-3.7x its default (fp32) on AVX2; the error that adds is
+            at most half a step per value (``kernels/int8_rows.h``, ``kernels/avx2_int8.h``; docs/formats.md).
+            None / False: the default.
             Only the CPU kernels round: hot experts (``gpu_experts``) and experts past the kernels' rows are
-            multiplied unrounded. Needs the AVX512-BF16 kernels (CPUs with AVX512-BF16 and VNNI, AMX ones included)
-            and bf16 compute;
-            elsewhere the load's plan raises ``ConfigError`` before any weight is read
+            multiplied unrounded. int8 needs the AVX512-BF16 kernels (CPUs with AVX512-BF16 and VNNI, AMX ones
+            included) and bf16 compute; int4 those, or the AVX2 kernels with fp32 compute (an AVX2-only CPU, or a
+            float32 load); elsewhere the load's plan raises ``ConfigError`` before any weight is read
             (``loading.options.check_int8_activations``).
         expert_path: a store written by ``moetune convert`` to take the routed experts from.
         expert_residency: with ``expert_path``: ``ram`` or ``disk`` (paged layer by layer).

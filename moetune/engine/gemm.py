@@ -147,9 +147,10 @@ def resolve_gemm_path(
     ``fused``: route few-row experts to the compiled kernels when the variant that loads here (building it on
     first use; ``kernels.fused_kernels``) computes in ``compute_dtype``, the format has a threshold for it and
     ``cpu`` has its ISA; False resolves the torch path alone. ``whole_tiles`` (the torch path's) depends on ``cpu`` alone.
-    ``int8_rows`` (the int8 format's ``int8_activations``): the few-row experts' products with the activations
-    rounded to 8-bit integer rows, on the first variant that offers them for the format and runs here (AVX512-BF16
-    on AMX CPUs too); ``EngineError`` saying why where none does.
+    ``int8_rows`` (the int8 and int4 formats' ``int8_activations``): the few-row experts' products with the
+    activations rounded to 8-bit integer rows, on the first variant that offers them for the format, runs here and
+    computes in ``compute_dtype`` (AVX512-BF16, on AMX CPUs too; int4 in fp32: AVX2); ``EngineError`` saying why
+    where none does.
     ``exact``: ``compute_dtype`` was asked for (a float32 / float64 load, ``EngineOptions.compute_dtype``), not
     resolved for the CPU: a format whose kernels here take the activations as 16-bit integer rows (the variant's
     ``int16_rows``: the AVX2 variant's int8, which computes in fp32 because the CPU has no bf16) keeps the torch

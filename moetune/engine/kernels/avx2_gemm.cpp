@@ -17,8 +17,10 @@
 // Every weight is decoded once per call whatever n is, so the loops stream the codes once; all sums are fp32.
 #define MOETUNE_VARIANT "AVX2"
 #define MOETUNE_OPERANDS at::kFloat
+#define MOETUNE_A8_INT4  // int4_gemm_a8 (entry.h: int4_a8 below, avx2_int8.h)
 
 #include "avx2_int16.h"
+#include "avx2_int8.h"
 #include "decoders.h"
 
 #include <ATen/Parallel.h>
@@ -360,7 +362,7 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
   const int64_t lda = a.stride(0);
   if constexpr (std::is_same_v<Dec, moetune::Int8Rows>) {  // int16 rows against the codes (avx2_int16.h)
     // x's rows, or g's times the row scale (in fp32), as 16-bit integers
-    const auto rows = moetune_avx2_int16::rows16(ap, lda, n, forward ? K : O, forward ? nullptr : row_scale);
+    const auto rows = moetune_avx2_int16::rows_q<int16_t>(ap, lda, n, forward ? K : O, forward ? nullptr : row_scale);
     const int16_t* q = rows.row(0);
     const float* step = rows.step.data();
     if (forward)
@@ -384,6 +386,20 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
       backward_range<F32Lanes>(dec, gp, ldg, nullptr, n, K, O, op, ldo, accumulate, s0, s1);
     });
   }
+}
+
+// int4_gemm_a8's products (entry.h): x, or g, as 8-bit integer rows (avx2_int8.h); the backward with K / 2 not a
+// multiple of 32 is int4_gemm's, g unrounded
+void int4_a8(bool forward, const moetune::Int4Rows& dec, const torch::Tensor& a, torch::Tensor& out, int64_t O,
+             int64_t K, bool accumulate) {
+  const auto* ap = a.data_ptr<float>();
+  auto* op = out.data_ptr<float>();
+  if (forward)
+    moetune_avx2_int8::int4_forward(dec, ap, a.stride(0), a.size(0), K, O, op, out.stride(0), accumulate);
+  else if (dec.half % 32 == 0)
+    moetune_avx2_int8::int4_backward(dec, ap, a.stride(0), a.size(0), K, O, op, out.stride(0), accumulate);
+  else
+    run_gemm(false, dec, nullptr, a, out, O, K, accumulate);
 }
 
 }  // namespace

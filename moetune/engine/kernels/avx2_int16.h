@@ -34,28 +34,33 @@
 
 namespace moetune_avx2_int16 {
 
-constexpr int32_t kQmax = 32767;
-constexpr int64_t kLine = 16;  // int16 values per 32-byte vector: rows are whole vectors, 32-byte aligned
-// rows16's values per thread's share at least (as int16_rows.h's kRowsGrainValues)
+// an integer row type's largest step count: int16 32767 (avx2_int16.h's products), int8 127 (avx2_int8.h's)
+template <class T>
+constexpr int32_t kQmax = sizeof(T) == 1 ? 127 : 32767;
+// rows_q's values per thread's share at least (as int16_rows.h's kRowsGrainValues)
 constexpr int64_t kRowsGrainValues = 16384;
 
-// Rows of a [n, cols] (times col_scale[c] in fp32 where given) as int16: q [n, ld] (ld a whole number of vectors,
-// zeros past cols), step [n]
-struct Rows16 {
-  std::vector<int16_t> q;
+// Rows of a [n, cols] (times col_scale[c] in fp32 where given) as integers T (int16 or int8): q [n, ld] (ld a whole
+// number of 32-byte vectors, zeros past cols), step [n]
+template <class T>
+struct IntRows {
+  static constexpr int64_t kLine = 32 / sizeof(T);  // values per 32-byte vector: rows are whole vectors, aligned
+  std::vector<T> q;
   std::vector<float> step;
   int64_t ld = 0, at = 0;  // row r at q.data() + at + r * ld, 32-byte aligned
-  const int16_t* row(int64_t r) const { return q.data() + at + r * ld; }
-  int16_t* row(int64_t r) { return q.data() + at + r * ld; }
+  const T* row(int64_t r) const { return q.data() + at + r * ld; }
+  T* row(int64_t r) { return q.data() + at + r * ld; }
 };
+using Rows16 = IntRows<int16_t>;
 
 // lanes below `valid` (0 .. 8) all ones: maskload's mask
 MOETUNE_AVX2 inline __m256i lanes(int valid) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// One row of rows16: ar's cols values (times col_scale) into dst (ld values), its step
-MOETUNE_AVX2 inline void row16(const float* ar, int64_t cols, const float* col_scale, int64_t ld, int16_t* dst,
+// One row of rows_q: ar's cols values (times col_scale) into dst (ld values), its step
+template <class T>
+MOETUNE_AVX2 inline void row_q(const float* ar, int64_t cols, const float* col_scale, int64_t ld, T* dst,
                                float& step) {
   auto value = [&](int64_t c) MOETUNE_AVX2 {  // ar[c .. c + 8) (times the scales), 0 past cols
     const int valid = static_cast<int>(std::min<int64_t>(8, cols - c));
@@ -75,33 +80,42 @@ MOETUNE_AVX2 inline void row16(const float* ar, int64_t cols, const float* col_s
   __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
   t = _mm_max_ps(t, _mm_movehl_ps(t, t));
   const float m = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
-  const float q = static_cast<float>(kQmax);
+  const float q = static_cast<float>(kQmax<T>);
   step = _mm256_movemask_ps(bad) || std::isinf(m) ? std::numeric_limits<float>::quiet_NaN() : m / q;
   const __m256 inv = _mm256_set1_ps(m > 0 && std::isfinite(m) ? q / m : 0.0f);
-  for (int64_t c = 0; c < ld; c += 16) {
-    // nearest, ties to even (MXCSR's default); |v * inv| <= 32767 (1 + 2^-23) rounds to at most 32767, and the
-    // saturating pack keeps a nan's lane (0x80000000) at -32768 (its row's step is nan)
-    const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(value(c), inv));
-    const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(value(c + 8), inv));
-    // packs interleaves the 128-bit halves (lo0 hi0 lo1 hi1): the qword permute restores column order
-    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + c),
-                       _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+  // nearest, ties to even (MXCSR's default); |v * inv| <= qmax (1 + 2^-23) rounds to at most qmax, and the
+  // saturating packs keep a nan's lane (0x80000000) at the type's lowest value (its row's step is nan)
+  auto ints = [&](int64_t c) MOETUNE_AVX2 { return _mm256_cvtps_epi32(_mm256_mul_ps(value(c), inv)); };
+  for (int64_t c = 0; c < ld; c += IntRows<T>::kLine) {
+    auto* out = reinterpret_cast<__m256i*>(dst + c);
+    // packs interleaves the 128-bit halves (a0 b0 a1 b1): a permute restores column order
+    const __m256i lo = _mm256_packs_epi32(ints(c), ints(c + 8));
+    if constexpr (sizeof(T) == 2) {
+      _mm256_store_si256(out, _mm256_permute4x64_epi64(lo, 0xD8));
+    } else {
+      const __m256i hi = _mm256_packs_epi32(ints(c + 16), ints(c + 24));
+      // 32-bit words in (c, c + 8, c + 16, c + 24, c + 4, c + 12, c + 20, c + 28) order of their 4 columns
+      const __m256i bytes = _mm256_packs_epi16(lo, hi);
+      _mm256_store_si256(out, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
   }
 }
 
-// a's n rows of cols values (lda apart; times col_scale where given) as Rows16, spread over the threads (inside a
+// a's n rows of cols values (lda apart; times col_scale where given) as IntRows<T>, spread over the threads (inside a
 // parallel region: on the calling thread)
-MOETUNE_AVX2 inline Rows16 rows16(const float* a, int64_t lda, int64_t n, int64_t cols, const float* col_scale) {
-  Rows16 rows;
-  rows.ld = (cols + kLine - 1) / kLine * kLine;
-  if (rows.ld * 2 % 4096 == 0) rows.ld += kLine;  // rows 4 KiB apart would share one L1 set
-  rows.q.assign(n * rows.ld + kLine, 0);  // + a vector: room to align the rows to 32 bytes
-  rows.at = (kLine - reinterpret_cast<uintptr_t>(rows.q.data()) / 2 % kLine) % kLine;
+template <class T>
+MOETUNE_AVX2 inline IntRows<T> rows_q(const float* a, int64_t lda, int64_t n, int64_t cols, const float* col_scale) {
+  constexpr int64_t line = IntRows<T>::kLine;
+  IntRows<T> rows;
+  rows.ld = (cols + line - 1) / line * line;
+  if (rows.ld * sizeof(T) % 4096 == 0) rows.ld += line;  // rows 4 KiB apart would share one L1 set
+  rows.q.assign(n * rows.ld + line, 0);  // + a vector: room to align the rows to 32 bytes
+  rows.at = (line - reinterpret_cast<uintptr_t>(rows.q.data()) / sizeof(T) % line) % line;
   rows.step.resize(n);
   at::parallel_for(0, n, std::max<int64_t>(1, kRowsGrainValues / std::max<int64_t>(cols, 1)),
                    [&](int64_t r0, int64_t r1) MOETUNE_AVX2 {
                      for (int64_t r = r0; r < r1; ++r)
-                       row16(a + r * lda, cols, col_scale, rows.ld, rows.row(r), rows.step[r]);
+                       row_q(a + r * lda, cols, col_scale, rows.ld, rows.row(r), rows.step[r]);
                    });
   return rows;
 }

@@ -24,7 +24,8 @@
 // codes once.
 #define MOETUNE_VARIANT "AVX512-BF16"
 #define MOETUNE_TABLES  // fp8_block by table (entry.h)
-#define MOETUNE_INT8_ROWS  // int8_gemm_a8 (entry.h, int8_rows.h)
+#define MOETUNE_A8_INT8  // int8_gemm_a8 (entry.h, int8_rows.h)
+#define MOETUNE_A8_INT4  // int4_gemm_a8 (entry.h: int4_a8 below, int8_rows.h)
 
 #include "decoders.h"
 #include "few_rows.h"  // the band walk (backward, <= 8 rows) and run_gemm for dense bf16 weights
@@ -316,6 +317,17 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
     moetune_few_rows::backward(moetune_few_rows::DecodedPairs32<Dec>{dec, O}, ap, lda, n, K, O, row_scale, op, ldo,
                                accumulate);
   }
+}
+
+// int4_gemm_a8's products (entry.h): x, or g, as 8-bit integer rows (int8_rows.h)
+void int4_a8(bool forward, const moetune::Int4Rows& dec, const torch::Tensor& a, torch::Tensor& out, int64_t O,
+             int64_t K, bool accumulate) {
+  const auto* ap = a.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  if (forward)
+    moetune_int8::int4_forward(dec, ap, a.stride(0), a.size(0), K, O, op, out.stride(0), accumulate);
+  else
+    moetune_int8::int4_backward(dec, ap, a.stride(0), a.size(0), K, O, op, out.stride(0), accumulate);
 }
 
 }  // namespace

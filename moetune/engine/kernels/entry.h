@@ -4,6 +4,9 @@
 //   #define MOETUNE_VARIANT "<name>"   // its name in loader.py's registry; the module's `variant`
 //   #define MOETUNE_OPERANDS at::kFloat  // optional: the dtype of a and out (default at::kBFloat16)
 //   #define MOETUNE_TABLES               // optional (AVX512 loops): decoders' tables built per call (fp8_tables)
+//   #define MOETUNE_A8_INT8 / MOETUNE_A8_INT4  // optional: int8_gemm_a8 / int4_gemm_a8 (loader.py's int8_rows),
+//                                              // the latter calling the variant's int4_a8 (int4_gemm_a8's arguments,
+//                                              // checked, at least one row)
 //   std::string variant_unavailable(); // why it cannot run on this CPU / process, or ""
 //   template <class Dec>               // one product with the decoded weight W [O, K] (decoders.h), a and out
 //   void run_gemm(bool forward, const Dec& dec, const float* row_scale,  // MOETUNE_OPERANDS with contiguous rows,
@@ -83,9 +86,9 @@ void int8_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const to
   run_checked(forward, dec, scale.data_ptr<float>(), a, out, codes.size(0), dec.K, accumulate);
 }
 
-#ifdef MOETUNE_INT8_ROWS
+#ifdef MOETUNE_A8_INT8
 // int8_gemm with a's rows as 8-bit integers (the int8 format's opt-in int8 activations: int8_rows.h); the variants
-// that define MOETUNE_INT8_ROWS (AVX512-BF16) have it
+// that define MOETUNE_A8_INT8 (AVX512-BF16) have it
 void int8_gemm_a8(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& codes,
                   const torch::Tensor& scale, bool accumulate) {
   require_variant();
@@ -134,25 +137,18 @@ void int4_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const to
   run_checked(forward, dec, nullptr, a, out, packed.size(0), 2 * dec.half, accumulate);
 }
 
-#ifdef MOETUNE_INT8_ROWS
-// int4_gemm with a's rows as 8-bit integers (int8_activations: int8_rows.h)
+#ifdef MOETUNE_A8_INT4
+// int4_gemm with a's rows as 8-bit integers (int8_activations): the variant's int4_a8 (int8_rows.h, avx2_int8.h)
 void int4_gemm_a8(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& packed,
                   const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero, int64_t group,
                   bool accumulate) {
   require_variant();
   const moetune::Int4Rows dec = int4_rows_of(packed, scale, zero, group);
   const int64_t O = packed.size(0), K = 2 * dec.half;
-  TORCH_CHECK(group >= 32, "int8 activations: groups of 32, 64 or 128; got ", group);
+  TORCH_CHECK(group >= 32 && group <= 128, "int8 activations: groups of 32, 64 or 128; got ", group);
   check_operands(a, out, forward ? K : O, forward ? O : K);
-  const int64_t n = a.size(0);
-  if (n == 0) return;
-  auto* op = out.data_ptr<at::BFloat16>();
-  if (forward)
-    moetune_int8::int4_forward(dec, a.data_ptr<at::BFloat16>(), a.stride(0), n, K, O, op, out.stride(0),
-                               accumulate);
-  else
-    moetune_int8::int4_backward(dec, a.data_ptr<at::BFloat16>(), a.stride(0), n, K, O, op, out.stride(0),
-                                accumulate);
+  if (a.size(0) == 0) return;
+  int4_a8(forward, dec, a, out, O, K, accumulate);
 }
 #endif
 
@@ -259,14 +255,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("int8_gemm", &int8_gemm, "int8 per-row-scale GEMM (forward: x @ W^T, backward: g @ W)",
         py::call_guard<py::gil_scoped_release>());
-#ifdef MOETUNE_INT8_ROWS
+#ifdef MOETUNE_A8_INT8
   m.def("int8_gemm_a8", &int8_gemm_a8, "int8_gemm with the activations as 8-bit integers per row",
         py::call_guard<py::gil_scoped_release>());
+  m.def("int8_gemm_a8_run", &int8_run<int8_gemm_a8>, "int8_gemm_a8 over a run of experts",
+        py::call_guard<py::gil_scoped_release>());
+#endif
+#ifdef MOETUNE_A8_INT4
   m.def("int4_gemm_a8", &int4_gemm_a8, "int4_gemm with the activations as 8-bit integers per row",
         py::call_guard<py::gil_scoped_release>());
   m.def("int4_gemm_a8_run", &int4_run<int4_gemm_a8>, "int4_gemm_a8 over a run of experts",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("int8_gemm_a8_run", &int8_run<int8_gemm_a8>, "int8_gemm_a8 over a run of experts",
         py::call_guard<py::gil_scoped_release>());
 #endif
   m.def("int4_gemm", &int4_gemm, "int4 group-wise GEMM (forward: x @ W^T, backward: g @ W)",

@@ -60,8 +60,9 @@ class KernelVariant:
     ``cpu_info().isa`` flag the CPU needs for it to run, the dtype its operands and sums are in (the engine's
     compute dtype it serves), the compile flags its source needs (beyond ``CFLAGS``), and the formats
     (``ExpertFormat.name``) whose products it computes with the activations as 16-bit integer rows against the
-    codes (``int16_rows.h``) instead of dequantized weights, and those it also offers with 8-bit integer rows
-    (``int8_rows.h``: the kernel ``<name>_a8``, the int8 format's opt-in ``int8_activations``)."""
+    codes (``int16_rows.h``, ``avx2_int16.h``) instead of dequantized weights, and those it also offers with 8-bit
+    integer rows (``int8_rows.h``, ``avx2_int8.h``: the kernel ``<name>_a8``, the formats' opt-in
+    ``int8_activations``)."""
 
     name: str
     source: str
@@ -91,7 +92,13 @@ VARIANTS: tuple[KernelVariant, ...] = (
     ),
     # fp32 compute (CPUs without AVX512-BF16 compute in fp32: ``resolve_compute_dtype``)
     KernelVariant(
-        "AVX2", "avx2_gemm.cpp", "AVX2", torch.float32, ("-mavx2", "-mfma", "-mf16c"), int16_rows=("int8",)
+        "AVX2",
+        "avx2_gemm.cpp",
+        "AVX2",
+        torch.float32,
+        ("-mavx2", "-mfma", "-mf16c"),
+        int16_rows=("int8",),
+        int8_rows=("int4",),
     ),
 )
 

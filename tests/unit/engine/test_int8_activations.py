@@ -1,13 +1,15 @@
-"""The int8 format's opt-in ``int8_activations``: the AVX512-BF16 variant's ``int8_gemm_a8`` (``kernels/int8_rows.h``)
-against float64 references, the engine on it, and the options and errors around it.
+"""The int8 and int4 formats' opt-in ``int8_activations``: the AVX512-BF16 variant's ``int8_gemm_a8`` and
+``int4_gemm_a8`` (``kernels/int8_rows.h``) and the AVX2 variant's ``int4_gemm_a8`` (``kernels/avx2_int8.h``, fp32
+operands) against float64 references, the engine on them, and the options and errors around them.
 
 The kernel rounds each row of a (x forward; g times the row scales backward) to 8-bit integers, q = round(v * (127 /
 max |v|)) in fp32 (ties to even), step = max |v| / 127 (``int16_rows`` with qmax 127), and multiplies q with the
 codes exactly. Two references:
 
 * the same rounding in float64, step * (q @ codes) (* the row scales forward): the kernel's int32 sums are exact, so
-  it may differ only by the output's rounding to bf16 (2^-8 |ref|) and fp32 roundings after the integer sums (bounded
-  by K * 2^-22 times the product of magnitudes of q and the biased codes |c| + 128, the operands vpdpbusd takes);
+  it may differ only by the output's rounding to its dtype (bf16: 2^-8 |ref|; fp32: 2^-23) and fp32 roundings after
+  the integer sums (bounded by K * 2^-22 times the product of magnitudes of q and the biased codes |c| + 128, the
+  operands vpdpbusd takes);
 * the unrounded product a @ W: off by at most half a step per value of a, (step / 2) * sum |W| per output, plus the
   same output rounding: the error the option documents.
 """
@@ -22,8 +24,9 @@ import torch
 from moetune.config.experts import ExpertOptions
 from moetune.engine import EngineOptions, ExpertEngine
 from moetune.engine.formats import FORMATS, Int8Experts
-from moetune.engine.gemm import resolve_gemm_path
+from moetune.engine.gemm import int8_rows_problem, resolve_gemm_path
 from moetune.engine.kernels import KERNELS_ENV, load_variant
+from moetune.engine.kernels.loader import VARIANTS, variant_named
 from moetune.errors import ConfigError, EngineError
 from moetune.loading import LoadOptions
 from moetune.sysinfo import CpuInfo, cpu_info
@@ -35,15 +38,25 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _a8_kernels_or_why() -> str:
+def _variant_or_why(name: str) -> str:
+    """Why the kernel variant ``name`` cannot run here, or ""."""
     if not HAS_COMPILER:
         return "no C++ compiler (c++/g++) on PATH"
-    if "AVX512-BF16" not in cpu_info().isa:
-        return f"the CPU has no AVX512-BF16 ({', '.join(cpu_info().isa)}): int8_activations is refused here"
+    variant = variant_named(name)
+    assert variant is not None
+    if variant.isa not in cpu_info().isa:
+        return f"the CPU has no {variant.isa} ({', '.join(cpu_info().isa)}): its int8_activations are refused here"
     return ""
 
 
-needs_a8 = pytest.mark.skipif(bool(_a8_kernels_or_why()), reason=_a8_kernels_or_why())
+def _runs_here(name: str) -> pytest.MarkDecorator:
+    """Skip unless the kernel variant ``name`` runs here."""
+    return pytest.mark.skipif(bool(_variant_or_why(name)), reason=_variant_or_why(name))
+
+
+needs_a8 = _runs_here("AVX512-BF16")
+# the variants with int4_gemm_a8, each skipped where it cannot run
+INT4_A8 = [pytest.param(v.name, marks=_runs_here(v.name)) for v in VARIANTS if "int4" in v.int8_rows]
 AVX2 = CpuInfo(model="test", isa=("AVX2",), logical_cpus=2, physical_cores=2, numa_nodes=1)
 
 
@@ -55,11 +68,12 @@ def _codes(o: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _assert_rounded(out: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor, before, terms: int) -> None:
-    """out within the output's rounding to bf16 (2^-8 |ref|) and fp32 roundings after the exact integer sums (terms
-    2^-22 mag) of ref (plus ``before``, out's values before an accumulating product)."""
+    """out within the output's rounding to its dtype (bf16: 2^-8 |ref|, fp32: 2^-23) and fp32 roundings after the
+    exact integer sums (terms 2^-22 mag) of ref (plus ``before``, out's values before an accumulating product)."""
     if before is not None:
         ref, mag = ref + before, mag + before.abs()
-    bound = 2.0**-8 * ref.abs() + terms * 2.0**-22 * mag + 1e-30
+    rounding = 2.0**-8 if out.dtype == torch.bfloat16 else 2.0**-23
+    bound = rounding * ref.abs() + terms * 2.0**-22 * mag + 1e-30
     worst = float(((out.double() - ref).abs() / bound).max())
     assert worst <= 1.0, worst
 
@@ -184,7 +198,16 @@ def _int4_reference(
     return ref, mag
 
 
-@needs_a8
+def _int4_a8(variant: str, forward: bool, a, out, operands, accumulate: bool) -> None:
+    load_variant(variant).int4_gemm_a8(forward, a, out, *operands, accumulate)
+
+
+def _unrounded_backward(variant: str, forward: bool, k: int) -> bool:
+    """The AVX2 variant's int4 backward keeps g unrounded where K / 2 is not a multiple of 32 (``avx2_int8.h``)."""
+    return variant == "AVX2" and not forward and (k // 2) % 32 != 0
+
+
+@pytest.mark.parametrize("variant", INT4_A8)
 @pytest.mark.parametrize("forward", [True, False], ids=["forward", "backward"])
 @pytest.mark.parametrize(
     "o,k,group,symmetric",
@@ -195,31 +218,39 @@ def _int4_reference(
         (48, 256, 64, False),
         (40, 384, 128, True),
         (20, 4096, 32, False),
+        (70, 1408, 128, False),
     ],
 )
 @pytest.mark.parametrize("n", [1, 3, 8, 9, 13, 33])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_int4_a8_kernel_is_the_rounded_product(forward, o, k, group, symmetric, n, accumulate):
-    """K / 2 = 48 and 80: a packed chunk shorter than 64 bytes, groups across K / 2; O not a multiple of 4 or 16;
-    128 groups (the backward quantizes each chunk's groups as it reaches them; groups of 128 span two chunks)."""
+def test_int4_a8_kernel_is_the_rounded_product(variant, forward, o, k, group, symmetric, n, accumulate):
+    """K / 2 = 48 and 80: a packed chunk shorter than 64 bytes, groups across K / 2 (the AVX2 backward: its fp32
+    loops, the exact product); K = 1408 with groups of 128: a group across K / 2 = 704; O not a multiple of 4 or 16;
+    128 groups (the AVX512 backward quantizes each chunk's groups as it reaches them; groups of 128 span two
+    chunks). Operands in the variant's compute dtype (AVX2: fp32)."""
+    dtype = variant_named(variant).compute
     operands, v, uz, s = _int4(o, k, group, symmetric, seed=o + k + n)
     gen = torch.Generator().manual_seed(n)
-    a = (torch.randn(n, k if forward else o, generator=gen) * torch.rand(n, 1, generator=gen) * 4).bfloat16()
-    out = torch.randn(n, o if forward else k, generator=gen).bfloat16()
+    a = (torch.randn(n, k if forward else o, generator=gen) * torch.rand(n, 1, generator=gen) * 4).to(dtype)
+    out = torch.randn(n, o if forward else k, generator=gen).to(dtype)
     before = out.double()
-    load_variant("AVX512-BF16").int4_gemm_a8(forward, a, out, *operands, accumulate)
-    ref, mag = _int4_reference(forward, a, v, uz, s, group)
+    _int4_a8(variant, forward, a, out, operands, accumulate)
+    if _unrounded_backward(variant, forward, k):
+        ref, mag = a.double() @ (s * v), a.double().abs() @ (s.abs() * v.abs())
+    else:
+        ref, mag = _int4_reference(forward, a, v, uz, s, group)
     _assert_rounded(out, ref, mag, before if accumulate else None, k if forward else o)
 
 
-@needs_a8
+@pytest.mark.parametrize("variant", INT4_A8)
 @pytest.mark.parametrize("forward", [True, False], ids=["forward", "backward"])
-def test_int4_a8_error_is_at_most_half_a_step_per_value(forward):
+def test_int4_a8_error_is_at_most_half_a_step_per_value(variant, forward):
     o, k, group, n = 96, 256, 64, 5
+    dtype = variant_named(variant).compute
     operands, v, _, s = _int4(o, k, group, False, seed=9)
-    a = torch.randn(n, k if forward else o, generator=torch.Generator().manual_seed(2)).bfloat16()
-    out = torch.zeros(n, o if forward else k, dtype=torch.bfloat16)
-    load_variant("AVX512-BF16").int4_gemm_a8(forward, a, out, *operands, False)
+    a = torch.randn(n, k if forward else o, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = torch.zeros(n, o if forward else k, dtype=dtype)
+    _int4_a8(variant, forward, a, out, operands, False)
     w = s * v
     if forward:
         exact = a.double() @ w.t()
@@ -235,18 +266,49 @@ def test_int4_a8_error_is_at_most_half_a_step_per_value(forward):
     assert float(err.max()) > 1e-3 * float(room.max())
 
 
-@needs_a8
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("variant", INT4_A8)
+def test_int4_a8_gives_the_same_bits_on_two_threads(variant):
+    dtype = variant_named(variant).compute
+    operands, *_ = _int4(256, 512, 64, False, seed=6)
+    a = torch.randn(9, 512).to(dtype)
+    g = torch.randn(9, 256).to(dtype)
+    results = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        y, dx = torch.zeros(9, 256, dtype=dtype), torch.zeros(9, 512, dtype=dtype)
+        _int4_a8(variant, True, a, y, operands, False)
+        _int4_a8(variant, False, g, dx, operands, False)
+        results.append((y, dx))
+    assert all(torch.equal(p, q) for p, q in zip(*results))
+
+
+def test_int4_a8_nan_row_stays_in_its_row():
+    """AVX2 (the variant every x86-64 CPU here runs): a row with a nan gives nan in its row only, both ways."""
+    if _variant_or_why("AVX2"):
+        pytest.skip(_variant_or_why("AVX2"))
+    operands, *_ = _int4(64, 256, 64, False, seed=3)
+    for forward in (True, False):
+        a = torch.randn(3, 256 if forward else 64)
+        a[1, 5] = float("nan")
+        out = torch.zeros(3, 64 if forward else 256)
+        _int4_a8("AVX2", forward, a, out, operands, False)
+        assert out[1].isnan().all() and not out[0].isnan().any() and not out[2].isnan().any()
+
+
+@pytest.mark.parametrize(
+    "name,variant",
+    [pytest.param(name, v.name, marks=_runs_here(v.name)) for v in VARIANTS for name in v.int8_rows],
+)
 @pytest.mark.parametrize("with_lora", [True, False], ids=["lora", "frozen"])
-def test_engine_with_int8_activations_stays_near_the_default(name, with_lora):
-    """The engine module with int8_activations against the same weights on the default path (int8: 16-bit rows;
-    int4 with groups of 32 and zero points: bf16):
-    forward and every gradient within 2^-4 of each quantity's max (measured: 5e-3 to 2.1e-2), and not equal to it
+def test_engine_with_int8_activations_stays_near_the_default(name, variant, with_lora):
+    """The engine module with int8_activations, computing in the variant's dtype (the AVX2 variant's: fp32), against
+    the same weights on the default path (int8: 16-bit rows; int4 with groups of 32 and zero points: bf16 or fp32):
+    forward and every gradient within 2^-4 of each quantity's max (measured: 5e-3 to 2.3e-2), and not equal to it
     (the rounding is really taken); the path says so."""
     fmt, x, ids, w, gy = engine_case(name, group=32)
     results = []
     for a8 in (True, False):
-        opts = {"compute_dtype": torch.bfloat16, "int8_activations": a8}
+        opts = {"compute_dtype": variant_named(variant).compute, "int8_activations": a8}
         if with_lora:
             module = _module(fmt, _lora(), **opts)
         else:
@@ -254,7 +316,7 @@ def test_engine_with_int8_activations_stays_near_the_default(name, with_lora):
 
             module = CpuExperts(ExpertEngine(fmt, options=EngineOptions(**opts)))
         path = module.engine.gemm.path
-        assert path.int8_rows is a8 and path.fused_variant == "AVX512-BF16"
+        assert path.int8_rows is a8 and (path.fused_variant == variant or not a8)
         assert ("8-bit integer rows" in path.describe()) is a8
         results.append(run_module(module, x, ids, w, gy))
     for label, err in run_errors(*results).items():
@@ -284,9 +346,18 @@ def test_int8_activations_errors_name_what_is_missing(monkeypatch):
         resolve_gemm_path(int8, torch.float32, AMX, int8_rows=True)
     with pytest.raises(EngineError, match="fused kernels, which are off"):
         resolve_gemm_path(int8, torch.bfloat16, AMX, fused=False, int8_rows=True)
+    # int4: the AVX2 variant computes in fp32 (an AVX2-only CPU, or a float32 load on an AVX512 one); bf16 needs
+    # AVX512-BF16
+    assert not int8_rows_problem("int4", torch.float32, AVX2.isa)
+    assert not int8_rows_problem("int4", torch.float32, AMX.isa)
+    assert not int8_rows_problem("int4", torch.bfloat16, AMX.isa)
+    assert "AVX512-BF16 kernels (a CPU with AVX512-BF16, computing in torch.bfloat16) or AVX2 kernels" in (
+        int8_rows_problem("int4", torch.bfloat16, AVX2.isa)
+    )
     monkeypatch.setenv(KERNELS_ENV, "off")
     with pytest.raises(EngineError, match=f"which are off \\({KERNELS_ENV}=off\\)"):
         resolve_gemm_path(int8, torch.bfloat16, AMX, int8_rows=True)
+    assert "which are off" in int8_rows_problem("int4", torch.float32, AVX2.isa)
 
 
 def test_int8_activations_option(tmp_path):
@@ -326,8 +397,8 @@ def test_int8_activations_option(tmp_path):
 
 def test_int8_activations_refused_before_any_weight_is_read(tmp_path, monkeypatch):
     """The load's plan (``plan_load``: the meta-device model, no tensor data read) refuses the option where the
-    engines could not take it: a float32 load (the experts compute in float32), a CPU without AVX512-BF16, the
-    kernels turned off."""
+    engines could not take it: int8 in a float32 load (the experts compute in float32) or on a CPU without
+    AVX512-BF16, the kernels turned off (int4, which the AVX2 variant also takes: the errors test below)."""
     from moetune.loading.load import plan_load
     from moetune.train.demo import make_demo_model
 
