@@ -11,6 +11,8 @@ from moetune.engine import resolve_compute_dtype
 from moetune.engine.formats import FORMATS
 from moetune.engine.gemm import resolve_gemm_path
 from moetune.engine.kernels import fused_unavailable, fused_variant
+from moetune.engine.kernels.loader import int8_rows_formats
+from moetune.errors import EngineError
 from moetune.testing.selftest import SELFTEST_TOLERANCE, SelftestResult, engine_selftest_case
 
 KERNELS_LINE = "fused kernels"
@@ -18,8 +20,9 @@ KERNELS_LINE = "fused kernels"
 
 def gemm_paths() -> list[str]:
     """One line per registered weight format (dense as bf16): the dtype its GEMMs compute in on this machine
-    and how its weights reach them (``moetune.engine.gemm.GemmPath``); then whether the compiled fused kernels
-    (``moetune.engine.kernels``) are used, or why not."""
+    and how its weights reach them (``moetune.engine.gemm.GemmPath``), and for the formats with the opt-in
+    ``int8_activations`` a line with it (the path, or why this machine refuses it); then whether the compiled fused
+    kernels (``moetune.engine.kernels``) are used, or why not."""
     gen = torch.Generator().manual_seed(0)
     # a tiny layer: H and I multiples of every format's block (int4 groups, mxfp4's 32, fp8's 128)
     gate_up, down = torch.randn(1, 256, 128, generator=gen), torch.randn(1, 128, 128, generator=gen)
@@ -31,6 +34,13 @@ def gemm_paths() -> list[str]:
         compute = resolve_compute_dtype(fmt.storage_dtype)
         path = resolve_gemm_path(fmt, compute)
         lines.append(f"{label}: computes in {str(compute).removeprefix('torch.')}; {path.describe()}")
+        if name in int8_rows_formats():
+            try:
+                lines.append(
+                    f"{label} with int8_activations: {resolve_gemm_path(fmt, compute, int8_rows=True).describe()}"
+                )
+            except EngineError as err:
+                lines.append(f"{label} with int8_activations: refused here ({err})")
     why = fused_unavailable()
     lines.append(
         f"{KERNELS_LINE}: "

@@ -283,6 +283,11 @@ def test_gemm_paths_name_the_avx2_variant_on_an_avx2_cpu(monkeypatch):
     lines = gemm_paths()
     int8 = next(line for line in lines if line.startswith("int8:"))
     assert "computes in float32" in int8 and "fused kernel (AVX2," in int8, lines
+    # the opt-in int8_activations: int4's on the AVX2 kernels, int8's refused (AVX512-BF16 only), saying why
+    int4_a8 = next(line for line in lines if line.startswith("int4 with int8_activations:"))
+    assert "fused kernel (AVX2, codes times the activations rounded to 8-bit integer rows" in int4_a8, lines
+    int8_a8 = next(line for line in lines if line.startswith("int8 with int8_activations:"))
+    assert "refused here (int8_activations needs the AVX512-BF16 kernels" in int8_a8, lines
     assert (
         lines[-1]
         == "fused kernels: AVX2 variant built and used, with each expert's op sequences (kernels/ops.h)"
