@@ -31,27 +31,14 @@
 #include <vector>
 
 #include "decoders.h"
+#include "rows_layout.h"
 
 namespace moetune_avx2_int16 {
 
 // an integer row type's largest step count: int16 32767 (avx2_int16.h's products), int8 127 (avx2_int8.h's)
 template <class T>
 constexpr int32_t kQmax = sizeof(T) == 1 ? 127 : 32767;
-// rows_q's values per thread's share at least (as int16_rows.h's kRowsGrainValues)
-constexpr int64_t kRowsGrainValues = 16384;
-
-// Rows of a [n, cols] (times col_scale[c] in fp32 where given) as integers T (int16 or int8): q [n, ld] (ld a whole
-// number of 32-byte vectors, zeros past cols), step [n]
-template <class T>
-struct IntRows {
-  static constexpr int64_t kLine = 32 / sizeof(T);  // values per 32-byte vector: rows are whole vectors, aligned
-  std::vector<T> q;
-  std::vector<float> step;
-  int64_t ld = 0, at = 0;  // row r at q.data() + at + r * ld, 32-byte aligned
-  const T* row(int64_t r) const { return q.data() + at + r * ld; }
-  T* row(int64_t r) { return q.data() + at + r * ld; }
-};
-using Rows16 = IntRows<int16_t>;
+using moetune_rows::IntRows;  // rows_layout.h
 
 // lanes below `valid` (0 .. 8) all ones: maskload's mask
 MOETUNE_AVX2 inline __m256i lanes(int valid) {
@@ -86,7 +73,7 @@ MOETUNE_AVX2 inline void row_q(const float* ar, int64_t cols, const float* col_s
   // nearest, ties to even (MXCSR's default); |v * inv| <= qmax (1 + 2^-23) rounds to at most qmax, and the
   // saturating packs keep a nan's lane (0x80000000) at the type's lowest value (its row's step is nan)
   auto ints = [&](int64_t c) MOETUNE_AVX2 { return _mm256_cvtps_epi32(_mm256_mul_ps(value(c), inv)); };
-  for (int64_t c = 0; c < ld; c += IntRows<T>::kLine) {
+  for (int64_t c = 0; c < ld; c += 32 / static_cast<int64_t>(sizeof(T))) {  // a 32-byte vector a step
     auto* out = reinterpret_cast<__m256i*>(dst + c);
     // packs interleaves the 128-bit halves (a0 b0 a1 b1): a permute restores column order
     const __m256i lo = _mm256_packs_epi32(ints(c), ints(c + 8));
@@ -101,22 +88,14 @@ MOETUNE_AVX2 inline void row_q(const float* ar, int64_t cols, const float* col_s
   }
 }
 
-// a's n rows of cols values (lda apart; times col_scale where given) as IntRows<T>, spread over the threads (inside a
-// parallel region: on the calling thread)
+// a's n rows of cols values (lda apart; times col_scale where given) as IntRows<T> with 32-byte lines (sum not filled),
+// spread over the threads (inside a parallel region: on the calling thread)
 template <class T>
 MOETUNE_AVX2 inline IntRows<T> rows_q(const float* a, int64_t lda, int64_t n, int64_t cols, const float* col_scale) {
-  constexpr int64_t line = IntRows<T>::kLine;
-  IntRows<T> rows;
-  rows.ld = (cols + line - 1) / line * line;
-  if (rows.ld * sizeof(T) % 4096 == 0) rows.ld += line;  // rows 4 KiB apart would share one L1 set
-  rows.q.assign(n * rows.ld + line, 0);  // + a vector: room to align the rows to 32 bytes
-  rows.at = (line - reinterpret_cast<uintptr_t>(rows.q.data()) / sizeof(T) % line) % line;
-  rows.step.resize(n);
-  at::parallel_for(0, n, std::max<int64_t>(1, kRowsGrainValues / std::max<int64_t>(cols, 1)),
-                   [&](int64_t r0, int64_t r1) MOETUNE_AVX2 {
-                     for (int64_t r = r0; r < r1; ++r)
-                       row_q(a + r * lda, cols, col_scale, rows.ld, rows.row(r), rows.step[r]);
-                   });
+  IntRows<T> rows = moetune_rows::int_rows_layout<T>(n, cols, 32);
+  moetune_rows::each_row(n, cols, [&](int64_t r) MOETUNE_AVX2 {
+    row_q(a + r * lda, cols, col_scale, rows.ld, rows.row(r), rows.step[r]);
+  });
   return rows;
 }
 

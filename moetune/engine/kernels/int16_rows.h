@@ -33,6 +33,7 @@
 #include "decoders.h"
 #include "few_rows.h"
 #include "layouts.h"
+#include "rows_layout.h"
 
 namespace moetune_int16 {
 
@@ -45,21 +46,8 @@ inline int32_t forward_qmax(int64_t K) {
   return static_cast<int32_t>(std::min<int64_t>(32767, std::numeric_limits<int32_t>::max() / (128 * terms)));
 }
 
-// int_rows' values per thread's share at least (a share smaller than this costs more to hand out than it saves)
-constexpr int64_t kRowsGrainValues = 16384;
-
-// Rows of a [n, cols] (times col_scale[c] in fp32 where given) as integers of T (int16_t here, int8_t for
-// int8_rows.h), the header's rounding with T's qmax: q [n, ld] (ld >= cols, a whole number of 64-byte lines; zeros
-// past cols), step [n] and sum [n] (each row's integers summed, exactly)
-template <class T>
-struct IntRows {
-  std::vector<T> q;
-  std::vector<float> step;
-  std::vector<int32_t> sum;
-  int64_t ld = 0, at = 0;  // row r at q.data() + at + r * ld, 64-byte aligned
-  T* row(int64_t r) { return q.data() + at + r * ld; }
-  const T* row(int64_t r) const { return q.data() + at + r * ld; }
-};
+using moetune_rows::IntRows;  // rows_layout.h
+using moetune_rows::kRowsGrainValues;
 using Int16Rows = IntRows<int16_t>;
 
 // One row of int_rows: a's row ar (cols values, times col_scale where given) into dst, its step and its sum. The
@@ -103,26 +91,16 @@ MOETUNE_AVX512 inline void int_row(const Src* ar, int64_t cols, const float* col
   sum = _mm512_reduce_add_epi32(total);
 }
 
+// Rows of a [n, cols] (times col_scale[c] in fp32 where given) as integers of T (int16_t here, int8_t for
+// int8_rows.h), the header's rounding with T's qmax: IntRows with 64-byte lines, step [n] and sum [n] (each row's
+// integers summed, exactly)
 template <class T, class Src>
 MOETUNE_AVX512 inline IntRows<T> int_rows(const Src* a, int64_t lda, int64_t n, int64_t cols, const float* col_scale,
                                           int32_t qmax) {
-  constexpr int64_t kLine = 64 / sizeof(T);  // values per cache line
-  IntRows<T> rows;
-  rows.ld = (cols + kLine - 1) / kLine * kLine;
-  // rows 4 KiB apart would share one L1 set: one line more (without it the int16 forward at K = 2048 measured
-  // 0.97-1.01x, within noise, at 4-64 rows of x)
-  if (rows.ld * static_cast<int64_t>(sizeof(T)) % 4096 == 0) rows.ld += kLine;
-  rows.q.assign(n * rows.ld + kLine, 0);  // + a line: room to align the rows to 64 bytes
-  rows.at = (kLine - reinterpret_cast<uintptr_t>(rows.q.data()) / sizeof(T) % kLine) % kLine;
-  rows.step.resize(n);
-  rows.sum.resize(n);
-  // the rows spread over the threads (on many cores a serial pass over the activations would bound the product's
-  // scaling); inside a parallel region (int8_rows.h's group_rows) on the calling thread
-  at::parallel_for(0, n, std::max<int64_t>(1, kRowsGrainValues / std::max<int64_t>(cols, 1)),
-                   [&](int64_t r0, int64_t r1) MOETUNE_AVX512 {
-                     for (int64_t r = r0; r < r1; ++r)
-                       int_row(a + r * lda, cols, col_scale, qmax, rows.row(r), rows.step[r], rows.sum[r]);
-                   });
+  IntRows<T> rows = moetune_rows::int_rows_layout<T>(n, cols, 64);
+  moetune_rows::each_row(n, cols, [&](int64_t r) MOETUNE_AVX512 {
+    int_row(a + r * lda, cols, col_scale, qmax, rows.row(r), rows.step[r], rows.sum[r]);
+  });
   return rows;
 }
 

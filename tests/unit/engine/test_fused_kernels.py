@@ -482,10 +482,11 @@ def test_the_build_key_covers_every_header_a_variant_includes():
     """A changed shared header must rebuild every variant: each variant's hashed files include all of them (the
     fp32 AVX2 variant all but layouts.h, the bf16 pair layouts it does not use), and a variant's own loops
     (few_rows.h: the AVX512-BF16 variant's loops for few rows; int16_rows.h and int8_rows.h: its int8 loops;
-    avx2_int16.h and avx2_int8.h: the AVX2 variant's int8 loops and its int4 ones with 8-bit rows) are in its key."""
+    avx2_int16.h and avx2_int8.h: the AVX2 variant's int8 loops and its int4 ones with 8-bit rows; rows_layout.h:
+    the integer rows both of them take) are in its key."""
     own = {
-        "AVX512-BF16": {"few_rows.h", "int16_rows.h", "int8_rows.h"},
-        "AVX2": {"avx2_int16.h", "avx2_int8.h"},
+        "AVX512-BF16": {"few_rows.h", "int16_rows.h", "int8_rows.h", "rows_layout.h"},
+        "AVX2": {"avx2_int16.h", "avx2_int8.h", "rows_layout.h"},
     }
     headers = {p.name for p in loader.HERE.glob("*.h")} - set().union(*own.values())
     for variant in loader.VARIANTS:

@@ -28,6 +28,7 @@ from moetune.engine.formats import FORMATS, Int8Experts
 from moetune.engine.formats.dense import BF16_FUSED_MAX_ROWS
 from moetune.engine.gemm import Conversion, GemmPath, resolve_gemm_path
 from moetune.engine.kernels import KERNELS_ENV, fused_variant, load_fused, variant_named
+from moetune.engine.kernels.loader import int8_rows_formats
 from moetune.layer import CpuExperts
 from moetune.sysinfo import CpuInfo, cpu_info
 from tests.unit.engine.test_formats import QUANTIZED, E, H, _lora, _module, gaussian
@@ -219,7 +220,15 @@ def test_doctor_names_each_formats_path(monkeypatch, isa, int8_line):
     assert by_name.pop(KERNELS_LINE) == (
         f"{KERNELS_LINE}: not used ({KERNELS_ENV}=off); the torch path runs, each expert's op sequences in Python"
     )
-    assert set(by_name) == {"bf16 (dense)" if n == "dense" else n for n in FORMATS.names()}
+    a8 = {
+        f"{n} with int8_activations" for n in int8_rows_formats()
+    }  # the opt-in's lines: refused, kernels off
+    assert set(by_name) == {"bf16 (dense)" if n == "dense" else n for n in FORMATS.names()} | a8
+    assert all(
+        f"refused here (int8_activations needs the fused kernels, which are off ({KERNELS_ENV}=off)"
+        in by_name[n]
+        for n in a8
+    )
     assert by_name["int8"].startswith(int8_line)
     whole = "AMX-BF16" in isa
     assert by_name["int4"].endswith("in whole matrices" if whole else "in cache-sized row blocks")
