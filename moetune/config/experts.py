@@ -100,8 +100,9 @@ class ExpertOptions:
             the gradients their backward takes, int4: per group of columns, times its scales) to 8-bit integers, a
             step of its largest magnitude / 127, and multiply them with the codes exactly (vpdpbusd; AVX2:
             vpmaddubsw): per product int8 1.3-1.8x its default (16-bit rows, a step of max / 32767) from 8 rows per
-            expert, int4 1.1-1.7x its default (bf16) on AVX512-BF16, 1.6-3.7x its default (fp32) on AVX2; the error that adds is
-            at most half a step per value (``kernels/int8_rows.h``, ``kernels/avx2_int8.h``; docs/formats.md).
+            expert, int4 1.1-1.7x its default (bf16) on AVX512-BF16, 1.5-3.9x its default (fp32) on AVX2; the
+            error that adds is at most half a step per value (``kernels/int8_rows.h``, ``kernels/avx2_int8.h``;
+            docs/formats.md).
             None / False: the default.
             Only the CPU kernels round: hot experts (``gpu_experts``) and experts past the kernels' rows are
             multiplied unrounded. int8 needs the AVX512-BF16 kernels (CPUs with AVX512-BF16 and VNNI, AMX ones
