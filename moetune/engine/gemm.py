@@ -166,7 +166,8 @@ def resolve_gemm_path(
     spec = variant_named(variant)
     fits = spec is not None and spec.compute == compute_dtype and spec.isa in isa
     rounds = spec is not None and weights.name in spec.int16_rows and not int8_rows
-    rows = weights.FUSED_MAX_ROWS.get(variant, 0) if fits and not (exact and rounds) else 0
+    limit = (int8_rows and weights.INT8_ROWS_MAX_ROWS.get(variant)) or weights.FUSED_MAX_ROWS.get(variant, 0)
+    rows = limit if fits and not (exact and rounds) else 0
     variant = variant if rows else ""
     if not weights.needs_buffer(compute_dtype):
         return GemmPath(Conversion.VIEW, whole_tiles=True, fused_rows=rows, fused_variant=variant)

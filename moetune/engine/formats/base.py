@@ -91,6 +91,9 @@ class ExpertFormat(ABC):
     # used with the compute dtype that variant computes in (``KernelVariant.compute``; a variant not listed, or an
     # empty mapping: no fused kernel for this format); an instance attribute where a wrapper takes its format's
     FUSED_MAX_ROWS: Mapping[str, int] = MappingProxyType({})
+    # the same for the products with 8-bit activation rows (``int8_activations``), where a variant's differ from
+    # ``FUSED_MAX_ROWS`` (a variant not listed: ``FUSED_MAX_ROWS``' rows)
+    INT8_ROWS_MAX_ROWS: Mapping[str, int] = MappingProxyType({})
 
     def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
         """The compiled kernel for expert ``expert``'s ``proj`` matrix (its name in ``kernels.load_fused()``'s

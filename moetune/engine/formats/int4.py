@@ -277,6 +277,11 @@ class Int4Experts(QuantizedExperts):
     # `python bench/formats.py --threads 1 --reps 3 --experts 8 --top-k 4 --tokens 16 64 256 512 1024 --formats int8
     # int4-g64 fp8_block mxfp4 --compute-dtype float32 --variant AVX2 --fused-max-rows 100000`
     FUSED_MAX_ROWS = MappingProxyType({"AMX-BF16": 256, "AVX512-BF16": 256, "AVX2": 256})
+    # AVX2 with 8-bit activation rows (kernels/avx2_int8.h): against fp32 GEMMs on the weights already dequantized,
+    # forward / backward 1.58x / 1.49x at 128 rows, 1.33x / 1.25x at 512, 1.33x / 1.02x at 1024 (Zen 3, 1 thread;
+    # docs/performance.md, "AVX2: int4 against 8-bit activation rows"): the step at T = 4096, E = 128 (256 rows per
+    # expert on average, half the experts past 256) was 1.07x bf16 with 256 here
+    INT8_ROWS_MAX_ROWS = MappingProxyType({"AVX2": 512})
 
     def fused_operands(self, proj: Projection, expert: int) -> tuple[str, tuple[Any, ...]]:
         packed, scale, zero = self._stored(proj)

@@ -221,7 +221,7 @@ def _unrounded_backward(variant: str, forward: bool, k: int) -> bool:
         (70, 1408, 128, False),
     ],
 )
-@pytest.mark.parametrize("n", [1, 3, 8, 9, 13, 33])
+@pytest.mark.parametrize("n", [1, 3, 8, 9, 13, 33, 300])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_int4_a8_kernel_is_the_rounded_product(variant, forward, o, k, group, symmetric, n, accumulate):
     """K / 2 = 48 and 80: a packed chunk shorter than 64 bytes, groups across K / 2 (the AVX2 backward: its fp32
@@ -330,6 +330,20 @@ def test_amx_cpus_take_the_avx512_kernels_for_int8_activations():
     assert path.int8_rows and path.fused_variant == "AVX512-BF16" and path.fused_rows == 256
     assert path.kernel("int8_gemm") == "int8_gemm_a8" and path.kernel("int8_gemm_run") == "int8_gemm_a8_run"
     assert resolve_gemm_path(int8, torch.bfloat16, AMX).kernel("int8_gemm_run") == "int8_gemm_run"
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler (c++/g++) on PATH")
+def test_avx2_int4_takes_more_rows_with_int8_activations():
+    """The AVX2 variant's int4 products with 8-bit rows beat the fp32 GEMMs on dequantized weights past the default
+    kernels' 256 rows (``Int4Experts.INT8_ROWS_MAX_ROWS``); without the option, and on AVX512, 256 stays."""
+    from moetune.engine.formats import Int4Experts
+
+    int4 = Int4Experts.from_dense(*gaussian(), group_size=32)
+    a8 = resolve_gemm_path(int4, torch.float32, AVX2, int8_rows=True)
+    assert a8.int8_rows and a8.fused_variant == "AVX2" and a8.fused_rows == 512
+    assert resolve_gemm_path(int4, torch.float32, AVX2).fused_rows == 256
+    if not _variant_or_why("AVX512-BF16"):
+        assert resolve_gemm_path(int4, torch.bfloat16, AMX, int8_rows=True).fused_rows == 256
 
 
 def test_int8_activations_errors_name_what_is_missing(monkeypatch):
