@@ -56,9 +56,8 @@ def main() -> None:
         return
     variant = variant_named(kernels.variant)
     assert variant is not None
-    for (
-        label
-    ) in args.formats:  # an -a8 label this CPU has no kernels for: refused before any weights are built
+    # an -a8 label this CPU has no kernels for: refused before any weights are built
+    for label in args.formats:
         why = label_refused(label, variant.compute, tuple(machine.isa))
         if why:
             raise SystemExit(f"bench/products.py: --formats {label}: {why}")

@@ -51,20 +51,6 @@ constexpr int64_t kBRows = 32, kBCols = 128;  // backward, up to 32 rows of g: W
 // (Zen 1, bench/kernel_ab.py)
 constexpr int64_t kBackPrefetchMinRunBytes = 128;
 
-// f(std::integral_constant<int, R>{}) with R = min(rows, Max) (Max <= 6): register blocks' row counts as
-// template arguments
-template <int Max, class F>
-MOETUNE_AVX2 inline void with_rows(int64_t rows, F&& f) {
-  switch (std::min<int64_t>(Max, rows)) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, std::min(2, Max)>{}); break;
-    case 3: f(std::integral_constant<int, std::min(3, Max)>{}); break;
-    case 4: f(std::integral_constant<int, std::min(4, Max)>{}); break;
-    case 5: f(std::integral_constant<int, std::min(5, Max)>{}); break;
-    default: f(std::integral_constant<int, Max>{}); break;
-  }
-}
-
 // Why not usable here, or "" when AVX2, FMA and F16C are.
 std::string variant_unavailable() {
   unsigned a, b, c, d;
@@ -99,6 +85,7 @@ inline int64_t span_bytes(const Dec& dec, int64_t o, int64_t k0, int64_t k1) {
 }
 
 using moetune_avx2_int16::hsum;
+using moetune_avx2_int16::with_rows;  // register blocks' row counts as template arguments
 using moetune_avx2_int16::lanes;  // lanes below `valid` (0 .. 8) all ones: maskload / maskstore's mask
 
 // v (+ the values at dst) -> dst for the first `valid` lanes (<= 8)

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "decoders.h"
@@ -39,6 +40,20 @@ namespace moetune_avx2_int16 {
 template <class T>
 constexpr int32_t kQmax = sizeof(T) == 1 ? 127 : 32767;
 using moetune_rows::IntRows;  // rows_layout.h
+
+// f(std::integral_constant<int, R>{}) with R = min(rows, Max) (Max <= 6): register blocks' row counts as
+// template arguments
+template <int Max, class F>
+MOETUNE_AVX2 inline void with_rows(int64_t rows, F&& f) {
+  switch (std::min<int64_t>(Max, rows)) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, std::min(2, Max)>{}); break;
+    case 3: f(std::integral_constant<int, std::min(3, Max)>{}); break;
+    case 4: f(std::integral_constant<int, std::min(4, Max)>{}); break;
+    case 5: f(std::integral_constant<int, std::min(5, Max)>{}); break;
+    default: f(std::integral_constant<int, Max>{}); break;
+  }
+}
 
 // lanes below `valid` (0 .. 8) all ones: maskload's mask
 MOETUNE_AVX2 inline __m256i lanes(int valid) {

@@ -138,12 +138,7 @@ MOETUNE_AVX2 inline void int4_forward(const moetune::Int4Rows& dec, const float*
               default: steps(std::integral_constant<int, 4>{}); break;  // 128 (int4_gemm_a8 checks)
             }
           };
-          switch (rows) {
-            case 1: run(std::integral_constant<int, 1>{}); break;
-            case 2: run(std::integral_constant<int, 2>{}); break;
-            case 3: run(std::integral_constant<int, 3>{}); break;
-            default: run(std::integral_constant<int, kRows>{}); break;
-          }
+          moetune_avx2_int16::with_rows<kRows>(rows, run);
           for (int64_t r = 0; r < rows; ++r) {
             float& dst = out[(r0 + r) * ldo + o];
             const float v = xq.step[r0 + r] * res[r];
@@ -181,16 +176,15 @@ MOETUNE_AVX2 inline int32_t dot_u8(const int8_t* q, const uint8_t* z, int64_t ld
   return _mm_cvtsi128_si32(h);
 }
 
-// GroupRows for group gi of g [n, O] (ldg apart); col, zcol: scratch of O + 32 values (the group's scales, fp32, and
-// zero points, zeros past O)
+// GroupRows for group gi of g [n, O] (ldg apart); col, zcol: scratch (the group's scales, fp32, O values; its zero
+// points, a row of the rows' ld, zeros past O)
 MOETUNE_AVX2 inline void group_rows(const moetune::Int4Rows& dec, int64_t gi, const float* g, int64_t ldg, int64_t n,
                                     int64_t O, std::vector<float>& col, std::vector<uint8_t>& zcol, GroupRows& out) {
-  for (int64_t o = 0; o < O; ++o) {
-    col[o] = moetune::bf16_to_float(dec.scale[o * dec.groups + gi]);
-    zcol[o] = static_cast<uint8_t>(dec.zero_point(o * dec.groups + gi));
-  }
+  for (int64_t o = 0; o < O; ++o) col[o] = moetune::bf16_to_float(dec.scale[o * dec.groups + gi]);
   out.gi = gi;
   out.q = moetune_avx2_int16::rows_q<int8_t>(g, ldg, n, O, col.data());
+  zcol.assign(out.q.ld, 0);
+  for (int64_t o = 0; o < O; ++o) zcol[o] = static_cast<uint8_t>(dec.zero_point(o * dec.groups + gi));
   out.zt.resize(n);
   for (int64_t r = 0; r < n; ++r) out.zt[r] = dot_u8(out.q.row(r), zcol.data(), out.q.ld);
 }
@@ -266,9 +260,8 @@ MOETUNE_AVX2 inline void int4_backward(const moetune::Int4Rows& dec, const float
                                        int64_t K, int64_t O, float* out, int64_t ldo, bool accumulate) {
   const int64_t half = dec.half;
   at::parallel_for(0, half / 32, 1, [&](int64_t u0, int64_t u1) MOETUNE_AVX2 {
-    const int64_t ldq = (O + 31) / 32 * 32 + 32;  // rows_q's ld at most
-    std::vector<float> col(ldq);
-    std::vector<uint8_t> zcol(ldq, 0);
+    std::vector<float> col(O);
+    std::vector<uint8_t> zcol;
     GroupRows cache[2];  // the groups of the last unit's two halves, kept for the next units in the same groups
     auto rows_of = [&](int64_t gi, int64_t keep) -> const GroupRows& {
       for (auto& c : cache)
@@ -293,11 +286,7 @@ MOETUNE_AVX2 inline void int4_backward(const moetune::Int4Rows& dec, const float
             band_rows<decltype(R)::value>(lo.data(), nq, rlo.q.row(r0) + o0, rlo.q.ld, acc_lo.data() + r0 * 32);
             band_rows<decltype(R)::value>(hi.data(), nq, rhi.q.row(r0) + o0, rhi.q.ld, acc_hi.data() + r0 * 32);
           };
-          switch (std::min<int64_t>(kGRows, n - r0)) {
-            case 1: run(std::integral_constant<int, 1>{}); break;
-            case 2: run(std::integral_constant<int, 2>{}); break;
-            default: run(std::integral_constant<int, kGRows>{}); break;
-          }
+          moetune_avx2_int16::with_rows<kGRows>(n - r0, run);
         }
       }
       for (int64_t r = 0; r < n; ++r) {
