@@ -22,8 +22,11 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # 1.02x at T = 1024 / 2048; 256: 1.26x / 1.04x (docs/performance.md, "Prefetching into L2"). Not measured against
 # AMX's oneDNN GEMMs yet: no AMX-BF16 entry. AVX2 (fp32 compute; the weights widened to fp32 in registers, against
 # the torch path's fp32 tiles and MKL's sgemm): fused / torch CPU time 1.32x at 8, 1.35x at 32, 1.15x at 128, 1.06x at
-# 256, 0.99x at 512 rows per expert (an AVX2-only AMD EPYC, Zen 1, 1 thread; docs/performance.md, "AVX2 variant").
-BF16_FUSED_MAX_ROWS = MappingProxyType({"AVX512-BF16": 256, "AVX2": 256})
+# 256, 0.99x at 512 rows per expert (an AVX2-only AMD EPYC, Zen 1, 1 thread; docs/performance.md, "AVX2 variant");
+# on a Zen 3, with the forward on the backward's loops from 112 rows: 1.31x at 64, 1.06x at 128, 1.01x at 192, 0.89x
+# at 256 (`python bench/formats.py --experts 32 --top-k 4 --tokens 512 1024 1536 2048 --fused-max-rows 100000`;
+# docs/performance.md, "AVX2: the forward from 112 rows on the backward's loops"), so 192 for AVX2.
+BF16_FUSED_MAX_ROWS = MappingProxyType({"AVX512-BF16": 256, "AVX2": 192})
 
 # bf16 weight rows whose bytes are a multiple of ALIAS_BYTES are stored PAD_BYTES further apart (``row_stride``): the
 # kernels' backward reads 64 rows at the same columns, and rows 4 KiB apart all fall in one L1 set (8 ways), so

@@ -5,7 +5,9 @@
 //   forward : out[n, O] (+)= (x[n, K] @ W^T) * row_scale   4 weight rows at a time, K in chunks of kChunk: the
 //             4 x kChunk block decoded once into L1 (a row at a time: decode_row) and used by every row of x,
 //             kRows rows per register block, lanes along k (acc[r][j] += x[r, k..k+8) * W[o0 + j, k..k+8)), each
-//             sum reduced once per chunk; the next block's codes prefetched meanwhile (rows of >= 2 KiB of codes).
+//             sum reduced once per chunk; the next block's codes prefetched meanwhile (rows of >= 1 KiB of codes).
+//             From kTransposedMinRows rows of x (no row_scale: every format but int8) it is the backward's product
+//             with V = W^T, on the backward's loops: V's blocks decoded 8 x 8 and transposed in registers.
 //   backward: out[n, K] (+)= (g[n, O] * row_scale) @ W      blocks of W (32 rows x 128 columns for n <= 32, else
 //             128 x 32) decoded once into L1 (decode_row) and used by every row of g, a row block's column blocks
 //             in turn, kGRows rows x 16 columns per register block, lanes along k (acc[r][k..k+8) +=
@@ -50,6 +52,13 @@ constexpr int64_t kBRows = 32, kBCols = 128;  // backward, up to 32 rows of g: W
 // nibbles fill 128 bytes), 1.0-1.5x at 1-32 rows of g; mxfp4 (64 bytes, its rows' codes in one run) 0.92-0.98x
 // (Zen 1, bench/kernel_ab.py)
 constexpr int64_t kBackPrefetchMinRunBytes = 128;
+// forward: from this many rows of x, out = x @ W^T runs on the backward's loops over V = W^T (TransposedLanes,
+// below): the forward's own loops (lanes along k, x's rows re-read from L2 per 4 weight rows) ran at 57-62 GFLOP/s
+// from 64 rows where the backward's ran at 75-80 (Zen 3, bf16 gate_up, one thread). Against them (bench/kernel_ab.py,
+// Zen 3): 1.04-1.17x at 112 rows for bf16, int4 and fp8_block, 1.07-1.36x at 128-256 for every format; at 96 bf16
+// and int4 1.06-1.25x but fp8_block 0.96-0.99x (its codes' `eight` costs more than a run's decoding), at 48-64
+// int4 and fp8_block 0.85-0.95x
+constexpr int64_t kTransposedMinRows = 112;
 
 // Why not usable here, or "" when AVX2, FMA and F16C are.
 std::string variant_unavailable() {
@@ -241,7 +250,8 @@ MOETUNE_AVX2 void backward_range(const Dec& dec, const typename Lanes::A* g, int
   const int64_t bR = n > 32 ? kBCols : kBRows, bC = n > 32 ? kBRows : kBCols;
   const int64_t width = (s1 - s0) * 32;
   std::vector<float> acc(n * width, 0.0f);
-  const bool ahead = span_bytes(dec, 0, 0, std::min(kBCols, K) - 1) >= kBackPrefetchMinRunBytes;
+  bool ahead = false;  // the next block's codes prefetched (where W's codes lie in rows along its k)
+  if constexpr (Lanes::kAhead) ahead = span_bytes(dec, 0, 0, std::min(kBCols, K) - 1) >= kBackPrefetchMinRunBytes;
   for (int64_t o0 = 0; o0 < O; o0 += bR) {
     const int rows = static_cast<int>(std::min<int64_t>(bR, O - o0));
     for (int64_t k0 = s0 * 32; k0 < s1 * 32; k0 += bC) {
@@ -253,7 +263,7 @@ MOETUNE_AVX2 void backward_range(const Dec& dec, const typename Lanes::A* g, int
       const int64_t next_rows = ahead && nk < K && no < O ? std::min<int64_t>(bR, O - no) : 0;
       const int64_t next_last = std::min<int64_t>({nk + bC, s1 * 32, K}) - 1;
       for (int64_t c = 0; c < cols; c += 32) {
-        prefetch_share(dec, no, next_rows, nk, next_last, c / 32, cols / 32);
+        if constexpr (Lanes::kAhead) prefetch_share(dec, no, next_rows, nk, next_last, c / 32, cols / 32);
         for (int64_t r0 = 0; r0 < n; r0 += Lanes::kGRows)
           with_rows<Lanes::kGRows>(n - r0, [&](auto R) MOETUNE_AVX2 {
             Lanes::template backward<decltype(R)::value>(w + c * Lanes::kPair, bC * Lanes::kPair, rows,
@@ -287,6 +297,7 @@ struct F32Lanes {
   // broadcast fit 16 ymm (8 loads per 12 FMAs; 4 columns x 3 rows reloaded W per row: 2x slower at n = 64)
   static constexpr int kGRows = 6;
   static constexpr int kPair = 1;  // backward: weight rows per row of a decoded block
+  static constexpr bool kAhead = true;  // backward: the next block's codes prefetched
   template <class Dec>
   MOETUNE_AVX2 static void decode(const Dec& dec, int64_t o, int64_t k0, int64_t cols, int64_t K, W* dst) {
     decode_row(dec, o, k0, cols, K, dst);
@@ -320,6 +331,7 @@ struct I16Lanes {
   // 8-32 (Zen 3, bench/kernel_ab.py)
   static constexpr int kGRows = 4;
   static constexpr int kPair = 2;  // decode_pairs' rows hold two weight rows, interleaved
+  static constexpr bool kAhead = true;
   MOETUNE_AVX2 static void decode(const moetune::Int8Rows& dec, int64_t o, int64_t k0, int64_t cols, int64_t, W* dst) {
     moetune_avx2_int16::decode_row(dec, o, k0, cols, dst);
   }
@@ -336,6 +348,52 @@ struct I16Lanes {
   MOETUNE_AVX2 static void backward(const W* w, int64_t ldw, int rows, const A* g, int64_t ldg, float* acc,
                                     int64_t lda) {
     moetune_avx2_int16::backward_block<R>(w, ldw, rows, g, ldg, acc, lda);
+  }
+};
+
+// W^T as the backward's weight: V[k, o] = W[o, k], V [K, O] (out[n, O] = x[n, K] @ V, backward_range's product)
+template <class Dec>
+struct Transposed {
+  const Dec& dec;
+  int64_t O, K;  // W's
+};
+
+// v[i] <- the i-th column of the 8 x 8 block v (lane j of v[i] is v[j]'s lane i)
+MOETUNE_AVX2 inline void transpose8(__m256 v[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    v[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// The forward on the backward's loops (F32Lanes' register blocks): a block of V, rows k0 .. k0 + rows (W's columns)
+// by columns o0 .. o0 + cols (W's rows), decoded 8 x 8 at a time (8 of W's rows, `eight` each) and transposed in
+// registers; W's rows past O and columns past K as zeros. No prefetch: V's rows are W's columns.
+struct TransposedLanes : F32Lanes {
+  static constexpr bool kAhead = false;
+  template <class Dec>
+  MOETUNE_AVX2 static void decode_block(const Transposed<Dec>& t, int64_t k0, int rows, int64_t o0, int64_t cols,
+                                        int64_t, W* w, int64_t ldw) {
+    for (int64_t ob = 0; ob < cols; ob += 8)
+      for (int kb = 0; kb < rows; kb += 8) {
+        __m256 v[8];
+        const int valid = static_cast<int>(t.K - k0 - kb);
+        for (int i = 0; i < 8; ++i)
+          v[i] = o0 + ob + i < t.O ? t.dec.eight(o0 + ob + i, k0 + kb, valid) : _mm256_setzero_ps();
+        transpose8(v);
+        for (int i = 0; i < 8; ++i) _mm256_store_ps(w + (kb + i) * ldw + ob, v[i]);
+      }
   }
 };
 
@@ -360,6 +418,11 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
       at::parallel_for(0, (K + 31) / 32, 1, [&](int64_t s0, int64_t s1) {
         backward_range<I16Lanes>(dec, q, rows.ld, step, n, K, O, op, ldo, accumulate, s0, s1);
       });
+  } else if (forward && n >= kTransposedMinRows && !row_scale) {  // out = x @ V, V = W^T: the backward's loops
+    const Transposed<Dec> t{dec, O, K};
+    at::parallel_for(0, (O + 31) / 32, 1, [&](int64_t s0, int64_t s1) {
+      backward_range<TransposedLanes>(t, ap, lda, nullptr, n, O, K, op, ldo, accumulate, s0, s1);
+    });
   } else if (forward) {
     at::parallel_for(0, (O + kWRows - 1) / kWRows, 1, [&](int64_t b0, int64_t b1) {
       forward_range<F32Lanes>(dec, row_scale, ap, lda, nullptr, n, K, O, op, ldo, accumulate, b0, b1);

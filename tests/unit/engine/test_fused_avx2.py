@@ -7,8 +7,10 @@ to the forward's sums).
 
 Bound per element: ``2^-21 |ref|`` (the scale's and the accumulate's fp32 roundings) plus ``K * 2^-23`` times
 the product of magnitudes (K fp32 additions); a wrong scale, nibble or block is off by a factor, far outside it.
-Row counts cover one to several register blocks (3 rows forward, 6 backward) and each remainder; odd shapes
-cover K off the 8-column lanes (bf16, int8 and fp8_block tails), partial 4-row output blocks and 32-column strips.
+Row counts cover one to several register blocks (3 rows forward, 6 backward) and each remainder, and the forward
+on the backward's loops over W^T (from 112 rows: 130 here, 113 in the odd shapes); odd shapes cover K off the
+8-column lanes (bf16, int8 and fp8_block tails; the transposed forward's W^T rows past K), partial 4-row output
+blocks and 32-column strips (O off them: the transposed forward's columns past O).
 The engine with fp32 compute on this variant equals the torch path; the registry's choice of it is in
 ``test_fused_kernels``.
 """
@@ -114,7 +116,7 @@ def test_avx2_kernel_matches_float64(name, forward, accumulate):
 )
 @pytest.mark.parametrize("forward", [True, False], ids=["forward", "backward"])
 def test_avx2_kernel_odd_shapes(name, o, k, forward):
-    for n in (1, 5, 40):
+    for n in (1, 5, 40, 113):
         _check(_weights(name, o, k), forward, n, accumulate=n != 5)
 
 
