@@ -11,8 +11,9 @@ benchmarks, and engines whose ``GemmPath`` names a variant other than the defaul
 The build is torch's ``cpp_extension.load`` (g++ and ninja; ``pip install moetune`` brings ninja) into
 ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) under a name keyed by a hash of the variant's
 source, every header it includes and the torch version: a changed source or torch never loads a stale build,
-and torch's builder holds a file lock, so concurrent processes build it once. First use takes ~30-60 s; later
-processes load the cached .so.
+and torch's builder holds a file lock, so concurrent processes build it once (a build finding the lock taken says
+so, naming the file: torch's builder waits for it silently, for ever where a killed build left it). First use takes
+~30-60 s; later processes load the cached .so.
 
 ``MOETUNE_KERNELS=off`` (read here only, whenever an engine resolves its GEMM path) turns the kernels off for
 A/B runs; engines built then take the torch path; a value other than on/off/1/0 is a ConfigError. Any other
@@ -28,6 +29,7 @@ import os
 import re
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -159,9 +161,9 @@ def _build_variant(variant: KernelVariant) -> tuple[ModuleType | None, str]:
     try:
         from torch.utils import cpp_extension
 
-        if not _cached(
-            cpp_extension, name
-        ):  # progress, as a bar would show it: why the first engine takes a while
+        folder = _build_folder(cpp_extension, name)
+        if folder is not None and not (folder / f"{name}.so").exists():
+            # progress, as a bar would show it: why the first engine takes a while
             where = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
             print(
                 f"moetune: compiling the {variant.name} kernels for this CPU and torch (once; about 30-60 s, then "
@@ -169,6 +171,9 @@ def _build_variant(variant: KernelVariant) -> tuple[ModuleType | None, str]:
                 file=sys.stderr,
                 flush=True,
             )
+            held = _held_lock(folder)
+            if held:  # torch's builder waits for the lock without a word, for ever if nothing releases it
+                print(held, file=sys.stderr, flush=True)
         module = cpp_extension.load(
             name=name,
             sources=[str(paths[0])],
@@ -184,13 +189,27 @@ def _build_variant(variant: KernelVariant) -> tuple[ModuleType | None, str]:
     return (None, f"{variant.name}: {why}") if why else (module, "")
 
 
-def _cached(cpp_extension: ModuleType, name: str) -> bool:
-    """Whether torch's builder has ``name`` built already (its folder holds the library), so loading is quick."""
+def _build_folder(cpp_extension: ModuleType, name: str) -> Path | None:
+    """The folder torch's builder builds ``name`` in, or None where its private helper is gone (then only the
+    notices are lost)."""
     try:
-        folder = Path(cpp_extension._get_build_directory(name, False))  # torch's own rule for the folder
-    except Exception:  # noqa: BLE001 - a private helper: when it changes, only the notice is lost
-        return True
-    return (folder / f"{name}.so").exists()
+        return Path(cpp_extension._get_build_directory(name, False))  # torch's own rule for the folder
+    except Exception:  # noqa: BLE001 - a private helper: when it changes, only the notices are lost
+        return None
+
+
+def _held_lock(folder: Path) -> str:
+    """What to tell the user where torch's build lock in ``folder`` is held (another process building, or a build
+    killed while it held it: torch's builder then waits for ever, silently), else ""."""
+    lock = folder / "lock"
+    try:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(lock.stat().st_mtime))
+    except OSError:
+        return ""
+    return (
+        f"moetune: waiting for the build lock {lock} (taken {since}): another process is building the same "
+        f"kernels; if none is (a build interrupted while it held the lock), delete that file"
+    )
 
 
 def _build() -> tuple[ModuleType | None, str]:

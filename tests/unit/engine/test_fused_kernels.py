@@ -522,6 +522,34 @@ def test_build_failure_falls_back_to_the_torch_path_with_one_warning(monkeypatch
     assert torch.isfinite(y).all()
 
 
+def test_a_build_finding_the_lock_taken_names_the_lock_file(monkeypatch, tmp_path, capsys):
+    """torch's builder waits for its lock file without a word (for ever where a killed build left it): before it
+    waits, the build says it is compiling and which lock it waits for, and how to release a stale one; a build with
+    no lock file says only that it is compiling."""
+    from torch.utils import cpp_extension
+
+    built: list[str] = []
+
+    def fake_load(name: str, **_: object) -> None:
+        built.append(name)
+        raise RuntimeError("stop here")  # the rest of a build is the other tests'
+
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path / name))
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    variant = variant_named("AVX2")
+    assert variant is not None
+    for held in (False, True):
+        if held:
+            (tmp_path / built[0]).mkdir()
+            (tmp_path / built[0] / "lock").touch()
+        module, why = loader._build_variant(variant)
+        assert module is None and "stop here" in why
+        err = capsys.readouterr().err
+        assert "compiling the AVX2 kernels" in err
+        assert ("waiting for the build lock" in err) is held, err
+    assert str(tmp_path / built[0] / "lock") in err and "delete that file" in err
+
+
 def test_env_turns_the_kernels_off_and_rejects_other_values(monkeypatch):
     int8 = FORMATS.get("int8").from_dense(*gaussian(e=1))
     monkeypatch.setenv(KERNELS_ENV, "off")
