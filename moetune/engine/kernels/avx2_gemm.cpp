@@ -355,7 +355,7 @@ struct I16Lanes {
 template <class Dec>
 struct Transposed {
   const Dec& dec;
-  int64_t O, K;  // W's
+  int64_t K;  // W's (V's rows; its columns, W's O, are backward_range's K)
 };
 
 // v[i] <- the i-th column of the 8 x 8 block v (lane j of v[i] is v[j]'s lane i)
@@ -384,13 +384,13 @@ struct TransposedLanes : F32Lanes {
   static constexpr bool kAhead = false;
   template <class Dec>
   MOETUNE_AVX2 static void decode_block(const Transposed<Dec>& t, int64_t k0, int rows, int64_t o0, int64_t cols,
-                                        int64_t, W* w, int64_t ldw) {
+                                        int64_t O, W* w, int64_t ldw) {
     for (int64_t ob = 0; ob < cols; ob += 8)
       for (int kb = 0; kb < rows; kb += 8) {
         __m256 v[8];
         const int valid = static_cast<int>(t.K - k0 - kb);
         for (int i = 0; i < 8; ++i)
-          v[i] = o0 + ob + i < t.O ? t.dec.eight(o0 + ob + i, k0 + kb, valid) : _mm256_setzero_ps();
+          v[i] = o0 + ob + i < O ? t.dec.eight(o0 + ob + i, k0 + kb, valid) : _mm256_setzero_ps();
         transpose8(v);
         for (int i = 0; i < 8; ++i) _mm256_store_ps(w + (kb + i) * ldw + ob, v[i]);
       }
@@ -419,7 +419,7 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
         backward_range<I16Lanes>(dec, q, rows.ld, step, n, K, O, op, ldo, accumulate, s0, s1);
       });
   } else if (forward && n >= kTransposedMinRows && !row_scale) {  // out = x @ V, V = W^T: the backward's loops
-    const Transposed<Dec> t{dec, O, K};
+    const Transposed<Dec> t{dec, K};
     at::parallel_for(0, (O + 31) / 32, 1, [&](int64_t s0, int64_t s1) {
       backward_range<TransposedLanes>(t, ap, lda, nullptr, n, O, K, op, ldo, accumulate, s0, s1);
     });

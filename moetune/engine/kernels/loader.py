@@ -162,8 +162,8 @@ def _build_variant(variant: KernelVariant) -> tuple[ModuleType | None, str]:
         from torch.utils import cpp_extension
 
         folder = _build_folder(cpp_extension, name)
-        if folder is not None and not (folder / f"{name}.so").exists():
-            # progress, as a bar would show it: why the first engine takes a while
+        cached = folder is None or (folder / f"{name}.so").exists()
+        if not cached:  # progress, as a bar would show it: why the first engine takes a while
             where = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
             print(
                 f"moetune: compiling the {variant.name} kernels for this CPU and torch (once; about 30-60 s, then "
@@ -171,9 +171,11 @@ def _build_variant(variant: KernelVariant) -> tuple[ModuleType | None, str]:
                 file=sys.stderr,
                 flush=True,
             )
-            held = _held_lock(folder)
-            if held:  # torch's builder waits for the lock without a word, for ever if nothing releases it
-                print(held, file=sys.stderr, flush=True)
+        # torch's builder takes the lock on every load, a cached one too (its up-to-date check), and waits for it
+        # without a word, for ever if nothing releases it: a cached load's lock is reported once it is stale
+        held = _held_lock(folder, _STALE_LOAD_LOCK_S if cached else 0.0) if folder is not None else ""
+        if held:
+            print(held, file=sys.stderr, flush=True)
         module = cpp_extension.load(
             name=name,
             sources=[str(paths[0])],
@@ -198,14 +200,23 @@ def _build_folder(cpp_extension: ModuleType, name: str) -> Path | None:
         return None
 
 
-def _held_lock(folder: Path) -> str:
-    """What to tell the user where torch's build lock in ``folder`` is held (another process building, or a build
-    killed while it held it: torch's builder then waits for ever, silently), else ""."""
+# A cached build's load holds torch's lock for its up-to-date check (well under a second); a lock this old beside a
+# built library was left by a killed process
+_STALE_LOAD_LOCK_S = 60.0
+
+
+def _held_lock(folder: Path, older_than_s: float) -> str:
+    """What to tell the user where torch's build lock in ``folder`` is held and at least ``older_than_s`` old
+    (another process building, or a process killed while it held it: torch's builder then waits for ever,
+    silently), else ""."""
     lock = folder / "lock"
     try:
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(lock.stat().st_mtime))
+        taken = lock.stat().st_mtime
     except OSError:
         return ""
+    if time.time() - taken < older_than_s:
+        return ""
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(taken))
     return (
         f"moetune: waiting for the build lock {lock} (taken {since}): another process is building the same "
         f"kernels; if none is (a build interrupted while it held the lock), delete that file"

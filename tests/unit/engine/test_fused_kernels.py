@@ -28,7 +28,9 @@ ISAs the kernel products are skipped naming the CPU.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import time
 from dataclasses import replace
 
 import pytest
@@ -525,7 +527,7 @@ def test_build_failure_falls_back_to_the_torch_path_with_one_warning(monkeypatch
 def test_a_build_finding_the_lock_taken_names_the_lock_file(monkeypatch, tmp_path, capsys):
     """torch's builder waits for its lock file without a word (for ever where a killed build left it): before it
     waits, the build says it is compiling and which lock it waits for, and how to release a stale one; a build with
-    no lock file says only that it is compiling."""
+    no lock file says only that it is compiling; a load of a built library names the lock only once it is stale."""
     from torch.utils import cpp_extension
 
     built: list[str] = []
@@ -548,6 +550,14 @@ def test_a_build_finding_the_lock_taken_names_the_lock_file(monkeypatch, tmp_pat
         assert "compiling the AVX2 kernels" in err
         assert ("waiting for the build lock" in err) is held, err
     assert str(tmp_path / built[0] / "lock") in err and "delete that file" in err
+    # built already: torch still takes the lock for its up-to-date check, so only a stale one is named
+    lock = tmp_path / built[0] / "lock"
+    (tmp_path / built[0] / f"{built[0]}.so").touch()
+    for age, named in ((1.0, False), (loader._STALE_LOAD_LOCK_S + 5, True)):
+        os.utime(lock, (time.time() - age, time.time() - age))
+        loader._build_variant(variant)
+        err = capsys.readouterr().err
+        assert "compiling" not in err and ("waiting for the build lock" in err) is named, (age, err)
 
 
 def test_env_turns_the_kernels_off_and_rejects_other_values(monkeypatch):
