@@ -397,6 +397,89 @@ struct TransposedLanes : F32Lanes {
   }
 };
 
+// fp8_block's codes as a decoder without its scales: V[o, k] = the code's value * 2^-8, exact in fp32 (half8: fp16
+// bits widened), 16 at a time in a row's runs. Its products take each 128 x 128 block's mult (scale_inv * 2^8) on
+// the activations instead (block_scaled, below).
+struct Fp8Codes {
+  const moetune::Fp8BlockRows& fp8;
+  MOETUNE_AVX2 inline __m256 eight(int64_t o, int64_t k0, int valid) const {
+    if (valid <= 0) return _mm256_setzero_ps();
+    return _mm256_cvtph_ps(moetune::Fp8BlockRows::half8(moetune::load8(code(o, k0), valid)));
+  }
+  MOETUNE_AVX2 inline void span8(int64_t o, int64_t k0, int64_t cols, float* dst) const {
+    const auto* p = static_cast<const int8_t*>(code(o, k0));
+    int64_t c = 0;
+    for (; c + 16 <= cols; c += 16) {
+      const __m256i h = moetune::Fp8BlockRows::half16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c)));
+      _mm256_storeu_ps(dst + c, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+      _mm256_storeu_ps(dst + c + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+    }
+    if (c < cols) _mm256_storeu_ps(dst + c, eight(o, k0 + c, 8));  // cols: whole 8s inside K (decode_row)
+  }
+  inline const void* code(int64_t o, int64_t k) const { return fp8.code(o, k); }
+};
+
+// fp8_block up to this many rows of x / g: block_scaled (below). Against the scaled decoding (bench/kernel_ab.py,
+// Zen 3, one thread, three runs; noise about 5-10%): forward gate_up 1.02-1.17x and down 0.85-1.16x at 1-12 rows,
+// 0.88-1.16x at 16, 0.68-0.97x at 32 (x's copies, n K per 128 rows of W, outgrow the decoding's multiplies);
+// backward 0.90-1.23x at 1-24 rows (mostly above 1.05x), 0.90-1.14x at 32, 0.93-0.94x at 48-64 (docs/performance.md)
+constexpr int64_t kScaledMaxRowsForward = 12, kScaledMaxRowsBackward = 32;
+
+// dst[0 .. len) = src[0 .. len) * m
+MOETUNE_AVX2 inline void scaled_run(const float* src, float* dst, int64_t len, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_loadu_ps(src + i), mv));
+  for (; i < len; ++i) dst[i] = src[i] * m;
+}
+
+// fp8_block's products with each block's mult on the activations and the codes decoded without it (Fp8Codes: the
+// decoding's multiply per weight gone, 16 codes per step). Forward: per run of 4-row blocks in one grid row, a copy
+// of x with each 128-column block times that grid row's mult (n K multiplies per 128 rows of W); a block across two
+// grid rows (seg not a multiple of 4) decodes with its scales. Backward: per 128 columns of K, a copy of g with each
+// column o times its grid row's mult (n O multiplies per 128 columns). The sums are the scaled decoding's up to
+// rounding: x * (s 2^8) * (c 2^-8) for x * (c s).
+MOETUNE_AVX2 void block_scaled(bool forward, const moetune::Fp8BlockRows& dec, const float* a, int64_t lda, int64_t n,
+                               int64_t K, int64_t O, float* out, int64_t ldo, bool accumulate) {
+  const Fp8Codes codes{dec};
+  if (forward) {
+    // the grid row of block ob's rows, or -1 where they lie in two
+    auto grid = [&](int64_t ob) {
+      const int64_t r = dec.grid_row(ob * kWRows);
+      return dec.grid_row(std::min(O, (ob + 1) * kWRows) - 1) == r ? r : -1;
+    };
+    at::parallel_for(0, (O + kWRows - 1) / kWRows, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<float> xs(n * K);
+      for (int64_t ob = b0, end; ob < b1; ob = end) {
+        const int64_t r = grid(ob);
+        for (end = ob + 1; end < b1 && grid(end) == r;) ++end;
+        if (r < 0) {
+          forward_range<F32Lanes>(dec, nullptr, a, lda, nullptr, n, K, O, out, ldo, accumulate, ob, end);
+          continue;
+        }
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t k0 = 0; k0 < K; k0 += 128)
+            scaled_run(a + i * lda + k0, xs.data() + i * K + k0, std::min<int64_t>(128, K - k0),
+                       dec.scale_inv[r * dec.cols + k0 / 128] * 256.0f);
+        forward_range<F32Lanes>(codes, nullptr, xs.data(), K, nullptr, n, K, O, out, ldo, accumulate, ob, end);
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, (K + 31) / 32, 1, [&](int64_t s0, int64_t s1) {
+    std::vector<float> gs(n * O);
+    for (int64_t s = s0, end; s < s1; s = end) {
+      end = std::min(s1, (s / 4 + 1) * 4);  // the strips of one 128-column block
+      for (int64_t o0 = 0, o1; o0 < O; o0 = o1) {  // runs of one grid row: 128 rows, split at seg
+        o1 = std::min(O, o0 < dec.seg ? std::min(dec.seg, (o0 / 128 + 1) * 128) : o0 + 128);
+        const float m = dec.mult(o0, s * 32);
+        for (int64_t i = 0; i < n; ++i) scaled_run(a + i * lda + o0, gs.data() + i * O + o0, o1 - o0, m);
+      }
+      backward_range<F32Lanes>(codes, gs.data(), O, nullptr, n, K, O, out, ldo, accumulate, s, end);
+    }
+  });
+}
+
 template <class Dec>
 void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch::Tensor& a, torch::Tensor& out,
               int64_t O, int64_t K, bool accumulate) {
@@ -405,6 +488,10 @@ void run_gemm(bool forward, const Dec& dec, const float* row_scale, const torch:
   const int64_t ldo = out.stride(0);
   const auto* ap = a.data_ptr<float>();
   const int64_t lda = a.stride(0);
+  if constexpr (std::is_same_v<Dec, moetune::Fp8BlockRows>) {
+    if (n <= (forward ? kScaledMaxRowsForward : kScaledMaxRowsBackward))
+      return block_scaled(forward, dec, ap, lda, n, K, O, op, ldo, accumulate);
+  }
   if constexpr (std::is_same_v<Dec, moetune::Int8Rows>) {  // int16 rows against the codes (avx2_int16.h)
     // x's rows, or g's times the row scale (in fp32), as 16-bit integers
     const auto rows = moetune_avx2_int16::rows_q<int16_t>(ap, lda, n, forward ? K : O, forward ? nullptr : row_scale);

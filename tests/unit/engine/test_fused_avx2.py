@@ -10,7 +10,9 @@ the product of magnitudes (K fp32 additions); a wrong scale, nibble or block is 
 Row counts cover one to several register blocks (3 rows forward, 6 backward) and each remainder, and the forward
 on the backward's loops over W^T (from 112 rows: 130 here, 113 in the odd shapes); odd shapes cover K off the
 8-column lanes (bf16, int8 and fp8_block tails; the transposed forward's W^T rows past K), partial 4-row output
-blocks and 32-column strips (O off them: the transposed forward's columns past O).
+blocks and 32-column strips (O off them: the transposed forward's columns past O). fp8_block up to 12 rows forward
+and 32 backward takes its block scales on copies of x and g (``block_scaled``): n = 1-11 and 1-17 here, and the
+odd shape 258 x 75 puts a 4-row block across two grid rows (up's rows from 129).
 The engine with fp32 compute on this variant equals the torch path; the registry's choice of it is in
 ``test_fused_kernels``.
 """
@@ -118,6 +120,17 @@ def test_avx2_kernel_matches_float64(name, forward, accumulate):
 def test_avx2_kernel_odd_shapes(name, o, k, forward):
     for n in (1, 5, 40, 113):
         _check(_weights(name, o, k), forward, n, accumulate=n != 5)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_avx2_kernel_is_the_same_on_two_threads(name):
+    """Each output element is summed by one thread in one order on 2 intra-op threads too: the forward's 4-row
+    blocks split between threads (fp8_block up to 12 rows: each thread scales x for the grid rows of its own
+    blocks, O = 400 with up's rows from 200 splitting its runs), the backward's 32-column strips (fp8_block up to
+    32 rows: g scaled per 128 columns, 12 strips, 6 per thread: one thread's start inside a block)."""
+    fmt = _weights(name, 400 if name == "fp8_block" else 512, 384)  # I = 256 for int4 g128 and mxfp4
+    for n in (8, 20, 40, 113):
+        test_fused_kernels.assert_same_bits_on_two_threads(fmt, n, load_variant("AVX2"), torch.float32)
 
 
 def test_avx2_kernel_refuses_bf16_operands():

@@ -32,6 +32,7 @@ import os
 import shutil
 import time
 from dataclasses import replace
+from types import ModuleType
 
 import pytest
 import torch
@@ -319,17 +320,21 @@ def test_int4_kernel_off_the_table_path(group, k):
             assert float(((out.double() - ref).abs() / bound).max()) <= 1.0, (group, k, forward, n)
 
 
-def assert_same_bits_on_two_threads(fmt: ExpertFormat, n: int) -> None:
-    """gate_up's forward and backward products with n rows on 1 and 2 intra-op threads are equal bit for bit."""
+def assert_same_bits_on_two_threads(
+    fmt: ExpertFormat, n: int, kernels: ModuleType | None = None, dtype: torch.dtype = torch.bfloat16
+) -> None:
+    """gate_up's forward and backward products with n rows on 1 and 2 intra-op threads are equal bit for bit
+    (on ``kernels``, operands in ``dtype``; default: the default variant's, bf16)."""
+    kernels = kernels or load_fused()
     o, k = fmt.shape("gate_up")
     gen = torch.Generator().manual_seed(n)
-    a, g = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, o, generator=gen).bfloat16()
+    a, g = torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, o, generator=gen).to(dtype)
     results = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        y, gx = torch.empty(n, o, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.bfloat16)
-        fmt.fused_gemm(load_fused(), True, "gate_up", 0, a, y, False)
-        fmt.fused_gemm(load_fused(), False, "gate_up", 0, g, gx, False)
+        y, gx = torch.empty(n, o, dtype=dtype), torch.empty(n, k, dtype=dtype)
+        fmt.fused_gemm(kernels, True, "gate_up", 0, a, y, False)
+        fmt.fused_gemm(kernels, False, "gate_up", 0, g, gx, False)
         results.append((y, gx))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1]), (
         fmt.name,
