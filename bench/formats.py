@@ -27,6 +27,9 @@ compute dtype; a step converts twice, forward and backward), fwd+bwd ms with exp
 min and median over reps, and process CPU time min), and throughput relative to bf16 (bf16 ms / format ms,
 from the minima: the least disturbed runs). On a machine shared with other jobs, CPU time with
 ``--threads 1`` is the steadier measure: time spent descheduled does not count.
+Every engine keeps its workspaces while the others run, so the memory a run needs grows with the formats and T: after
+the first engine's warm-up at each token count, the run stops, saying how much the rest would need against what is
+available, where that exceeds 90% of it (``room_for_the_rest``), rather than meet the out-of-memory kill.
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+import psutil
 import torch
 
-from moetune.bench.weight_formats import FORMAT_BUILDS, LABEL_OPTIONS, label_refused
+from moetune.bench.weight_formats import FORMAT_BUILDS, LABEL_OPTIONS, label_refused, room_for_the_rest
 from moetune.engine import EngineOptions, ExpertEngine, ExpertLoRA
 from moetune.engine.formats.base import Projection
 from moetune.engine.gemm import resolve_gemm_path
@@ -195,8 +199,13 @@ def bench_tokens(
         _, saved = engine.forward(x, ids, w)
         engine.backward(saved, gy)
 
-    for engine in engines.values():  # warm-up: workspaces grow to size, MKL picks its kernels
+    # warm-up: workspaces grow to size, MKL picks its kernels; the first engine's growth says whether the rest fit
+    me = psutil.Process()
+    before = me.memory_info().rss
+    for n, engine in enumerate(engines.values()):
         step(engine)
+        if n == 0:
+            room_for_the_rest(t, me.memory_info().rss - before, len(engines) - 1)
     wall: dict[str, list[float]] = {label: [] for label in engines}
     cpu: dict[str, list[float]] = {label: [] for label in engines}
     for _ in range(reps):

@@ -79,3 +79,22 @@ def label_refused(label: str, compute_dtype: torch.dtype, isa: tuple[str, ...]) 
     if label not in LABEL_OPTIONS:
         return ""
     return int8_rows_problem(LABEL_FORMATS[label], compute_dtype, isa)
+
+
+def room_for_the_rest(tokens: int, grew: int, more: int, available: int | None = None) -> None:
+    """``SystemExit`` before ``more`` engines warm up at T = ``tokens`` when they would not fit: each holds about
+    what the first one's warm-up added (``grew`` bytes of resident memory: its workspaces and saved activations;
+    the formats' own differ a little), against 90% of the memory ``psutil`` says is available (or ``available``).
+    The engines of a run are warmed and timed in turn and each keeps its workspaces, so without this a run past
+    the machine's memory ends at the operating system's out-of-memory kill, with no word of why."""
+    import psutil
+
+    free = psutil.virtual_memory().available if available is None else available
+    need = max(grew, 0) * more
+    if need > 0.9 * free:
+        gib = 2.0**30
+        raise SystemExit(
+            f"bench/formats.py: --tokens {tokens}: the first engine's step took {grew / gib:.2f} GiB; the other "
+            f"{more} engines need about {need / gib:.1f} GiB more, and {free / gib:.1f} GiB is available. Run fewer "
+            "--formats, or fewer --tokens / --experts per run"
+        )

@@ -1,7 +1,7 @@
 """``bench/formats.py`` where the CPU has no kernels for the ``-a8`` labels (``MOETUNE_KERNELS=off`` stands in for an
 AVX2-only CPU, on which the default run used to stop at the first one): run by default it skips them, naming the
 engine's reason, and times every other label; named in ``--formats`` it stops with that reason before any weights are
-built.
+built; a run whose engines would not fit in memory stops after the first one's warm-up, saying why.
 Nothing here asserts a speed."""
 
 from __future__ import annotations
@@ -10,6 +10,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from moetune.bench.weight_formats import room_for_the_rest
 from tests.unit.bench.scripts import ROOT
 
 TINY = ("--experts", "4", "--hidden", "128", "--inter", "64", "--tokens", "16", "--top-k", "2", "--reps", "1")
@@ -51,3 +54,15 @@ def test_a_named_a8_label_stops_the_run_with_the_reason():
     ), run.stderr[-2000:]
     assert "re-packing" not in run.stdout  # before any weights were built (compressed-int4's prints it)
     assert "T=16" not in run.stdout
+
+
+def test_a_run_that_would_not_fit_stops_saying_how_much_it_needs():
+    gib = 2**30
+    room_for_the_rest(8192, 2 * gib, 4, available=10 * gib)  # 8 GiB of 10: fits under 90%
+    with pytest.raises(SystemExit) as stop:
+        room_for_the_rest(8192, 2 * gib, 9, available=10 * gib)
+    assert str(stop.value) == (
+        "bench/formats.py: --tokens 8192: the first engine's step took 2.00 GiB; the other 9 engines need about "
+        "18.0 GiB more, and 10.0 GiB is available. Run fewer --formats, or fewer --tokens / --experts per run"
+    )
+    room_for_the_rest(16, -4096, 9)  # a step that freed memory needs none; the machine's own figure
