@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import psutil
 import torch
 
 from moetune.bench.runners import as_loaded
@@ -87,8 +88,6 @@ def room_for_the_rest(tokens: int, grew: int, more: int, available: int | None =
     the formats' own differ a little), against 90% of the memory ``psutil`` says is available (or ``available``).
     The engines of a run are warmed and timed in turn and each keeps its workspaces, so without this a run past
     the machine's memory ends at the operating system's out-of-memory kill, with no word of why."""
-    import psutil
-
     free = psutil.virtual_memory().available if available is None else available
     need = max(grew, 0) * more
     if need > 0.9 * free:

@@ -460,7 +460,7 @@ MOETUNE_AVX2 void block_scaled(bool forward, const moetune::Fp8BlockRows& dec, c
         for (int64_t i = 0; i < n; ++i)
           for (int64_t k0 = 0; k0 < K; k0 += 128)
             scaled_run(a + i * lda + k0, xs.data() + i * K + k0, std::min<int64_t>(128, K - k0),
-                       dec.scale_inv[r * dec.cols + k0 / 128] * 256.0f);
+                       dec.mult(ob * kWRows, k0));
         forward_range<F32Lanes>(codes, nullptr, xs.data(), K, nullptr, n, K, O, out, ldo, accumulate, ob, end);
       }
     });
@@ -470,8 +470,8 @@ MOETUNE_AVX2 void block_scaled(bool forward, const moetune::Fp8BlockRows& dec, c
     std::vector<float> gs(n * O);
     for (int64_t s = s0, end; s < s1; s = end) {
       end = std::min(s1, (s / 4 + 1) * 4);  // the strips of one 128-column block
-      for (int64_t o0 = 0, o1; o0 < O; o0 = o1) {  // runs of one grid row: 128 rows, split at seg
-        o1 = std::min(O, o0 < dec.seg ? std::min(dec.seg, (o0 / 128 + 1) * 128) : o0 + 128);
+      for (int64_t o0 = 0, o1; o0 < O; o0 = o1) {  // runs of one grid row
+        o1 = std::min(O, dec.grid_end(o0));
         const float m = dec.mult(o0, s * 32);
         for (int64_t i = 0; i < n; ++i) scaled_run(a + i * lda + o0, gs.data() + i * O + o0, o1 - o0, m);
       }

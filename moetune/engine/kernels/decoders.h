@@ -479,6 +479,10 @@ struct Fp8BlockRows {
   }
   // the grid row of W's row o (its row of 128 x 128 blocks in scale_inv), and the index of W[o, k0]'s block
   inline int64_t grid_row(int64_t o) const { return o < seg ? o >> 7 : seg_grid + ((o - seg) >> 7); }
+  // the first row past o in another grid row (grid_row's boundaries: multiples of 128 up to seg, seg, seg + 128 m)
+  inline int64_t grid_end(int64_t o) const {
+    return o < seg ? std::min(seg, ((o >> 7) + 1) << 7) : seg + ((((o - seg) >> 7) + 1) << 7);
+  }
   inline int64_t block(int64_t o, int64_t k0) const { return grid_row(o) * cols + (k0 >> 7); }
   // the block's scale_inv times 2^8 = 2^(fp16 bias 15 - e4m3 bias 7)
   inline float mult(int64_t o, int64_t k0) const { return scale_inv[block(o, k0)] * 256.0f; }
