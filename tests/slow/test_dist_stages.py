@@ -1,6 +1,7 @@
-"""The dpo and kto stages (TRL's trainers) as two processes (torchrun, gloo, experts replicated) against one
-process over the same global batches: every logged loss and every LoRA tensor after plain SGD steps (each
-update the learning rate times the averaged gradient), and each file written once."""
+"""The dpo and kto stages (TRL's trainers) as two processes (torchrun, gloo, experts replicated; the dense part under
+the Trainer's DDP or under FSDP2) against one process over the same global batches: every logged loss and every
+LoRA tensor after plain SGD steps (each update the learning rate times the averaged gradient), and each file written
+once."""
 
 from __future__ import annotations
 
@@ -17,24 +18,29 @@ from tests.integration import dist_checks, test_stages
 ROOT = Path(__file__).resolve().parents[2]
 CLI = ("-m", "moetune.cli.main", "train")
 STEPS = 3
+# the dense part's sharding over the two processes: the Trainer's DDP, or FSDP2 through accelerate's plugin
+SHARDING = {"ddp": {}, "fsdp": {"fsdp": True, "fsdp_config": {"fsdp_version": 2}}}
+# run_summary.json's dense_part.sharding on rank 0 (FSDP: DTensor shards)
+DENSE = {"ddp": "whole", "fsdp": "fsdp2"}
 
 
-def _config(tmp: Path, stage: str, model: Path, name: str, batch: int) -> Path:
+def _config(tmp: Path, stage: str, model: Path, name: str, batch: int, **extra) -> Path:
     """``test_stages``' shortened shipped example for ``stage`` in ``tmp/name``, SGD at a constant rate."""
     folder = tmp / name
     folder.mkdir()
+    run = {"max_steps": STEPS, "per_device_train_batch_size": batch, "ddp_timeout": 120, **extra}
     sgd = {"optim": "sgd", "learning_rate": 0.5, "lr_scheduler_type": "constant", "save_steps": STEPS}
-    return test_stages._example(
-        folder, stage, model, max_steps=STEPS, per_device_train_batch_size=batch, ddp_timeout=120, **sgd
-    )
+    return test_stages._example(folder, stage, model, **run, **sgd)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 @pytest.mark.parametrize("stage", ["dpo", "kto"])
-def test_two_processes_equal_one(tmp_path, stage) -> None:
+def test_two_processes_equal_one(tmp_path, stage, sharding) -> None:
     model = make_demo_model(tmp_path / "tiny", ROOT / "examples/data/demo_tokenizer")
     dist_checks.check(dist_checks.single(*CLI, str(_config(tmp_path, stage, model, "one", batch=8))))
-    result = dist_checks.torchrun(*CLI, str(_config(tmp_path, stage, model, "two", batch=4)))
+    two_config = _config(tmp_path, stage, model, "two", batch=4, **SHARDING[sharding])
+    result = dist_checks.torchrun(*CLI, str(two_config))
     dist_checks.check(result)
     one, two = tmp_path / "one/out", tmp_path / "two/out"
     got, want = dict(dist_checks.losses(two)), dict(dist_checks.losses(one))
@@ -48,3 +54,5 @@ def test_two_processes_equal_one(tmp_path, stage) -> None:
     log = [json.loads(line) for line in (two / "trainer_log.jsonl").read_text().splitlines()]
     assert [r["current_steps"] for r in log if "loss" in r] == list(range(1, STEPS + 1))  # one writer
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in (two / f"checkpoint-{STEPS}").iterdir()}
+    summary = json.loads((two / "run_summary.json").read_text())
+    assert summary["dense_part"]["sharding"] == DENSE[sharding]  # FSDP2 in effect under TRL's trainer
