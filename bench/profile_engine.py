@@ -6,7 +6,9 @@
 The layer is the engine benchmark's (Qwen3-30B-A3B: H = 2048, I = 768, k = 8, r = 8, bf16 weights, retain
 policy), with ``--experts`` experts to fit the time; ``--format`` stores them quantized (from the bf16 weights,
 each format's ``from_dense``) and prints the engine's GEMM path. Per (T, mode): the unprofiled median of 3
-steps, the profiled step's wall time, and its split: base GEMMs, LoRA GEMMs (an operand of width r), the
+steps, the profiled step's wall time, and its split: the fused kernels (the compiled products of
+``moetune.engine.kernels``, recorded by their entry points as ``moetune::<kernel>``; their own time, without the
+torch ops they call), base GEMMs, LoRA GEMMs (an operand of width r), the
 combine's bmm, elementwise ops (activation, its backward, weighting, the router's row dots, scales), copies /
 gathers / fills / dtype conversions (weight codes included), the bit operations that unpack quantized codes,
 other aten ops, and the gap (wall time no op accounts for: Python and dispatch); also the number of torch ops the
@@ -59,6 +61,8 @@ COPIES = {
 
 
 def category(name: str, shapes: str, rank: int) -> str:
+    if name.startswith("moetune::"):  # the compiled kernels' entry points (kernels/entry.h's MOETUNE_ENTRY)
+        return "fused kernels"
     if name in GEMMS:
         if name == "aten::bmm":
             return "combine bmm"

@@ -25,8 +25,11 @@
 // and no variant changes.
 #pragma once
 
+#include <ATen/record_function.h>
+
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "decoders.h"
 #include "ops.h"
@@ -43,6 +46,13 @@ const std::string& unavailable_here() {
 }
 
 void require_variant() { TORCH_CHECK(unavailable_here().empty(), "moetune fused kernels: ", unavailable_here()); }
+
+// An entry point's first statement: the variant checked, and the call recorded as "moetune::<name>" for the
+// profiler (torch.profiler sees ATen ops only; without this a kernel's time shows as time no op accounts for, as
+// bench/profile_engine.py's "gap"); with no profiler active the record is one flag check
+#define MOETUNE_ENTRY(name) \
+  require_variant();        \
+  RECORD_FUNCTION("moetune::" name, std::vector<c10::IValue>())
 
 void check_operands(const torch::Tensor& a, const torch::Tensor& out, int64_t a_cols, int64_t out_cols) {
   TORCH_CHECK(a.scalar_type() == MOETUNE_OPERANDS && out.scalar_type() == MOETUNE_OPERANDS,
@@ -64,7 +74,7 @@ void run_checked(bool forward, const Dec& dec, const float* row_scale, const tor
 // a: x [n, K] (forward) or g [n, O] (backward); out: [n, O] or [n, K]; w [O, K] bf16 (dense weights), contiguous
 // rows stride(0) >= K apart (DenseExperts' padded rows).
 void bf16_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& w, bool accumulate) {
-  require_variant();
+  MOETUNE_ENTRY("bf16_gemm");
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.stride(1) == 1 && w.stride(0) >= w.size(1),
               "w: bf16 [O, K] with contiguous rows; got strides ", w.strides());
   run_checked(forward, moetune::Bf16Rows{w.data_ptr<at::BFloat16>(), w.stride(0)}, nullptr, a, out, w.size(0),
@@ -81,7 +91,7 @@ moetune::Int8Rows int8_rows_of(const torch::Tensor& codes, const torch::Tensor& 
 
 void int8_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& codes,
                const torch::Tensor& scale, bool accumulate) {
-  require_variant();
+  MOETUNE_ENTRY("int8_gemm");
   const moetune::Int8Rows dec = int8_rows_of(codes, scale);
   run_checked(forward, dec, scale.data_ptr<float>(), a, out, codes.size(0), dec.K, accumulate);
 }
@@ -91,7 +101,7 @@ void int8_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const to
 // that define MOETUNE_A8_INT8 (AVX512-BF16) have it
 void int8_gemm_a8(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& codes,
                   const torch::Tensor& scale, bool accumulate) {
-  require_variant();
+  MOETUNE_ENTRY("int8_gemm_a8");
   const moetune::Int8Rows dec = int8_rows_of(codes, scale);
   const int64_t O = codes.size(0), K = dec.K;
   TORCH_CHECK(O <= moetune_int8::kMaxO, "int8 activations: at most ", moetune_int8::kMaxO,
@@ -132,7 +142,7 @@ moetune::Int4Rows int4_rows_of(const torch::Tensor& packed, const torch::Tensor&
 void int4_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& packed,
                const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero, int64_t group,
                bool accumulate) {
-  require_variant();
+  MOETUNE_ENTRY("int4_gemm");
   const moetune::Int4Rows dec = int4_rows_of(packed, scale, zero, group);
   run_checked(forward, dec, nullptr, a, out, packed.size(0), 2 * dec.half, accumulate);
 }
@@ -142,7 +152,7 @@ void int4_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const to
 void int4_gemm_a8(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& packed,
                   const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero, int64_t group,
                   bool accumulate) {
-  require_variant();
+  MOETUNE_ENTRY("int4_gemm_a8");
   const moetune::Int4Rows dec = int4_rows_of(packed, scale, zero, group);
   const int64_t O = packed.size(0), K = 2 * dec.half;
   TORCH_CHECK(group >= 32 && group <= 128, "int8 activations: groups of 32, 64 or 128; got ", group);
@@ -156,7 +166,7 @@ void int4_gemm_a8(bool forward, const torch::Tensor& a, torch::Tensor out, const
 // grid rows from seg_grid = ceil(seg / 128) (gate_up: up's grid after gate's; one segment: seg = 0).
 void fp8_block_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& codes,
                     const torch::Tensor& scale_inv, int64_t seg, int64_t seg_grid, bool accumulate) {
-  require_variant();
+  MOETUNE_ENTRY("fp8_block_gemm");
   TORCH_CHECK(codes.scalar_type() == at::kFloat8_e4m3fn && codes.dim() == 2 && codes.is_contiguous(),
               "codes: float8_e4m3fn [O, K]");
   const int64_t O = codes.size(0), K = codes.size(1), cols = (K + 127) / 128;
@@ -178,7 +188,7 @@ void fp8_block_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, con
 // packed [O, K/2] uint8 (two e2m1 codes per byte, low nibble first); scale [O, K/32] uint8 (e8m0).
 void mxfp4_gemm(bool forward, const torch::Tensor& a, torch::Tensor out, const torch::Tensor& packed,
                 const torch::Tensor& scale, bool accumulate) {
-  require_variant();
+  MOETUNE_ENTRY("mxfp4_gemm");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
               "packed: uint8 [O, K/2]");
   const int64_t O = packed.size(0), K = 2 * packed.size(1);
