@@ -31,22 +31,14 @@ import time
 from typing import Any
 
 import torch
-from peft import PeftModel
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import SCHEDULER_NAME
 
-from moetune.adapters.save import restore_lora_experts
 from moetune.config.schema import DivergenceAction
 from moetune.errors import LoadError
 from moetune.train.checkpoints import STAGING_PREFIX, AtomicCheckpoints
 from moetune.train.expert_optim import ExpertAdamW, ExpertOptimSpec, build_expert_optimizer, unwrap
-from moetune.train.fsdp import (
-    gathered_optimizer_state,
-    gathered_state_dict,
-    load_adapter_sharded,
-    load_optimizer_whole,
-    other_kind,
-)
+from moetune.train.fsdp import gathered_optimizer_state, gathered_state_dict
 from moetune.train.guards import GuardedSteps
 from moetune.train.host_grads import AveragesHostGrads
 from moetune.train.layered import (
@@ -57,13 +49,20 @@ from moetune.train.layered import (
     save_optimizer_by_layer,
 )
 from moetune.train.lora_experts_checkpoints import LoraExpertsCheckpoints
+from moetune.train.other_kind import ResumesOtherKind
 from moetune.train.sharded_lora import ShardsExpertLora
 
 __all__ = ["STAGING_PREFIX", "MoetuneTrainer", "ProgressBar"]
 
 
 class MoetuneTrainer(
-    GuardedSteps, AveragesHostGrads, AtomicCheckpoints, LoraExpertsCheckpoints, ShardsExpertLora, Trainer
+    GuardedSteps,
+    AveragesHostGrads,
+    AtomicCheckpoints,
+    ResumesOtherKind,
+    LoraExpertsCheckpoints,
+    ShardsExpertLora,
+    Trainer,
 ):
     """A ``Trainer`` (a subclass; no library class is patched) whose checkpoints are renamed into place only
     once complete (:class:`~moetune.train.checkpoints.AtomicCheckpoints`) and whose steps a numerical guard can
@@ -178,32 +177,18 @@ class MoetuneTrainer(
         torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        layered = checkpoint is not None and os.path.isfile(os.path.join(checkpoint, OPTIMIZER_INDEX))
-        converted = checkpoint is not None and not layered and other_kind(checkpoint, self.is_fsdp_enabled)
-        if checkpoint is None or not (layered or converted):
+        if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, OPTIMIZER_INDEX)):
+            # ResumesOtherKind (next in the bases) takes a LoRA checkpoint of the other kind
             super()._load_optimizer_and_scheduler(checkpoint)
             return
         assert self.optimizer is not None and self.lr_scheduler is not None
-        if layered:
-            load_optimizer_by_layer(self.optimizer, self.model, checkpoint)  # type: ignore[arg-type]
-        else:  # a LoRA checkpoint of the other kind (FSDP's optimizer.bin, or DDP's optimizer.pt)
-            load_optimizer_whole(self.optimizer, self.model, checkpoint)
+        load_optimizer_by_layer(self.optimizer, self.model, checkpoint)  # type: ignore[arg-type]
         self.lr_scheduler.load_state_dict(
             torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
         )
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        target = model if model is not None else self.model
-        if isinstance(target, PeftModel) and other_kind(resume_from_checkpoint, self.is_fsdp_enabled):
-            # a LoRA checkpoint of the other kind: its stock adapter (the same file in both kinds), cut to shards
-            # under FSDP (accelerate reads only its own pytorch_model_fsdp.bin; the Trainer refuses that file
-            # without FSDP); the LoRA experts from their file
-            if self.is_fsdp_enabled:
-                load_adapter_sharded(target, resume_from_checkpoint)
-            else:
-                target.load_adapter(resume_from_checkpoint, target.active_adapter, is_trainable=True)
-            restore_lora_experts(target, resume_from_checkpoint, attach=False)
-            return
+        # ResumesOtherKind (next in the bases) takes a LoRA checkpoint of the other kind
         if not (self.is_fsdp_enabled and self._layered()):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             return

@@ -2,8 +2,9 @@
 
 Three things differ from stock TRL:
 
-- Checkpoints are atomic (:class:`~moetune.train.checkpoints.AtomicCheckpoints`, as for sft) and hold the LoRA
-  experts when the model has them (:class:`~moetune.train.lora_experts_checkpoints.LoraExpertsCheckpoints`).
+- Checkpoints are atomic (:class:`~moetune.train.checkpoints.AtomicCheckpoints`, as for sft), hold the LoRA
+  experts when the model has them (:class:`~moetune.train.lora_experts_checkpoints.LoraExpertsCheckpoints`), and
+  resume across FSDP2 and DDP / one process (:class:`~moetune.train.other_kind.ResumesOtherKind`).
 - Datasets tokenized by moetune's data path (``moetune.train.preference``: LLaMA-Factory's row forms, moetune's
   chat rendering, truncation and checks; what ``moetune train`` passes) skip TRL's ``_prepare_dataset`` (prompt
   extraction, tokenization); kto adds its KL completions to them as TRL does. Any other dataset (TRL's own
@@ -34,6 +35,7 @@ from moetune.train.data import PreparedData
 from moetune.train.guards import GuardedSteps
 from moetune.train.host_grads import AveragesHostGrads
 from moetune.train.lora_experts_checkpoints import LoraExpertsCheckpoints
+from moetune.train.other_kind import ResumesOtherKind
 from moetune.train.sharded_lora import ShardsExpertLora
 
 DPO_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -74,6 +76,7 @@ class MoetuneDPOTrainer(
     GuardedSteps,
     AveragesHostGrads,
     AtomicCheckpoints,
+    ResumesOtherKind,
     LoraExpertsCheckpoints,
     AdapterDisabledReference,
     ShardsExpertLora,
@@ -92,6 +95,7 @@ class MoetuneKTOTrainer(
     GuardedSteps,
     AveragesHostGrads,
     AtomicCheckpoints,
+    ResumesOtherKind,
     LoraExpertsCheckpoints,
     AdapterDisabledReference,
     ShardsExpertLora,
