@@ -59,28 +59,27 @@ def test_two_processes_equal_one(tmp_path, stage, sharding) -> None:
 
 
 @pytest.mark.slow
-def test_dpo_resumes_across_fsdp_and_ddp(tmp_path) -> None:
-    """dpo with AdamW: an FSDP2 checkpoint resumed under DDP, and a one-process checkpoint under FSDP2, each equal the
-    uninterrupted one-process run (every loss and adapter tensor): the optimizer state converted between kinds
-    (optimizer.bin by name, optimizer.pt by position) under TRL's trainer, as `test_dist_fsdp` checks it for sft."""
+@pytest.mark.parametrize("stage", ["dpo", "kto"])
+def test_resumes_across_fsdp_and_ddp(tmp_path, stage) -> None:
+    """With AdamW, two processes: the FSDP2 run's checkpoint-2 resumed under DDP and the DDP run's under FSDP2 each
+    continue the uninterrupted FSDP2 run (every loss and adapter tensor), as does the DDP run itself: the optimizer
+    state converted between kinds (optimizer.bin by name, optimizer.pt by position) under TRL's trainers, as
+    `test_dist_fsdp` checks it for sft. Two processes throughout: kto's KL completions pair rows within each
+    process's batch (`_rotate_completions`), so one process at batch 8 is another estimate once the policy moves."""
     model = make_demo_model(tmp_path / "tiny", ROOT / "examples/data/demo_tokenizer")
     adam = {"optim": "adamw_torch", "learning_rate": 1e-2, "adam_epsilon": 1e-3}
 
-    def config(name: str, batch: int, **extra) -> str:
+    def run(name: str, **extra) -> Path:
         folder = tmp_path / name
         folder.mkdir()
-        run = {"max_steps": 4, "save_steps": 2, "per_device_train_batch_size": batch, "ddp_timeout": 120}
-        run["lr_scheduler_type"] = "constant"
-        return str(test_stages._example(folder, "dpo", model, **run, **adam, **extra))
+        steps = {"max_steps": 4, "save_steps": 2, "per_device_train_batch_size": 4, "ddp_timeout": 120}
+        steps["lr_scheduler_type"] = "constant"
+        config = test_stages._example(folder, stage, model, **steps, **adam, **extra)
+        dist_checks.check(dist_checks.torchrun(*CLI, str(config)))
+        return folder / "out"
 
-    dist_checks.check(dist_checks.single(*CLI, config("one", 8)))
-    dist_checks.check(dist_checks.torchrun(*CLI, config("fsdp", 4, **SHARDING["fsdp"])))
-    dist_checks.assert_same_run(tmp_path / "fsdp/out", tmp_path / "one/out")
-    one_checkpoint = tmp_path / "one/out/checkpoint-2"
-    resumed = {
-        "ddp_from_fsdp": {"resume_from_checkpoint": str(tmp_path / "fsdp/out/checkpoint-2")},
-        "fsdp_from_one": {**SHARDING["fsdp"], "resume_from_checkpoint": str(one_checkpoint)},
-    }
-    for name, extra in resumed.items():
-        dist_checks.check(dist_checks.torchrun(*CLI, config(name, 4, **extra)))
-        dist_checks.assert_same_run(tmp_path / name / "out", tmp_path / "one/out")
+    fsdp, ddp = run("fsdp", **SHARDING["fsdp"]), run("ddp")
+    dist_checks.assert_same_run(ddp, fsdp)
+    dist_checks.assert_same_run(run("ddp_from_fsdp", resume_from_checkpoint=str(fsdp / "checkpoint-2")), fsdp)
+    from_ddp = {**SHARDING["fsdp"], "resume_from_checkpoint": str(ddp / "checkpoint-2")}
+    dist_checks.assert_same_run(run("fsdp_from_ddp", **from_ddp), fsdp)
