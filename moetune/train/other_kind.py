@@ -53,6 +53,10 @@ class ResumesOtherKind:
         assert self.optimizer is not None and self.lr_scheduler is not None
         # FSDP's optimizer.bin, or DDP's optimizer.pt
         load_optimizer_whole(self.optimizer, self.model, checkpoint)
-        self.lr_scheduler.load_state_dict(
-            torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
-        )
+        load_scheduler(self.lr_scheduler, checkpoint)
+
+
+def load_scheduler(lr_scheduler: Any, checkpoint: str) -> None:
+    """The checkpoint's learning-rate scheduler state, as the Trainer's own ``_load_optimizer_and_scheduler`` reads
+    it: for the overrides that load the optimizer state themselves (here, and ``MoetuneTrainer``'s layer files)."""
+    lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))

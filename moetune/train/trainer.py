@@ -49,7 +49,7 @@ from moetune.train.layered import (
     save_optimizer_by_layer,
 )
 from moetune.train.lora_experts_checkpoints import LoraExpertsCheckpoints
-from moetune.train.other_kind import ResumesOtherKind
+from moetune.train.other_kind import ResumesOtherKind, load_scheduler
 from moetune.train.sharded_lora import ShardsExpertLora
 
 __all__ = ["STAGING_PREFIX", "MoetuneTrainer", "ProgressBar"]
@@ -183,9 +183,7 @@ class MoetuneTrainer(
             return
         assert self.optimizer is not None and self.lr_scheduler is not None
         load_optimizer_by_layer(self.optimizer, self.model, checkpoint)  # type: ignore[arg-type]
-        self.lr_scheduler.load_state_dict(
-            torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
-        )
+        load_scheduler(self.lr_scheduler, checkpoint)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         # ResumesOtherKind (next in the bases) takes a LoRA checkpoint of the other kind

@@ -25,12 +25,13 @@ DENSE = {"ddp": "whole", "fsdp": "fsdp2"}
 
 
 def _config(tmp: Path, stage: str, model: Path, name: str, batch: int, **extra) -> Path:
-    """``test_stages``' shortened shipped example for ``stage`` in ``tmp/name``, SGD at a constant rate."""
+    """``test_stages``' shortened shipped example for ``stage`` in ``tmp/name``, SGD at a constant rate for STEPS
+    steps, saved at the last; ``extra`` overrides or adds settings."""
     folder = tmp / name
     folder.mkdir()
-    run = {"max_steps": STEPS, "per_device_train_batch_size": batch, "ddp_timeout": 120, **extra}
-    sgd = {"optim": "sgd", "learning_rate": 0.5, "lr_scheduler_type": "constant", "save_steps": STEPS}
-    return test_stages._example(folder, stage, model, **run, **sgd)
+    run = {"max_steps": STEPS, "save_steps": STEPS, "per_device_train_batch_size": batch, "ddp_timeout": 120}
+    sgd = {"optim": "sgd", "learning_rate": 0.5, "lr_scheduler_type": "constant"}
+    return test_stages._example(folder, stage, model, **(run | sgd | extra))
 
 
 @pytest.mark.slow
@@ -70,13 +71,9 @@ def test_resumes_across_fsdp_and_ddp(tmp_path, stage) -> None:
     adam = {"optim": "adamw_torch", "learning_rate": 1e-2, "adam_epsilon": 1e-3}
 
     def run(name: str, **extra) -> Path:
-        folder = tmp_path / name
-        folder.mkdir()
-        steps = {"max_steps": 4, "save_steps": 2, "per_device_train_batch_size": 4, "ddp_timeout": 120}
-        steps["lr_scheduler_type"] = "constant"
-        config = test_stages._example(folder, stage, model, **steps, **adam, **extra)
+        config = _config(tmp_path, stage, model, name, batch=4, max_steps=4, save_steps=2, **adam, **extra)
         dist_checks.check(dist_checks.torchrun(*CLI, str(config)))
-        return folder / "out"
+        return tmp_path / name / "out"
 
     fsdp, ddp = run("fsdp", **SHARDING["fsdp"]), run("ddp")
     dist_checks.assert_same_run(ddp, fsdp)

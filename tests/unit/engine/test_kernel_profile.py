@@ -22,8 +22,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 E, H, I, K, T = 4, 128, 64, 2, 12  # every expert gets rows (T k / E = 6 on average): the fused path's sizes
 
-KERNELS = {"bf16": "bf16_gemm", "int8": "int8_gemm", "int4-g64": "int4_gemm", "fp8_block": "fp8_block_gemm"}
-KERNELS["mxfp4"] = "mxfp4_gemm"
+KERNELS = {  # bench/formats.py's label -> the kernel entry point its engine calls
+    "bf16": "bf16_gemm",
+    "int8": "int8_gemm",
+    "int4-g64": "int4_gemm",
+    "fp8_block": "fp8_block_gemm",
+    "mxfp4": "mxfp4_gemm",
+}
 
 
 def _profile_engine() -> ModuleType:
