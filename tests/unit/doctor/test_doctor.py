@@ -265,6 +265,35 @@ def test_onednn_verbose_parsing_and_gemm_verdict():
     assert "fp32 tiles" in " ".join(emulated.details)
 
 
+def test_gemm_speed_is_measured_within_its_time_budget():
+    """A GEMM taking longer than the budget (emulated bf16 on an AVX2-only CPU: ~2 s a call) is timed by its
+    warm-up call alone; a fast one by the best of its reps after the warm-up, as before."""
+    import time
+
+    from moetune.doctor.cpu import gemm_tflops
+
+    def fake(seconds):
+        calls = []
+
+        def matmul(a, b):
+            calls.append((a.shape, b.shape, a.dtype))
+            time.sleep(seconds[min(len(calls), len(seconds)) - 1])
+            return a.new_empty(a.shape[0], b.shape[1])
+
+        return calls, matmul
+
+    flops = 2 * 64 * 32 * 16
+    calls, slow = fake([0.2])
+    rate = gemm_tflops(torch.bfloat16, 64, 32, 16, reps=5, budget_s=0.1, matmul=slow)
+    assert calls == [((64, 32), (32, 16), torch.bfloat16)] and 0 < rate <= flops / 0.2 / 1e12
+    calls, fast = fake([0.001, 0.02])  # the warm-up fastest: not a measurement when the reps fit the budget
+    rate = gemm_tflops(torch.float32, 64, 32, 16, reps=5, budget_s=10.0, matmul=fast)
+    assert len(calls) == 6 and 0 < rate <= flops / 0.02 / 1e12
+    calls, steady = fake([0.04])  # the budget spent after the warm-up and one or two reps
+    gemm_tflops(torch.float32, 64, 32, 16, reps=5, budget_s=0.1, matmul=steady)
+    assert 2 <= len(calls) <= 3
+
+
 @pytest.mark.skipif(not shutil.which("c++") and not shutil.which("g++"), reason="no C++ compiler on PATH")
 def test_gemm_paths_name_the_avx2_variant_on_an_avx2_cpu(monkeypatch):
     """On a CPU whose isa is only AVX2 (mocked; this machine runs AVX2 code too) quantized experts compute in fp32
