@@ -154,10 +154,13 @@ MOETUNE_AVX2 inline float hsum(__m256 v) {
 }
 
 // res[r * J + j] += sum over cols (whole 16s) of x[r, c] w[j * ldw + c] for r < R, j < J (x's rows ldx apart,
-// 32-byte aligned), the int32 lanes to fp32 at the end; ahead(i) at the i-th 16 columns (the caller's prefetch)
+// 32-byte aligned), the int32 lanes to fp32 at the end; ahead(i) at the i-th 16 columns (the caller's prefetch).
+// Not inlined: GCC 12 inlined the 1-row block (an odd count's last row) into forward_range and kept its 4 sums on
+// the stack, a load and a store per product; as a function of its own they stay in registers (1.05-1.33x the
+// forward at 1-7 odd rows, bench/kernel_ab.py on Zen 3)
 template <int R, int J, class Ahead>
-MOETUNE_AVX2 void forward_block(const int16_t* w, int64_t ldw, const int16_t* x, int64_t ldx, int64_t cols,
-                                float* res, Ahead&& ahead) {
+MOETUNE_AVX2 __attribute__((noinline)) void forward_block(const int16_t* w, int64_t ldw, const int16_t* x,
+                                                          int64_t ldx, int64_t cols, float* res, Ahead&& ahead) {
   __m256i acc[R][J];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) acc[r][j] = _mm256_setzero_si256();
