@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from functools import partial
 
 import pytest
@@ -268,8 +269,6 @@ def test_onednn_verbose_parsing_and_gemm_verdict():
 def test_gemm_speed_is_measured_within_its_time_budget():
     """A GEMM taking longer than the budget (emulated bf16 on an AVX2-only CPU: ~2 s a call) is timed by its
     warm-up call alone; a fast one by the best of its reps after the warm-up, as before."""
-    import time
-
     from moetune.doctor.cpu import gemm_tflops
 
     def fake(seconds):

@@ -5,8 +5,7 @@ kernel's time went before). Without a kernel variant here these skip."""
 
 from __future__ import annotations
 
-import importlib.util
-from types import ModuleType
+import runpy
 
 import pytest
 import torch
@@ -29,14 +28,6 @@ KERNELS = {  # bench/formats.py's label -> the kernel entry point its engine cal
     "fp8_block": "fp8_block_gemm",
     "mxfp4": "mxfp4_gemm",
 }
-
-
-def _profile_engine() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("profile_engine", ROOT / "bench/profile_engine.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("label", list(KERNELS))
@@ -62,6 +53,6 @@ def test_a_step_records_its_kernel_calls(label):
     # forward and backward of both projections, once per expert with rows (gate_up's forward may be one call or two)
     assert events[name].count >= 4 * E, events[name].count
     assert events[name].self_cpu_time_total > 0
-    category = _profile_engine().category
+    category = runpy.run_path(str(ROOT / "bench/profile_engine.py"))["category"]
     assert {category(key, "", 8) for key in events if key.startswith("moetune::")} == {"fused kernels"}
     assert category("aten::mm", "[[12, 8], [8, 64]]", 8) == "lora gemm"  # the other categories as before
