@@ -16,22 +16,17 @@ for bit (``=``) or not (``!``, with the largest difference relative to the large
 from __future__ import annotations
 
 import argparse
-import ast
-import subprocess
-import tempfile
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from types import ModuleType
 
 import torch
-from torch.utils import cpp_extension
 
+from moetune.bench.kernel_builds import build_at, build_tree
 from moetune.bench.timing import interleaved_min_ms
-from moetune.engine.kernels.loader import CFLAGS, HERE, build_key, variant_named
+from moetune.engine.kernels.loader import variant_named
 from moetune.sysinfo import cpu_info
 
-ROOT = HERE.parents[2]
 SHAPES = {"gate_up": (1536, 2048), "down": (2048, 768)}  # W [O, K]
 FORMATS = ("bf16", "int8", "int4", "int4-asym", "fp8", "mxfp4")
 # other int4 groups and zero points, on request: int4 is g64 symmetric, int4-asym g32 with zero points
@@ -40,44 +35,6 @@ MORE_FORMATS = ("int4-g32", "int4-g128", "int4-asym-g64", "int4-asym-g128")
 A8_FORMATS = ("int8-a8", "int4-a8")
 
 Product = Callable[[ModuleType, bool, torch.Tensor, torch.Tensor, int], None]
-
-
-def build(folder: Path, source: str, flags: list[str], tag: str) -> ModuleType:
-    """The kernel module built from ``folder / source`` (and the headers beside it)."""
-    text = b"".join(p.read_bytes() for p in sorted(folder.iterdir()) if p.suffix in (".h", ".cpp"))
-    return cpp_extension.load(
-        name=f"moetune_ab_{tag}_{build_key(text, flags)}",
-        sources=[str(folder / source)],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-    )
-
-
-def git(*args: str) -> bytes:
-    """The output of ``git args`` in the repository."""
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, check=True).stdout
-
-
-def sources_at(rev: str, dest: Path) -> Path:
-    """The kernel folder's C++ sources at git revision ``rev``, written under ``dest``."""
-    rel = HERE.relative_to(ROOT).as_posix()
-    for name in git("ls-tree", "--name-only", f"{rev}:{rel}").decode().split():
-        if name.endswith((".h", ".cpp")):
-            (dest / name).write_bytes(git("show", f"{rev}:{rel}/{name}"))
-    return dest
-
-
-def cflags_at(rev: str) -> list[str]:
-    """The kernels' compile flags (loader.py's ``CFLAGS``) at git revision ``rev``: flags change code as much as
-    sources do (GCC's inlining limits, for one)."""
-    rel = (HERE / "loader.py").relative_to(ROOT).as_posix()
-    text = git("show", f"{rev}:{rel}").decode()
-    for node in ast.parse(text).body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "CFLAGS" for t in node.targets
-        ):
-            return list(ast.literal_eval(node.value))
-    raise SystemExit(f"--base {rev}: its {rel} has no CFLAGS = [...]")
 
 
 def weights(fmt: str, e: int, o: int, k: int, gen: torch.Generator) -> Product:
@@ -132,14 +89,8 @@ def main() -> None:
     if variant is None:
         raise SystemExit(f"--variant: no kernel variant {args.variant!r}")
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        base = build(
-            sources_at(args.base, Path(tmp)),
-            variant.source,
-            cflags_at(args.base) + list(variant.flags),
-            "base",
-        )
-    tree = build(HERE, variant.source, CFLAGS + list(variant.flags), "tree")
+    base = build_at(args.base, variant)
+    tree = build_tree(variant)
     cpu = cpu_info()
     print(f"bench/kernel_ab.py | {cpu.model} ({', '.join(cpu.isa) or 'no SIMD flags found'})")
     print(
