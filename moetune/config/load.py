@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import logging
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -56,6 +57,14 @@ _PLAIN_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 _NEGATED_ALIASES = {"disable_gradient_checkpointing": "gradient_checkpointing"}
 # files whose presence in output_dir means a previous run lives there
 _RUN_MARKERS = ("trainer_state.json", "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+# a model's weights (transformers' file names): an output_dir holding them and no run is some model's folder, which
+# a full or freeze run's save would write over
+_MODEL_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def load_config(path: str | Path, *, check_model_path: bool = True) -> MoetuneConfig:
@@ -424,7 +433,24 @@ def _check_files(
         if message:
             problems.add("model_name_or_path", message)
     if training.output_dir is not None:
+        model_dir = Path(model.model_name_or_path).expanduser() if model.model_name_or_path else None
+        if model_dir is not None and _same_folder(model_dir, training.output_dir):
+            problems.add(
+                "output_dir",
+                f"{training.output_dir} is model_name_or_path's folder: saving there writes over the base model's "
+                "files (a full or freeze run its weights, every run its config and tokenizer); choose another "
+                "output_dir",
+            )
+            return
         _check_output_dir(training, problems)
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are one existing folder (links and relative paths resolved)."""
+    try:
+        return a.is_dir() and b.is_dir() and os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _model_path_problem(name: str) -> str | None:
@@ -512,4 +538,11 @@ def _check_output_dir(training: TrainingConfig, problems: Problems) -> None:
             "output_dir",
             f"{out} already holds a training run ({found}); set overwrite_output_dir: true to "
             "write over it, resume_from_checkpoint to continue it, or choose another output_dir",
+        )
+    weights = [m for m in _MODEL_WEIGHTS if (out / m).exists()]
+    if weights and not previous_run and not training.overwrite_output_dir:
+        problems.add(
+            "output_dir",
+            f"{out} holds a model ({weights[0]}) and no training run; saving there would write over its files: "
+            "choose another output_dir (or set overwrite_output_dir: true to write over them)",
         )

@@ -286,6 +286,27 @@ def test_output_dir_holding_a_run_needs_overwrite_or_resume(workdir: Path) -> No
     assert "is not a checkpoint folder" in problems_of(minimal(resume_from_checkpoint="out"))
 
 
+def test_output_dir_never_the_model_folder_nor_a_model_without_a_run(workdir: Path) -> None:
+    """A full or freeze run saving into the model it loads wrote over the base weights (exit 0, nothing said):
+    refused however the folder is spelt, overwrite_output_dir or not; another model's folder needs overwrite."""
+    for spelt in ("model", "./model", str(workdir / "model"), "model/../model"):
+        text = problems_of(minimal(output_dir=spelt, finetuning_type="full", overwrite_output_dir=True))
+        assert "is model_name_or_path's folder: saving there writes over the base model's files" in text, (
+            spelt
+        )
+    (workdir / "other").mkdir()
+    (workdir / "other" / "config.json").write_text("{}")
+    (workdir / "other" / "model.safetensors").write_bytes(b"")
+    text = problems_of(minimal(output_dir="other"))
+    assert "output_dir: other holds a model (model.safetensors) and no training run" in text
+    assert parse_config(minimal(output_dir="other", overwrite_output_dir=True)).training.output_dir == Path(
+        "other"
+    )
+    # a finished full run's own output (weights and its trainer_state.json): the usual rule, not this one
+    (workdir / "other" / "trainer_state.json").write_text("{}")
+    assert "holds a model" not in problems_of(minimal(output_dir="other"))
+
+
 def test_resume_needs_a_checkpoint(workdir: Path) -> None:
     text = problems_of(minimal(resume_from_checkpoint=True))
     assert "resume_from_checkpoint: is true but out holds no checkpoint-* folder" in text
