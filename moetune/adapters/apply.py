@@ -100,6 +100,13 @@ def _is_weight_router(path: str, module: nn.Module, experts_blocks: set[str]) ->
     )
 
 
+def weight_routers(model: nn.Module, experts: Sequence[str]) -> list[str]:
+    """Paths of ``model``'s MoE routers that are not ``nn.Linear`` but own a 2-D ``weight`` (transformers v5
+    ``TopKRouter``; :func:`_is_weight_router`), given the routed-experts module paths ``experts``."""
+    blocks = {p.rpartition(".")[0] for p in experts}
+    return [p for p, m in model.named_modules() if _is_weight_router(p, m, blocks)]
+
+
 def resolve_targets(
     model: nn.Module, targets: Sequence[str], experts: Sequence[str] | None = None
 ) -> LoraTargets:
@@ -123,7 +130,7 @@ def resolve_targets(
         for p, m in model.named_modules()
         if isinstance(m, nn.Linear) and not _plain_linear(m)
     }
-    routers = [p for p, m in model.named_modules() if _is_weight_router(p, m, blocks)]
+    routers = weight_routers(model, experts)
     if tuple(targets) == (ALL,):
         linear = [
             p for p in linears if p.rpartition(".")[2] not in EXCLUDED_LINEARS and not _is_router(p, blocks)

@@ -10,10 +10,14 @@ Without a model config the folder is checked on its own: both files present, the
 LORA ``peft_type``, an ``r`` >= 1, a numeric ``lora_alpha``, no option moetune would ignore (DoRA, LoRA bias,
 ``fan_in_fan_out``, rank or alpha patterns), the header readable and consistent with the file's size, only
 floating ``lora_A`` / ``lora_B`` weights, each in a complete pair of rank ``r`` (an experts pair ``[E * r, in]``
-/ ``[out, r * E]``). With ``model_config`` (a transformers config; the model is built on the meta device from
-it, nothing is read) each tensor must also belong to a module of that model, an ``nn.Linear`` or a routed
-experts module, with that module's shapes (``peft_layout`` documents the experts layout), and every module
-the config targets must have its pair: when routed experts are targeted, every layer's expert LoRA.
+/ ``[out, r * E]``), beside them only whole weights PEFT saves with an adapter: those of the modules in
+``modules_to_save`` (LLaMA-Factory's ``additional_target``, e.g. a router trained fully) and an embedding layer's
+base weight (``lm_head.base_layer.weight``: PEFT's ``save_embedding_layers``). With ``model_config`` (a
+transformers config; the model is built on the meta device from it, nothing is read) each tensor must also
+belong to a module of that model, an ``nn.Linear``, a routed experts module or a router that is not an
+``nn.Linear`` (v5 ``TopKRouter``, adapted through ``target_parameters``), with that module's shapes
+(``peft_layout`` documents the experts layout), each whole weight to a parameter of the model of its shape, and
+every module the config targets must have its pair: when routed experts are targeted, every layer's expert LoRA.
 
 A folder may also hold LoRA experts (``moetune_lora_experts.safetensors``, ``moetune.adapters.lora_experts``);
 its header is checked too (moetune's metadata, fp32 tensors of the recorded sizes, whole blocks) and, with
@@ -47,6 +51,9 @@ if TYPE_CHECKING:
 
 PREFIX = "base_model.model."  # PEFT's saved keys: before a module path of the original model
 LORA_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<ab>[AB])\.weight")
+WHOLE_KEY = re.compile(r"(?P<module>.+)\.(?P<param>weight|bias)")  # a module's whole parameter
+# layers whose base weight PEFT saves beside their LoRA (its save_embedding_layers: a resized vocabulary)
+EMBEDDING_NAMES = ("embed_tokens", "lm_head")
 FLOAT_CODES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}  # safetensors dtype -> bytes per value
 UNSUPPORTED = {  # config fields whose non-default values moetune's loader would not honour
     "use_dora": "DoRA",
@@ -107,16 +114,16 @@ def check_adapter_folder(
     config, r, alpha = _read_config(folder / CONFIG_NAME)
     tensors = _read_header(folder / WEIGHTS_NAME)
     adapter = AdapterFolder(folder, config, r, alpha, tensors)
-    pairs = _pairs(adapter)
+    pairs, whole = _pairs(adapter)
     targets = _model_targets(model_config, meta_model) if model_config is not None else None
     if targets is not None:
-        _check_against_model(adapter, pairs, model_config, targets)
+        _check_against_model(adapter, pairs, whole, model_config, targets)
     if adapter.lora_experts_file.is_file():
         from dataclasses import replace
 
         from moetune.adapters.lora_experts import check_lora_experts_file
 
-        blocks = sorted({p.rpartition(".")[0] for p in targets[1]}) if targets is not None else None
+        blocks = sorted({p.rpartition(".")[0] for p in targets.experts}) if targets is not None else None
         hidden = model_config.get_text_config().hidden_size if model_config is not None else None
         adapter = replace(
             adapter, lora_experts=check_lora_experts_file(adapter.lora_experts_file, blocks, hidden)
@@ -218,21 +225,44 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
-def _pairs(adapter: AdapterFolder) -> dict[str, tuple[TensorInfo, TensorInfo]]:
-    """``{module key prefix (without PEFT's prefix): (A, B)}``; every key a LoRA weight, every A with its B."""
+def _saved_whole(key: str, config: Mapping[str, Any]) -> bool:
+    """Whether ``key`` (without PEFT's prefix) is a whole parameter PEFT saves with a LoRA adapter: of a module in
+    ``modules_to_save``, or an embedding layer's base weight."""
+    m = WHOLE_KEY.fullmatch(key)
+    if m is None:
+        return False
+    saved = config.get("modules_to_save") or []
+    if isinstance(saved, list) and any(
+        _matches(m["module"], entry) for entry in saved if isinstance(entry, str)
+    ):
+        return True
+    layer, _, tail = m["module"].rpartition(".")
+    return tail == "base_layer" and layer.rpartition(".")[2] in EMBEDDING_NAMES
+
+
+def _pairs(
+    adapter: AdapterFolder,
+) -> tuple[dict[str, tuple[TensorInfo, TensorInfo]], dict[str, TensorInfo]]:
+    """(``{module key prefix (without PEFT's prefix): (A, B)}``, ``{key: whole parameter}``): every key a LoRA
+    weight or a whole parameter PEFT saves with one (:func:`_saved_whole`), every A with its B."""
     where, r = adapter.weights_file, adapter.r
     found: dict[str, dict[str, TensorInfo]] = {}
+    whole: dict[str, TensorInfo] = {}
     other = []
     for key, info in adapter.tensors.items():
         m = LORA_KEY.fullmatch(key.removeprefix(PREFIX))
-        if m is None:
-            other.append(key)
-        else:
+        if m is not None:
             found.setdefault(m["module"], {})[m["ab"]] = info
+        elif _saved_whole(key.removeprefix(PREFIX), adapter.config):
+            whole[key.removeprefix(PREFIX)] = info
+        else:
+            other.append(key)
     if other:
+        saved = adapter.config.get("modules_to_save")
         raise AdapterError(
-            f"{where} holds tensors that are not LoRA A/B weights ({listing(sorted(other), inline=True)}); "
-            "moetune loads LoRA adapters without modules_to_save, DoRA or embeddings"
+            f"{where} holds tensors that are neither LoRA A/B weights nor whole weights of the modules in "
+            f"modules_to_save ({saved!r} in adapter_config.json): {listing(sorted(other), inline=True)}; "
+            "moetune loads LoRA adapters (with modules_to_save), not DoRA or prompt-learning ones"
         )
     half = sorted(f"{m}.lora_{'B' if 'A' in ab else 'A'}.weight" for m, ab in found.items() if len(ab) != 2)
     if half:
@@ -248,7 +278,7 @@ def _pairs(adapter: AdapterFolder) -> dict[str, tuple[TensorInfo, TensorInfo]]:
                 f"(adapter_config.json says r={r}): expected [r, in] and [out, r], or for routed experts "
                 "[E * r, in] and [out, r * E]. Is r in adapter_config.json the rank the adapter was saved with?"
             )
-    return pairs
+    return pairs, whole
 
 
 @dataclass(frozen=True)
@@ -260,13 +290,22 @@ class _Target:
     experts: int = 1
 
 
-def _model_targets(
-    model_config: Any, model: Any = None
-) -> tuple[dict[str, _Target], dict[str, dict[str, _Target]]]:
-    """(Linear paths -> shapes, experts paths -> {param: shapes}) of ``model``, the model of ``model_config``
-    on the meta device, built here when None (no weight exists or is read)."""
+@dataclass(frozen=True)
+class _ModelTargets:
+    """Where a model takes LoRA, and its parameters' shapes (for whole weights)."""
+
+    linears: dict[str, _Target]  # nn.Linear paths
+    experts: dict[str, dict[str, _Target]]  # routed-experts paths -> {param: shapes}
+    routers: dict[str, _Target]  # routers that are not nn.Linear (LoRA on their weight, by target_parameters)
+    shapes: dict[str, tuple[int, ...]]  # every parameter's
+
+
+def _model_targets(model_config: Any, model: Any = None) -> _ModelTargets:
+    """The LoRA places and parameter shapes of ``model``, the model of ``model_config`` on the meta device, built
+    here when None (no weight exists or is read)."""
     import torch
 
+    from moetune.adapters.apply import weight_routers
     from moetune.arch import find_experts, resolve_arch
     from moetune.loading import hf
 
@@ -283,7 +322,12 @@ def _model_targets(
         for p, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and not p.startswith(inside)
     }
-    return linears, experts
+    routers = {
+        p: _Target(*reversed(model.get_submodule(p).weight.shape))
+        for p in weight_routers(model, list(experts))
+    }
+    shapes = {name: tuple(t.shape) for name, t in model.named_parameters()}
+    return _ModelTargets(linears, experts, routers, shapes)
 
 
 def _matches(path: str, entry: str) -> bool:
@@ -293,11 +337,12 @@ def _matches(path: str, entry: str) -> bool:
 def _check_against_model(
     adapter: AdapterFolder,
     pairs: dict[str, tuple[TensorInfo, TensorInfo]],
+    whole: dict[str, TensorInfo],
     model_config: Any,
-    targets: tuple[dict[str, _Target], dict[str, dict[str, _Target]]],
+    targets: _ModelTargets,
 ) -> None:
     where, r = adapter.weights_file, adapter.r
-    linears, experts = targets
+    linears, experts = targets.linears, targets.experts
     modules = adapter.config.get("target_modules") or []
     params = adapter.config.get("target_parameters") or []
 
@@ -313,6 +358,9 @@ def _check_against_model(
         else:
             hit = any(_matches(path, e) for e in modules)
         if hit or any(_matches(f"{path}.weight", e) for e in params):
+            expected[path] = target
+    for path, target in targets.routers.items():  # PEFT adapts them through target_parameters only
+        if any(_matches(f"{path}.weight", e) for e in params):
             expected[path] = target
     for path in experts:
         chosen = targeted_params(path)  # registration order: gate_up first, the last one outermost
@@ -330,6 +378,18 @@ def _check_against_model(
             f"{where} is incomplete: adapter_config.json targets {listing(absent, inline=True)} but the file has no "
             "LoRA for them (lora_A / lora_B); the save was cut short or the file was edited. Save the adapter again"
         )
+    for (
+        key,
+        info,
+    ) in whole.items():  # the model's own parameter: an embedding's base weight is the layer's weight
+        name = key.replace(".base_layer.", ".")
+        shape = targets.shapes.get(name)
+        if shape is None or tuple(info.shape) != shape:
+            has = "has no such parameter" if shape is None else f"has it as {list(shape)}"
+            raise AdapterError(
+                f"{where}: {key} {list(info.shape)} (a whole weight saved with the adapter) does not fit "
+                f"{type(model_config).__name__}'s model, which {has}; was the adapter saved for this model?"
+            )
     for module, (a, b) in pairs.items():
         t = expected[module]
         want_a, want_b = [t.experts * r, t.n_in], [t.n_out, r * t.experts]

@@ -34,9 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from moetune.adapters.apply import linear_weight_paths, peft_model_with
+from moetune.adapters.apply import linear_weight_paths, peft_model_with, weight_routers
 from moetune.adapters.check import check_adapter_folder, check_finite
-from moetune.adapters.lora_experts import CHILD as LORA_EXPERTS_CHILD
 from moetune.adapters.lora_experts import FILE_NAME as LORA_EXPERTS_FILE
 from moetune.adapters.lora_experts import (
     attach_lora_experts,
@@ -202,11 +201,18 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: boo
     where = str(Path(adapter_dir) / CONFIG_NAME)
     experts, expert_entries = expert_targets(model, target_parameters, where)
     dense = linear_weight_paths(model, target_parameters)  # Linear weights targeted as parameters
-    unknown = [e for e in target_parameters if e not in dense and e not in expert_entries]
+    cpu_experts = [p for p, m in model.named_modules() if isinstance(m, CpuExperts)]
+    router_weights = [f"{p}.weight" for p in weight_routers(model, cpu_experts)]
+    routers = [  # routers that are not nn.Linear: PEFT's own target_parameters LoRA (ParamWrapper), as attach_lora
+        e for e in target_parameters if any(w == e or w.endswith("." + e) for w in router_weights)
+    ]
+    unknown = [
+        e for e in target_parameters if e not in dense and e not in expert_entries and e not in routers
+    ]
     if unknown:
         raise AdapterError(
-            f"{where}: target_parameters {unknown} name no nn.Linear weight and no routed-experts parameter of "
-            f"{type(model).__name__}; was the adapter saved for this model?"
+            f"{where}: target_parameters {unknown} name no nn.Linear weight, no routed-experts parameter and no "
+            f"router weight of {type(model).__name__}; was the adapter saved for this model?"
         )
     target_modules = config.get("target_modules")
     if isinstance(target_modules, str) and experts:
@@ -224,7 +230,9 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: boo
         lora_alpha=alpha,  # type: ignore[arg-type]  # PEFT annotates int; alpha / r is float math
         lora_dropout=0.0,
         target_modules=target_modules,
+        target_parameters=routers or None,
         use_rslora=rslora,
+        modules_to_save=list(config.get("modules_to_save") or []) or None,  # whole modules, as saved
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -241,10 +249,8 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: boo
             f"{result.unexpected_keys[:10]}, missing LoRA keys {lora_missing[:10]}"
         )
     restore_lora_experts(peft_model, adapter_dir, attach=True)
-    if not is_trainable:
-        for n, p in peft_model.named_parameters():
-            if "lora_" in n or f".{LORA_EXPERTS_CHILD}." in n:
-                p.requires_grad_(False)
+    if not is_trainable:  # LoRA, LoRA experts and modules_to_save's copies alike
+        peft_model.requires_grad_(False)
         peft_model.eval()
     return peft_model
 

@@ -106,6 +106,14 @@ def _header(fn: Callable[[bytes], bytes]) -> Callable[[Path], None]:
     return edit
 
 
+def _both(*edits: Callable[[Path], None]) -> Callable[[Path], None]:
+    def edit(folder: Path) -> None:
+        for fn in edits:
+            fn(folder)
+
+    return edit
+
+
 def _drop(prefix: str) -> Callable[[dict[str, torch.Tensor]], None]:
     def fn(state: dict[str, torch.Tensor]) -> None:
         for k in [k for k in state if k.startswith(prefix)]:
@@ -174,7 +182,17 @@ ADAPTER_CASES = {
     "a lora_B missing": (_weights(_drop(f"{Q0}.lora_B")), r"incomplete: it lacks .*q_proj.lora_B.weight"),
     "a non-LoRA tensor": (
         _weights(lambda s: s.update({"base_model.model.lm_head.weight": torch.zeros(96, 64)})),
-        "not LoRA A/B weights .*lm_head.weight",
+        "neither LoRA A/B weights nor whole weights of the modules in modules_to_save .*lm_head.weight",
+    ),
+    "a modules_to_save weight of another shape": (
+        _both(
+            _config(lambda c: c.update(modules_to_save=["gate"])),
+            _weights(
+                lambda s: s.update({"base_model.model.model.layers.0.mlp.gate.weight": torch.zeros(9, 64)})
+            ),
+        ),
+        r"model.layers.0.mlp.gate.weight \[9, 64\] \(a whole weight saved with the adapter\) does not fit .* has "
+        r"it as \[8, 64\]",
     ),
     "LoRA for a module the model lacks": (
         _weights(

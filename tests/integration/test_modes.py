@@ -278,6 +278,40 @@ def test_router_lora_and_full_router_training(tmp_path) -> None:
     stock = PeftModel.from_pretrained(_stock(path), tmp_path / "hybrid").eval()
     with torch.no_grad():
         assert _close(full.eval()(**inputs).logits, stock(**inputs).logits)
+    _loads_back_as_stock_peft(path, tmp_path / "hybrid", inputs)
+    _loads_back_as_stock_peft(path, tmp_path / "adapter", inputs)
+
+
+def _loads_back_as_stock_peft(path: Path, adapter: Path, inputs: dict) -> None:
+    """moetune's own loader (``moetune.load_model(adapter=...)``, what generate and chat use) takes ``adapter``
+    and gives stock PEFT's logits on the transformers model: it refused router LoRA and modules_to_save before."""
+    from peft import PeftModel
+
+    from moetune import load_model
+
+    ours = load_model(path, device="cpu", dtype="float64", adapter=adapter, progress=False)
+    stock = PeftModel.from_pretrained(_stock(path), adapter).eval()
+    assert not any(p.requires_grad for p in ours.parameters())
+    with torch.no_grad():
+        assert _close(ours(**inputs).logits, stock(**inputs).logits)
+
+
+def test_an_lm_head_adapter_loads_back(tmp_path) -> None:
+    """LoRA on lm_head: PEFT may save the layer's base weight beside it (save_embedding_layers); moetune's loader
+    takes the adapter either way, with stock PEFT's logits."""
+    from moetune.adapters import attach_lora, save_adapter
+    from moetune.loading import load_model
+
+    path = save_tiny_model("qwen3_moe", tmp_path / "m")
+    model = attach_lora(
+        load_model(path, device="cpu", dtype="float64", progress=False), rank=4, alpha=8, targets=("lm_head",)
+    )
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(std=0.1)
+    save_adapter(model, tmp_path / "adapter")
+    _loads_back_as_stock_peft(path, tmp_path / "adapter", text_inputs(0, 2, 14))
 
 
 def test_full_model_saves_a_checkpoint_plain_transformers_loads(family, tmp_path) -> None:
