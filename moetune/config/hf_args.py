@@ -128,6 +128,33 @@ def check_training_arguments(kwargs: Mapping[str, Any], extra: tuple[str, ...]) 
     return None
 
 
+def optimizer_problem(kwargs: Mapping[str, Any], trainer_optimizer: bool) -> tuple[str, str] | None:
+    """(the key, what is wrong) with the optimizer ``TrainingArguments(**kwargs)`` asks for, or None: built on a
+    dummy parameter now, as the Trainer builds it after the model loaded. ``trainer_optimizer``: whether the
+    Trainer builds it (LoRA: the optimizer ``optim`` names, its package needed); full and freeze runs step every
+    weight with moetune's AdamW (``optim`` chooses its state), whose hyperparameters are torch AdamW's."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(**kwargs)
+    cls: Any = torch.optim.AdamW
+    options: dict[str, Any] = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2)}
+    options.update(eps=args.adam_epsilon, weight_decay=args.weight_decay)
+    if trainer_optimizer:
+        try:
+            cls, options = Trainer.get_optimizer_cls_and_kwargs(args)
+        except (ImportError, ValueError) as err:  # a package the optimizer needs, or a bad optim_args
+            return "optim", f"is {str(getattr(args.optim, 'value', args.optim))!r}: {err}"
+    try:
+        cls([torch.nn.Parameter(torch.zeros(1))], **options)
+    except (ValueError, TypeError) as err:
+        keys = (
+            "adam_beta1, adam_beta2, adam_epsilon" if "beta" in str(err) or "epsilon" in str(err) else "optim"
+        )
+        return keys, f"the optimizer ({cls.__name__}) refuses its settings: {err}"
+    return None
+
+
 def scheduler_problem(name: str, kwargs: Mapping[str, Any]) -> str | None:
     """What is wrong with ``lr_scheduler_kwargs`` for scheduler ``name``: it is built on a dummy optimizer."""
     import inspect

@@ -25,6 +25,7 @@ from moetune.config.hf_args import (
     check_training_arguments,
     deepspeed_as_fsdp,
     is_training_argument,
+    optimizer_problem,
     passthrough,
     scheduler_problem,
 )
@@ -194,11 +195,15 @@ def _check_training_arguments(config: MoetuneConfig, problems: Problems) -> None
             problems.add("lr_scheduler_kwargs" if t.lr_scheduler_kwargs else "lr_scheduler_type", message)
             return
     if t.extra_args:
-        message = check_training_arguments(
-            training_arguments_kwargs(config), tuple(k for k, _ in t.extra_args)
-        )
+        kwargs = training_arguments_kwargs(config)
+        message = check_training_arguments(kwargs, tuple(k for k, _ in t.extra_args))
         if message is not None:
             problems.add(", ".join(k for k, _ in t.extra_args), message)
+            return
+        trainer_optimizer = config.finetune.finetuning_type is FinetuningType.LORA
+        found = optimizer_problem(kwargs, trainer_optimizer)
+        if found is not None:
+            problems.add(*found)
 
 
 def known_keys() -> set[str]:
@@ -403,6 +408,7 @@ def _check_mode_keys(finetune: FinetuneConfig, problems: Problems) -> None:
 
 
 def _check_report_to(report_to: tuple[str, ...], problems: Problems) -> None:
+    from transformers.integrations import get_available_reporting_integrations
     from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
     allowed = {"none", "all", *INTEGRATION_TO_CALLBACK}
@@ -411,6 +417,15 @@ def _check_report_to(report_to: tuple[str, ...], problems: Problems) -> None:
         problems.add("report_to", f"got {', '.join(bad)}; allowed: {', '.join(sorted(allowed))}")
     elif "none" in report_to and len(report_to) > 1:
         problems.add("report_to", "'none' cannot be combined with integrations")
+    else:  # the Trainer raises for a named integration whose package is missing, after the model loaded
+        installed = set(get_available_reporting_integrations())
+        missing = [r for r in report_to if r not in ("none", "all") and r not in installed]
+        if missing:
+            problems.add(
+                "report_to",
+                f"names {', '.join(missing)}, whose package is not installed here (pip install it), or "
+                f"choose among the installed ones: {', '.join(sorted(installed)) or 'none'}",
+            )
 
 
 def _resolve_data(data: DataConfig, problems: Problems) -> DataConfig:
@@ -443,6 +458,12 @@ def _check_files(
             )
             return
         _check_output_dir(training, problems)
+
+
+def _step(checkpoint: Path) -> int:
+    """A ``checkpoint-N`` folder's N (-1 for another name): checkpoints sort by step, not as text."""
+    tail = checkpoint.name.removeprefix("checkpoint-")
+    return int(tail) if tail.isdigit() else -1
 
 
 def _same_folder(a: Path, b: Path) -> bool:
@@ -524,6 +545,12 @@ def _check_output_dir(training: TrainingConfig, problems: Problems) -> None:
             "resume_from_checkpoint",
             f"is true but {out} holds no checkpoint-* folder to resume from; "
             "give a checkpoint path or remove it",
+        )
+    elif isinstance(resume, Path) and (inner := sorted(resume.glob("checkpoint-*"), key=_step)):
+        problems.add(  # a finished run's output_dir has a trainer_state.json too; transformers then fails in PEFT
+            "resume_from_checkpoint",
+            f"{resume} is a run's output_dir (it holds {', '.join(p.name for p in inner[-3:])}), not a checkpoint; "
+            f"give one of its checkpoint folders, e.g. {inner[-1]}",
         )
     elif isinstance(resume, Path) and not (resume / "trainer_state.json").is_file():
         problems.add(

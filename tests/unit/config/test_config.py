@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -283,7 +284,16 @@ def test_output_dir_holding_a_run_needs_overwrite_or_resume(workdir: Path) -> No
     assert parse_config(minimal(resume_from_checkpoint=True)).training.resume_from_checkpoint is True
     resumed = parse_config(minimal(resume_from_checkpoint="out/checkpoint-100"))
     assert resumed.training.resume_from_checkpoint == Path("out/checkpoint-100")
-    assert "is not a checkpoint folder" in problems_of(minimal(resume_from_checkpoint="out"))
+    assert "is not a checkpoint folder" in problems_of(minimal(resume_from_checkpoint="data"))
+    # a run's output_dir, finished (its own trainer_state.json) or not, with checkpoints inside (its own trainer_state.json, checkpoints inside): the newest checkpoint named
+    (workdir / "out" / "trainer_state.json").write_text("{}")
+    for step in (20, 100):
+        (workdir / "out" / f"checkpoint-{step}").mkdir(exist_ok=True)
+    text = problems_of(minimal(resume_from_checkpoint="out"))
+    assert (
+        "resume_from_checkpoint: out is a run's output_dir (it holds checkpoint-20, checkpoint-100), not a "
+        "checkpoint; give one of its checkpoint folders, e.g. out/checkpoint-100"
+    ) in text
 
 
 def test_output_dir_never_the_model_folder_nor_a_model_without_a_run(workdir: Path) -> None:
@@ -305,6 +315,29 @@ def test_output_dir_never_the_model_folder_nor_a_model_without_a_run(workdir: Pa
     # a finished full run's own output (weights and its trainer_state.json): the usual rule, not this one
     (workdir / "other" / "trainer_state.json").write_text("{}")
     assert "holds a model" not in problems_of(minimal(output_dir="other"))
+
+
+def test_the_optimizer_is_built_before_the_model_loads(workdir: Path) -> None:
+    """What the Trainer would raise after the model loaded (minutes for a large MoE) is a config error: a bad
+    beta under every mode, an optimizer whose package is missing under LoRA (full and freeze step with moetune's
+    AdamW, which needs no bitsandbytes: README's optim table)."""
+    for method in ("lora", "full"):
+        text = problems_of(minimal(finetuning_type=method, adam_beta1=1.5))
+        assert "adam_beta1, adam_beta2, adam_epsilon: the optimizer (AdamW) refuses its settings" in text, (
+            method
+        )
+        assert "Invalid beta parameter" in text
+    if importlib.util.find_spec("bitsandbytes") is None:
+        text = problems_of(minimal(optim="adamw_bnb_8bit"))
+        assert "optim: is 'adamw_bnb_8bit': You need to install `bitsandbytes`" in text
+        assert parse_config(minimal(finetuning_type="full", optim="adamw_bnb_8bit")).finetune.finetuning_type
+    assert parse_config(minimal(adam_beta1=0.8, adam_beta2=0.95)).training.extra_args
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
+def test_report_to_an_integration_that_is_not_installed(workdir: Path) -> None:
+    text = problems_of(minimal(report_to="wandb"))
+    assert "report_to: names wandb, whose package is not installed here (pip install it)" in text
 
 
 def test_resume_needs_a_checkpoint(workdir: Path) -> None:
