@@ -382,8 +382,24 @@ def _check_cross_fields(
 def _check_mode_keys(finetune: FinetuneConfig, problems: Problems) -> None:
     """Keys of one training mode set under another are errors, not silently unused."""
     method = finetune.finetuning_type
+    defaults = {f.name: f.default for f in dataclasses.fields(FinetuneConfig)}
+    if method is not FinetuningType.LORA:  # lora_alpha is still None here unless set (2 * rank comes later)
+        # said, not refused: a config switched from lora keeps them, and LLaMA-Factory ignores them silently
+        unused = [
+            key
+            for key in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "use_rslora")
+            if getattr(finetune, key) != defaults[key]
+        ]
+        if unused:
+            log.warning(
+                "moetune: %s appl%s to finetuning_type: lora only; with finetuning_type %s no LoRA is attached and "
+                "%s no effect",
+                ", ".join(unused),
+                "ies" if len(unused) == 1 else "y",
+                method.value,
+                "it has" if len(unused) == 1 else "they have",
+            )
     if method is not FinetuningType.FREEZE:
-        defaults = {f.name: f.default for f in dataclasses.fields(FinetuneConfig)}
         for key in ("freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules"):
             if getattr(finetune, key) != defaults[key] and not problems.has(key):
                 problems.add(

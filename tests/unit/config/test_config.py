@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -315,6 +316,25 @@ def test_output_dir_never_the_model_folder_nor_a_model_without_a_run(workdir: Pa
     # a finished full run's own output (weights and its trainer_state.json): the usual rule, not this one
     (workdir / "other" / "trainer_state.json").write_text("{}")
     assert "holds a model" not in problems_of(minimal(output_dir="other"))
+
+
+def test_lora_keys_under_full_or_freeze_are_said_to_have_no_effect(
+    workdir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """They were accepted and ignored without a word; a config switched from lora keeps them (LLaMA-Factory
+    ignores them), so a logged line, not an error; the keys left at their defaults say nothing."""
+    for method in ("full", "freeze"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="moetune.config.load"):
+            parse_config(minimal(finetuning_type=method, lora_rank=16, lora_target="q_proj", lora_alpha=8))
+        assert (
+            f"lora_rank, lora_alpha, lora_target apply to finetuning_type: lora only; with finetuning_type {method} "
+            "no LoRA is attached and they have no effect"
+        ) in caplog.text
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="moetune.config.load"):
+            parse_config(minimal(finetuning_type=method, lora_rank=8))
+        assert "finetuning_type: lora only" not in caplog.text
 
 
 def test_the_optimizer_is_built_before_the_model_loads(workdir: Path) -> None:
