@@ -227,6 +227,7 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
         write_loss_curve,
         write_summary,
     )
+    from moetune.train.templates import saved_chat_template
 
     ranks = _start_ranks(cfg)
     out = Path(cfg.training.output_dir)
@@ -246,7 +247,15 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
             save_adapter(trainer.model, out, state_dict=gathered)
         else:
             save_model(trainer.model, out, state_dict=gathered)  # FSDP2: the dense part gathered whole
-        tokenizer.save_pretrained(out)
+        # saved with the chat template the run trained with (its template, enable_thinking, default_system), so
+        # that generate, chat and serving render prompts as training did; the tokenizer in hand keeps its own
+        own, trained_with = tokenizer.chat_template, saved_chat_template(tokenizer, cfg.data)
+        if trained_with is not None:
+            tokenizer.chat_template = trained_with
+        try:
+            tokenizer.save_pretrained(out)
+        finally:
+            tokenizer.chat_template = own
 
     main_writes(ranks, write_model)
     trainer.save_state()  # the Trainer's own: written by the main process only

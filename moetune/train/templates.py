@@ -299,3 +299,34 @@ class ExampleEncoder:
         spans = [(start, len(sample.text))] if start < len(sample.text) else []
         encoded = encode_spans(self.tokenizer, sample.text, spans, add_special_tokens=True)
         return append_eos(self.tokenizer, encoded)
+
+
+def saved_chat_template(tokenizer: Any, config: DataConfig) -> str | None:
+    """The chat template a run rendered its conversations with, for the tokenizer saved beside its adapter
+    (``moetune generate`` / ``chat``, vLLM and SGLang render prompts with the saved one), or None where that is
+    the tokenizer's own, unchanged. It is the config's template (a Jinja file, or a LLaMA-Factory name's built-in
+    format) or the tokenizer's own, with the run's ``enable_thinking`` and ``default_system`` written in as its
+    defaults (a caller's ``enable_thinking`` and a conversation's own system message still win), as
+    LLaMA-Factory saves its template into the tokenizer."""
+    import json
+
+    encoder = ExampleEncoder(tokenizer, config)
+    own = getattr(tokenizer, "chat_template", None)
+    base = encoder.template if encoder.template is not None else own if isinstance(own, str) else None
+    if base is None:
+        return None
+    prefix = ""
+    if "enable_thinking" in encoder.template_kwargs:
+        value = "true" if encoder.template_kwargs["enable_thinking"] else "false"
+        prefix += (
+            f"{{%- if enable_thinking is not defined %}}{{%- set enable_thinking = {value} %}}{{%- endif %}}"
+        )
+    if encoder.default_system is not None:  # a JSON string is a Jinja string literal
+        system = json.dumps(encoder.default_system)
+        prefix += (
+            "{%- if not messages or messages[0]['role'] != 'system' %}"
+            f"{{%- set messages = [{{'role': 'system', 'content': {system}}}] + messages %}}{{%- endif %}}"
+        )
+    if encoder.template is None and not prefix:
+        return None
+    return prefix + base

@@ -202,6 +202,33 @@ def test_plot_loss_false_writes_no_loss_curve(tmp_path, demo_model) -> None:
     assert json.loads((out / "run_summary.json").read_text())["loss_curve"] is None
 
 
+def test_the_output_tokenizer_carries_the_template_trained_with(tmp_path, demo_model) -> None:
+    """A run with its own template and default_system saves them in the output's tokenizer: generate and chat
+    (``moetune.train.generation.render``) then prompt as training rendered; the model's tokenizer and the one
+    in hand are unchanged."""
+    from transformers import AutoTokenizer
+
+    from moetune.train.generation import render
+    from moetune.train.recipe import run
+
+    template = (ROOT / "examples/data/demo_tokenizer/chat_template.jinja").read_text()
+    (tmp_path / "mine.jinja").write_text("[run] " + template)
+    cfg = _config(tmp_path, demo_model, max_steps=1, save_steps=10, template=str(tmp_path / "mine.jinja"))
+    cfg.write_text(cfg.read_text() + "default_system: be brief\n")
+    trained = run(load_config(cfg), progress=False)
+    own = AutoTokenizer.from_pretrained(demo_model)
+    saved = AutoTokenizer.from_pretrained(tmp_path / "out")
+    user = [{"role": "user", "content": "encode a b"}]
+    want = own.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, *user],
+        chat_template="[run] " + template,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert render(saved, user) == want and want.startswith("[run] ") and "be brief" in want
+    assert render(own, user) == render(trained.tokenizer, user) != want
+
+
 def _a8_or_why(fmt: str) -> str:
     """Why a bf16 load of ``fmt`` experts on this CPU refuses int8_activations (the engine's own check), or ""."""
     from moetune.engine.gemm import int8_rows_problem

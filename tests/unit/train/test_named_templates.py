@@ -236,3 +236,43 @@ def test_names_with_a_default_system_add_it(workdir: Path, name: str, system: st
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
     want = tok.apply_chat_template([*messages, {"role": "assistant", "content": "hello"}], tokenize=False)
     assert example["input_ids"] == tok(want, add_special_tokens=False)["input_ids"]
+
+
+def test_the_saved_tokenizer_renders_prompts_as_training_did(workdir: Path) -> None:
+    """``saved_chat_template``: what recipe.save writes into the output's tokenizer, so that generate, chat and
+    serving give the trained model the prompts it was trained on (the tokenizer's own template lacked the run's
+    template, enable_thinking and default_system)."""
+    from moetune.train.templates import ExampleEncoder, saved_chat_template
+
+    tok = hybrid_tokenizer()
+    (workdir / "t.jinja").write_text(HYBRID.replace("<|im_start|>", "<|im_start|> "))
+    user = [{"role": "user", "content": "hi"}]
+    data = write(workdir / "rows.json", [{"instruction": "hi", "output": "hello"}])
+
+    def config(**keys: Any) -> Any:
+        return parse_config(
+            {"model_name_or_path": "m", "dataset": data, "output_dir": "o", **keys}, check_model_path=False
+        ).data
+
+    def prompt(template: str | None, messages: list, **kwargs: Any) -> str:
+        return tok.apply_chat_template(
+            messages, chat_template=template, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+
+    assert saved_chat_template(tok, config()) is None  # the tokenizer's own, unchanged: nothing to write
+    cfg = config(template="t.jinja", default_system="be brief", enable_thinking=False)
+    saved = saved_chat_template(tok, cfg)
+    encoder = ExampleEncoder(tok, cfg)
+    trained = encoder.renderer.render(
+        [{"role": "system", "content": "be brief"}, *user], add_generation_prompt=True
+    )
+    assert prompt(saved, user) == trained
+    assert trained.startswith("<|im_start|> system\nbe brief") and trained.endswith("<think>\n\n</think>\n\n")
+    own_system = [{"role": "system", "content": "mine"}, *user]  # a conversation's own system message wins
+    assert prompt(saved, own_system) == encoder.renderer.render(own_system, add_generation_prompt=True)
+    assert not prompt(saved, user, enable_thinking=True).endswith("</think>\n\n")  # and a caller's switch
+    # a LLaMA-Factory name on the tokenizer's own template: its switch written in
+    nothink = saved_chat_template(tok, config(template="qwen3_nothink"))
+    assert nothink is not None and prompt(nothink, user) == prompt(None, user, enable_thinking=False)
+    quotes = saved_chat_template(tok, config(default_system='say "hi"\n{{ x }}'))  # a literal, not Jinja
+    assert quotes is not None and 'say "hi"\n{{ x }}' in prompt(quotes, user)
