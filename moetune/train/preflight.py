@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 import zipfile
@@ -289,6 +290,8 @@ def check_resume_checkpoint(folder: Path, cfg: MoetuneConfig, targets: set[str] 
     problems = checkpoint_problems(folder, cfg, targets)
     if not problems:
         check_steps_left(folder, cfg)
+        for note in resume_notes(folder, cfg):
+            logger.warning("moetune: resume_from_checkpoint %s: %s", folder, note)
         return
     others = [path for _, path in sorted(checkpoints(folder.parent), reverse=True) if path != folder]
     good = next((p for p in others if not checkpoint_problems(p, cfg, targets)), None)
@@ -301,6 +304,52 @@ def check_resume_checkpoint(folder: Path, cfg: MoetuneConfig, targets: set[str] 
         f"resume_from_checkpoint {folder} cannot be resumed:{listing(problems)}\n{offer} (or restore the "
         "damaged files; a run whose LoRA settings changed cannot resume another's checkpoint)."
     )
+
+
+def resume_notes(folder: Path, cfg: MoetuneConfig) -> list[str]:
+    """What resuming checkpoint ``folder`` will not do as the config asks, one line each (said, not refused:
+    transformers resumes so, and LLaMA-Factory alike): a checkpoint without the optimizer's or the scheduler's
+    state (``save_only_model``) restarts them, and a scheduler's state restores the learning rate it was built
+    with, whatever ``learning_rate`` says now."""
+    import torch
+
+    notes = []
+    lost = [
+        what
+        for what, names in (
+            # the Trainer's (FSDP: .bin), and moetune's layer by layer under full / freeze (its index)
+            ("optimizer", ("optimizer.pt", "optimizer.bin", "optimizer.index.json")),
+            ("scheduler", ("scheduler.pt",)),
+        )
+        if not any((folder / name).is_file() for name in names)
+    ]
+    if lost:
+        notes.append(
+            f"it holds no {' or '.join(lost)} state (saved with save_only_model: true?), so the run continues from "
+            f"its weights and step count with {' and '.join(lost)} started afresh ("
+            + ", ".join(
+                {
+                    "optimizer": "AdamW's moments from zero",
+                    "scheduler": "the learning-rate schedule from its start",
+                }[w]
+                for w in lost
+            )
+            + "): not an exact resume"
+        )
+    if "scheduler" not in lost:
+        try:
+            state = torch.load(folder / "scheduler.pt", map_location="cpu", weights_only=True)
+        except Exception:  # noqa: BLE001 - another scheduler's pickle: nothing to compare, transformers loads it
+            state = None
+        base = state.get("base_lrs") if isinstance(state, dict) else None
+        want = cfg.training.learning_rate
+        if isinstance(base, list) and base and not math.isclose(float(base[0]), want, rel_tol=1e-6):
+            notes.append(
+                f"its learning-rate schedule was built for learning_rate {base[0]:g} and the Trainer restores it, "
+                f"so learning_rate {want:g} in this config has no effect on the resumed run (start a new run to "
+                "change it)"
+            )
+    return notes
 
 
 def check_steps_left(folder: Path, cfg: MoetuneConfig) -> None:
