@@ -582,6 +582,14 @@ def _check_output_dir(training: TrainingConfig, problems: Problems) -> None:
             f"{out} already holds a training run ({found}); set overwrite_output_dir: true to "
             "write over it, resume_from_checkpoint to continue it, or choose another output_dir",
         )
+    if checkpoints and training.overwrite_output_dir and not resume:
+        log.warning(
+            "moetune: output_dir %s holds checkpoints of an earlier run (%s); overwrite_output_dir writes over its "
+            "files but leaves them, so a later resume_from_checkpoint: true could take one of them: remove them "
+            "or choose another output_dir",
+            out,
+            ", ".join(p.name for p in checkpoints[:3]),
+        )
     weights = [m for m in _MODEL_WEIGHTS if (out / m).exists()]
     if weights and not previous_run and not training.overwrite_output_dir:
         problems.add(

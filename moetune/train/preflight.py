@@ -180,8 +180,42 @@ def resume_checkpoint(cfg: MoetuneConfig) -> Path | None:
         from transformers.trainer_utils import get_last_checkpoint
 
         last = get_last_checkpoint(str(cfg.training.output_dir))
+        if last:
+            check_one_run(cfg.training.output_dir, Path(last))
         return Path(last) if last else None
     return None
+
+
+def check_one_run(output_dir: Path, last: Path) -> None:
+    """``CheckpointError`` when ``output_dir``'s checkpoints are not one run's. Within one run (resumed or not)
+    each checkpoint's logged history (``trainer_state.json``'s ``log_history``) begins with every earlier one's;
+    a lower step whose history is not how ``last``'s (the highest step, what ``resume_from_checkpoint: true``
+    takes) begins is another run's: one that overwrote the folder (``overwrite_output_dir``) without removing an
+    earlier run's checkpoints, so resuming the highest step would continue the other run. (Histories, not file
+    times: a copied folder keeps them.)"""
+
+    def history(folder: Path) -> list | None:
+        try:
+            found = json.loads((folder / TRAINER_STATE).read_text()).get("log_history")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return found if isinstance(found, list) else None
+
+    top = history(last)
+    if not top:
+        return
+    other = []
+    for _, folder in sorted(checkpoints(output_dir)):
+        own = history(folder)
+        if folder != last and own and json.dumps(own) != json.dumps(top[: len(own)]):  # as text: a logged nan
+            other.append(folder)
+    if other:
+        raise CheckpointError(
+            f"resume_from_checkpoint: true would take {last}, the highest step in {output_dir}, but the logged "
+            f"history of {listing([p.name for p in other], inline=True)} is not how its history begins: the folder "
+            "holds the checkpoints of more than one run (overwrite_output_dir does not remove an earlier run's). "
+            "Set resume_from_checkpoint to the checkpoint to continue, or remove the other run's checkpoints"
+        )
 
 
 def checkpoint_problems(folder: Path, cfg: MoetuneConfig, targets: set[str] | None) -> list[str]:

@@ -360,6 +360,18 @@ def test_report_to_an_integration_that_is_not_installed(workdir: Path) -> None:
     assert "report_to: names wandb, whose package is not installed here (pip install it)" in text
 
 
+def test_overwriting_a_folder_with_checkpoints_says_they_stay(
+    workdir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (workdir / "out" / "checkpoint-4").mkdir(parents=True)
+    with caplog.at_level(logging.WARNING, logger="moetune.config.load"):
+        parse_config(minimal(overwrite_output_dir=True))
+    assert (
+        "holds checkpoints of an earlier run (checkpoint-4); overwrite_output_dir writes over its files but leaves them"
+        in caplog.text
+    )
+
+
 def test_resume_needs_a_checkpoint(workdir: Path) -> None:
     text = problems_of(minimal(resume_from_checkpoint=True))
     assert "resume_from_checkpoint: is true but out holds no checkpoint-* folder" in text

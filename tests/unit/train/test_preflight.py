@@ -69,3 +69,28 @@ def test_resume_notes_say_what_a_checkpoint_restores_or_restarts(tmp_path) -> No
         }
     )
     assert resume_notes(ckpt, same) == []
+
+
+def test_resume_true_refuses_a_folder_holding_two_runs_checkpoints(tmp_path) -> None:
+    """overwrite_output_dir leaves an earlier run's checkpoints; resume_from_checkpoint: true took the highest
+    step, the earlier run's, without a word. A lower step whose logged history is not how the highest one's
+    begins is another run's: refused, naming it."""
+    import json
+
+    from moetune.errors import CheckpointError
+    from moetune.train.preflight import check_one_run
+
+    def write(step: int, losses: list[float]) -> None:
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir(exist_ok=True)
+        history = [{"step": i + 1, "loss": loss} for i, loss in enumerate(losses)]
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": history}))
+
+    write(2, [3.0, 2.5])  # run A: steps 1-4
+    write(4, [3.0, 2.5, 2.1, 1.9])
+    check_one_run(tmp_path, tmp_path / "checkpoint-4")  # one run
+    write(3, [3.1, 2.7, 2.4])  # run B, written over the folder: its own history
+    with pytest.raises(
+        CheckpointError, match=r"would take .*checkpoint-4.* but the logged history of checkpoint-3 is"
+    ):
+        check_one_run(tmp_path, tmp_path / "checkpoint-4")
