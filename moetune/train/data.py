@@ -17,6 +17,7 @@ preference stages' in ``moetune.train.preference``) on this one path.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,9 +131,13 @@ def prepare_datasets(
     )
     if config.val_size > 0:
         size = int(config.val_size) if config.val_size >= 1 else config.val_size
-        if isinstance(size, int) and size >= len(train):
+        held = (
+            size if isinstance(size, int) else math.ceil(size * len(train))
+        )  # datasets rounds a fraction up
+        if held >= len(train):
             raise DataError(
-                f"val_size {size} holds out every one of the {len(train)} training rows; lower it"
+                f"val_size {size} holds out {'every one' if held == len(train) else held} of the {len(train)} "
+                "training rows, leaving none to train on; lower it"
             )
         split = train.train_test_split(test_size=size, seed=seed)
         train, evals = split["train"], split["test"]

@@ -340,6 +340,28 @@ def check_resume_checkpoint(folder: Path, cfg: MoetuneConfig, targets: set[str] 
     )
 
 
+def check_token_ids(tokenizer: Any, data: Any, planned: Any) -> None:
+    """``DataError`` when the tokenized rows hold an id past the model's embedding rows (a tokenizer with tokens
+    added after the checkpoint was saved): the embedding lookup failed with an ``IndexError`` once the model had
+    loaded. The rows are read only when the tokenizer is larger than the embedding."""
+    from moetune.errors import DataError
+
+    rows = planned.model.get_input_embeddings().num_embeddings
+    if len(tokenizer) <= rows:
+        return
+    for name, split in (("training", data.train), ("evaluation", data.eval)):
+        columns = [c for c in split.column_names if c.endswith("input_ids")] if split is not None else []
+        top = max(
+            (max(ids) for c in columns for ids in split[c] if ids), default=-1
+        )  # preference: chosen_...
+        if top >= rows:
+            raise DataError(
+                f"the {name} rows hold token id {top}, but the model's embedding has {rows} rows (ids 0 .. "
+                f"{rows - 1}); the tokenizer has {len(tokenizer)} tokens: tokens were added to it after the "
+                "checkpoint was saved. Use the checkpoint's own tokenizer, or resize the model's embeddings first"
+            )
+
+
 def resume_notes(folder: Path, cfg: MoetuneConfig) -> list[str]:
     """What resuming checkpoint ``folder`` will not do as the config asks, one line each (said, not refused:
     transformers resumes so, and LLaMA-Factory alike): a checkpoint without the optimizer's or the scheduler's

@@ -70,7 +70,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     from moetune.train.fsdp import check_fsdp
     from moetune.train.model_save import recover_model_save
     from moetune.train.modes import ModeSettings, apply_mode
-    from moetune.train.preflight import check_before_load, load_tokenizer
+    from moetune.train.preflight import check_before_load, check_token_ids, load_tokenizer
     from moetune.train.stages import stage_for
 
     stage = stage_for(cfg)
@@ -95,6 +95,7 @@ def setup(cfg: MoetuneConfig, *, progress: bool = True) -> tuple[Any, Any, Any]:
     main_writes(ranks, lambda: recover_adapter(Path(cfg.training.output_dir)))
     tokenizer = load_tokenizer(cfg)
     data = prepare_datasets(cfg.data, tokenizer, seed=cfg.training.seed, codec=stage.codec)
+    check_token_ids(tokenizer, data, planned)
     model = load_model(
         model_path,
         device=_device(cfg, ranks),

@@ -308,6 +308,14 @@ def test_val_size_holds_out_rows(workdir: Path, tok: Any) -> None:
     assert (len(data.train), len(data.eval)) == (36, 4)
     with pytest.raises(DataError, match="val_size 40 holds out every one of the 40"):
         prepare(tok, path, val_size=40, eval_strategy="steps")
+    # a fraction that datasets rounds up to every row (ceil(0.99 * 40) = 40): its own ValueError before
+    with pytest.raises(
+        DataError, match="val_size 0.99 holds out every one of the 40 training rows, leaving none"
+    ):
+        prepare(tok, path, val_size=0.99, eval_strategy="steps")
+    assert (
+        len(prepare(tok, path, val_size=0.97, eval_strategy="steps").train) == 1
+    )  # ceil(38.8) = 39 held out
 
 
 def test_eval_dataset_is_never_packed(workdir: Path, tok: Any) -> None:

@@ -94,3 +94,26 @@ def test_resume_true_refuses_a_folder_holding_two_runs_checkpoints(tmp_path) -> 
         CheckpointError, match=r"would take .*checkpoint-4.* but the logged history of checkpoint-3 is"
     ):
         check_one_run(tmp_path, tmp_path / "checkpoint-4")
+
+
+def test_token_ids_past_the_embedding_are_refused_before_the_load(tmp_path) -> None:
+    """A tokenizer with tokens added after the checkpoint was saved: the embedding lookup raised IndexError once
+    the model had loaded; the prepared rows are checked against the planned model's embedding first."""
+    from types import SimpleNamespace
+
+    import torch
+    from datasets import Dataset
+
+    from moetune.errors import DataError
+    from moetune.train.preflight import check_token_ids
+
+    planned = SimpleNamespace(model=SimpleNamespace(get_input_embeddings=lambda: torch.nn.Embedding(10, 2)))
+    small, large = [0] * 10, [0] * 12  # len() of a tokenizer the size of the embedding / with 2 added tokens
+    fine = SimpleNamespace(train=Dataset.from_dict({"input_ids": [[1, 9], [2]]}), eval=None)
+    check_token_ids(large, fine, planned)  # an added token no row uses: nothing to refuse
+    past = SimpleNamespace(train=fine.train, eval=Dataset.from_dict({"chosen_input_ids": [[3, 11]]}))
+    with pytest.raises(
+        DataError, match=r"the evaluation rows hold token id 11, but the model's embedding has 10"
+    ):
+        check_token_ids(large, past, planned)
+    check_token_ids(small, past, planned)  # no larger tokenizer: the rows are not read
