@@ -49,6 +49,7 @@ from moetune.store.manifest import MANIFEST, Manifest, SourceIdentity, StoredFil
 from moetune.store.mapped import MappedFile, page_rounded
 from moetune.tensorfile import TensorInfo, read_header, write_streamed
 
+_FORMATS = "int8|int4|fp8|mxfp4|bf16"  # moetune convert's --format choices, for the hints
 BIASES = ("gate_up_bias", "down_bias")  # [E, 2I], [E, H]: stored next to the format's tensors, in float
 _READ_CHUNK = 64 << 20
 # Where a store file's data section starts: on a page, as the mapping does. With safetensors' own 8-byte alignment a
@@ -182,12 +183,12 @@ class ExpertStore:
         root = Path(path).expanduser()
         if not root.is_dir():
             raise LoadError(
-                f"expert store {root} does not exist (make one with: moetune convert SRC {root}).{unfinished_note(root)}"
+                f"expert store {root} does not exist (make one with: moetune convert SRC {root} --format {_FORMATS}).{unfinished_note(root)}"
             )
         if not (root / MANIFEST).is_file():
             raise LoadError(
                 f"{root} has no {MANIFEST}: not a moetune store, or a conversion that did not finish (the "
-                f"manifest is written last). Run moetune convert SRC {root} again.{unfinished_note(root)}"
+                f"manifest is written last). Run moetune convert SRC {root} --format {_FORMATS} again.{unfinished_note(root)}"
             )
         manifest = Manifest.read(root / MANIFEST)
         try:
@@ -205,13 +206,13 @@ class ExpertStore:
             logger.warning(
                 "moetune: expert store %s was written by an older moetune: %d of its %d files hold bf16 weights "
                 "off the cache lines or rows the engine now pads (%s%s), on which an engine step ran 1.16-1.26x "
-                "slower where measured; rewrite it: moetune convert SRC %s --overwrite",
+                "slower where measured; rewrite it: %s",
                 root,
                 len(stale),
                 len(manifest.layers),
                 ", ".join(stale[:2]),
                 ", ..." if len(stale) > 2 else "",
-                root,
+                manifest.convert_line(manifest.source.path, root),
             )
         return cls(root, manifest)
 
@@ -294,7 +295,7 @@ class ExpertStore:
             raise LoadError(
                 f"expert store {self.root} does not fit the model being loaded ({self.root / MANIFEST}):"
                 f"{listing(problems)}"
-                f"\nConvert this checkpoint: moetune convert {source.path} {self.root} --overwrite"
+                f"\nConvert this checkpoint: {m.convert_line(source.path, self.root)}"
             )
 
     def layer_nbytes(self, module: str) -> int:
@@ -395,14 +396,13 @@ class ExpertStore:
         if want is None:
             logger.warning(
                 "moetune: %s has no per-expert SHA-256 in %s (a store written by an older moetune): experts "
-                "%d-%d of %s are used unverified; convert again (moetune convert SRC %s --overwrite) to verify "
-                "them with expert_parallel: sharded",
+                "%d-%d of %s are used unverified; convert again (%s) to verify them with expert_parallel: sharded",
                 mapped.path,
                 MANIFEST,
                 experts.start,
                 experts.stop - 1,
                 module,
-                self.root,
+                self.manifest.convert_line(self.manifest.source.path, self.root),
             )
             for t in tensors.values():
                 mapped.populate(t)
@@ -413,8 +413,8 @@ class ExpertStore:
         if bad:
             raise LoadError(
                 f"{mapped.path} was altered after conversion: the bytes of expert(s) {bad} of {module} do not "
-                f"match their SHA-256 in {self.root / MANIFEST}. Convert the checkpoint again (moetune convert "
-                "SRC DST --overwrite)"
+                f"match their SHA-256 in {self.root / MANIFEST}. Convert the checkpoint again: "
+                f"{self.manifest.convert_line(self.manifest.source.path, self.root)}"
             )
         self._verified.add(key)
 
@@ -432,7 +432,7 @@ class ExpertStore:
         if got != want:
             raise LoadError(
                 f"{mapped.path} was altered after conversion: its SHA-256 is {got}, the manifest says {want}. "
-                "Convert the checkpoint again (moetune convert SRC DST --overwrite)"
+                f"Convert the checkpoint again: {self.manifest.convert_line(self.manifest.source.path, self.root)}"
             )
         self._verified.add(key)
 

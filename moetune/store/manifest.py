@@ -128,6 +128,17 @@ class Manifest:
     files: dict[str, StoredFile]
     version: int = VERSION
 
+    def convert_line(self, src: str | Path, dst: str | Path) -> str:
+        """The ``moetune convert`` command that writes this store's format and options from ``src`` over ``dst``
+        (the CLI's ``--format`` names: fp8 for fp8_block, bf16 for dense)."""
+        fmt = {"fp8_block": "fp8", "dense": "bf16"}.get(self.format, self.format)
+        line = f"moetune convert {src} {dst} --format {fmt}"
+        if "group_size" in self.params:
+            line += f" --group-size {self.params['group_size']}"
+        if self.params.get("symmetric") is False:
+            line += " --asymmetric"
+        return line + " --overwrite"
+
     def to_json(self) -> str:
         body = {
             "moetune_store": self.version,
@@ -201,7 +212,7 @@ class Manifest:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise LoadError(
                 f"{path} is not a valid store manifest: field {field!r} is missing or malformed ({e!r}); "
-                "convert the checkpoint again (moetune convert SRC DST --overwrite)"
+                "convert the checkpoint again (moetune convert SRC DST --format int8|int4|fp8|mxfp4|bf16 --overwrite)"
             ) from e
         unlisted = sorted({layer.file for layer in layers} - set(files))
         if unlisted:

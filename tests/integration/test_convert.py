@@ -184,8 +184,12 @@ def _alter_one_byte(store: Path) -> Path:
 def test_altered_store_file_fails_the_load(src, tmp_path):
     assert _convert(src, tmp_path / "store", "int8") == 0
     path = _alter_one_byte(tmp_path / "store")
-    with pytest.raises(LoadError, match=rf"{path} was altered after conversion"):
+    with pytest.raises(LoadError, match=rf"{path} was altered after conversion") as info:
         _load(src, expert_path=tmp_path / "store")
+    # the command to write it again, whole: --format was missing from it
+    assert str(info.value).endswith(
+        f"Convert the checkpoint again: moetune convert {src} {tmp_path / 'store'} --format int8 --overwrite"
+    )
 
 
 def test_altered_store_file_fails_the_first_step_on_disk(src, tmp_path):

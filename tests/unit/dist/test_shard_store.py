@@ -404,3 +404,20 @@ def test_a_manifest_with_the_wrong_number_of_expert_hashes_is_refused(stores, tm
         LoadError, match=rf"{name} does not match {MANIFEST}: 'experts_sha256' lists 7 hashes"
     ):
         ExpertStore.open(copy)
+
+
+def test_the_convert_line_names_the_store_format_and_options() -> None:
+    """The hints that ask for a store to be written again give a command that runs (--format was missing)."""
+    from moetune.store.manifest import Manifest, SourceIdentity
+
+    def line(fmt: str, params: dict) -> str:
+        source = SourceIdentity.__new__(SourceIdentity)
+        manifest = Manifest("qwen3_moe", fmt, params, source, (), {})
+        return manifest.convert_line("SRC", "DST")
+
+    assert line("int4", {"group_size": 32, "symmetric": False}) == (
+        "moetune convert SRC DST --format int4 --group-size 32 --asymmetric --overwrite"
+    )
+    assert line("int4", {"group_size": 64, "symmetric": True}) == "moetune convert SRC DST --format int4 --group-size 64 --overwrite"
+    assert line("fp8_block", {}) == "moetune convert SRC DST --format fp8 --overwrite"
+    assert line("dense", {}) == "moetune convert SRC DST --format bf16 --overwrite"

@@ -265,7 +265,7 @@ def test_a_bf16_store_written_before_this_layout_loads_with_a_warning(tmp_path, 
     warned, stores = _stale_warnings(caplog, [old, old_int8, new])
     assert len(warned) == 1 and str(old) in warned[0]
     assert (
-        f"moetune convert SRC {old} --overwrite" in warned[0]
+        f"moetune convert /ckpt {old} --format bf16 --overwrite" in warned[0]  # its source, format: a command
         and f"{off_line(old)} of its 8 files" in warned[0]
     )
     for module in layers:
