@@ -380,7 +380,8 @@ def _check_cross_fields(
 
 
 def _check_mode_keys(finetune: FinetuneConfig, problems: Problems) -> None:
-    """Keys of one training mode set under another are errors, not silently unused."""
+    """Keys of one training mode set under another are errors (freeze keys, additional_target) or said to have no
+    effect (LoRA keys, which LLaMA-Factory ignores), never silently unused."""
     method = finetune.finetuning_type
     defaults = {f.name: f.default for f in dataclasses.fields(FinetuneConfig)}
     if method is not FinetuningType.LORA:  # lora_alpha is still None here unless set (2 * rank comes later)

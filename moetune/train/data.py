@@ -131,9 +131,8 @@ def prepare_datasets(
     )
     if config.val_size > 0:
         size = int(config.val_size) if config.val_size >= 1 else config.val_size
-        held = (
-            size if isinstance(size, int) else math.ceil(size * len(train))
-        )  # datasets rounds a fraction up
+        # datasets rounds a fraction's share up
+        held = size if isinstance(size, int) else math.ceil(size * len(train))
         if held >= len(train):
             raise DataError(
                 f"val_size {size} holds out {'every one' if held == len(train) else held} of the {len(train)} "
