@@ -326,7 +326,8 @@ def _model_targets(model_config: Any, model: Any = None) -> _ModelTargets:
         p: _Target(*reversed(model.get_submodule(p).weight.shape))
         for p in weight_routers(model, list(experts))
     }
-    shapes = {name: tuple(t.shape) for name, t in model.named_parameters()}
+    # every name a parameter has (a tied lm_head's weight is the embedding's, listed under both)
+    shapes = {name: tuple(t.shape) for name, t in model.named_parameters(remove_duplicate=False)}
     return _ModelTargets(linears, experts, routers, shapes)
 
 

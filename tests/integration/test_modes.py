@@ -312,6 +312,19 @@ def test_an_lm_head_adapter_loads_back(tmp_path) -> None:
                 p.normal_(std=0.1)
     save_adapter(model, tmp_path / "adapter")
     _loads_back_as_stock_peft(path, tmp_path / "adapter", text_inputs(0, 2, 14))
+    from transformers import AutoConfig
+
+    from moetune.adapters.check import check_adapter_folder
+    from moetune.tensorfile import read_header
+
+    assert "base_model.model.lm_head.base_layer.weight" in read_header(
+        tmp_path / "adapter" / "adapter_model.safetensors"
+    )
+    tied = AutoConfig.from_pretrained(path)
+    tied.tie_word_embeddings = (
+        True  # lm_head's weight is then the embedding's: its name is checked all the same
+    )
+    check_adapter_folder(tmp_path / "adapter", tied)
 
 
 def test_full_model_saves_a_checkpoint_plain_transformers_loads(family, tmp_path) -> None:
