@@ -154,21 +154,24 @@ def resolve_datasets(
     info = _read_info(info_path, key, problems) if info_path.is_file() else {}
     specs = []
     for name in names:
-        spec = _resolve(name, info, dataset_dir, key, problems)
+        if info is None and not any(p.exists() for p in (Path(name).expanduser(), dataset_dir / name)):
+            continue  # a name for the unreadable dataset_info.json, which is reported already
+        spec = _resolve(name, info or {}, dataset_dir, key, problems)
         if spec is not None:
             specs.append(spec)
     return tuple(specs)
 
 
-def _read_info(path: Path, key: str, problems: Problems) -> dict[str, Any]:
+def _read_info(path: Path, key: str, problems: Problems) -> dict[str, Any] | None:
+    """dataset_info.json's entries, or None (a problem reported) where it is not a JSON object."""
     try:
         info = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         problems.add(key, f"cannot read {path}: {err}; fix the JSON or remove the file")
-        return {}
+        return None
     if not isinstance(info, dict):
         problems.add(key, f"{path} must hold a JSON object mapping dataset names to entries")
-        return {}
+        return None
     return info
 
 

@@ -383,6 +383,16 @@ def test_empty_or_unrelated_output_dir_is_fine(workdir: Path) -> None:
     parse_config(minimal())
 
 
+def test_a_malformed_dataset_info_is_one_problem(workdir: Path) -> None:
+    """It was reported twice, the second time as 'dataset_info.json does not exist'; a path still resolves."""
+    (workdir / "data" / "dataset_info.json").write_text('{"alpaca_demo": ')
+    text = problems_of(minimal())
+    assert "config: 1 problem:" in text and "cannot read data/dataset_info.json" in text
+    assert "does not exist" not in text
+    (workdir / "rows.json").write_text(json.dumps([{"instruction": "a", "output": "b"}]))
+    assert "1 problem:" in problems_of(minimal(dataset=["alpaca_demo", "rows.json"]))
+
+
 def test_dataset_paths_and_dataset_info_entries(workdir: Path) -> None:
     (workdir / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     info = {
