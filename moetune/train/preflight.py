@@ -250,6 +250,12 @@ def checkpoint_problems(folder: Path, cfg: MoetuneConfig, targets: set[str] | No
     if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
         problems.append(f"{TRAINER_STATE} has no global_step: not a Trainer state")
     if targets is None:
+        weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model_fsdp.bin")
+        if (folder / ADAPTER_CONFIG).is_file() and not any((folder / n).is_file() for n in weights):
+            problems.append(  # transformers failed on it with "Can't find a checkpoint index", after the load
+                f"it is a LoRA run's checkpoint ({ADAPTER_CONFIG}, no model weights) and this config trains "
+                f"finetuning_type {cfg.finetune.finetuning_type.value}: resume it with finetuning_type: lora"
+            )
         return problems
     adapter = json.loads((folder / ADAPTER_CONFIG).read_text())
     ft = cfg.finetune

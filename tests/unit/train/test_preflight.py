@@ -117,3 +117,32 @@ def test_token_ids_past_the_embedding_are_refused_before_the_load(tmp_path) -> N
     ):
         check_token_ids(large, past, planned)
     check_token_ids(small, past, planned)  # no larger tokenizer: the rows are not read
+
+
+def test_a_lora_checkpoint_resumed_under_full_names_the_mode(tmp_path) -> None:
+    """transformers failed on it after the model loaded ("Can't find a checkpoint index"); refused first."""
+    import json
+
+    from moetune.config import parse_config
+    from moetune.train.preflight import checkpoint_problems
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "d.json").write_text('[{"instruction": "a", "output": "b"}]')
+    raw = {
+        "model_name_or_path": str(tmp_path / "m"),
+        "dataset": str(tmp_path / "d.json"),
+        "output_dir": str(tmp_path / "o"),
+    }
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    (ckpt / "adapter_config.json").write_text("{}")
+    for method in ("full", "freeze"):
+        (problem,) = checkpoint_problems(ckpt, parse_config({**raw, "finetuning_type": method}), None)
+        assert (
+            f"a LoRA run's checkpoint (adapter_config.json, no model weights) and this config trains finetuning_type {method}"
+            in problem
+        )
+    (ckpt / "model.safetensors.index.json").write_text("{}")  # a full run's, beside an adapter: not this case
+    assert checkpoint_problems(ckpt, parse_config({**raw, "finetuning_type": "full"}), None) == []
