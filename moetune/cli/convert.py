@@ -4,6 +4,9 @@ as a store that ``load_model(..., expert_path=DST)`` memory-maps (``moetune.load
 from __future__ import annotations
 
 import argparse
+import re
+
+from moetune.errors import ConfigError
 
 FORMAT_CHOICES = ("int8", "int4", "fp8", "mxfp4", "bf16")
 
@@ -53,20 +56,39 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+# convert_checkpoint's option names -> this command's flags
+FLAGS = {
+    "int4_group_size": "--group-size",
+    "int4_symmetric": "--symmetric/--asymmetric",
+    "expert_format": "--format",
+    "num_threads": "--threads",
+}
+
+
+def as_flags(message: str) -> str:
+    """``message`` with the library's option names as this command's flags."""
+    for name, flag in FLAGS.items():
+        message = re.sub(rf"\b{name}\b", flag, message)
+    return message
+
+
 def run(args: argparse.Namespace) -> int:
     from moetune.loading.convert import convert_checkpoint
     from moetune.progress import format_bytes
 
-    manifest = convert_checkpoint(
-        args.src,
-        args.dst,
-        args.format,
-        int4_group_size=args.group_size,
-        int4_symmetric=args.symmetric,
-        overwrite=args.overwrite,
-        num_threads=args.threads,
-        progress=not args.quiet,
-    )
+    try:
+        manifest = convert_checkpoint(
+            args.src,
+            args.dst,
+            args.format,
+            int4_group_size=args.group_size,
+            int4_symmetric=args.symmetric,
+            overwrite=args.overwrite,
+            num_threads=args.threads,
+            progress=not args.quiet,
+        )
+    except ConfigError as err:  # the library names its options; on this command line they are flags
+        raise ConfigError(as_flags(str(err))) from None
     params = ", ".join(f"{k}={v}" for k, v in manifest.params.items())
     stored = sum(f.size for f in manifest.files.values())
     print(

@@ -130,12 +130,15 @@ def test_a_finished_store_needs_overwrite(src, tmp_path, capsys):
 
 def test_bad_convert_options_exit_2_before_writing(src, tmp_path, capsys):
     assert _convert(src, tmp_path / "s1", "int4", "--group-size", "48") == 2
-    assert "int4_group_size got 48; allowed: 32, 64, 128" in capsys.readouterr().err
+    assert "--group-size got 48; allowed: 32, 64, 128" in capsys.readouterr().err  # the flag, not the option
     assert _convert(src, tmp_path / "s2", "int4", "--group-size", "128") == 2  # does not divide I = 32
-    assert "int4_group_size 128 does not divide" in capsys.readouterr().err
+    assert "--group-size 128 does not divide" in capsys.readouterr().err
+    assert _convert(src, tmp_path / "s4", "int8", "--asymmetric") == 2
+    err = capsys.readouterr().err
+    assert "--symmetric/--asymmetric is set (False)" in err and "int4_symmetric" not in err
     assert _convert(tmp_path / "nowhere", tmp_path / "s3", "int8") == 2
     assert "checkpoint directory" in capsys.readouterr().err
-    assert not any(p.exists() for p in (tmp_path / "s1", tmp_path / "s2", tmp_path / "s3"))
+    assert not any(p.exists() for p in (tmp_path / "s1", tmp_path / "s2", tmp_path / "s3", tmp_path / "s4"))
 
 
 # ---- a store that does not fit the model: LoadError naming the file, before any weight is read
