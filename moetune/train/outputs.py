@@ -75,11 +75,22 @@ def write_summary(summary: dict[str, Any], path: Path) -> Path:
     return write_text_atomically(path, json.dumps(summary, indent=2, default=str) + "\n")
 
 
+def _step_of(line: str) -> int:
+    """A trainer_log.jsonl line's ``current_steps`` (0 for a line that is not one of its records: kept)."""
+    try:
+        step = json.loads(line).get("current_steps", 0)
+    except (ValueError, AttributeError):
+        return 0
+    return step if isinstance(step, int) else 0
+
+
 class TrainerLog(TrainerCallback):
     """Appends one JSON line per Trainer log to ``output_dir/trainer_log.jsonl`` with LLaMA-Factory's field
     names: ``current_steps``, ``total_steps``, ``loss``, ``eval_loss``, ``lr``, ``epoch``, ``percentage``,
     ``elapsed_time``, ``remaining_time`` (``H:MM:SS``), and ``throughput`` / ``total_tokens`` once tokens are
-    counted; absent values are left out. A fresh run starts a fresh file; a resumed one appends."""
+    counted; absent values are left out. A fresh run starts a fresh file; a resumed one first drops the lines of
+    steps past its checkpoint (logged by the run it continues after that checkpoint was written, and logged again
+    now), then appends."""
 
     def __init__(self) -> None:
         self.start = 0.0
@@ -90,6 +101,13 @@ class TrainerLog(TrainerCallback):
         path = Path(args.output_dir) / TRAINER_LOG
         if args.should_save and state.global_step == 0 and path.exists():
             path.unlink()
+        elif args.should_save and path.exists():
+            kept = [
+                line
+                for line in path.read_text(encoding="utf-8").splitlines()
+                if _step_of(line) <= state.global_step
+            ]
+            write_text_atomically(path, "".join(line + "\n" for line in kept))
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         if not args.should_save or not logs:

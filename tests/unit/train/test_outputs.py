@@ -35,6 +35,22 @@ def test_trainer_log_lines_have_llamafactorys_fields(tmp_path: Path) -> None:
     assert second["eval_loss"] == 2.0 and "loss" not in second and second["percentage"] == 50.0
 
 
+def test_a_resumed_run_drops_the_steps_past_its_checkpoint(tmp_path: Path) -> None:
+    """A run killed at step 43 after checkpoint-40 logged 41-43, and its resume logged them again (twice in the
+    file); the lines past the checkpoint's step go first, the others stay as written."""
+    lines = [json.dumps({"current_steps": s, "loss": 1.0 / s}) for s in (10, 20, 30, 40, 41, 42, 43)]
+    (tmp_path / TRAINER_LOG).write_text("".join(line + "\n" for line in lines))
+    args = SimpleNamespace(output_dir=str(tmp_path), should_save=True)
+    state = SimpleNamespace(global_step=40, max_steps=50, num_input_tokens_seen=0)
+    callback = TrainerLog()
+    callback.on_train_begin(args, state, None)
+    assert (tmp_path / TRAINER_LOG).read_text().splitlines() == lines[:4]
+    state.global_step = 41
+    callback.on_log(args, state, None, logs={"loss": 0.5})
+    steps = [json.loads(line)["current_steps"] for line in (tmp_path / TRAINER_LOG).read_text().splitlines()]
+    assert steps == [10, 20, 30, 40, 41]
+
+
 def test_a_run_shorter_than_logging_steps_still_has_a_loss_and_a_curve(tmp_path: Path) -> None:
     history = [{"step": 2, "train_runtime": 1.0, "train_loss": 2.75, "epoch": 0.1}]
     assert train_losses(history) == [(2, 2.75)]
