@@ -46,9 +46,8 @@ class StackUse:
     innermost: int
 
 
-MODULE = re.compile(
-    r"moetune_(?:ab_base|ab_tree|fused)_[0-9a-f]{16}"
-)  # a build's module name (its text's hash)
+# a build's module name (its text's hash)
+MODULE = re.compile(r"moetune_(?:ab_base|ab_tree|fused)_[0-9a-f]{16}")
 
 
 def short_name(name: str) -> str:
@@ -150,9 +149,8 @@ def loops(body: list[Instruction]) -> tuple[list[Loop], list[Loop]]:
             new = meet | (1 << n)
             if new != dom[n]:
                 dom[n], changed = new, True
-    members: dict[
-        int, set[int]
-    ] = {}  # header block -> the blocks of its loops (back edges to one header: merged)
+    # header block -> the blocks of its loops (back edges to one header: merged)
+    members: dict[int, set[int]] = {}
     for n in reached:
         for h in succ[n]:
             if dom[n] >> h & 1:
@@ -196,8 +194,9 @@ def stack_vector_use(disassembly: str, keep: str = "moetune") -> dict[str, Stack
         def within(group: list[Loop], at: list[int] = at) -> int:
             return sum(any(addr in loop.body for loop in group) for addr in at)
 
-        prev = found.get(short_name(name), StackUse(0, 0))
-        found[short_name(name)] = StackUse(prev.in_loops + within(every), prev.innermost + within(inner))
+        key = short_name(name)
+        prev = found.get(key, StackUse(0, 0))
+        found[key] = StackUse(prev.in_loops + within(every), prev.innermost + within(inner))
     return found
 
 
@@ -233,7 +232,8 @@ def disassemble(library: Path) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    here = next((v.name for v in VARIANTS if v.isa in cpu_info().isa), "AVX2")
+    cpu = cpu_info()
+    here = next((v.name for v in VARIANTS if v.isa in cpu.isa), "AVX2")
     ap.add_argument("--variant", default=here, help=f"default: the variant this CPU runs ({here})")
     ap.add_argument("--base", help="git revision whose kernels to compare with (e.g. HEAD)")
     ap.add_argument("--all", action="store_true", help="every function, those without any too")
@@ -252,7 +252,6 @@ def main() -> None:
         raise SystemExit(
             "objdump not found: install binutils (the package GCC's assembler and linker come from)"
         )
-    cpu = cpu_info()
     print(f"bench/codegen.py | {cpu.model} ({', '.join(cpu.isa) or 'no SIMD flags found'})")
     builds = {"tree": build_tree(variant)}
     if args.base:

@@ -223,7 +223,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: boo
     if isinstance(
         target_modules, list
     ):  # experts named as modules (an adapter added by add_adapter, as saved)
-        named = [p for p, m in model.named_modules() if isinstance(m, CpuExperts) and p not in experts]
+        named = [p for p in cpu_experts if p not in experts]
         experts += [p for p in named if any(p == e or p.endswith("." + e) for e in target_modules)]
     peft_config = LoraConfig(
         r=r,

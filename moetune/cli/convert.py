@@ -8,6 +8,8 @@ import re
 
 from moetune.errors import ConfigError
 
+# moetune.store.manifest.CONVERT_FORMATS' names, written out: the store package imports torch, and building the
+# parser stays light (`moetune --help`); tests/integration/test_convert.py checks that the two agree
 FORMAT_CHOICES = ("int8", "int4", "fp8", "mxfp4", "bf16")
 
 

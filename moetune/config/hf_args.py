@@ -115,28 +115,26 @@ def _simple(tp: Any) -> Any:
     return None
 
 
-def check_training_arguments(kwargs: Mapping[str, Any], extra: tuple[str, ...]) -> str | None:
-    """What transformers says is wrong with ``TrainingArguments(**kwargs)``, or None. ``extra`` names the keys
-    that came through from the YAML (for the message)."""
+def check_training_arguments(kwargs: Mapping[str, Any], extra: tuple[str, ...]) -> tuple[Any, str | None]:
+    """(``TrainingArguments(**kwargs)``, None), or (None, what transformers says is wrong with them). ``extra``
+    names the keys that came through from the YAML (for the message)."""
     from transformers import TrainingArguments
 
     try:
-        TrainingArguments(**kwargs)
+        return TrainingArguments(**kwargs), None
     except (ValueError, TypeError, KeyError) as err:
         keys = f" (keys passed through to transformers: {', '.join(extra)})" if extra else ""
-        return f"transformers refuses the training arguments{keys}: {err}"
-    return None
+        return None, f"transformers refuses the training arguments{keys}: {err}"
 
 
-def optimizer_problem(kwargs: Mapping[str, Any], trainer_optimizer: bool) -> tuple[str, str] | None:
-    """(the key, what is wrong) with the optimizer ``TrainingArguments(**kwargs)`` asks for, or None: built on a
+def optimizer_problem(args: Any, trainer_optimizer: bool) -> tuple[str, str] | None:
+    """(the key, what is wrong) with the optimizer ``args`` (``TrainingArguments``) ask for, or None: built on a
     dummy parameter now, as the Trainer builds it after the model loaded. ``trainer_optimizer``: whether the
     Trainer builds it (LoRA: the optimizer ``optim`` names, its package needed); full and freeze runs step every
     weight with moetune's AdamW (``optim`` chooses its state), whose hyperparameters are torch AdamW's."""
     import torch
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
-    args = TrainingArguments(**kwargs)
     cls: Any = torch.optim.AdamW
     options: dict[str, Any] = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2)}
     options.update(eps=args.adam_epsilon, weight_decay=args.weight_decay)

@@ -195,13 +195,14 @@ def _check_training_arguments(config: MoetuneConfig, problems: Problems) -> None
             problems.add("lr_scheduler_kwargs" if t.lr_scheduler_kwargs else "lr_scheduler_type", message)
             return
     if t.extra_args:
-        kwargs = training_arguments_kwargs(config)
-        message = check_training_arguments(kwargs, tuple(k for k, _ in t.extra_args))
+        args, message = check_training_arguments(
+            training_arguments_kwargs(config), tuple(k for k, _ in t.extra_args)
+        )
         if message is not None:
             problems.add(", ".join(k for k, _ in t.extra_args), message)
             return
         trainer_optimizer = config.finetune.finetuning_type is FinetuningType.LORA
-        found = optimizer_problem(kwargs, trainer_optimizer)
+        found = optimizer_problem(args, trainer_optimizer)
         if found is not None:
             problems.add(*found)
 

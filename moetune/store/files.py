@@ -45,11 +45,17 @@ from moetune.engine.formats import FORMATS, ExpertFormat
 from moetune.engine.formats.dense import row_stride
 from moetune.errors import EngineError, LoadError, RegistryError, listing
 from moetune.store.destination import SUFFIX, check_destination, recover, staging_paths, unfinished_note
-from moetune.store.manifest import MANIFEST, Manifest, SourceIdentity, StoredFile, StoredLayer
+from moetune.store.manifest import (
+    CONVERT_FORMAT_HINT,
+    MANIFEST,
+    Manifest,
+    SourceIdentity,
+    StoredFile,
+    StoredLayer,
+)
 from moetune.store.mapped import MappedFile, page_rounded
 from moetune.tensorfile import TensorInfo, read_header, write_streamed
 
-_FORMATS = "int8|int4|fp8|mxfp4|bf16"  # moetune convert's --format choices, for the hints
 BIASES = ("gate_up_bias", "down_bias")  # [E, 2I], [E, H]: stored next to the format's tensors, in float
 _READ_CHUNK = 64 << 20
 # Where a store file's data section starts: on a page, as the mapping does. With safetensors' own 8-byte alignment a
@@ -183,12 +189,12 @@ class ExpertStore:
         root = Path(path).expanduser()
         if not root.is_dir():
             raise LoadError(
-                f"expert store {root} does not exist (make one with: moetune convert SRC {root} --format {_FORMATS}).{unfinished_note(root)}"
+                f"expert store {root} does not exist (make one with: moetune convert SRC {root} --format {CONVERT_FORMAT_HINT}).{unfinished_note(root)}"
             )
         if not (root / MANIFEST).is_file():
             raise LoadError(
                 f"{root} has no {MANIFEST}: not a moetune store, or a conversion that did not finish (the "
-                f"manifest is written last). Run moetune convert SRC {root} --format {_FORMATS} again.{unfinished_note(root)}"
+                f"manifest is written last). Run moetune convert SRC {root} --format {CONVERT_FORMAT_HINT} again.{unfinished_note(root)}"
             )
         manifest = Manifest.read(root / MANIFEST)
         try:

@@ -38,6 +38,9 @@ from typing import Any, Protocol
 from moetune.errors import LoadError
 
 MANIFEST = "manifest.json"
+# `moetune convert --format`'s names for the store formats (FORMATS names where they differ: fp8_block, dense)
+CONVERT_FORMATS = {"int8": "int8", "int4": "int4", "fp8": "fp8_block", "mxfp4": "mxfp4", "bf16": "dense"}
+CONVERT_FORMAT_HINT = "|".join(CONVERT_FORMATS)  # for messages: int8|int4|fp8|mxfp4|bf16
 VERSION = 2  # bump when the layout of stores changes; older readers then refuse newer stores by name
 FINGERPRINT_BYTES = 1 << 20  # per shard: its header and the start of its data
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
@@ -131,7 +134,7 @@ class Manifest:
     def convert_line(self, src: str | Path, dst: str | Path) -> str:
         """The ``moetune convert`` command that writes this store's format and options from ``src`` over ``dst``
         (the CLI's ``--format`` names: fp8 for fp8_block, bf16 for dense)."""
-        fmt = {"fp8_block": "fp8", "dense": "bf16"}.get(self.format, self.format)
+        fmt = next((flag for flag, name in CONVERT_FORMATS.items() if name == self.format), self.format)
         line = f"moetune convert {src} {dst} --format {fmt}"
         if "group_size" in self.params:
             line += f" --group-size {self.params['group_size']}"
@@ -212,7 +215,7 @@ class Manifest:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise LoadError(
                 f"{path} is not a valid store manifest: field {field!r} is missing or malformed ({e!r}); "
-                "convert the checkpoint again (moetune convert SRC DST --format int8|int4|fp8|mxfp4|bf16 --overwrite)"
+                f"convert the checkpoint again (moetune convert SRC DST --format {CONVERT_FORMAT_HINT} --overwrite)"
             ) from e
         unlisted = sorted({layer.file for layer in layers} - set(files))
         if unlisted:

@@ -206,8 +206,8 @@ def check_one_run(output_dir: Path, last: Path) -> None:
         return
     other = []
     for _, folder in sorted(checkpoints(output_dir)):
-        own = history(folder)
-        if folder != last and own and json.dumps(own) != json.dumps(top[: len(own)]):  # as text: a logged nan
+        own = history(folder) if folder != last else None
+        if own and json.dumps(own) != json.dumps(top[: len(own)]):  # as text: a logged nan
             other.append(folder)
     if other:
         raise CheckpointError(
@@ -250,7 +250,12 @@ def checkpoint_problems(folder: Path, cfg: MoetuneConfig, targets: set[str] | No
     if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
         problems.append(f"{TRAINER_STATE} has no global_step: not a Trainer state")
     if targets is None:
-        weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model_fsdp.bin")
+        from transformers.utils import SAFE_WEIGHTS_NAME
+
+        from moetune.train.fsdp import FSDP_MODEL
+        from moetune.train.layered import MODEL_INDEX
+
+        weights = (SAFE_WEIGHTS_NAME, MODEL_INDEX, FSDP_MODEL)
         if (folder / ADAPTER_CONFIG).is_file() and not any((folder / n).is_file() for n in weights):
             problems.append(  # transformers failed on it with "Can't find a checkpoint index", after the load
                 f"it is a LoRA run's checkpoint ({ADAPTER_CONFIG}, no model weights) and this config trains "
@@ -374,14 +379,18 @@ def resume_notes(folder: Path, cfg: MoetuneConfig) -> list[str]:
     state (``save_only_model``) restarts them, and a scheduler's state restores the learning rate it was built
     with, whatever ``learning_rate`` says now."""
     import torch
+    from transformers.trainer import SCHEDULER_NAME
+
+    from moetune.train.fsdp import DDP_OPTIMIZER, FSDP_OPTIMIZER
+    from moetune.train.layered import OPTIMIZER_INDEX
 
     notes = []
     lost = [
         what
         for what, names in (
             # the Trainer's (FSDP: .bin), and moetune's layer by layer under full / freeze (its index)
-            ("optimizer", ("optimizer.pt", "optimizer.bin", "optimizer.index.json")),
-            ("scheduler", ("scheduler.pt",)),
+            ("optimizer", (DDP_OPTIMIZER, FSDP_OPTIMIZER, OPTIMIZER_INDEX)),
+            ("scheduler", (SCHEDULER_NAME,)),
         )
         if not any((folder / name).is_file() for name in names)
     ]
@@ -400,7 +409,7 @@ def resume_notes(folder: Path, cfg: MoetuneConfig) -> list[str]:
         )
     if "scheduler" not in lost:
         try:
-            state = torch.load(folder / "scheduler.pt", map_location="cpu", weights_only=True)
+            state = torch.load(folder / SCHEDULER_NAME, map_location="cpu", weights_only=True)
         except Exception:  # noqa: BLE001 - another scheduler's pickle: nothing to compare, transformers loads it
             state = None
         base = state.get("base_lrs") if isinstance(state, dict) else None

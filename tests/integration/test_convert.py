@@ -128,6 +128,13 @@ def test_a_finished_store_needs_overwrite(src, tmp_path, capsys):
     assert json.loads((tmp_path / "store" / MANIFEST).read_text())["format"] == "fp8_block"
 
 
+def test_the_cli_format_names_are_the_stores():
+    from moetune.cli.convert import FORMAT_CHOICES
+    from moetune.store.manifest import CONVERT_FORMATS
+
+    assert tuple(CONVERT_FORMATS) == FORMAT_CHOICES
+
+
 def test_bad_convert_options_exit_2_before_writing(src, tmp_path, capsys):
     assert _convert(src, tmp_path / "s1", "int4", "--group-size", "48") == 2
     assert "--group-size got 48; allowed: 32, 64, 128" in capsys.readouterr().err  # the flag, not the option
