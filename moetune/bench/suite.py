@@ -338,12 +338,13 @@ def run_suite(
     unknown = [n for n in only if n not in SUITE]
     if unknown:
         problems.append(f"benchmarks {unknown}: choose from {', '.join(ORDER)}")
-    if not out_dir.is_dir():
-        problems.append(f"output folder {out_dir} does not exist (create it first)")
+    if out_dir.exists() and not out_dir.is_dir():
+        problems.append(f"output folder {out_dir} is a file: name a folder (made if missing)")
     if threads is not None and threads < 1:
         problems.append(f"threads must be >= 1; got {threads}")
     if problems:
         raise ConfigError("moetune bench all: " + "; ".join(problems))
+    out_dir.mkdir(parents=True, exist_ok=True)
     live = live or sys.stdout
     threads = set_engine_threads(threads)
     result: dict[str, Any] = {
