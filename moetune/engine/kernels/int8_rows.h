@@ -67,21 +67,28 @@ MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i biased64(const int8_t* p, int64_t v
   return _mm512_xor_si512(v, _mm512_set1_epi8(-128));
 }
 
-// x's rows in blocks of up to 8 as forward_rows takes them: block b (rows 8 b .. 8 b + R, R = min(8, n - 8 b)) from
-// b * 8 * ld, the 64 columns from 64 c of its row r at (c * R + r) * 64 in it (one pointer then addresses a step's
-// rows by constant offsets: with a pointer per row, GCC 12 ran out of general registers at 7 rows and spilled the
-// weights' vectors in the dot products' loop, the 7-row forward 1.2-1.4x slower than with this layout)
-inline std::vector<int8_t> row_blocks(const Int8Acts& xq, int64_t n, int64_t K, int64_t& at) {
-  const int64_t chunks = (K + 63) / 64;
-  std::vector<int8_t> blocks(n * chunks * 64 + 64);
-  at = (64 - reinterpret_cast<uintptr_t>(blocks.data()) % 64) % 64;
-  for (int64_t r0 = 0; r0 < n; r0 += 8) {
-    const int64_t R = std::min<int64_t>(8, n - r0);
-    int8_t* block = blocks.data() + at + r0 * chunks * 64;
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t c = 0; c < chunks; ++c) std::memcpy(block + (c * R + r) * 64, xq.row(r0 + r) + c * 64, 64);
-  }
-  return blocks;
+// x's rows in blocks of up to 8 as forward_rows takes them, in a buffer of n * ld bytes from `at` (ld: K rounded up to
+// 64): block b (rows 8 b .. 8 b + R, R = min(8, n - 8 b)) from 8 b * ld, the 64 columns from 64 c of its row r at
+// (c * R + r) * 64 in it. One pointer then addresses a step's rows by constant offsets: with a pointer per row GCC 12
+// ran out of general registers at 7 rows and spilled the weights' vectors in the dot products' loop (the 7-row forward
+// 1.24-1.51x slower). Rows copied over the threads, as int_rows fills them.
+struct RowBlocks {
+  std::unique_ptr<int8_t[]> bytes;  // every byte written (xq's rows hold zeros past K to a whole line)
+  int64_t at = 0, ld = 0;
+  const int8_t* block(int64_t r0) const { return bytes.get() + at + r0 * ld; }
+};
+inline RowBlocks row_blocks(const Int8Acts& xq, int64_t n, int64_t K) {
+  RowBlocks b;
+  b.ld = (K + 63) / 64 * 64;
+  b.bytes.reset(new int8_t[n * b.ld + 64]);
+  b.at = static_cast<int64_t>((64 - reinterpret_cast<uintptr_t>(b.bytes.get()) % 64) % 64);
+  int8_t* base = b.bytes.get() + b.at;
+  moetune_rows::each_row(n, K, [&](int64_t row) {
+    const int64_t r0 = row / 8 * 8, R = std::min<int64_t>(8, n - r0), r = row - r0;
+    for (int64_t c = 0; c < b.ld / 64; ++c)
+      std::memcpy(base + r0 * b.ld + (c * R + r) * 64, xq.row(row) + c * 64, 64);
+  });
+  return b;
 }
 
 // res[r * 16 + j] = sum_k q[r, k] codes[o0 + j, k] (in fp32) for r < R and j < rows weight rows from o0; x's R rows
@@ -125,15 +132,13 @@ MOETUNE_AVX512 inline void forward(const moetune::Int8Rows& dec, const float* ro
                                    int64_t ldx, int64_t n, int64_t K, int64_t O, at::BFloat16* out, int64_t ldo,
                                    bool accumulate) {
   const Int8Acts xq = moetune_int16::int_rows<int8_t>(x, ldx, n, K, nullptr, 127);
-  int64_t at = 0;
-  const std::vector<int8_t> blocks = row_blocks(xq, n, K, at);
-  const int64_t block_ld = (K + 63) / 64 * 64;  // a row's bytes in blocks
+  const RowBlocks blocks = row_blocks(xq, n, K);
   at::parallel_for(0, (O + 15) / 16, 1, [&](int64_t ob0, int64_t ob1) MOETUNE_AVX512 {
     moetune_int16::scaled_blocks(row_scale, xq.step.data(), n, O, out, ldo, accumulate, ob0, ob1,
                                  [&](int64_t o0, int rows, float* acc) MOETUNE_AVX512 {
                                    for (int64_t r0 = 0; r0 < n; r0 += 8)
                                      moetune_few_rows::with_rows<8>(n - r0, [&](auto R) MOETUNE_AVX512 {
-                                       forward_rows<decltype(R)::value>(dec, blocks.data() + at + r0 * block_ld,
+                                       forward_rows<decltype(R)::value>(dec, blocks.block(r0),
                                                                         xq.sum.data() + r0, K, o0, rows,
                                                                         acc + r0 * 16, static_cast<int>(O - o0));
                                      });
