@@ -301,7 +301,8 @@ class ExpertStore:
             raise LoadError(
                 f"expert store {self.root} does not fit the model being loaded ({self.root / MANIFEST}):"
                 f"{listing(problems)}"
-                f"\nConvert this checkpoint: {m.convert_line(source.path, self.root)}"
+                f"\nConvert this checkpoint: "
+                f"{m.convert_line(source.path, self.root, expected_format, expected_params)}"
             )
 
     def layer_nbytes(self, module: str) -> int:

@@ -131,14 +131,19 @@ class Manifest:
     files: dict[str, StoredFile]
     version: int = VERSION
 
-    def convert_line(self, src: str | Path, dst: str | Path) -> str:
+    def convert_line(
+        self, src: str | Path, dst: str | Path, want: str | None = None, want_params: dict[str, Any] | None = None
+    ) -> str:
         """The ``moetune convert`` command that writes this store's format and options from ``src`` over ``dst``
-        (the CLI's ``--format`` names: fp8 for fp8_block, bf16 for dense)."""
-        fmt = next((flag for flag, name in CONVERT_FORMATS.items() if name == self.format), self.format)
+        (the CLI's ``--format`` names: fp8 for fp8_block, bf16 for dense); ``want`` / ``want_params``: the format
+        (library name) and options a load asked for instead, where they differ from the store's."""
+        name = want or self.format
+        params = dict(want_params or {}) if name != self.format else {**self.params, **(want_params or {})}
+        fmt = next((flag for flag, lib in CONVERT_FORMATS.items() if lib == name), name)
         line = f"moetune convert {src} {dst} --format {fmt}"
-        if "group_size" in self.params:
-            line += f" --group-size {self.params['group_size']}"
-        if self.params.get("symmetric") is False:
+        if "group_size" in params:
+            line += f" --group-size {params['group_size']}"
+        if params.get("symmetric") is False:
             line += " --asymmetric"
         return line + " --overwrite"
 

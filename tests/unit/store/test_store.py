@@ -456,8 +456,9 @@ def test_format_parameters_other_than_asked(tmp_path):
     with pytest.raises(
         LoadError,
         match=r"format parameters are \{'group_size': 64, 'symmetric': True\}, but \{'group_size': 32\}",
-    ):
+    ) as err:
         store.check_model("qwen3_moe", _sites(), SOURCE, "int4", {"group_size": 32, "symmetric": True})
+    assert str(err.value).endswith("--format int4 --group-size 32 --overwrite")  # the options asked for
 
 
 @pytest.mark.parametrize(
