@@ -105,7 +105,9 @@ def add_all_parser(which: argparse._SubParsersAction) -> None:
         "scripts) at one size; write bench-all.json and bench-all.md (CPU, ISA, cores, threads, torch/oneDNN "
         "versions, shapes, git commit) into --out. The default size is meant for minutes on 2 idle cores (16 measured on a heavily shared 2-core machine).",
     )
-    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder for the two files (made if missing)")
+    p.add_argument(
+        "--out", type=Path, required=True, metavar="DIR", help="folder for the two files (made if missing)"
+    )
     p.add_argument(
         "--size",
         choices=["tiny", "small", "full"],

@@ -252,3 +252,64 @@ def deepspeed_problem(value: Any) -> str | None:
     if isinstance(zero, dict) and str(zero.get("stage", 0)) not in ("0", "1", "2", "3"):
         return f"{where} sets zero_optimization.stage {zero.get('stage')!r}; ZeRO stages are 0, 1, 2 and 3"
     return None
+
+
+# the fsdp_config keys transformers' TrainingArguments reads (5.24, `_process_fsdp_args`), after it strips
+# accelerate's `fsdp_` prefix; any other key is kept and never read
+FSDP_CONFIG_KEYS = frozenset(
+    {
+        "version",
+        "min_num_params",
+        "transformer_layer_cls_to_wrap",
+        "auto_wrap_policy",
+        "cpu_offload",
+        "cpu_ram_efficient_loading",
+        "state_dict_type",
+        "activation_checkpointing",
+        "reshard_after_forward",
+        "forward_prefetch",
+        "backward_prefetch",
+        "use_orig_params",
+        "sync_module_states",
+        "limit_all_gathers",
+    }
+)
+
+
+def fsdp_config_problems(fsdp: Any, fsdp_config: Any) -> list[tuple[str, str]]:
+    """``(key, message)`` for what is wrong with the YAML's ``fsdp_config`` (a mapping, or a JSON file as
+    transformers takes it) before transformers sees it: keys it does not read (accelerate's own spellings among
+    them) would be dropped without a word, and without ``fsdp`` it reads none. The settings moetune refuses are
+    checked on the plugin (``moetune.train.fsdp``)."""
+    if not fsdp_config:
+        return []
+    if not fsdp:
+        return [
+            ("fsdp_config", "is set but fsdp is not: transformers reads it only with fsdp; set fsdp: true")
+        ]
+    if isinstance(fsdp_config, (str, Path)):
+        try:
+            fsdp_config = json.loads(Path(fsdp_config).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            return [("fsdp_config", f"{str(fsdp_config)!r} is not a readable JSON file ({exc})")]
+    if not isinstance(fsdp_config, Mapping):
+        return [("fsdp_config", f"got {type(fsdp_config).__name__}; give a mapping of keys or a JSON file")]
+    problems = []
+    for raw in fsdp_config:
+        key = str(raw)[5:] if str(raw).startswith("fsdp_") else str(raw)
+        if key in FSDP_CONFIG_KEYS:
+            continue
+        if key in ("offload_params", "offload"):
+            message = (
+                "moetune refuses any offload (the routed experts already live in host RAM, and the dense part is "
+                "what must stay on the GPU); transformers would not read this key either (its own is cpu_offload)"
+            )
+        elif key.startswith("xla"):
+            message = "XLA's FSDP (TPUs) is not supported; moetune runs on CPUs and CUDA GPUs"
+        else:
+            message = (
+                f"is not a key transformers reads (it would be ignored); known: {', '.join(sorted(FSDP_CONFIG_KEYS))}"
+                ", each with or without accelerate's fsdp_ prefix"
+            )
+        problems.append((f"fsdp_config.{raw}", message))
+    return problems

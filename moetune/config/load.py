@@ -24,6 +24,7 @@ from moetune.config.fields import Problems, coerce, parse_section, yaml_fields
 from moetune.config.hf_args import (
     check_training_arguments,
     deepspeed_as_fsdp,
+    fsdp_config_problems,
     is_training_argument,
     optimizer_problem,
     passthrough,
@@ -145,6 +146,8 @@ def parse_config(
     translate_lora_expert_keys(flat, problems)
     deepspeed = flat.pop("deepspeed", None)
     fsdp_given = "fsdp" in flat or "fsdp_config" in flat
+    for key, message in fsdp_config_problems(flat.get("fsdp"), flat.get("fsdp_config")):
+        problems.add(key, message)
     extra = _check_keys(flat, engine_raw, problems)
 
     model, finetune, data, training = (parse_section(cls, flat, problems) for cls in FLAT_SECTIONS)
@@ -173,13 +176,19 @@ def parse_config(
     data = _resolve_template(_resolve_data(data, problems), problems)
     check_stage(finetune, data, training, problems)
     _check_files(model, data, training, problems, check_model_path)
-    problems.raise_if_any()
 
     finetune = dataclasses.replace(finetune, lora_alpha=finetune.lora_alpha or 2 * finetune.lora_rank)
     config = MoetuneConfig(
         model, finetune, data, training, engine, Path(source) if source is not None else None
     )
-    _check_training_arguments(config, problems)
+    # what transformers checks (its arguments, the scheduler, the optimizer), reported with the problems above
+    # (every problem at once); where those left a value it cannot build from, they are what is reported
+    earlier = len(problems)
+    try:
+        _check_training_arguments(config, problems)
+    except Exception:
+        if not earlier:
+            raise
     problems.raise_if_any()
     return config
 
@@ -193,7 +202,6 @@ def _check_training_arguments(config: MoetuneConfig, problems: Problems) -> None
         message = scheduler_problem(t.lr_scheduler_type, t.lr_scheduler_kwargs or {})
         if message is not None:
             problems.add("lr_scheduler_kwargs" if t.lr_scheduler_kwargs else "lr_scheduler_type", message)
-            return
     if t.extra_args:
         args, message = check_training_arguments(
             training_arguments_kwargs(config), tuple(k for k, _ in t.extra_args)

@@ -132,7 +132,11 @@ class Manifest:
     version: int = VERSION
 
     def convert_line(
-        self, src: str | Path, dst: str | Path, want: str | None = None, want_params: dict[str, Any] | None = None
+        self,
+        src: str | Path,
+        dst: str | Path,
+        want: str | None = None,
+        want_params: dict[str, Any] | None = None,
     ) -> str:
         """The ``moetune convert`` command that writes this store's format and options from ``src`` over ``dst``
         (the CLI's ``--format`` names: fp8 for fp8_block, bf16 for dense); ``want`` / ``want_params``: the format

@@ -179,7 +179,9 @@ def test_store_with_other_expert_shapes(store, tmp_path):
 
 
 def test_store_of_another_format_than_asked(src, store):
-    with pytest.raises(LoadError, match=r"format is 'int8', but expert_format 'fp8_block' was asked for") as err:
+    with pytest.raises(
+        LoadError, match=r"format is 'int8', but expert_format 'fp8_block' was asked for"
+    ) as err:
         _load(src, expert_path=store, expert_format="fp8")
     # the command it offers writes the format asked for, not the store's again
     assert f"moetune convert {src} {store} --format fp8 --overwrite" in str(err.value)

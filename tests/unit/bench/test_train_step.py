@@ -121,13 +121,18 @@ def test_bench_all_refuses_bad_arguments_before_running(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "a_file is a file" in err and "'nope'" in err and "train_step" in err
     # a missing folder is not a problem; it is made only once the arguments are good
-    assert cli(["bench", "all", "--size", "tiny", "--out", str(tmp_path / "new" / "out"), "--only", "nope"]) == 2
+    assert (
+        cli(["bench", "all", "--size", "tiny", "--out", str(tmp_path / "new" / "out"), "--only", "nope"]) == 2
+    )
     assert not (tmp_path / "new").exists()
 
 
 def test_bench_all_makes_its_output_folder(tmp_path):
     out = tmp_path / "new" / "out"
-    assert cli(["bench", "all", "--size", "tiny", "--out", str(out), "--only", "pipeline", "--threads", "1"]) == 0
+    assert (
+        cli(["bench", "all", "--size", "tiny", "--out", str(out), "--only", "pipeline", "--threads", "1"])
+        == 0
+    )
     assert sorted(p.name for p in out.iterdir()) == [suite.JSON_NAME, suite.MARKDOWN_NAME]
 
 

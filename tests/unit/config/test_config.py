@@ -354,6 +354,16 @@ def test_the_optimizer_is_built_before_the_model_loads(workdir: Path) -> None:
     assert parse_config(minimal(adam_beta1=0.8, adam_beta2=0.95)).training.extra_args
 
 
+def test_transformers_checks_are_reported_with_the_others(workdir: Path) -> None:
+    """Every problem at once: the optimizer's and the scheduler's (transformers' own checks) came only after the
+    other problems were fixed, one run each."""
+    text = problems_of(minimal(adam_beta1=1.5, max_samples=-3, lr_scheduler_kwargs={"foo": 1}))
+    assert "3 problems" in text
+    assert (
+        "max_samples: got -3" in text and "lr_scheduler_kwargs" in text and "Invalid beta parameter" in text
+    )
+
+
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
 def test_report_to_an_integration_that_is_not_installed(workdir: Path) -> None:
     text = problems_of(minimal(report_to="wandb"))

@@ -13,7 +13,7 @@ import pytest
 from moetune.config import parse_config, training_arguments_kwargs
 from moetune.errors import ConfigError
 from moetune.train.fsdp import fsdp_plugin, other_kind, unsharded
-from tests.unit.config.test_config import minimal, workdir  # noqa: F401  (workdir: a fixture)
+from tests.unit.config.test_config import minimal, problems_of, workdir  # noqa: F401  (workdir: a fixture)
 
 
 @pytest.fixture(autouse=True)
@@ -72,6 +72,39 @@ def test_no_fsdp_and_one_process(caplog) -> None:
 def test_refused_settings_are_named(fsdp_config, named) -> None:
     message = _plugin_error(fsdp=True, fsdp_config=fsdp_config)
     assert "fsdp / fsdp_config" in message and named in message
+
+
+@pytest.mark.usefixtures("workdir")
+@pytest.mark.parametrize(
+    ("fsdp_config", "named"),
+    [
+        # accelerate's spelling of the offload: transformers does not read it, so the run went on without a word
+        (
+            {"fsdp_version": 2, "offload_params": True},
+            "fsdp_config.offload_params: moetune refuses any offload",
+        ),
+        (
+            {"fsdp_version": 2, "fsdp_offload_params": True},
+            "fsdp_config.fsdp_offload_params: moetune refuses",
+        ),
+        ({"fsdp_version": 2, "foo_bar": 3}, "fsdp_config.foo_bar: is not a key transformers reads"),
+        ({"xla": True}, "fsdp_config.xla: XLA's FSDP"),
+    ],
+)
+def test_keys_transformers_would_not_read_are_config_errors(fsdp_config, named) -> None:
+    assert named in problems_of(minimal(fsdp=True, fsdp_config=fsdp_config))
+
+
+@pytest.mark.usefixtures("workdir")
+def test_fsdp_config_from_a_json_file_and_without_fsdp(tmp_path) -> None:
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps({"fsdp_version": 2, "fsdp_reshard_after_forward": False}))
+    bad.write_text(json.dumps({"fsdp_version": 2, "fsdp_sharding_strategy": "FULL_SHARD"}))
+    assert fsdp_plugin(parse_config(minimal(fsdp=True, fsdp_config=str(good))), 2).fsdp_version == 2
+    assert "fsdp_config.fsdp_sharding_strategy: is not a key" in problems_of(
+        minimal(fsdp=True, fsdp_config=str(bad))
+    )
+    assert "fsdp_config: is set but fsdp is not" in problems_of(minimal(fsdp_config={"version": 2}))
 
 
 @pytest.mark.usefixtures("workdir")
