@@ -601,9 +601,9 @@ def _check_output_dir(training: TrainingConfig, problems: Problems) -> None:
             ", ".join(p.name for p in checkpoints[:3]),
         )
     weights = [m for m in _MODEL_WEIGHTS if (out / m).exists()]
-    if weights and not previous_run and not training.overwrite_output_dir:
+    if weights and not previous_run:  # overwrite_output_dir too: LLaMA-Factory's examples all set it
         problems.add(
             "output_dir",
-            f"{out} holds a model ({weights[0]}) and no training run; saving there would write over its files: "
-            "choose another output_dir (or set overwrite_output_dir: true to write over them)",
+            f"{out} holds a model ({weights[0]}) and no training run; saving there would write over its files "
+            "(overwrite_output_dir or not): choose another output_dir, or empty that folder first",
         )

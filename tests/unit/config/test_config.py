@@ -299,7 +299,8 @@ def test_output_dir_holding_a_run_needs_overwrite_or_resume(workdir: Path) -> No
 
 def test_output_dir_never_the_model_folder_nor_a_model_without_a_run(workdir: Path) -> None:
     """A full or freeze run saving into the model it loads wrote over the base weights (exit 0, nothing said):
-    refused however the folder is spelt, overwrite_output_dir or not; another model's folder needs overwrite."""
+    refused however the folder is spelt, overwrite_output_dir or not; so is another model's folder (its tokenizer and
+    config were written over under overwrite_output_dir, which every LLaMA-Factory example sets)."""
     for spelt in ("model", "./model", str(workdir / "model"), "model/../model"):
         text = problems_of(minimal(output_dir=spelt, finetuning_type="full", overwrite_output_dir=True))
         assert "is model_name_or_path's folder: saving there writes over the base model's files" in text, (
@@ -310,9 +311,7 @@ def test_output_dir_never_the_model_folder_nor_a_model_without_a_run(workdir: Pa
     (workdir / "other" / "model.safetensors").write_bytes(b"")
     text = problems_of(minimal(output_dir="other"))
     assert "output_dir: other holds a model (model.safetensors) and no training run" in text
-    assert parse_config(minimal(output_dir="other", overwrite_output_dir=True)).training.output_dir == Path(
-        "other"
-    )
+    assert "other holds a model" in problems_of(minimal(output_dir="other", overwrite_output_dir=True))
     # a finished full run's own output (weights and its trainer_state.json): the usual rule, not this one
     (workdir / "other" / "trainer_state.json").write_text("{}")
     assert "holds a model" not in problems_of(minimal(output_dir="other"))
