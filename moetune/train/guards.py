@@ -19,7 +19,10 @@ Causes, and what happens (``on_divergence`` in the config):
   skipped steps in a row stop the run;
 - a collapse: the gradient norm exactly 0.0 for ``COLLAPSE_STEPS`` steps in a row while the loss sits at
   ln(vocab_size), the loss of a uniform guess over the vocabulary (what an exploded learning rate leaves):
-  stops in both modes, naming the last checkpoint saved before the collapse began;
+  stops in both modes, naming the last checkpoint saved before the collapse began (and any written from the
+  update that made it, which no step can see coming). A checkpoint due while such a run of zero-gradient steps
+  lasts is held back and written at the first step with a gradient again (so a collapse leaves no checkpoint of
+  its own, and ``save_total_limit`` does not rotate the good ones away for it);
 - non-finite trained weights when a checkpoint or the adapter is due: stops in both modes (the update is
   already applied), before anything is written.
 """
@@ -89,6 +92,7 @@ class NumericalGuard(TrainerCallback):
         self.skipped: list[int] = []  # the steps skipped (numbered as the Trainer logs them, from 1)
         self._loss: torch.Tensor | None = None  # this optimizer step's loss so far, summed over micro-batches
         self._zero_since: int | None = None  # first step of the current run of zero-gradient steps at ln V
+        self._held_save: int | None = None  # the step whose checkpoint such a run held back
         self._skips_in_a_row = 0
         self._output_dir = "."
         # since the last logged loss: finite step losses, and how many steps were skipped
@@ -196,8 +200,12 @@ class NumericalGuard(TrainerCallback):
         resume = (
             f"Last good checkpoint: {good} (continue from it with resume_from_checkpoint: {good})."
             if good is not None
-            else "No checkpoint was saved before it."
+            else f"No checkpoint from before step {bad_from} is in {self._output_dir}."
         )
+        after = sorted(p for n, p in checkpoints(self._output_dir) if n >= bad_from)
+        if after:  # saved from the update that diverged, before any step could see it
+            names = ", ".join(p.name for p in after)
+            resume += f" {names} hold{'s' if len(after) == 1 else ''} weights from the diverged update: do not resume from {'it' if len(after) == 1 else 'them'}."
         raise DivergenceError(f"training diverged at step {step}: {message}\n{kept} {resume}")
 
     def _check_weights(self, model: Any, state: Any, what: str) -> None:
@@ -218,6 +226,21 @@ class NumericalGuard(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         # runs after DefaultFlowCallback has decided whether this step saves, and before the save
+        if self._zero_since is not None and control.should_save:  # a collapse may be under way: hold it
+            control.should_save = False
+            if self._held_save is None:
+                logger.warning(
+                    "moetune: checkpoint-%d held back: the gradient norm has been exactly 0.0 since step %d with "
+                    "the loss at ln(vocab_size) (a collapse, if it lasts %d steps); it is written at the first "
+                    "step with a gradient again",
+                    state.global_step,
+                    self._zero_since,
+                    COLLAPSE_STEPS,
+                )
+            self._held_save = state.global_step
+        elif self._zero_since is None and self._held_save is not None:  # the run ended: write what it held
+            control.should_save = True
+            self._held_save = None
         if control.should_save and model is not None:
             self._check_weights(model, state, f"checkpoint-{state.global_step}")
 

@@ -488,7 +488,7 @@ def test_nan_in_an_attention_weight_stops_at_step_1(tmp_path, demo_model, capsys
     # whether the NaN reaches the loss depends on the CPU's attention kernel and compute dtype (finite on AVX512-BF16
     # in bf16, NaN on an AVX2-only CPU in fp32); either way step 1 stops and names the non-finite gradients
     assert re.search(r"training diverged at step 1: the (gradient norm|loss) is not finite", err)
-    assert "self_attn.q_proj.lora_A" in err and "No checkpoint was saved before it" in err
+    assert "self_attn.q_proj.lora_A" in err and "No checkpoint from before step 1 is in" in err
     _assert_nothing_diverged_saved(tmp_path / "out", None)
 
 
@@ -499,7 +499,12 @@ def test_an_exploding_learning_rate_collapse_stops(tmp_path, demo_model) -> None
         recipe.run(load_config(write(tmp_path, cfg)), progress=False)
     assert f"ln(vocab_size) = {math.log(17):.4f}" in str(err.value)
     good = [line for line in str(err.value).splitlines() if "Last good checkpoint" in line]
-    assert good and "checkpoint-1" in good[0]  # the collapse began in the update of step 2
+    assert good and "checkpoint-1 " in good[0]  # the collapse began in the update of step 2
+    # checkpoint-2 was written from that update before any step could see it, and is named as such; the saves
+    # due while the gradient norm sat at 0.0 were held back (they had rotated the good checkpoints away)
+    assert "checkpoint-2 holds weights from the diverged update: do not resume from it" in good[0]
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out").glob("checkpoint-*"))
+    assert saved == [1, 2], saved
 
 
 def _inject_inf_at_call(peft_model, call: int, where: str) -> None:

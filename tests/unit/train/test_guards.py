@@ -149,6 +149,37 @@ def test_collapse_stops_after_zero_gradients_at_ln_vocab(tmp_path) -> None:
         _judge(guard, 3 + COLLAPSE_STEPS - 1, flat, 0.0)
     assert f"exactly 0.0 for the last {COLLAPSE_STEPS} steps" in str(err.value)
     assert f"Last good checkpoint: {tmp_path / 'checkpoint-1'}" in str(err.value)
+    assert "checkpoint-3 holds weights from the diverged update: do not resume from it" in str(err.value)
+
+
+def test_saves_are_held_while_the_gradient_norm_sits_at_zero(tmp_path) -> None:
+    """A collapse takes COLLAPSE_STEPS steps to call; the checkpoints due meanwhile held collapsed weights (and,
+    with save_total_limit, rotated the good ones away). They are held back, and written at the first step with a
+    gradient again."""
+    guard = NumericalGuard(vocab_size=50)
+    guard.on_train_begin(SimpleNamespace(output_dir=str(tmp_path)), None, None)
+    flat, saves = math.log(50), []
+
+    def step(n: int, loss: float, norm: float, due: bool) -> None:
+        _judge(guard, n, loss, norm)
+        control = SimpleNamespace(should_save=due)
+        guard.on_step_end(None, SimpleNamespace(global_step=n), control, model=Toy())
+        if control.should_save:
+            saves.append(n)
+
+    step(1, 3.0, 1.0, True)
+    step(2, flat, 0.0, True)  # held
+    step(3, flat, 0.0, False)
+    step(4, flat, 0.0, True)  # held
+    step(5, 2.0, 0.5, False)  # a gradient again: the held save is written now
+    step(6, 2.0, 0.5, True)
+    assert saves == [1, 5, 6]
+    step(7, flat, 0.0, True)
+    for n in range(8, 7 + COLLAPSE_STEPS - 1):
+        step(n, flat, 0.0, True)
+    with pytest.raises(DivergenceError, match="collapsed"):
+        step(7 + COLLAPSE_STEPS - 1, flat, 0.0, True)
+    assert saves == [1, 5, 6]  # nothing saved from the collapse
 
 
 @pytest.mark.parametrize(
