@@ -414,8 +414,10 @@ def spec_of_config(config: Any) -> ExpertOptimSpec | None:
     optim = extra.get("optim", TrainingArguments.__dataclass_fields__["optim"].default)
     name = str(getattr(optim, "value", optim))
     if name not in STATE_OF_OPTIM:
-        logger.info(
-            "moetune: optim %s is no AdamW: it trains the routed experts itself, with dense gradients", name
+        logger.warning(
+            "moetune: optim %s is no AdamW: it trains the routed experts itself, on dense fp32 gradients of every "
+            "expert (4 bytes per expert parameter, with tokens or not) instead of moetune's sparse AdamW",
+            name,
         )
         return None
     return ExpertOptimSpec.from_optim(name, extra.get("optim_args"), config.finetune.expert_update)

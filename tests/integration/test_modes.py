@@ -10,6 +10,7 @@ adapter loads in stock PEFT; a full-mode model saves a checkpoint plain transfor
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -666,15 +667,25 @@ def test_moetune_train_prints_the_modes_memory(tmp_path, demo_model, capsys) -> 
     assert f"model written to {tmp_path / 'out'}" in out
 
 
-def test_an_optim_that_is_no_adamw_trains_the_experts_itself(tmp_path, demo_model) -> None:
-    # sgd: no moetune expert optimizer; the Trainer's SGD updates the routed experts from dense gradients
+def test_an_optim_that_is_no_adamw_trains_the_experts_itself(tmp_path, demo_model, caplog) -> None:
+    # sgd: no moetune expert optimizer; the Trainer's SGD updates the routed experts from dense gradients (said)
     from safetensors.torch import load_file
 
     from moetune.layer import CpuExperts
     from moetune.train.expert_optim import unwrap
 
-    done = _run(
-        tmp_path, demo_model, optim="sgd", max_steps=2, eval_strategy="no", eval_dataset=None, eval_steps=None
+    with caplog.at_level(logging.WARNING, logger="moetune.train.expert_optim"):
+        done = _run(
+            tmp_path,
+            demo_model,
+            optim="sgd",
+            max_steps=2,
+            eval_strategy="no",
+            eval_dataset=None,
+            eval_steps=None,
+        )
+    assert (
+        "optim sgd is no AdamW: it trains the routed experts itself, on dense fp32 gradients" in caplog.text
     )
     assert unwrap(done.trainer.optimizer) is None
     assert isinstance(getattr(done.trainer.optimizer, "optimizer", done.trainer.optimizer), torch.optim.SGD)
