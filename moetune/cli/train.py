@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import sys
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -23,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from moetune.train.recipe import run as train_run
 
     cfg = load_config(args.config)  # every config problem is reported here, before anything loads
+    show_logs(dict(cfg.training.extra_args))
     result = train_run(cfg)
     if not result.trainer.is_world_process_zero():  # several processes (torchrun): the main one reports
         return 0
@@ -41,3 +44,37 @@ def run(args: argparse.Namespace) -> int:
     what = "adapter" if result.summary["finetuning_type"] == "lora" else "model"
     print(f"{what} written to {cfg.training.output_dir}")
     return 0
+
+
+def show_logs(extra: dict[str, object], rank: int | None = None) -> None:
+    """moetune's own info lines (each rank's CPU pinning, the expert optimizer, ...) on stderr at the YAML's
+    ``log_level`` (the main process) or ``log_level_replica`` (the others), the TrainingArguments keys that set
+    transformers' own verbosity; at their defaults (passive / warning) only warnings reach the console, as before.
+    ``rank``: this process's (default: the launcher's ``RANK``)."""
+    import os
+
+    main = (int(os.environ.get("RANK", "0")) if rank is None else rank) == 0
+    name = str(extra.get("log_level" if main else "log_level_replica", "passive" if main else "warning"))
+    level = {"debug": logging.DEBUG, "info": logging.INFO}.get(name.lower())
+    if level is None:
+        return
+    logger = logging.getLogger("moetune")
+    if _CONSOLE not in logger.handlers:
+        logger.addHandler(_CONSOLE)
+    logger.setLevel(level)
+
+
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """The process's stderr at each record (as logging's own last-resort handler: a replaced sys.stderr too)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
+_CONSOLE = _Stderr()
+_CONSOLE.setFormatter(logging.Formatter("%(message)s"))

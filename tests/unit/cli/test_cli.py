@@ -58,3 +58,30 @@ def test_trust_remote_code_reaches_the_loader(monkeypatch):
         with pytest.raises(SystemExit):
             main([*argv, "--model", "m", "--trust-remote-code"])
         assert seen["trust_remote_code"] is True
+
+
+def test_log_level_info_shows_moetune_info_lines(capsys) -> None:
+    """moetune's info lines (a rank's CPU pinning, the expert optimizer) never reached the console; the YAML's
+    log_level (main process) / log_level_replica (the others) now sets them, warnings only by default."""
+    import logging
+
+    from moetune.cli.train import show_logs
+
+    log = logging.getLogger("moetune.dist.affinity")
+    root = logging.getLogger("moetune")
+    before = (root.level, list(root.handlers))
+    try:
+        show_logs({}, rank=0)
+        log.info("moetune: hidden by default")
+        show_logs({"log_level": "info"}, rank=1)  # a replica reads log_level_replica (warning by default)
+        log.info("moetune: hidden on a replica")
+        show_logs({"log_level": "info"}, rank=0)
+        log.info("moetune: pinned to CPUs [0]")
+        show_logs({"log_level_replica": "info"}, rank=1)
+        log.info("moetune: pinned to CPUs [1]")
+        err = capsys.readouterr().err
+    finally:
+        root.setLevel(before[0])
+        root.handlers[:] = before[1]
+    assert "pinned to CPUs [0]" in err and "pinned to CPUs [1]" in err and "hidden" not in err
+    assert err.count("pinned to CPUs [0]") == 1  # one handler however often it is called
