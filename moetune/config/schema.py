@@ -117,10 +117,6 @@ def _lr_scheduler(value: str) -> str | None:
     return None if value in allowed else f"allowed: {', '.join(allowed)}"
 
 
-def _nonzero(value: int) -> str | None:
-    return None if value != 0 else "must be N > 0 (the last N layers train) or -N < 0 (the first N)"
-
-
 def _lora_target(value: tuple[str, ...]) -> str | None:
     if "all" in value and len(value) > 1:
         return "'all' targets every linear layer and cannot be combined with module names"
@@ -173,7 +169,8 @@ class FinetuneConfig:
     # lora: modules trained fully beside the LoRA (PEFT modules_to_save), e.g. a router
     additional_target: tuple[str, ...] | None = option(None)
     # freeze (README "training modes"): > 0 the last N decoder layers train, < 0 the first -N
-    freeze_trainable_layers: int = option(2, check=_nonzero)
+    # 0 and counts past the model's layers: checked on the meta-device model before it loads, naming its range
+    freeze_trainable_layers: int = option(2)
     freeze_trainable_modules: tuple[str, ...] = option(("all",))  # in those layers: all, or module names
     # freeze: modules outside the decoder layers (embed_tokens, norm, lm_head)
     freeze_extra_modules: tuple[str, ...] | None = option(None)

@@ -57,11 +57,6 @@ def test_llamafactory_freeze_keys_parse(workdir: Path) -> None:
 @pytest.mark.parametrize(
     ("keys", "key", "message"),
     [
-        (
-            {"finetuning_type": "freeze", "freeze_trainable_layers": 0},
-            "freeze_trainable_layers",
-            "must be N > 0",
-        ),
         ({"freeze_trainable_layers": 4}, "freeze_trainable_layers", "applies to finetuning_type: freeze"),
         ({"freeze_extra_modules": "norm"}, "freeze_extra_modules", "but finetuning_type is lora"),
         ({"finetuning_type": "full", "additional_target": "gate"}, "additional_target", "full trains every"),
@@ -120,6 +115,10 @@ def test_freeze_selection_follows_llamafactory(meta_qwen, kw: dict, expected: li
             "freeze_trainable_layers: 4 is out of range for this model's 3 decoder layers",
         ),
         ({"trainable_layers": -5}, "allowed: 1..3 (the last N layers) or -3..-1"),
+        (
+            {"trainable_layers": 0},
+            "freeze_trainable_layers: 0 is out of range for this model's 3 decoder layers",
+        ),
         (
             {"trainable_layers": 2, "trainable_modules": ("mlp.experts",)},
             "not a module of decoder layer(s) [1]",
