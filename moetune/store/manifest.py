@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -136,7 +137,7 @@ class Manifest:
         src: str | Path,
         dst: str | Path,
         want: str | None = None,
-        want_params: dict[str, Any] | None = None,
+        want_params: Mapping[str, Any] | None = None,
     ) -> str:
         """The ``moetune convert`` command that writes this store's format and options from ``src`` over ``dst``
         (the CLI's ``--format`` names: fp8 for fp8_block, bf16 for dense); ``want`` / ``want_params``: the format
