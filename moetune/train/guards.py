@@ -202,10 +202,15 @@ class NumericalGuard(TrainerCallback):
             if good is not None
             else f"No checkpoint from before step {bad_from} is in {self._output_dir}."
         )
-        after = sorted(p for n, p in checkpoints(self._output_dir) if n >= bad_from)
-        if after:  # saved from the update that diverged, before any step could see it
-            names = ", ".join(p.name for p in after)
-            resume += f" {names} hold{'s' if len(after) == 1 else ''} weights from the diverged update: do not resume from {'it' if len(after) == 1 else 'them'}."
+        # saved by this run from the update that diverged, before any step could see it (a collapse: that update
+        # comes before the first zero-gradient step); older runs' higher checkpoints are not this run's
+        after = [p.name for n, p in sorted(checkpoints(self._output_dir)) if bad_from <= n <= step]
+        if after:
+            one = len(after) == 1
+            resume += (
+                f" {', '.join(after)} hold{'s' if one else ''} weights from the diverged update: do not resume "
+                f"from {'it' if one else 'them'}."
+            )
         raise DivergenceError(f"training diverged at step {step}: {message}\n{kept} {resume}")
 
     def _check_weights(self, model: Any, state: Any, what: str) -> None:

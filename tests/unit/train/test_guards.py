@@ -138,6 +138,7 @@ def test_a_non_finite_gradient_norm_with_a_finite_loss_stops() -> None:
 def test_collapse_stops_after_zero_gradients_at_ln_vocab(tmp_path) -> None:
     (tmp_path / "checkpoint-1").mkdir()
     (tmp_path / "checkpoint-3").mkdir()  # saved inside the collapse: not offered
+    (tmp_path / "checkpoint-50").mkdir()  # an earlier run's, left by overwrite_output_dir: not this run's
     guard = NumericalGuard(vocab_size=50)
     guard.on_train_begin(SimpleNamespace(output_dir=str(tmp_path)), None, None)
     flat = math.log(50)
@@ -150,6 +151,7 @@ def test_collapse_stops_after_zero_gradients_at_ln_vocab(tmp_path) -> None:
     assert f"exactly 0.0 for the last {COLLAPSE_STEPS} steps" in str(err.value)
     assert f"Last good checkpoint: {tmp_path / 'checkpoint-1'}" in str(err.value)
     assert "checkpoint-3 holds weights from the diverged update: do not resume from it" in str(err.value)
+    assert "checkpoint-50" not in str(err.value)
 
 
 def test_saves_are_held_while_the_gradient_norm_sits_at_zero(tmp_path) -> None:
