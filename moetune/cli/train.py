@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 
@@ -51,8 +52,6 @@ def show_logs(extra: dict[str, object], rank: int | None = None) -> None:
     ``log_level`` (the main process) or ``log_level_replica`` (the others), the TrainingArguments keys that set
     transformers' own verbosity; at their defaults (passive / warning) only warnings reach the console, as before.
     ``rank``: this process's (default: the launcher's ``RANK``)."""
-    import os
-
     main = (int(os.environ.get("RANK", "0")) if rank is None else rank) == 0
     name = str(extra.get("log_level" if main else "log_level_replica", "passive" if main else "warning"))
     level = {"debug": logging.DEBUG, "info": logging.INFO}.get(name.lower())

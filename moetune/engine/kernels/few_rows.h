@@ -44,6 +44,7 @@
 
 #include "decoders.h"
 #include "layouts.h"
+#include "rows_layout.h"  // row_blocks: pair_blocks
 
 namespace moetune_few_rows {
 
@@ -447,27 +448,15 @@ MOETUNE_AVX512 void staged_band_chunk(const Pairs& pairs, int64_t o0, int np, in
 // 0.89-0.91x at 1 row, level at 4)
 constexpr int64_t kPairBlockRows = 5;
 
-// whether backward_range with n rows of g reads them from pair_blocks: its own rows (not a scaled band's), from
-// kPairBlockRows, and not where n > 8 rows take staged_band_chunk
+// g [n, Oe] (rows ldg apart, Oe even) for backward_chunk<.., true>: rows_layout.h's row_blocks of g's pairs (block
+// r0 from r0 * Oe, the pair q of its row r at (q R + r) * 2; 1.05-1.10x at 7-32 rows on int8 and bf16 weights,
+// [1536, 2048]); empty where backward_range with n rows does not read it: a scaled band's g (row-major), fewer than
+// kPairBlockRows rows, or more than 8 where staged_band_chunk takes them
 template <class Pairs>
-constexpr bool uses_pair_blocks(int64_t n) {
-  return !is_raw_pairs<Pairs>::value && n >= kPairBlockRows && !(Pairs::kStaged && n > 8);
-}
-
-// g [n, Oe] (rows ldg apart, Oe even) per block of 8 rows, for backward_chunk<.., true>: block r0 (R = min(8, n - r0)
-// rows) from r0 * Oe, the pair q of its row r at (q R + r) * 2. One pointer and constant offsets then reach a pair's R
-// values: with a pointer per row GCC kept the row offsets in vector registers and on the stack in the loops of the
-// backward on int8 and bf16 weights (1.05-1.10x at 7-32 rows, [1536, 2048], with this layout). Pairs over the threads.
 MOETUNE_AVX512 inline std::vector<uint16_t> pair_blocks(const uint16_t* g, int64_t ldg, int64_t n, int64_t Oe) {
+  if (is_raw_pairs<Pairs>::value || n < kPairBlockRows || (Pairs::kStaged && n > 8)) return {};
   std::vector<uint16_t> dst(n * Oe);
-  at::parallel_for(0, Oe / 2, 4096, [&](int64_t q0, int64_t q1) {
-    for (int64_t r0 = 0; r0 < n; r0 += 8) {
-      const int64_t R = std::min<int64_t>(8, n - r0);
-      uint16_t* block = dst.data() + r0 * Oe;
-      for (int64_t q = q0; q < q1; ++q)
-        for (int64_t r = 0; r < R; ++r) std::memcpy(block + (q * R + r) * 2, g + (r0 + r) * ldg + 2 * q, 4);
-    }
-  });
+  moetune_rows::row_blocks<4>(g, ldg * 2, n, Oe / 2, dst.data());
   return dst;
 }
 
@@ -574,8 +563,7 @@ MOETUNE_AVX512 inline void backward(const Pairs& pairs, const at::BFloat16* g, i
     gp = copy.data();
     ldg = Oe;
   }
-  const std::vector<uint16_t> blocks =
-      uses_pair_blocks<Pairs>(n) ? pair_blocks(gp, ldg, n, Oe) : std::vector<uint16_t>{};
+  const std::vector<uint16_t> blocks = pair_blocks<Pairs>(gp, ldg, n, Oe);
   at::parallel_for(0, (K + 31) / 32, 1, [&](int64_t c0, int64_t c1) {
     backward_range(pairs, gp, ldg, n, K, Oe, out, ldo, accumulate, c0, c1, blocks.empty() ? nullptr : blocks.data());
   });

@@ -235,9 +235,7 @@ MOETUNE_AVX512 inline void backward(const moetune::Int8Rows& dec, const float* r
   const Int16Pairs pairs{dec, O, gq.step.data()};
   const auto* gp = reinterpret_cast<const uint16_t*>(gq.row(0));
   const int64_t Oe = (O + 1) / 2 * 2;
-  const std::vector<uint16_t> blocks = moetune_few_rows::uses_pair_blocks<Int16Pairs>(n)
-                                           ? moetune_few_rows::pair_blocks(gp, gq.ld, n, Oe)
-                                           : std::vector<uint16_t>{};
+  const std::vector<uint16_t> blocks = moetune_few_rows::pair_blocks<Int16Pairs>(gp, gq.ld, n, Oe);
   at::parallel_for(0, (K + 31) / 32, 1, [&](int64_t c0, int64_t c1) {
     moetune_few_rows::backward_range(pairs, gp, gq.ld, n, K, Oe, out, ldo, accumulate, c0, c1,
                                      blocks.empty() ? nullptr : blocks.data());

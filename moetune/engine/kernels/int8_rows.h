@@ -67,13 +67,11 @@ MOETUNE_AVX512 MOETUNE_ALWAYS_INLINE __m512i biased64(const int8_t* p, int64_t v
   return _mm512_xor_si512(v, _mm512_set1_epi8(-128));
 }
 
-// x's rows in blocks of up to 8 as forward_rows takes them, in a buffer of n * ld bytes from `at` (ld: K rounded up to
-// 64): block b (rows 8 b .. 8 b + R, R = min(8, n - 8 b)) from 8 b * ld, the 64 columns from 64 c of its row r at
-// (c * R + r) * 64 in it. One pointer then addresses a step's rows by constant offsets: with a pointer per row GCC 12
-// ran out of general registers at 7 rows and spilled the weights' vectors in the dot products' loop (the 7-row forward
-// 1.24-1.51x slower). Rows copied over the threads, as int_rows fills them.
+// x's rows as forward_rows takes them: rows_layout.h's row_blocks of 64-byte units (ld: K rounded up to 64 bytes a
+// row; block r0 from r0 * ld), in a 64-byte aligned buffer every byte of which is written (xq's rows hold zeros past
+// K to a whole line). The 7-row forward ran 1.24-1.51x slower on a pointer per row.
 struct RowBlocks {
-  std::unique_ptr<int8_t[]> bytes;  // every byte written (xq's rows hold zeros past K to a whole line)
+  std::unique_ptr<int8_t[]> bytes;
   int64_t at = 0, ld = 0;
   const int8_t* block(int64_t r0) const { return bytes.get() + at + r0 * ld; }
 };
@@ -82,12 +80,7 @@ inline RowBlocks row_blocks(const Int8Acts& xq, int64_t n, int64_t K) {
   b.ld = (K + 63) / 64 * 64;
   b.bytes.reset(new int8_t[n * b.ld + 64]);
   b.at = static_cast<int64_t>((64 - reinterpret_cast<uintptr_t>(b.bytes.get()) % 64) % 64);
-  int8_t* base = b.bytes.get() + b.at;
-  moetune_rows::each_row(n, K, [&](int64_t row) {
-    const int64_t r0 = row / 8 * 8, R = std::min<int64_t>(8, n - r0), r = row - r0;
-    for (int64_t c = 0; c < b.ld / 64; ++c)
-      std::memcpy(base + r0 * b.ld + (c * R + r) * 64, xq.row(row) + c * 64, 64);
-  });
+  moetune_rows::row_blocks<64>(xq.row(0), xq.ld, n, b.ld / 64, b.bytes.get() + b.at);
   return b;
 }
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace moetune_rows {
@@ -52,6 +53,30 @@ void each_row(int64_t n, int64_t cols, F&& fill) {
                    [&](int64_t r0, int64_t r1) {
                      for (int64_t r = r0; r < r1; ++r) fill(r);
                    });
+}
+
+// rows per block of block_rows: the AVX512 register blocks' rows of x or g
+constexpr int64_t kBlockRows = 8;
+
+// src's n rows (ld bytes apart) as the register blocks read them, into dst: blocks of up to kBlockRows rows (block
+// r0: R = min(kBlockRows, n - r0) rows, from r0 * units * Unit bytes), unit c of its row r (the Unit bytes from
+// c * Unit) at (c R + r) * Unit bytes in it. One pointer and constant offsets then reach a step's R rows: with a
+// pointer per row GCC 12 ran out of general registers in those loops (int8_rows.h's forward: the weights' vectors
+// spilled at 7 rows; few_rows.h's backward: the row offsets kept in vector registers and on the stack). Units over
+// the threads, each share writing whole stretches of dst.
+template <int64_t Unit>
+void row_blocks(const void* src, int64_t ld, int64_t n, int64_t units, void* dst) {
+  const auto* s = static_cast<const char*>(src);
+  auto* d = static_cast<char*>(dst);
+  const int64_t grain = std::max<int64_t>(1, kRowsGrainValues * 2 / std::max<int64_t>(n * Unit, 1));  // 32 KiB
+  at::parallel_for(0, units, grain, [&](int64_t c0, int64_t c1) {
+    for (int64_t r0 = 0; r0 < n; r0 += kBlockRows) {
+      const int64_t R = std::min(kBlockRows, n - r0);
+      char* block = d + r0 * units * Unit;
+      for (int64_t c = c0; c < c1; ++c)
+        for (int64_t r = 0; r < R; ++r) std::memcpy(block + (c * R + r) * Unit, s + (r0 + r) * ld + c * Unit, Unit);
+    }
+  });
 }
 
 }  // namespace moetune_rows
