@@ -29,6 +29,7 @@ LoRA is initialised as PEFT initialises it (A kaiming-uniform, B zero) from the 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,8 @@ from moetune.errors import AdapterError, listing
 from moetune.layer import CpuExperts
 
 logger = logging.getLogger(__name__)
+
+GRADIENT_CHECKPOINTING_DEPRECATION = "`is_gradient_checkpointing` is deprecated"  # transformers 5's warning
 
 ALL = "all"
 EXCLUDED_LINEARS = ("lm_head",)  # never a target of "all" (LLaMA-Factory and PEFT's all-linear agree)
@@ -319,7 +322,11 @@ def peft_model_with(
     # its one other step for it, recording the base model's name. get_peft_model itself would warn that the model
     # already holds PEFT layers ("modify a model with PEFT for a second time"): the ones just made for this call.
     config.base_model_name_or_path = model.__dict__.get("name_or_path") or None
-    peft_model = MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, PeftModel)(model, config)
+    with warnings.catch_warnings():
+        # PeftModel reads model.is_gradient_checkpointing, which transformers 5 deprecates with a FutureWarning on
+        # every construction: PEFT's call into transformers, nothing a user of moetune can act on
+        warnings.filterwarnings("ignore", message=GRADIENT_CHECKPOINTING_DEPRECATION, category=FutureWarning)
+        peft_model = MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, PeftModel)(model, config)
     to_stock_config(peft_model, "default", weight_entries)
     from moetune.adapters.lora_experts_config import carry_lora_experts
 

@@ -6,6 +6,7 @@ constructs ``TrainingArguments(**training_arguments_kwargs(config))`` when it is
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from moetune.config.schema import IntervalStrategy, MoetuneConfig
@@ -68,7 +69,9 @@ def training_arguments_kwargs(config: MoetuneConfig) -> dict[str, Any]:
         "use_cpu": config.engine.device == "cpu"
         or (config.engine.device == "auto" and not _cuda_available()),
     }
-    kwargs.update(t.extra_args)  # TrainingArguments fields passed through from the YAML
+    # TrainingArguments fields passed through from the YAML, copied: transformers rewrites mappings such as
+    # fsdp_config in place (prefixes stripped, defaults added), which would change the config for later readers
+    kwargs.update(copy.deepcopy(dict(t.extra_args)))
     if t.lr_scheduler_kwargs:
         kwargs["lr_scheduler_kwargs"] = dict(t.lr_scheduler_kwargs)
     if t.eval_strategy is IntervalStrategy.STEPS:

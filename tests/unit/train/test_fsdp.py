@@ -96,6 +96,21 @@ def test_keys_transformers_would_not_read_are_config_errors(fsdp_config, named) 
 
 
 @pytest.mark.usefixtures("workdir")
+def test_building_the_arguments_leaves_the_config_as_written() -> None:
+    """transformers' TrainingArguments rewrites the fsdp_config mapping it is given (prefixes stripped, its own
+    keys added); the config's own stays as the YAML wrote it, for every later build and reader."""
+    from transformers import TrainingArguments
+
+    written = {"fsdp_version": 2, "fsdp_reshard_after_forward": False}
+    config = parse_config(minimal(fsdp=True, fsdp_config=dict(written)))
+    first = training_arguments_kwargs(config)
+    TrainingArguments(**first)
+    assert first["fsdp_config"] != written  # transformers did rewrite what it was handed
+    assert dict(config.training.extra_args)["fsdp_config"] == written
+    assert training_arguments_kwargs(config)["fsdp_config"] == written
+
+
+@pytest.mark.usefixtures("workdir")
 def test_fsdp_config_from_a_json_file_and_without_fsdp(tmp_path) -> None:
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     good.write_text(json.dumps({"fsdp_version": 2, "fsdp_reshard_after_forward": False}))
