@@ -16,7 +16,7 @@ The data flow, and the package folders that follow it::
        |      into engines
     adapters/ PEFT on linears + expert LoRA as a PEFT layer; ``moetune.load_model(..., adapter=)``
        |
-    train/    the ``moetune train`` recipe
+    train/    the ``moetune train`` recipe;  export/  adapters in the layout serving engines load
        |
     cli/      the ``moetune`` command
 
@@ -34,6 +34,7 @@ __all__ = [
     "MoetuneError",
     "__version__",
     "attach_lora",
+    "export_serving_adapter",
     "load_adapter",
     "load_model",
     "save_adapter",
@@ -43,6 +44,7 @@ _LAZY = {
     "load_model": "moetune.adapters.load",  # loading, plus an adapter when asked
     "LoadOptions": "moetune.loading",
     "attach_lora": "moetune.adapters",
+    "export_serving_adapter": "moetune.export",
     "load_adapter": "moetune.adapters",
     "save_adapter": "moetune.adapters",
 }

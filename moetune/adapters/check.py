@@ -114,7 +114,7 @@ def check_adapter_folder(
     config, r, alpha = _read_config(folder / CONFIG_NAME)
     tensors = _read_header(folder / WEIGHTS_NAME)
     adapter = AdapterFolder(folder, config, r, alpha, tensors)
-    pairs, whole = _pairs(adapter)
+    pairs, whole = lora_pairs(adapter)
     targets = _model_targets(model_config, meta_model) if model_config is not None else None
     if targets is not None:
         _check_against_model(adapter, pairs, whole, model_config, targets)
@@ -240,7 +240,7 @@ def _saved_whole(key: str, config: Mapping[str, Any]) -> bool:
     return tail == "base_layer" and layer.rpartition(".")[2] in EMBEDDING_NAMES
 
 
-def _pairs(
+def lora_pairs(
     adapter: AdapterFolder,
 ) -> tuple[dict[str, tuple[TensorInfo, TensorInfo]], dict[str, TensorInfo]]:
     """(``{module key prefix (without PEFT's prefix): (A, B)}``, ``{key: whole parameter}``): every key a LoRA

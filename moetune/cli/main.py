@@ -13,7 +13,7 @@ import sys
 from moetune.errors import MoetuneError
 
 # subcommand modules under moetune.cli, in the order --help lists them
-SUBCOMMANDS = ("doctor", "bench", "convert", "train", "demo", "generate", "chat")
+SUBCOMMANDS = ("doctor", "bench", "convert", "train", "export", "demo", "generate", "chat")
 
 
 def build_parser() -> argparse.ArgumentParser:

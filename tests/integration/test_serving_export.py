@@ -1,0 +1,204 @@
+"""``moetune export``: a trained adapter in the layout serving engines load, checked against stock PEFT.
+
+The reference is how a serving engine applies a LoRA pair to a checkpoint weight it names: ``W += (alpha / r) B A``
+on the tensor of that name in the checkpoint as stored (``[out, in]``). Every tiny family whose checkpoint stores
+one matrix per expert is exported, the pairs are added to its safetensors file that way, and transformers' own
+model loaded from the result must give the logits of stock PEFT's model with the adapter as trained
+(``PeftModel.from_pretrained`` on the unmodified model): names, gate/up split, orientation, scaling and rsLoRA
+folding all show there. Families whose checkpoint stores fused experts keep PEFT's fused pairs unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moetune.errors import AdapterError
+from moetune.testing.tiny import TINY_FAMILIES, VOCAB, auto_class, save_tiny_model
+
+FUSED_ON_DISK = ("gpt_oss", "qwen3_vl_moe")  # checkpoints that store experts as fused 3-D tensors
+PER_EXPERT = tuple(f for f in TINY_FAMILIES.names() if f not in FUSED_ON_DISK)
+PREFIX = "base_model.model."
+TOL = 2e-5  # fp32 logits: the merged weights and PEFT's (x A^T) B^T sum the same products in other orders
+
+
+def _trained_adapter(path: Path, out: Path, *, use_rslora: bool = False, seed: int = 0) -> Path:
+    """An adapter of every LoRA target ("all"), each A and B random (a wrong row, orientation or scale shows)."""
+    from moetune.adapters import attach_lora, save_adapter
+    from moetune.adapters.load import load_model
+
+    model = attach_lora(
+        load_model(path, device="cpu", dtype="float32", progress=False),
+        rank=4,
+        alpha=8,
+        use_rslora=use_rslora,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    save_adapter(model, out)
+    return out
+
+
+def _served(model_dir: Path, export: Path, dst: Path) -> Path:
+    """``model_dir`` with every exported pair added to the checkpoint tensor it names, as an engine applies it."""
+    config = json.loads((export / "adapter_config.json").read_text())
+    assert not config["use_rslora"] and not config["target_parameters"]
+    scale = config["lora_alpha"] / config["r"]
+    shutil.copytree(model_dir, dst)
+    lora = load_file(str(export / "adapter_model.safetensors"))
+    left = {k.removeprefix(PREFIX).rpartition(".lora_")[0] + ".weight" for k in lora}
+    for shard in sorted(dst.glob("*.safetensors")):
+        weights = load_file(str(shard))
+        for key in left & set(weights):
+            a, b = (lora[PREFIX + key.removesuffix(".weight") + f".lora_{x}.weight"].double() for x in "AB")
+            # kept in fp32 at least: an engine adds the LoRA term to x W^T in its compute dtype, never rounding W
+            dtype = torch.promote_types(weights[key].dtype, torch.float32)
+            weights[key] = (weights[key].double() + scale * b @ a).to(dtype)
+        left -= set(weights)
+        save_file(weights, str(shard), metadata={"format": "pt"})
+    assert not left, f"pairs naming no tensor of the checkpoint: {sorted(left)}"
+    return dst
+
+
+def _check_served(model_dir: Path, adapter: Path, export: Path, tmp: Path) -> None:
+    """transformers' model of ``model_dir`` with ``export`` applied as an engine applies it gives the logits of
+    stock PEFT's model with ``adapter``."""
+    from peft import PeftModel
+
+    ids = torch.randint(4, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        base = _stock(model_dir)(input_ids=ids).logits
+        want = PeftModel.from_pretrained(_stock(model_dir), adapter).eval()(input_ids=ids).logits
+        got = _stock(_served(model_dir, export, tmp / "served"))(input_ids=ids).logits
+    assert (want - base).abs().max() > 0.05  # the adapter changes the logits: a dropped pair would show
+    assert (got - want).abs().max() <= TOL * want.abs().max()
+
+
+def _stock(path: Path):
+    from transformers import AutoConfig
+
+    return auto_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("use_rslora", [False, True])
+@pytest.mark.parametrize("family", PER_EXPERT)
+def test_served_per_expert_equals_stock_peft(family, use_rslora, tmp_path) -> None:
+    from moetune.export import export_serving_adapter
+
+    model_dir = save_tiny_model(family, tmp_path / "m", tokenizer=False)
+    adapter = _trained_adapter(model_dir, tmp_path / "adapter", use_rslora=use_rslora)
+    result = export_serving_adapter(model_dir, adapter, tmp_path / "serve")
+    assert result.per_expert > 0 and result.fused == 0
+    names = load_file(str(tmp_path / "serve/adapter_model.safetensors"))
+    assert any(".experts.0." in k for k in names)  # expert pairs per expert, under the checkpoint's names
+    _check_served(model_dir, adapter, tmp_path / "serve", tmp_path)
+
+
+@pytest.mark.parametrize("release", ["deepseek_v3_fp8", "kimi_k2_instruct_fp8", "kimi_k2_thinking_int4"])
+def test_quantized_releases_export_under_their_module_names(release, tmp_path) -> None:
+    """FP8 block-scaled and compressed-tensors INT4 checkpoints store each expert matrix as codes and scales
+    (``weight`` + ``weight_scale_inv``, ``weight_packed`` + ``weight_scale``): the pairs name the module, and
+    applied to the dequantized checkpoint they give stock PEFT's logits there."""
+    from moetune.export import export_serving_adapter
+    from moetune.testing import kimi
+    from moetune.testing.fp8_checkpoint import save_fp8_checkpoint
+
+    ref = tmp_path / "dequantized"
+    save = {
+        "deepseek_v3_fp8": lambda p: save_fp8_checkpoint("deepseek_v3", p, dequantized_path=ref),
+        "kimi_k2_instruct_fp8": lambda p: kimi.save_kimi_instruct(p, dequantized_path=ref),
+        "kimi_k2_thinking_int4": lambda p: kimi.save_kimi_thinking(p, dequantized_path=ref),
+    }[release]
+    model_dir = save(tmp_path / "m")
+    adapter = _trained_adapter(model_dir, tmp_path / "adapter")
+    result = export_serving_adapter(model_dir, adapter, tmp_path / "serve")
+    assert result.per_expert > 0 and result.fused == 0
+    _check_served(ref, adapter, tmp_path / "serve", tmp_path)
+
+
+@pytest.mark.parametrize("family", [*FUSED_ON_DISK, "gpt_oss_mxfp4"])
+def test_fused_checkpoints_keep_peft_fused_pairs(family, tmp_path) -> None:
+    from moetune.export import export_serving_adapter
+    from moetune.testing.mxfp4_checkpoint import save_mxfp4_checkpoint
+
+    if family == "gpt_oss_mxfp4":  # as the release stores it: fused MXFP4 blocks and scales
+        model_dir = save_mxfp4_checkpoint(tmp_path / "m")
+    else:
+        model_dir = save_tiny_model(family, tmp_path / "m", tokenizer=False)
+    adapter = _trained_adapter(model_dir, tmp_path / "adapter")
+    result = export_serving_adapter(model_dir, adapter, tmp_path / "serve")
+    assert result.fused > 0 and result.per_expert == 0
+    trained = load_file(str(adapter / "adapter_model.safetensors"))
+    served = load_file(str(tmp_path / "serve/adapter_model.safetensors"))
+    stored = {k for shard in model_dir.glob("*.safetensors") for k in load_file(str(shard))}
+    experts = {k for k in trained if ".experts." in k and ".experts.0." not in k}
+    assert experts and all(torch.equal(served[k], trained[k]) for k in experts)
+    for key in set(served) - experts:  # every other pair names a checkpoint tensor
+        assert key.removeprefix(PREFIX).rpartition(".lora_")[0] + ".weight" in stored, key
+    config = json.loads((tmp_path / "serve/adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory) -> Path:
+    return save_tiny_model("qwen3_moe", tmp_path_factory.mktemp("q") / "m")
+
+
+def _attach_save(path: Path, out: Path, **kwargs) -> Path:
+    from moetune.adapters import attach_lora, save_adapter
+    from moetune.adapters.load import load_model
+
+    save_adapter(attach_lora(load_model(path, device="cpu", dtype="float32", progress=False), **kwargs), out)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"rank": 4, "alpha": 8, "modules_to_save": ("lm_head",)}, "whole weights beside the LoRA"),
+        ({"rank": 4, "alpha": 8, "targets": ("q_proj", "experts", "gate")}, "LoRA on the router"),
+    ],
+)
+def test_what_no_engine_applies_is_refused_before_writing(qwen, tmp_path, kwargs, named) -> None:
+    from moetune.export import export_serving_adapter
+
+    adapter = _attach_save(qwen, tmp_path / "adapter", **kwargs)
+    (tmp_path / "serve").mkdir()
+    with pytest.raises(AdapterError, match=named):
+        export_serving_adapter(qwen, adapter, tmp_path / "serve")
+    assert list((tmp_path / "serve").iterdir()) == []
+
+
+def test_output_folder_rules_and_the_command(qwen, tmp_path, capsys) -> None:
+    from moetune.cli.main import main
+
+    adapter = _attach_save(qwen, tmp_path / "adapter", rank=4, alpha=8)
+    shutil.copy(qwen / "tokenizer.json", adapter)  # as moetune train's output holds it: it travels along
+    out = tmp_path / "serve"
+    for target in (adapter, qwen):
+        assert main(["export", "--model", str(qwen), "--adapter", str(adapter), "--out", str(target)]) == 2
+        assert "give a new folder" in capsys.readouterr().err
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy/notes.txt").write_text("mine")
+    args = ["export", "--model", str(qwen), "--adapter", str(adapter), "--out"]
+    assert main([*args, str(tmp_path / "busy"), "--overwrite"]) == 2
+    assert "notes.txt" in capsys.readouterr().err and (tmp_path / "busy/notes.txt").read_text() == "mine"
+    assert main([*args, str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "per expert" in printed and str(out) in printed
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    first = (out / "adapter_model.safetensors").read_bytes()
+    assert main([*args, str(out)]) == 2  # an earlier export is replaced only when asked
+    assert main([*args, str(out), "--overwrite"]) == 0
+    assert (out / "adapter_model.safetensors").read_bytes() == first
+    assert not list(tmp_path.glob("serve.export-*"))
