@@ -152,11 +152,15 @@ def qwen(tmp_path_factory) -> Path:
     return save_tiny_model("qwen3_moe", tmp_path_factory.mktemp("q") / "m")
 
 
-def _attach_save(path: Path, out: Path, **kwargs) -> Path:
+def _attach_save(path: Path, out: Path, lora_experts: int = 0, **kwargs) -> Path:
     from moetune.adapters import attach_lora, save_adapter
     from moetune.adapters.load import load_model
+    from moetune.adapters.lora_experts import attach_lora_experts
 
-    save_adapter(attach_lora(load_model(path, device="cpu", dtype="float32", progress=False), **kwargs), out)
+    model = attach_lora(load_model(path, device="cpu", dtype="float32", progress=False), **kwargs)
+    if lora_experts:
+        attach_lora_experts(model, lora_experts, 8)
+    save_adapter(model, out)
     return out
 
 
@@ -165,6 +169,7 @@ def _attach_save(path: Path, out: Path, **kwargs) -> Path:
     [
         ({"rank": 4, "alpha": 8, "modules_to_save": ("lm_head",)}, "whole weights beside the LoRA"),
         ({"rank": 4, "alpha": 8, "targets": ("q_proj", "experts", "gate")}, "LoRA on the router"),
+        ({"rank": 4, "alpha": 8, "lora_experts": 2}, "LoRA experts"),
     ],
 )
 def test_what_no_engine_applies_is_refused_before_writing(qwen, tmp_path, kwargs, named) -> None:
