@@ -110,6 +110,14 @@ def weight_routers(model: nn.Module, experts: Sequence[str]) -> list[str]:
     return [p for p, m in model.named_modules() if _is_weight_router(p, m, blocks)]
 
 
+def language_model_path(model: nn.Module) -> str:
+    """The path of ``model``'s language model (transformers' ``get_decoder()``: ``model.language_model`` in a
+    vision-language model, ``model`` in a text one), or ``""`` where the model names none (all of it counts)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    return next((p for p, m in model.named_modules() if m is decoder and decoder is not model), "")
+
+
 def resolve_targets(
     model: nn.Module, targets: Sequence[str], experts: Sequence[str] | None = None
 ) -> LoraTargets:
@@ -125,7 +133,12 @@ def resolve_targets(
         else [p for p, m in model.named_modules() if isinstance(m, CpuExperts)]
     )
     blocks = {p.rpartition(".")[0] for p in experts}
-    linears = [p for p, m in model.named_modules() if isinstance(m, nn.Linear) and _plain_linear(m)]
+    # moetune trains on text: the language model's linears are targets; a vision tower's and a projector's stay
+    # frozen, as LLaMA-Factory's freeze_vision_tower and freeze_multi_modal_projector defaults leave them
+    inside = language_model_path(model)
+    every = [p for p, m in model.named_modules() if isinstance(m, nn.Linear) and _plain_linear(m)]
+    linears = [p for p in every if not inside or p.startswith(inside + ".")]
+    frozen = [p for p in every if p not in linears and p.rpartition(".")[2] not in EXCLUDED_LINEARS]
     # nn.Linear subclasses computing something else (DeepSeek-V4's block-diagonal o_a_proj): PEFT's Linear LoRA
     # would add a full-matrix update to a grouped product (it fails on their 4-D input)
     own = {
@@ -145,6 +158,12 @@ def resolve_targets(
                 len(own),
                 listing(sorted(f"{p} ({c})" for p, c in own.items()), inline=True),
             )
+        if frozen:
+            logger.info(
+                "moetune: lora_target all leaves the %d nn.Linear modules outside the language model (%s) frozen",
+                len(frozen),
+                inside,
+            )
         chosen = LoraTargets(tuple(linear), tuple(experts))
     else:
         unmatched, linear, exp, router = [], [], [], []
@@ -162,6 +181,13 @@ def resolve_targets(
                 )
             found_r = [p for p in routers if hit(p)]
             if not found_l and not found_e and not found_r:
+                if outside := [p for p in frozen if hit(p)]:
+                    raise AdapterError(
+                        f"lora_target {name!r} names only modules outside the language model "
+                        f"({listing(outside[:4], inline=True)}{', ...' if len(outside) > 4 else ''}): moetune trains on "
+                        "text and keeps a vision tower and projector frozen (LLaMA-Factory's freeze_vision_tower / "
+                        "freeze_multi_modal_projector defaults); target the language model's modules"
+                    )
                 unmatched.append(name)
             linear += [p for p in found_l if p not in linear]
             exp += [p for p in found_e if p not in exp]

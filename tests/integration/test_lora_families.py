@@ -98,3 +98,29 @@ def test_all_targets_every_linear_and_expert_and_round_trips_through_stock_peft(
     trained = dict(model.named_parameters())
     restored = {n: p for n, p in fresh.named_parameters() if "lora_" in n}
     assert restored and all(torch.equal(p, trained[n]) for n, p in restored.items())
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_all_leaves_the_vision_tower_and_projector_frozen(name, tmp_path) -> None:
+    """LLaMA-Factory's lora_target all skips its registry's vision keys and projector keys for these models
+    (``visual.patch_embed`` / ``visual.blocks`` and ``visual.merger``, under its freeze_vision_tower and
+    freeze_multi_modal_projector defaults); moetune, which trains on text, does the same, and a target naming
+    only vision modules is an error that says why."""
+    from moetune.adapters import attach_lora
+    from moetune.adapters.load import load_model
+    from moetune.errors import AdapterError
+
+    path = save_tiny_model(name, tmp_path / "m", tokenizer=False)
+    model = load_model(path, device="cpu", dtype="float32", progress=False)
+    vision = {p for p, m in model.named_modules() if isinstance(m, nn.Linear) and ".visual." in f".{p}"}
+    text = {
+        p
+        for p, m in model.named_modules()
+        if isinstance(m, nn.Linear) and p.startswith("model.language_model.")
+    }
+    assert vision and text
+    sites = lora_sites(attach_lora(model, rank=4, alpha=8))
+    assert not {s for s in sites if ".visual." in f".{s}"}
+    assert text <= sites
+    with pytest.raises(AdapterError, match="outside the language model"):
+        attach_lora(load_model(path, device="cpu", dtype="float32", progress=False), targets=("qkv",))
