@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -233,7 +233,7 @@ def _saved_whole(key: str, config: Mapping[str, Any]) -> bool:
         return False
     saved = config.get("modules_to_save") or []
     if isinstance(saved, list) and any(
-        _matches(m["module"], entry) for entry in saved if isinstance(entry, str)
+        entry_matches(m["module"], entry) for entry in saved if isinstance(entry, str)
     ):
         return True
     layer, _, tail = m["module"].rpartition(".")
@@ -331,8 +331,23 @@ def _model_targets(model_config: Any, model: Any = None) -> _ModelTargets:
     return _ModelTargets(linears, experts, routers, shapes)
 
 
-def _matches(path: str, entry: str) -> bool:
+def entry_matches(path: str, entry: str) -> bool:
+    """Whether a ``target_modules`` / ``target_parameters`` entry names ``path``: exactly or as a dotted suffix,
+    as PEFT matches them."""
     return path == entry or path.endswith("." + entry)
+
+
+def expert_lora_prefixes(path: str, params: Sequence[str], config: Mapping[str, Any]) -> dict[str, str]:
+    """``{parameter: LoRA key prefix}`` (without PEFT's prefix) for the fused parameters ``params`` (in the order
+    the experts module at ``path`` registers them) that adapter ``config`` targets: by ``target_parameters``, or
+    all of them when ``target_modules`` names the module. PEFT nests one ``ParamWrapper`` per targeted parameter,
+    the last registered outermost, so the i-th of n has its pair under ``path + ".base_layer" * (n - 1 - i)``."""
+    modules = config.get("target_modules") or []
+    entries = config.get("target_parameters") or []
+    named = [p for p in params if any(entry_matches(f"{path}.{p}", e) for e in entries)]
+    by_module = isinstance(modules, list) and any(entry_matches(path, e) for e in modules)
+    chosen = list(params) if by_module and not named else named
+    return {p: path + ".base_layer" * (len(chosen) - 1 - n) for n, p in enumerate(chosen)}
 
 
 def _check_against_model(
@@ -347,26 +362,20 @@ def _check_against_model(
     modules = adapter.config.get("target_modules") or []
     params = adapter.config.get("target_parameters") or []
 
-    def targeted_params(path: str) -> list[str]:
-        named = [p for p in experts[path] if any(_matches(f"{path}.{p}", e) for e in params)]
-        by_module = isinstance(modules, list) and any(_matches(path, e) for e in modules)
-        return list(experts[path]) if by_module and not named else named
-
     expected: dict[str, _Target] = {}  # key prefix -> the shapes its pair must have
     for path, target in linears.items():
         if isinstance(modules, str):  # a pattern: PEFT matches the whole module path
             hit = re.fullmatch(modules, path) is not None
         else:
-            hit = any(_matches(path, e) for e in modules)
-        if hit or any(_matches(f"{path}.weight", e) for e in params):
+            hit = any(entry_matches(path, e) for e in modules)
+        if hit or any(entry_matches(f"{path}.weight", e) for e in params):
             expected[path] = target
     for path, target in targets.routers.items():  # PEFT adapts them through target_parameters only
-        if any(_matches(f"{path}.weight", e) for e in params):
+        if any(entry_matches(f"{path}.weight", e) for e in params):
             expected[path] = target
-    for path in experts:
-        chosen = targeted_params(path)  # registration order: gate_up first, the last one outermost
-        for n, param in enumerate(chosen):
-            expected[path + ".base_layer" * (len(chosen) - 1 - n)] = experts[path][param]
+    for path in experts:  # registration order: gate_up first
+        for param, prefix in expert_lora_prefixes(path, list(experts[path]), adapter.config).items():
+            expected[prefix] = experts[path][param]
     unknown = sorted(set(pairs) - set(expected))
     if unknown:
         raise AdapterError(
@@ -379,10 +388,8 @@ def _check_against_model(
             f"{where} is incomplete: adapter_config.json targets {listing(absent, inline=True)} but the file has no "
             "LoRA for them (lora_A / lora_B); the save was cut short or the file was edited. Save the adapter again"
         )
-    for (
-        key,
-        info,
-    ) in whole.items():  # the model's own parameter: an embedding's base weight is the layer's weight
+    # the model's own parameter: an embedding's base weight is the layer's weight
+    for key, info in whole.items():
         name = key.replace(".base_layer.", ".")
         shape = targets.shapes.get(name)
         if shape is None or tuple(info.shape) != shape:

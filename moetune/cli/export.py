@@ -12,10 +12,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="write an adapter in the layout vLLM and SGLang load (expert LoRA per expert, checkpoint names)",
         description="Rewrite a trained adapter for serving engines: every LoRA pair under the name of the "
         "checkpoint weight it adapts, routed-expert LoRA one pair per expert and projection where the checkpoint "
-        "stores one matrix per expert (Qwen, DeepSeek, Kimi, GLM, Mixtral, ...), fused where it stores fused "
-        "experts (gpt-oss), rsLoRA folded into B. Reads the checkpoint's headers only. Router LoRA, "
-        "modules_to_save and LoRA experts are refused (no engine applies them). The adapter as trained stays the "
-        "one stock PEFT loads.",
+        "stores one matrix per expert (Qwen, DeepSeek, Kimi, GLM, Mixtral, ...), PEFT's fused pairs for the "
+        "models vLLM adapts that way (gpt-oss, Qwen3.5-MoE, Qwen3-VL-MoE), rsLoRA folded into B. Reads the "
+        "checkpoint's headers only. Router LoRA, modules_to_save and LoRA experts are refused (no engine applies "
+        "them). The adapter as trained stays the one stock PEFT loads.",
     )
     p.add_argument("--model", required=True, help="the base model folder the adapter was trained on")
     p.add_argument(

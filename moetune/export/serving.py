@@ -4,21 +4,24 @@ moetune saves routed-expert LoRA as stock PEFT does on transformers 5's fused ex
 one ``lora_A`` ``[E * r, in]`` / ``lora_B`` ``[out, r * E]`` pair per fused parameter, ``peft_layout``). Serving
 engines read fewer forms (checked in their sources, vLLM 0.34.0 and SGLang 0.5.23):
 
-- vLLM applies such a fused pair only on models it marks as 3-D MoE LoRA (gpt-oss, Qwen3.5's multimodal class);
-  on Qwen3-MoE, DeepSeek-V2/V3, Kimi-K2, GLM-4.5, ERNIE-4.5-MoE and OLMoE it refuses the adapter unless started
-  with a mixed-format flag, and on Mixtral (checkpoint path ``block_sparse_moe``) the expert pairs match no module
-  and are skipped. It reads per-expert pairs named as the checkpoint names its per-expert weights
-  (``...experts.{e}.gate_proj``, Mixtral's ``...block_sparse_moe.experts.{e}.w1``) on every MoE model.
+- vLLM applies such a fused pair only on models it marks as 3-D MoE LoRA (gpt-oss, Qwen3.5-MoE's and
+  Qwen3-VL-MoE's multimodal classes); on Qwen3-MoE, DeepSeek-V2/V3, Kimi-K2, GLM-4.5, ERNIE-4.5-MoE and OLMoE it
+  refuses the adapter unless started with a mixed-format flag, and on Mixtral (checkpoint path
+  ``block_sparse_moe``) the expert pairs match no module and are skipped. It reads per-expert pairs named as the
+  checkpoint names its per-expert weights (``...experts.{e}.gate_proj``, Mixtral's
+  ``...block_sparse_moe.experts.{e}.w1``) on every other MoE model.
 - SGLang reads per-expert pairs on its fused-MoE models when ``target_modules`` names the projections, scales by
   ``lora_alpha / r`` alone (no rsLoRA), and reads no ``target_parameters``.
 
-So the serving layout writes, for a checkpoint that stores its experts one matrix per expert (every family above
-but gpt-oss), per-expert pairs under the checkpoint's own tensor names: expert ``e``'s gate, up and down LoRA
-(``A_e = lora_A[e r:(e + 1) r]``, ``B_e[o, j] = lora_B[o, j E + e]``, gate_up's B split into its gate rows and its
-up rows), and every other pair under the checkpoint name of the weight it adapts. A checkpoint that stores fused
-experts (gpt-oss) keeps PEFT's fused pairs, which vLLM reads there. rsLoRA is folded into B (``sqrt(r)``, so that
-``lora_alpha / r`` scales it right everywhere). What no engine applies is refused, by name: router LoRA, whole
-weights saved beside the LoRA (``modules_to_save``, a resized embedding) and moetune's LoRA experts.
+So the serving layout writes, for a checkpoint that stores its experts one matrix per expert, per-expert pairs
+under the checkpoint's own tensor names: expert ``e``'s gate, up and down LoRA (``A_e = lora_A[e r:(e + 1) r]``,
+``B_e[o, j] = lora_B[o, j E + e]``, gate_up's B split into its gate rows and its up rows), and every other pair
+under the checkpoint name of the weight it adapts. The classes vLLM reads fused pairs on (``FUSED_LORA_CLASSES``,
+by ``config.json``'s ``architectures``) and checkpoints that store fused experts keep PEFT's fused pairs as
+trained; vLLM needs both projections there (gate_up under ``experts.base_layer``, down under ``experts``). rsLoRA
+is folded into B (``sqrt(r)``, so that ``lora_alpha / r`` scales it right everywhere). What no engine applies is
+refused, by name: router LoRA, whole weights saved beside the LoRA (``modules_to_save``, a resized embedding),
+moetune's LoRA experts, NaN/Inf values.
 
 The result is for serving only: stock PEFT on transformers 5 loads the adapter as trained (the source folder).
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,16 +39,29 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moetune.adapters.check import PREFIX, AdapterFolder, check_adapter_folder, lora_pairs
+from moetune.adapters.check import (
+    PREFIX,
+    AdapterFolder,
+    check_adapter_folder,
+    check_finite,
+    entry_matches,
+    expert_lora_prefixes,
+    lora_pairs,
+)
 from moetune.adapters.peft_layout import ExpertParamNames, deinterleave_rows, lora_from_peft
 from moetune.adapters.swap import CONFIG_NAME, WEIGHTS_NAME
-from moetune.errors import AdapterError, listing
+from moetune.errors import AdapterError, OutputDirError, listing
 from moetune.loading.quant import ROLES
 
 if TYPE_CHECKING:
     from moetune.loading.expert_plan import LayerPlan
     from moetune.loading.load import PlannedLoad
 
+# model classes (config.json's architectures) whose routed experts vLLM 0.34 adapts with PEFT's fused 3-D pairs
+# (``is_3d_moe_weight``); on its other MoE classes it reads one pair per expert and projection
+FUSED_LORA_CLASSES = frozenset(
+    {"GptOssForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"}
+)
 # files beside the adapter that travel with it (the tokenizer carries the chat template the run trained with)
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -56,6 +73,7 @@ TOKENIZER_FILES = (
     "merges.txt",
     "added_tokens.json",
 )
+EXPORT_MARK = {"moetune_export": "serving"}  # in the weights file's metadata: what --overwrite may replace
 
 
 @dataclass(frozen=True)
@@ -70,7 +88,9 @@ class ServingAdapter:
     fused: int
 
 
-def _refusals(adapter: AdapterFolder, pairs: Mapping[str, Any], routers: list[str]) -> list[str]:
+def _refusals(
+    adapter: AdapterFolder, whole: Mapping[str, Any], pairs: Mapping[str, Any], routers: list[str]
+) -> list[str]:
     """What serving engines would not apply, each with what to do instead."""
     problems = []
     if adapter.lora_experts is not None:
@@ -78,12 +98,11 @@ def _refusals(adapter: AdapterFolder, pairs: Mapping[str, Any], routers: list[st
             f"{adapter.lora_experts_file.name}: LoRA experts (added experts) are moetune's own; no serving engine "
             "computes them. Serve with moetune generate / chat, or train without lora_experts"
         )
-    whole = sorted(k for k in adapter.tensors if not k.endswith((".lora_A.weight", ".lora_B.weight")))
     if whole:
         problems.append(
-            f"{WEIGHTS_NAME} holds whole weights beside the LoRA ({listing(whole, inline=True)}: modules_to_save "
-            "or a resized embedding); vLLM refuses such adapters and SGLang drops them. Train without "
-            "modules_to_save / additional_target to serve the adapter"
+            f"{WEIGHTS_NAME} holds whole weights beside the LoRA ({listing(sorted(whole), inline=True)}: "
+            "modules_to_save or a resized embedding); vLLM refuses such adapters and SGLang drops them. Train "
+            "without modules_to_save / additional_target to serve the adapter"
         )
     on_router = sorted(m for m in pairs if m in routers)
     if on_router:
@@ -104,31 +123,6 @@ def _checkpoint_names(planned: PlannedLoad) -> dict[str, str]:
     return out
 
 
-def _targets(full: str, entries: list[str]) -> list[str]:
-    """The target_parameters ``entries`` that name the parameter ``full`` (exactly or as a dotted suffix, as PEFT
-    matches them)."""
-    return [e for e in entries if full == e or full.endswith("." + e)]
-
-
-def _expert_lora(
-    tensors: Mapping[str, torch.Tensor], entries: list[str], path: str, module: Any, num_experts: int
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``{"gate_up" | "down": (a [E, r, in], b [E, out, r])}`` of the experts module at ``path`` for the fused
-    parameters ``entries`` (the adapter's target_parameters) name, gate_up's rows gate first."""
-    names = ExpertParamNames.from_module(module)
-    params = {"gate_up": names.gate_up, "down": names.down}
-    wanted = [proj for proj, param in params.items() if _targets(f"{path}.{param}", entries)]
-    prefixes = names.key_prefixes(PREFIX + path) if len(wanted) == 2 else {}
-    out = {}
-    for proj in wanted:
-        prefix = prefixes.get(proj, PREFIX + path)
-        a, b = lora_from_peft(
-            tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"], num_experts, label=prefix
-        )
-        out[proj] = (a, deinterleave_rows(b) if proj == "gate_up" and names.interleaved else b)
-    return out
-
-
 class _Writer:
     """The serving tensors, rsLoRA folded into each B, and the module names ``target_modules`` lists."""
 
@@ -138,7 +132,11 @@ class _Writer:
         self.leaves: set[str] = set()
 
     def b(self, b: torch.Tensor) -> torch.Tensor:
-        return (b.double() * self.fold).to(b.dtype) if self.fold != 1.0 else b
+        """B with the fold; in fp32 when the fold is not a power of two (it would round a bf16 B again)."""
+        if self.fold == 1.0:
+            return b
+        exact = math.frexp(self.fold)[0] == 0.5
+        return (b.double() * self.fold).to(b.dtype if exact else torch.promote_types(b.dtype, torch.float32))
 
     def pair(self, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
         """One LoRA pair under the checkpoint name ``module``: a ``[r, in]``, b ``[out, r]``."""
@@ -148,36 +146,56 @@ class _Writer:
 
 
 def _write_experts(
-    writer: _Writer, tensors: Mapping[str, torch.Tensor], entries: list[str], layer: LayerPlan, module: Any
+    writer: _Writer,
+    tensors: Mapping[str, torch.Tensor],
+    config: Mapping[str, Any],
+    layer: LayerPlan,
+    module: Any,
+    fused_class: bool,
 ) -> set[str] | None:
-    """One experts module's LoRA into ``writer``: per expert where the checkpoint stores one matrix per expert
-    (returns None), else PEFT's fused pairs as trained (returns the target_parameters entries they need)."""
+    """One experts module's LoRA into ``writer``: per expert and projection where the checkpoint stores one matrix
+    per expert and the engine's class reads that (returns None), else PEFT's fused pairs as trained (returns the
+    target_parameters entries they need)."""
     path, sources, layout = layer.site.path, layer.sources, layer.site.layout
-    lora = _expert_lora(tensors, entries, path, module, layout.num_experts)
-    if all(s.expert is not None and s.role in ROLES for s in sources):
+    names = ExpertParamNames.from_module(module)
+    order = [names.gate_up, names.down] if names.gate_up_first else [names.down, names.gate_up]
+    prefixes = expert_lora_prefixes(path, order, config)
+    per_expert = all(s.expert is not None and s.role in ROLES for s in sources)
+    if per_expert and not fused_class:
+        lora = {}  # "gate_up" | "down" -> (a [E, r, in], b [E, out, r]), gate_up's rows gate first
+        for param, prefix in prefixes.items():
+            proj = "gate_up" if param == names.gate_up else "down"
+            a, b = lora_from_peft(
+                tensors[f"{PREFIX}{prefix}.lora_A.weight"],
+                tensors[f"{PREFIX}{prefix}.lora_B.weight"],
+                layout.num_experts,
+                label=PREFIX + prefix,
+            )
+            lora[proj] = (a, deinterleave_rows(b) if proj == "gate_up" and names.interleaved else b)
+        i = layout.intermediate_size
         for s in sources:
             proj = "down" if s.role == "down" else "gate_up"
             if proj in lora:
                 a, b = lora[proj][0][s.expert], lora[proj][1][s.expert]
-                i = layout.intermediate_size
-                writer.pair(
-                    s.info.key.removesuffix(".weight"), a, {"gate": b[:i], "up": b[i:], "down": b}[s.role]
-                )
+                rows = b if s.role == "down" else b[:i] if s.role == "gate" else b[i:]
+                writer.pair(s.info.key.removesuffix(".weight"), a, rows)
         return None
-    if all(s.expert is None and s.role not in ROLES for s in sources):
-        for (
-            key,
-            tensor,
-        ) in tensors.items():  # as trained: vLLM reads PEFT's fused pairs where the checkpoint is fused
-            if key.startswith(f"{PREFIX}{path}.") and ".lora_" in key:
-                writer.tensors[key] = (writer.b(tensor) if ".lora_B." in key else tensor).contiguous()
-        return {
-            e for n, _ in module.named_parameters(recurse=False) for e in _targets(f"{path}.{n}", entries)
-        }
-    raise AdapterError(
-        f"{path}: the checkpoint stores these experts per projection for all experts at once (neither one matrix "
-        "per expert nor fused); moetune has no serving layout for them"
-    )
+    if not per_expert and not all(s.expert is None and s.role not in ROLES for s in sources):
+        raise AdapterError(
+            f"{path}: the checkpoint stores these experts per projection for all experts at once (neither one "
+            "matrix per expert nor fused); moetune has no serving layout for them"
+        )
+    if len(prefixes) != 2:
+        raise AdapterError(
+            f"{path}: the adapter has LoRA on {', '.join(prefixes)} only; vLLM reads fused expert LoRA with both "
+            f"{names.gate_up} and {names.down} (it asserts both are there). Target both to serve it"
+        )
+    for prefix in prefixes.values():  # as trained: vLLM reads PEFT's fused pairs here
+        for x in "AB":
+            key = f"{PREFIX}{prefix}.lora_{x}.weight"
+            writer.tensors[key] = (writer.b(tensors[key]) if x == "B" else tensors[key]).contiguous()
+    entries = config.get("target_parameters") or []
+    return {e for p in order for e in entries if entry_matches(f"{path}.{p}", e)}
 
 
 def serving_adapter(model_path: str | Path, adapter_path: str | Path) -> ServingAdapter:
@@ -190,16 +208,19 @@ def serving_adapter(model_path: str | Path, adapter_path: str | Path) -> Serving
     from moetune.loading.load import plan_load
     from moetune.loading.options import LoadOptions
 
-    folder = check_adapter_folder(adapter_path).folder
+    folder = check_adapter_folder(
+        adapter_path
+    ).folder  # the folder alone first: no checkpoint header read for it
     planned = plan_load(model_path, LoadOptions.create(device="cpu", dtype="float32", progress=False))
     adapter = check_adapter_folder(folder, planned.model.config, meta_model=planned.model)
-    pairs, _ = lora_pairs(adapter)
+    pairs, whole = lora_pairs(adapter)
     sites = {s.path: s for s in planned.sites}
-    problems = _refusals(adapter, pairs, weight_routers(planned.model, list(sites)))
+    problems = _refusals(adapter, whole, pairs, weight_routers(planned.model, list(sites)))
     if problems:
         raise AdapterError(f"adapter {folder} has no serving layout:{listing(problems)}")
-
     tensors = load_file(str(adapter.weights_file))
+    check_finite(tensors, adapter.weights_file)
+
     writer = _Writer(math.sqrt(adapter.r) if adapter.config.get("use_rslora") else 1.0)
     names = _checkpoint_names(planned)
     expert_paths, unnamed = set(), []
@@ -213,19 +234,22 @@ def serving_adapter(model_path: str | Path, adapter_path: str | Path) -> Serving
             a, b = (tensors[f"{PREFIX}{module}.lora_{x}.weight"] for x in "AB")
             writer.pair(key.removesuffix(".weight"), a, b)
         else:
-            unnamed.append(module)
+            unnamed.append(f"{module}.weight")
     if unnamed:
         raise AdapterError(
-            f"adapter {folder}: {model_path} stores no weight of {listing(unnamed, inline=True)} under a name "
-            "transformers only renames (it converts them at load), so a serving engine would not find them"
+            f"adapter {folder}: {model_path} stores no tensor that loads as {listing(unnamed, inline=True)} by a "
+            "plain rename (tied to another weight, or made by a conversion at load), so a serving engine would "
+            "find no weight of that name for the LoRA"
         )
 
-    entries = [e for e in adapter.config.get("target_parameters") or [] if isinstance(e, str)]
+    architectures = planned.checkpoint.config.get("architectures") or []
+    fused_class = any(a in FUSED_LORA_CLASSES for a in architectures)
     layers = {layer.site.path: layer for layer in planned.plan.layers}
     fused_entries: set[str] = set()
     per_expert = fused = 0
     for path in sorted(expert_paths):
-        kept = _write_experts(writer, tensors, entries, layers[path], planned.model.get_submodule(path))
+        experts = planned.model.get_submodule(path)
+        kept = _write_experts(writer, tensors, adapter.config, layers[path], experts, fused_class)
         if kept is None:
             per_expert += 1
         else:
@@ -243,41 +267,56 @@ def serving_adapter(model_path: str | Path, adapter_path: str | Path) -> Serving
     return ServingAdapter(writer.tensors, config, per_expert, fused)
 
 
+def _is_export(folder: Path) -> bool:
+    """Whether ``folder`` holds what :func:`export_serving_adapter` writes (its weights file carries the mark)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(folder / WEIGHTS_NAME), "pt") as f:
+            return (f.metadata() or {}).get("moetune_export") == EXPORT_MARK["moetune_export"]
+    except Exception:  # noqa: BLE001 - missing or not a safetensors file: not an export either way
+        return False
+
+
+def _check_out(out: Path, source: Path, model: Path, overwrite: bool) -> None:
+    """``OutputDirError`` unless ``out`` may take an export: new, empty, or (``overwrite``) an earlier export."""
+    for name, other in (("adapter", source), ("model", model)):
+        if out == other.resolve():
+            raise OutputDirError(f"--out {out} is the {name} folder; give a new folder")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise OutputDirError(f"--out {out} is a file; give a new or empty folder")
+    if any(out.iterdir()) and not overwrite:
+        raise OutputDirError(
+            f"--out {out} is a folder that is not empty; give a new or empty folder, or --overwrite an earlier export"
+        )
+    if any(out.iterdir()) and not _is_export(out):
+        raise OutputDirError(
+            f"--out {out} holds files that are not an earlier moetune export (its {WEIGHTS_NAME} lacks the export "
+            "mark); --overwrite replaces earlier exports only. Give a new folder"
+        )
+
+
 def export_serving_adapter(
     model_path: str | Path, adapter_path: str | Path, out_dir: str | Path, *, overwrite: bool = False
 ) -> ServingAdapter:
     """Write :func:`serving_adapter`'s result to ``out_dir`` (adapter_config.json, adapter_model.safetensors and
     the adapter folder's tokenizer files), staged beside it and moved in whole. ``out_dir`` must be new or empty,
-    or with ``overwrite`` an earlier export; never the adapter's or the model's folder."""
+    or with ``overwrite`` an earlier export; never the adapter's or the model's folder. ``OutputDirError`` for an
+    unusable ``out_dir``, before anything is read."""
     from safetensors.torch import save_file
 
-    from moetune.atomic import fsync, replace_folder
+    from moetune.atomic import fsync, recover_folder, replace_folder
 
-    out = Path(out_dir).expanduser()
+    out = Path(out_dir).expanduser().resolve()  # a link's target, and "." by its name
     source = Path(adapter_path).expanduser()
-    for name, other in (("adapter", source), ("model", Path(model_path).expanduser())):
-        if out.resolve() == other.resolve():
-            raise AdapterError(f"output folder {out} is the {name} folder; give a new folder")
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
-        what = "a file" if not out.is_dir() else "a folder that is not empty"
-        raise AdapterError(
-            f"output folder {out} is {what}; give a new or empty folder, or --overwrite an export"
-        )
-    if overwrite and out.is_dir() and any(out.iterdir()):
-        unknown = sorted(
-            p.name for p in out.iterdir() if p.name not in (CONFIG_NAME, WEIGHTS_NAME, *TOKENIZER_FILES)
-        )
-        if unknown:
-            raise AdapterError(
-                f"output folder {out} holds files an export does not write ({listing(unknown, inline=True)}); "
-                "overwrite replaces earlier exports only"
-            )
-    result = serving_adapter(model_path, source)
     staged, aside = out.with_name(out.name + ".export-staged"), out.with_name(out.name + ".export-old")
-    shutil.rmtree(staged, ignore_errors=True)
-    shutil.rmtree(aside, ignore_errors=True)
+    recover_folder(out, staged, aside)  # what a killed export left: the previous export back in place
+    _check_out(out, source, Path(model_path).expanduser(), overwrite)
+    result = serving_adapter(model_path, source)
     staged.mkdir(parents=True)
-    save_file(result.tensors, str(staged / WEIGHTS_NAME), metadata={"format": "pt"})
+    save_file(result.tensors, str(staged / WEIGHTS_NAME), metadata={"format": "pt", **EXPORT_MARK})
     (staged / CONFIG_NAME).write_text(
         json.dumps(result.config, indent=2, sort_keys=True) + "\n", encoding="utf-8"
     )
@@ -287,6 +326,6 @@ def export_serving_adapter(
     for path in staged.iterdir():
         fsync(path)
     if out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
+        os.rmdir(out)
     replace_folder(staged, out, aside)
     return result

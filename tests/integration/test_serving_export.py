@@ -18,11 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moetune.errors import AdapterError
+from moetune.errors import AdapterError, OutputDirError
 from moetune.testing.tiny import TINY_FAMILIES, VOCAB, auto_class, save_tiny_model
 
-FUSED_ON_DISK = ("gpt_oss", "qwen3_vl_moe")  # checkpoints that store experts as fused 3-D tensors
-PER_EXPERT = tuple(f for f in TINY_FAMILIES.names() if f not in FUSED_ON_DISK)
+# fused expert LoRA kept: classes vLLM adapts with PEFT's 3-D pairs (gpt-oss, Qwen3.5), or fused on disk (Qwen3-VL)
+FUSED = ("gpt_oss", "qwen3_5_moe", "qwen3_vl_moe")
+PER_EXPERT = tuple(f for f in TINY_FAMILIES.names() if f not in FUSED)
 PREFIX = "base_model.model."
 TOL = 2e-5  # fp32 logits: the merged weights and PEFT's (x A^T) B^T sum the same products in other orders
 
@@ -124,7 +125,7 @@ def test_quantized_releases_export_under_their_module_names(release, tmp_path) -
     _check_served(ref, adapter, tmp_path / "serve", tmp_path)
 
 
-@pytest.mark.parametrize("family", [*FUSED_ON_DISK, "gpt_oss_mxfp4"])
+@pytest.mark.parametrize("family", [*FUSED, "gpt_oss_mxfp4"])
 def test_fused_checkpoints_keep_peft_fused_pairs(family, tmp_path) -> None:
     from moetune.export import export_serving_adapter
     from moetune.testing.mxfp4_checkpoint import save_mxfp4_checkpoint
@@ -139,7 +140,7 @@ def test_fused_checkpoints_keep_peft_fused_pairs(family, tmp_path) -> None:
     trained = load_file(str(adapter / "adapter_model.safetensors"))
     served = load_file(str(tmp_path / "serve/adapter_model.safetensors"))
     stored = {k for shard in model_dir.glob("*.safetensors") for k in load_file(str(shard))}
-    experts = {k for k in trained if ".experts." in k and ".experts.0." not in k}
+    experts = {k for k in trained if ".experts." in k}
     assert experts and all(torch.equal(served[k], trained[k]) for k in experts)
     for key in set(served) - experts:  # every other pair names a checkpoint tensor
         assert key.removeprefix(PREFIX).rpartition(".lora_")[0] + ".weight" in stored, key
@@ -195,15 +196,120 @@ def test_output_folder_rules_and_the_command(qwen, tmp_path, capsys) -> None:
     (tmp_path / "busy/notes.txt").write_text("mine")
     args = ["export", "--model", str(qwen), "--adapter", str(adapter), "--out"]
     assert main([*args, str(tmp_path / "busy"), "--overwrite"]) == 2
-    assert "notes.txt" in capsys.readouterr().err and (tmp_path / "busy/notes.txt").read_text() == "mine"
+    assert "not an earlier moetune export" in capsys.readouterr().err
+    assert (tmp_path / "busy/notes.txt").read_text() == "mine"
+    # a trained adapter has the very file names an export writes: --overwrite must not take it for one
+    assert main([*args, str(adapter), "--overwrite"]) == 2
+    assert main([*args, str(shutil.copytree(adapter, tmp_path / "copy")), "--overwrite"]) == 2
+    assert "not an earlier moetune export" in capsys.readouterr().err
+    assert (
+        load_file(str(tmp_path / "copy/adapter_model.safetensors")).keys()
+        == load_file(str(adapter / "adapter_model.safetensors")).keys()
+    )
     assert main([*args, str(out)]) == 0
     printed = capsys.readouterr().out
     assert "per expert" in printed and str(out) in printed
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {
         p.name for p in out.iterdir()
     }
-    first = (out / "adapter_model.safetensors").read_bytes()
+    first = load_file(str(out / "adapter_model.safetensors"))
     assert main([*args, str(out)]) == 2  # an earlier export is replaced only when asked
+    assert "--overwrite an earlier export" in capsys.readouterr().err
     assert main([*args, str(out), "--overwrite"]) == 0
-    assert (out / "adapter_model.safetensors").read_bytes() == first
+    again = load_file(str(out / "adapter_model.safetensors"))
+    assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
     assert not list(tmp_path.glob("serve.export-*"))
+
+
+def test_output_paths_a_link_dot_and_a_killed_export(qwen, tmp_path, monkeypatch) -> None:
+    """``--out`` through a symlink writes into its target (the link stays); ``.`` is the working folder by its
+    name; an export killed between its two renames leaves the previous export, which the next run puts back."""
+    from moetune.export import export_serving_adapter
+
+    adapter = _attach_save(qwen, tmp_path / "adapter", rank=4, alpha=8)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    export_serving_adapter(qwen, adapter, tmp_path / "link")
+    export_serving_adapter(qwen, adapter, tmp_path / "link", overwrite=True)
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "real/adapter_model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "link", "real"]
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    export_serving_adapter(qwen, adapter, ".")
+    assert (tmp_path / "here/adapter_config.json").is_file()
+    # killed between the renames: the previous export aside, nothing in place
+    (tmp_path / "real").rename(tmp_path / "real.export-old")
+    with pytest.raises(OutputDirError, match="not empty"):
+        export_serving_adapter(qwen, adapter, tmp_path / "link")  # the previous export is back, not replaced
+    assert (tmp_path / "real/adapter_model.safetensors").is_file()
+
+
+def test_a_non_finite_adapter_is_refused(qwen, tmp_path) -> None:
+    from moetune.export import export_serving_adapter
+
+    adapter = _attach_save(qwen, tmp_path / "adapter", rank=4, alpha=8)
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    key = next(k for k in tensors if ".experts." in k and "lora_B" in k)
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, str(adapter / "adapter_model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(AdapterError, match="NaN"):
+        export_serving_adapter(qwen, adapter, tmp_path / "serve")
+    assert not (tmp_path / "serve").exists()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("only", ["gate_up_proj", "down_proj", "attention"])
+def test_one_projection_or_attention_only(family, only, tmp_path) -> None:
+    """An adapter with LoRA on one expert projection (its config edited to target one) or on attention alone:
+    per expert, exactly that projection's pairs, equal to stock PEFT's logits applied as an engine does; fused
+    (gpt-oss), one projection is refused by name (vLLM asserts both are there)."""
+    from moetune.export import export_serving_adapter
+
+    model_dir = save_tiny_model(family, tmp_path / "m", tokenizer=False)
+    adapter = _trained_adapter(model_dir, tmp_path / "adapter")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    keep = {"gate_up_proj": ".experts.base_layer.lora_", "down_proj": ".experts.lora_"}
+    if only == "attention":
+        config["target_parameters"] = [e for e in config["target_parameters"] if "experts" not in e]
+        tensors = {k: v for k, v in tensors.items() if ".experts." not in k}
+    else:
+        config["target_parameters"] = [
+            e for e in config["target_parameters"] if "experts" not in e or only in e
+        ]
+        ours = {k: v for k, v in tensors.items() if keep[only] in k}
+        tensors = {k: v for k, v in tensors.items() if ".experts." not in k}
+        tensors |= {k.replace(".base_layer.", "."): v for k, v in ours.items()}  # one wrapper: no nesting
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(adapter / "adapter_model.safetensors"), metadata={"format": "pt"})
+    if family == "gpt_oss" and only != "attention":
+        with pytest.raises(AdapterError, match="vLLM reads fused expert LoRA with both"):
+            export_serving_adapter(model_dir, adapter, tmp_path / "serve")
+        return
+    result = export_serving_adapter(model_dir, adapter, tmp_path / "serve")
+    served = load_file(str(tmp_path / "serve/adapter_model.safetensors"))
+    expert_keys = {k for k in served if ".experts." in k}
+    if only == "attention" or family == "gpt_oss":
+        assert not expert_keys and result.per_expert == 0
+    else:
+        projections = {k.split(".experts.")[1].split(".")[1] for k in expert_keys}
+        want = {"gate_up_proj": {"gate_proj", "up_proj", "w1", "w3"}, "down_proj": {"down_proj", "w2"}}[only]
+        assert projections and projections <= want
+    if family != "gpt_oss":
+        _check_served(model_dir, adapter, tmp_path / "serve", tmp_path)
+
+
+def test_experts_named_in_target_modules(qwen, tmp_path) -> None:
+    """PEFT's other way to put LoRA on the experts (``add_adapter(LoraConfig(target_modules=[..., "experts"]))``):
+    the same pairs, so the same export as with target_parameters (it once wrote no expert pair at all)."""
+    from moetune.export import serving_adapter
+
+    adapter = _trained_adapter(qwen, tmp_path / "adapter")
+    want = serving_adapter(qwen, adapter).tensors
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["target_parameters"] = [e for e in config["target_parameters"] if "experts" not in e]
+    config["target_modules"] = [*config["target_modules"], "experts"]
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    got = serving_adapter(qwen, adapter).tensors
+    assert any(".experts.0." in k for k in got)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
