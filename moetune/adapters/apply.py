@@ -46,6 +46,11 @@ GRADIENT_CHECKPOINTING_DEPRECATION = "`is_gradient_checkpointing` is deprecated"
 
 ALL = "all"
 EXCLUDED_LINEARS = ("lm_head",)  # never a target of "all" (LLaMA-Factory and PEFT's all-linear agree)
+# PEFT 0.21 refuses LoRA on these module names in these model types (its _check_lora_target_modules_mamba: a Mamba
+# mixer's out_proj and conv1d), wherever they sit in the model
+PEFT_REFUSED = {
+    t: ("out_proj", "conv1d") for t in ("falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h")
+}
 ROUTER_NAMES = ("gate", "router")  # the MoE block attribute holding the router in every supported family
 
 
@@ -139,6 +144,8 @@ def resolve_targets(
     every = [p for p, m in model.named_modules() if isinstance(m, nn.Linear) and _plain_linear(m)]
     linears = [p for p in every if not inside or p.startswith(inside + ".")]
     frozen = [p for p in every if p not in linears and p.rpartition(".")[2] not in EXCLUDED_LINEARS]
+    model_type = str(getattr(getattr(model, "config", None), "model_type", ""))
+    refused: tuple[str, ...] = PEFT_REFUSED.get(model_type, ())
     # nn.Linear subclasses computing something else (DeepSeek-V4's block-diagonal o_a_proj): PEFT's Linear LoRA
     # would add a full-matrix update to a grouped product (it fails on their 4-D input)
     own = {
@@ -149,8 +156,17 @@ def resolve_targets(
     routers = weight_routers(model, experts)
     if tuple(targets) == (ALL,):
         linear = [
-            p for p in linears if p.rpartition(".")[2] not in EXCLUDED_LINEARS and not _is_router(p, blocks)
+            p
+            for p in linears
+            if p.rpartition(".")[2] not in (*EXCLUDED_LINEARS, *refused) and not _is_router(p, blocks)
         ]
+        if left := [p for p in linears if p.rpartition(".")[2] in refused]:
+            logger.info(
+                "moetune: lora_target all leaves out %d module(s) named %s, which PEFT refuses LoRA on in %s models",
+                len(left),
+                "/".join(refused),
+                model_type,
+            )
         if own:
             logger.info(
                 "moetune: lora_target all leaves out %d nn.Linear subclass(es) with their own forward, which LoRA "
@@ -171,6 +187,13 @@ def resolve_targets(
 
             def hit(path: str, name: str = name) -> bool:
                 return path == name or path.endswith("." + name)
+
+            if odd := [p for p in linears if hit(p) and p.rpartition(".")[2] in refused]:
+                raise AdapterError(
+                    f"lora_target {name!r} names {listing(odd[:4], inline=True)}: PEFT refuses LoRA on modules named "
+                    f"{' or '.join(refused)} in {model_type} models (a Mamba mixer's projections); "
+                    "leave them out of lora_target"
+                )
 
             found_l, found_e = [p for p in linears if hit(p)], [p for p in experts if hit(p)]
             if odd := sorted(f"{p} ({c})" for p, c in own.items() if hit(p)):
@@ -445,7 +468,33 @@ def attach_lora(
         list(modules_to_save) or "none",
         trainable,
     )
+    if renamed := stock_peft_renames(peft_model):
+        warnings.warn(
+            f"stock PEFT will not load this adapter as saved on {peft_model.config.model_type}: its "
+            "PeftModel.from_pretrained passes adapters through transformers' checkpoint conversion for the model, "
+            f"which renames {len(renamed)} of its keys (e.g. {renamed[0][0]} -> {renamed[0][1]}) and then leaves "
+            "them out with a warning. moetune.load_model(path, adapter=...), moetune generate / chat and resuming "
+            "load it as saved; moetune export writes the copy serving engines load",
+            UserWarning,
+            stacklevel=2,
+        )
     return peft_model
+
+
+def stock_peft_renames(peft_model: Any) -> list[tuple[str, str]]:
+    """``(saved key, the key stock PEFT turns it into)`` for the keys of ``peft_model``'s adapter that PEFT 0.21's
+    loading renames: ``set_peft_model_state_dict`` applies transformers 5's checkpoint conversion for the model
+    type to every adapter, and some conversions rename keys that are already the model's own (Mistral Large 4,
+    DeepSeek-OCR-2, Laguna, Inkling 2). Empty where PEFT loads the adapter as saved."""
+    from peft import get_peft_model_state_dict
+    from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
+
+    state = get_peft_model_state_dict(peft_model)
+    converted = convert_peft_adapter_state_dict_for_transformers(
+        peft_model, peft_model.peft_config["default"], dict(state)
+    )
+    gone, new = sorted(set(state) - set(converted)), sorted(set(converted) - set(state))
+    return list(zip(gone, new, strict=False)) if gone or new else []
 
 
 def expert_modules(model: nn.Module) -> dict[str, Any]:

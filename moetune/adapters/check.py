@@ -312,10 +312,17 @@ def _model_targets(model_config: Any, model: Any = None) -> _ModelTargets:
     if model is None:
         model = hf.empty_model(model_config, torch.float32, "")
     sites = find_experts(model, resolve_arch(model_config.model_type), model_config.model_type)
-    experts = {}
+    experts: dict[str, dict[str, _Target]] = {}
     for s in sites:
-        e, h, i = s.layout.num_experts, s.layout.hidden_size, s.layout.intermediate_size
-        experts[s.path] = {"gate_up_proj": _Target(h, 2 * i, e), "down_proj": _Target(i, h, e)}
+        # the transformers module's own 3-D parameters, in registration order: [E, out, in], or [E, in, out] in a
+        # transposed layout (gpt-oss, Llama 4). Not the engine's sizes: a non-gated family's up_proj [E, I, H]
+        # (NemotronH) and the zero-computation experts' rows (LongCat-Flash) are the module's
+        module = model.get_submodule(s.path)
+        experts[s.path] = {}
+        for name, p in module.named_parameters(recurse=False):
+            if p.dim() == 3:
+                e, d1, d2 = p.shape
+                experts[s.path][name] = _Target(d1, d2, e) if s.layout.transposed else _Target(d2, d1, e)
     inside = tuple(p + "." for p in experts)
     linears = {
         p: _Target(m.in_features, m.out_features)

@@ -186,6 +186,50 @@ def expert_targets(
     return paths, used
 
 
+def put_adapter_state(peft_model: Any, state: dict[str, torch.Tensor], where: str | Path) -> None:
+    """Put a saved adapter's tensors (stock keys, ``base_model.model.<path>.lora_A.weight``) into the LoRA of
+    ``peft_model`` (adapter ``default``); ``AdapterError`` naming ``where`` when a LoRA tensor has no place, a place
+    no tensor, or a shape does not fit.
+
+    The LoRA tensors go in under the model's own names (the adapter name put back, as PEFT does) by
+    ``load_state_dict``, not through ``set_peft_model_state_dict``: PEFT 0.21 passes every adapter through
+    transformers 5's checkpoint conversion for the model type, meant for the keys of transformers-4 checkpoints.
+    moetune's adapters carry the model's own keys, which some conversions rename again (Mistral Large 4's
+    ``mlp.experts`` -> ``mlp.mlp.experts``, DeepSeek-OCR-2's ``language_model`` twice, Laguna, Inkling 2), and
+    PEFT then left them out with a warning. Modules' load hooks still run (a sharded ``ExpertsLora`` cuts a whole
+    adapter to its rows); a tensor already sharded like its place (FSDP2's ``shard_like``) loads as it is. Whole
+    weights (``modules_to_save``, an embedding's base weight) go through PEFT, which does not convert them."""
+    from peft import set_peft_model_state_dict
+
+    live = {  # stock key -> the parameter's name: PEFT's LoRA of adapter "default" (not LoRA experts)
+        name.replace(".default", ""): name
+        for name, _ in peft_model.named_parameters()
+        if ".lora_" in name and ".default" in name
+    }
+    lora = {k: t for k, t in state.items() if ".lora_" in k}
+    unexpected, missing = sorted(set(lora) - set(live)), sorted(set(live) - set(lora))
+    if unexpected or missing:
+        raise AdapterError(
+            f"adapter {where} does not fit {type(peft_model.get_base_model()).__name__}: unexpected LoRA tensors "
+            f"{unexpected[:10]}, missing {missing[:10]}; was it saved for this model and lora_target?"
+        )
+    try:
+        result = peft_model.load_state_dict({live[k]: t for k, t in lora.items()}, strict=False)
+        if result.unexpected_keys:  # the hooks left a key no parameter takes
+            raise RuntimeError(f"unexpected keys {result.unexpected_keys[:10]}")
+    except RuntimeError as exc:  # load_state_dict's size mismatches: another rank or number of experts
+        raise AdapterError(
+            f"adapter {where} does not fit {type(peft_model.get_base_model()).__name__}: {exc}"
+        ) from exc
+    whole = {k: t for k, t in state.items() if ".lora_" not in k}
+    if whole:
+        loaded: Any = set_peft_model_state_dict(peft_model, whole)
+        if loaded.unexpected_keys:
+            raise AdapterError(
+                f"adapter {where}: whole weights with no place in the model {loaded.unexpected_keys[:10]}"
+            )
+
+
 def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: bool = False) -> Any:
     """Attach the adapter saved in ``adapter_dir`` to a ``moetune.load_model`` model; returns the ``PeftModel``.
 
@@ -193,7 +237,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: boo
     file must find its place and every target its tensors (``AdapterError`` otherwise). ``is_trainable`` keeps
     the LoRA trainable.
     """
-    from peft import LoraConfig, set_peft_model_state_dict
+    from peft import LoraConfig
 
     config, state = read_adapter(adapter_dir)
     r, alpha, rslora = config["r"], float(config["lora_alpha"]), config.get("use_rslora", False)
@@ -238,16 +282,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: boo
     )
     by_weight = [p for paths in dense.values() for p in paths]
     peft_model = peft_model_with(model, peft_config, by_weight, experts, list(dense))
-    try:
-        result: Any = set_peft_model_state_dict(peft_model, state)
-    except RuntimeError as exc:  # load_state_dict's size mismatches: another rank or number of experts
-        raise AdapterError(f"adapter {adapter_dir} does not fit {type(model).__name__}: {exc}") from exc
-    lora_missing = [k for k in result.missing_keys if ".lora_" in k]
-    if result.unexpected_keys or lora_missing:
-        raise AdapterError(
-            f"adapter {adapter_dir} does not fit {type(model).__name__}: unexpected keys "
-            f"{result.unexpected_keys[:10]}, missing LoRA keys {lora_missing[:10]}"
-        )
+    put_adapter_state(peft_model, state, adapter_dir)
     restore_lora_experts(peft_model, adapter_dir, attach=True)
     if not is_trainable:  # LoRA, LoRA experts and modules_to_save's copies alike
         peft_model.requires_grad_(False)
@@ -257,7 +292,6 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: boo
 
 def load_adapter_weights(peft_model: Any, adapter_dir: str | Path) -> None:
     """Copy the values of a saved adapter into the same LoRA already attached to ``peft_model`` (resume)."""
-    from peft import set_peft_model_state_dict
 
     expected = adapter_state(peft_model)
     _, state = read_adapter(adapter_dir)
@@ -266,5 +300,5 @@ def load_adapter_weights(peft_model: Any, adapter_dir: str | Path) -> None:
             f"checkpoint adapter {adapter_dir} does not match the model's LoRA: missing "
             f"{sorted(set(expected) - set(state))[:10]}, unexpected {sorted(set(state) - set(expected))[:10]}"
         )
-    set_peft_model_state_dict(peft_model, state)
+    put_adapter_state(peft_model, state, adapter_dir)
     restore_lora_experts(peft_model, adapter_dir, attach=False)

@@ -333,9 +333,10 @@ def load_adapter_sharded(peft_model: Any, folder: str | Path) -> None:
     ``peft_model`` whose dense part FSDP2 shards: each tensor cut to this rank's shard (:func:`shard_like`) of the
     live tensor with the same stock key. ``LoadError`` when the keys differ (accelerate's ``load_fsdp_model`` reads
     its own ``pytorch_model_fsdp.bin`` only)."""
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from peft import get_peft_model_state_dict
     from safetensors.torch import load_file
 
+    from moetune.adapters.save import put_adapter_state
     from moetune.errors import LoadError
 
     path = Path(folder) / "adapter_model.safetensors"
@@ -346,7 +347,7 @@ def load_adapter_sharded(peft_model: Any, folder: str | Path) -> None:
             f"{path}: its LoRA tensors are not this run's (missing {sorted(live.keys() - saved.keys())[:4]}, "
             f"extra {sorted(saved.keys() - live.keys())[:4]}); resume with the same lora_target and lora settings"
         )
-    set_peft_model_state_dict(peft_model, {k: shard_like(t, live[k]) for k, t in saved.items()})
+    put_adapter_state(peft_model, {k: shard_like(t, live[k]) for k, t in saved.items()}, path)
 
 
 def fsdp_requested(trainer: Any) -> bool:

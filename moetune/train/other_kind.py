@@ -19,7 +19,7 @@ import torch
 from peft import PeftModel
 from transformers.trainer import SCHEDULER_NAME
 
-from moetune.adapters.save import restore_lora_experts
+from moetune.adapters.save import load_adapter_weights, restore_lora_experts
 from moetune.train.fsdp import load_adapter_sharded, load_optimizer_whole, other_kind
 
 
@@ -36,6 +36,15 @@ class ResumesOtherKind:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         target = model if model is not None else self.model
+        if (
+            isinstance(target, PeftModel)
+            and not self.is_fsdp_enabled
+            and not other_kind(resume_from_checkpoint, False)
+        ):
+            # moetune's loader, not the Trainer's PeftModel.load_adapter: PEFT renames some families' saved keys
+            # through transformers' conversion and drops them with a warning (adapters.save.put_adapter_state)
+            load_adapter_weights(target, resume_from_checkpoint)
+            return
         if not (isinstance(target, PeftModel) and other_kind(resume_from_checkpoint, self.is_fsdp_enabled)):
             super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
             return

@@ -1,0 +1,191 @@
+"""Adapters of the families whose keys or experts broke the round trip: saved, loaded again by moetune (the
+model, a resume), and what stock PEFT makes of them.
+
+- Mistral Large 4, DeepSeek-OCR-2, Laguna, Inkling 2: PEFT 0.21 loads every adapter through transformers 5's
+  checkpoint conversion for the model type, which renames keys that are already the model's own; PEFT then left
+  them out with a warning, and moetune's loader (built on it) refused its own adapters and a resume restarted
+  their LoRA silently. moetune now loads them by name; attaching LoRA warns that stock PEFT will not.
+- NemotronH (non-gated experts: ``up_proj``) and LongCat-Flash (zero-computation experts beside the routed ones):
+  the adapter check sized their expert LoRA from the engine's layout, not the module's parameters, and refused
+  them. NemotronH's ``lora_target: all`` also named its Mamba mixers' ``out_proj``, which PEFT refuses.
+
+Then the same round trip on every MoE family transformers ships that moetune loads (``MOE_FAMILIES``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetune.adapters import attach_lora, save_adapter
+from moetune.errors import AdapterError
+from moetune.loading import load_model
+from moetune.testing.families import MOE_FAMILIES, survey_config
+from moetune.testing.survey import _inputs, _random_model
+
+# stock PEFT 0.21 builds LoRA of other shapes on these experts: Llama4TextExperts stores [E, H, 2I] (x @ W) without
+# transformers' is_transposed flag, which PEFT reads as [E, out, in]; moetune's loaders load the adapter as saved
+STOCK_PEFT_SHAPES_DIFFER = ("llama4",)
+RENAMED_BY_PEFT = ("mistral_large4", "deepseek_ocr2", "laguna", "inkling2")
+MODULE_LAYOUTS = ("nemotron_h", "longcat_flash")
+
+
+def _save(family: str, path: Path) -> tuple[type, Path]:
+    model = _random_model(survey_config(family), seed=0)
+    model.save_pretrained(path)
+    return type(model), path
+
+
+def _trained(path: Path):
+    """moetune's model of ``path`` with LoRA on every target, each A and B random."""
+    from moetune.adapters import attach_lora
+    from moetune.adapters.load import load_model
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model = attach_lora(
+            load_model(path, device="cpu", dtype="float32", progress=False, num_threads=1), rank=4, alpha=8
+        )
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model.eval(), [str(w.message) for w in seen if "stock PEFT will not load" in str(w.message)]
+
+
+def _logits(model, family: str) -> torch.Tensor:
+    inputs = _inputs(0, survey_config(family).get_text_config().vocab_size)
+    inputs.pop("labels")
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+@pytest.mark.parametrize("family", [*RENAMED_BY_PEFT, *MODULE_LAYOUTS])
+def test_saved_adapter_loads_again_and_resumes(family, tmp_path) -> None:
+    from peft import PeftModel
+
+    from moetune.adapters import attach_lora, load_adapter_weights, save_adapter
+    from moetune.adapters.load import load_model
+    from moetune.train.other_kind import ResumesOtherKind
+
+    cls, path = _save(family, tmp_path / "m")
+    model, warned = _trained(path)
+    want = _logits(model, family)
+    save_adapter(model, tmp_path / "a")
+
+    again = load_model(
+        path, device="cpu", dtype="float32", progress=False, num_threads=1, adapter=tmp_path / "a"
+    )
+    torch.testing.assert_close(_logits(again.eval(), family), want, rtol=0, atol=0)
+    fresh = attach_lora(
+        load_model(path, device="cpu", dtype="float32", progress=False, num_threads=1), rank=4, alpha=8
+    )
+    load_adapter_weights(fresh, tmp_path / "a")
+    torch.testing.assert_close(_logits(fresh.eval(), family), want, rtol=0, atol=0)
+
+    class Resuming(
+        ResumesOtherKind
+    ):  # the Trainer's resume of a LoRA checkpoint of its own kind, one process
+        is_fsdp_enabled = False
+
+    resumed = attach_lora(
+        load_model(path, device="cpu", dtype="float32", progress=False, num_threads=1), rank=4, alpha=8
+    )
+    Resuming()._load_from_checkpoint(str(tmp_path / "a"), resumed)
+    torch.testing.assert_close(_logits(resumed.eval(), family), want, rtol=0, atol=0)
+
+    # what stock PEFT makes of it, on transformers' own model: the adapter as saved, or (the renamed families,
+    # PEFT's conversion) another model, which the warning at attach said
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stock = PeftModel.from_pretrained(
+            cls.from_pretrained(path, dtype=torch.float32), tmp_path / "a"
+        ).eval()
+    diff = (_logits(stock, family) - want).abs().max()
+    if family in RENAMED_BY_PEFT:
+        assert warned and diff > 1e-2
+    else:
+        assert not warned and diff <= 1e-5 * want.abs().max()
+
+
+def test_peft_refused_mamba_projections(tmp_path) -> None:
+    """NemotronH: ``all`` leaves its Mamba mixers' out_proj out (PEFT refuses LoRA there); naming it is an error
+    saying why, before PEFT's own ValueError."""
+    from moetune.adapters import attach_lora
+    from moetune.adapters.load import load_model
+
+    _, path = _save("nemotron_h", tmp_path / "m")
+    model = load_model(path, device="cpu", dtype="float32", progress=False, num_threads=1)
+    assert any(n.endswith(".out_proj") for n, _ in model.named_modules())
+    with pytest.raises(AdapterError, match="PEFT refuses LoRA on modules named out_proj"):
+        attach_lora(model, rank=4, alpha=8, targets=("out_proj",))
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_every_family_adapter_round_trip(family, tmp_path):
+    """Every MoE family transformers ships that moetune loads: LoRA on every target saved, loaded again by moetune
+    (the trained logits), and by stock PEFT on transformers' own model (the same logits, unless
+    ``stock_peft_renames`` says PEFT's conversion renames its keys, which attaching warns about)."""
+    from peft import PeftModel
+
+    from moetune.adapters.apply import stock_peft_renames
+    from moetune.errors import ArchError
+    from moetune.testing.survey import RUN_ON
+
+    try:
+        ref = _random_model(survey_config(family), seed=0)
+        ref.save_pretrained(tmp_path / "m")
+        model = load_model(tmp_path / "m", device="cpu", dtype="float32", progress=False, num_threads=1)
+    except ArchError as e:
+        pytest.skip(f"not loaded: {str(e)[:120]}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            peft = attach_lora(model, rank=4, alpha=8)
+    except AdapterError as e:
+        assert "flat" in str(e), e  # DBRX's flat experts: refused by design, with the reason
+        pytest.skip("experts stock PEFT adapts otherwise (DBRX)")
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    inputs = _inputs(0, survey_config(family).get_text_config().vocab_size)
+    inputs.pop("labels")
+    run_on = RUN_ON.get(family)
+
+    def logits(m):
+        m = m.eval()
+        with torch.no_grad():
+            if run_on is not None:  # transformers' whole-model forward fails for it (survey.RUN_ON)
+                return m.get_base_model().get_submodule(run_on)(**inputs).logits
+            return m(**inputs).logits
+
+    want = logits(peft)
+    save_adapter(peft, tmp_path / "a")
+    from moetune.adapters.load import load_model as load_with_adapter
+
+    again = load_with_adapter(
+        tmp_path / "m", device="cpu", dtype="float32", progress=False, num_threads=1, adapter=tmp_path / "a"
+    )
+    scale = max(1.0, want.abs().max().item())
+    # bit for bit but for Jamba, whose Mamba reference scan (no mamba_ssm here) moved logits by 1.7e-6
+    assert (logits(again) - want).abs().max() <= 1e-5 * scale
+    # transformers' class of what moetune loaded (Qwen3-Omni: its thinker), with PEFT's own loading
+    base = type(peft.get_base_model()).from_pretrained(tmp_path / "m", dtype=torch.float32)
+    if family in STOCK_PEFT_SHAPES_DIFFER:
+        with pytest.raises(RuntimeError, match="size mismatch"):
+            PeftModel.from_pretrained(base, tmp_path / "a")
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stock = PeftModel.from_pretrained(base, tmp_path / "a")
+    diff = (logits(stock) - want).abs().max()
+    if stock_peft_renames(peft):
+        assert diff > 1e-3
+    else:
+        assert diff <= 2e-5 * scale
