@@ -140,10 +140,13 @@ def resolve_targets(
     blocks = {p.rpartition(".")[0] for p in experts}
     # moetune trains on text: the language model's linears are targets; a vision tower's and a projector's stay
     # frozen, as LLaMA-Factory's freeze_vision_tower and freeze_multi_modal_projector defaults leave them
+    # (the language model's siblings in the base model: model.visual beside model.language_model; lm_head and the
+    # rest of a text model stay reachable)
     inside = language_model_path(model)
+    beside = inside.rpartition(".")[0]  # "" for a text model's "model": nothing is beside it
     every = [p for p, m in model.named_modules() if isinstance(m, nn.Linear) and _plain_linear(m)]
-    linears = [p for p in every if not inside or p.startswith(inside + ".")]
-    frozen = [p for p in every if p not in linears and p.rpartition(".")[2] not in EXCLUDED_LINEARS]
+    linears = [p for p in every if not beside or not p.startswith(beside + ".") or p.startswith(inside + ".")]
+    frozen = [p for p in every if p not in linears]
     model_type = str(getattr(getattr(model, "config", None), "model_type", ""))
     refused: tuple[str, ...] = PEFT_REFUSED.get(model_type, ())
     # nn.Linear subclasses computing something else (DeepSeek-V4's block-diagonal o_a_proj): PEFT's Linear LoRA
