@@ -146,7 +146,8 @@ def resolve_targets(
     beside = inside.rpartition(".")[0]  # "" for a text model's "model": nothing is beside it
     every = [p for p, m in model.named_modules() if isinstance(m, nn.Linear) and _plain_linear(m)]
     linears = [p for p in every if not beside or not p.startswith(beside + ".") or p.startswith(inside + ".")]
-    frozen = [p for p in every if p not in linears]
+    reachable = set(linears)
+    frozen = [p for p in every if p not in reachable]
     model_type = str(getattr(getattr(model, "config", None), "model_type", ""))
     refused: tuple[str, ...] = PEFT_REFUSED.get(model_type, ())
     # nn.Linear subclasses computing something else (DeepSeek-V4's block-diagonal o_a_proj): PEFT's Linear LoRA
