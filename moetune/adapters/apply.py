@@ -162,7 +162,11 @@ def resolve_targets(
         linear = [
             p
             for p in linears
-            if p.rpartition(".")[2] not in (*EXCLUDED_LINEARS, *refused) and not _is_router(p, blocks)
+            if p.rpartition(".")[2] not in (*EXCLUDED_LINEARS, *refused)
+            # a router, or a Linear inside one (LongCat-Flash's router.classifier, whose weight the router reads
+            # directly: Linear LoRA there would never run)
+            and not _is_router(p, blocks)
+            and not _is_router(p.rpartition(".")[0], blocks)
         ]
         if left := [p for p in linears if p.rpartition(".")[2] in refused]:
             logger.info(

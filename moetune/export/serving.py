@@ -152,12 +152,14 @@ def _write_experts(
     layer: LayerPlan,
     module: Any,
     fused_class: bool,
+    r: int,
 ) -> set[str] | None:
     """One experts module's LoRA into ``writer``: per expert and projection where the checkpoint stores one matrix
     per expert and the engine's class reads that (returns None), else PEFT's fused pairs as trained (returns the
     target_parameters entries they need)."""
     path, sources, layout = layer.site.path, layer.sources, layer.site.layout
-    names = ExpertParamNames.from_module(module)
+    # non-gated experts (NemotronH) have up_proj [E, I, H] where the others have gate_up_proj
+    names = ExpertParamNames.from_module(module, gate_up="gate_up_proj" if layout.gated else "up_proj")
     order = [names.gate_up, names.down] if names.gate_up_first else [names.down, names.gate_up]
     prefixes = expert_lora_prefixes(path, order, config)
     per_expert = all(s.expert is not None and s.role in ROLES for s in sources)
@@ -165,10 +167,12 @@ def _write_experts(
         lora = {}  # "gate_up" | "down" -> (a [E, r, in], b [E, out, r]), gate_up's rows gate first
         for param, prefix in prefixes.items():
             proj = "gate_up" if param == names.gate_up else "down"
+            lora_a = tensors[f"{PREFIX}{prefix}.lora_A.weight"]
+            # the module's expert count (LongCat-Flash's holds its zero-computation experts' rows too)
             a, b = lora_from_peft(
-                tensors[f"{PREFIX}{prefix}.lora_A.weight"],
+                lora_a,
                 tensors[f"{PREFIX}{prefix}.lora_B.weight"],
-                layout.num_experts,
+                lora_a.shape[0] // r,
                 label=PREFIX + prefix,
             )
             lora[proj] = (a, deinterleave_rows(b) if proj == "gate_up" and names.interleaved else b)
@@ -177,7 +181,7 @@ def _write_experts(
             proj = "down" if s.role == "down" else "gate_up"
             if proj in lora:
                 a, b = lora[proj][0][s.expert], lora[proj][1][s.expert]
-                rows = b if s.role == "down" else b[:i] if s.role == "gate" else b[i:]
+                rows = b if s.role == "down" or not layout.gated else b[:i] if s.role == "gate" else b[i:]
                 writer.pair(s.info.key.removesuffix(".weight"), a, rows)
         return None
     if not per_expert and not all(s.expert is None and s.role not in ROLES for s in sources):
@@ -195,7 +199,9 @@ def _write_experts(
             key = f"{PREFIX}{prefix}.lora_{x}.weight"
             writer.tensors[key] = (writer.b(tensors[key]) if x == "B" else tensors[key]).contiguous()
     entries = config.get("target_parameters") or []
-    return {e for p in order for e in entries if entry_matches(f"{path}.{p}", e)}
+    named = {e for p in order for e in entries if entry_matches(f"{path}.{p}", e)}
+    # experts named in target_modules instead: the entries PEFT writes for them
+    return named or set(names.target_parameters(".".join(path.split(".")[-2:])))
 
 
 def serving_adapter(model_path: str | Path, adapter_path: str | Path) -> ServingAdapter:
@@ -249,7 +255,7 @@ def serving_adapter(model_path: str | Path, adapter_path: str | Path) -> Serving
     per_expert = fused = 0
     for path in sorted(expert_paths):
         experts = planned.model.get_submodule(path)
-        kept = _write_experts(writer, tensors, adapter.config, layers[path], experts, fused_class)
+        kept = _write_experts(writer, tensors, adapter.config, layers[path], experts, fused_class, adapter.r)
         if kept is None:
             per_expert += 1
         else:

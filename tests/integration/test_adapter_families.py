@@ -29,6 +29,14 @@ from moetune.testing.survey import _inputs, _random_model
 # stock PEFT 0.21 builds LoRA of other shapes on these experts: Llama4TextExperts stores [E, H, 2I] (x @ W) without
 # transformers' is_transposed flag, which PEFT reads as [E, out, in]; moetune's loaders load the adapter as saved
 STOCK_PEFT_SHAPES_DIFFER = ("llama4",)
+# what moetune export refuses, by name: weights transformers builds at load from other checkpoint tensors (a split
+# or merge, not a rename), experts stored per projection for all experts at once (Step-3.7)
+EXPORT_REFUSED = {
+    "lara_mini": "by a plain rename",
+    "minimax_m3_vl": "by a plain rename",
+    "nemotron_h_omni": "by a plain rename",
+    "step3p7": "per projection for all experts at once",
+}
 RENAMED_BY_PEFT = ("mistral_large4", "deepseek_ocr2", "laguna", "inkling2")
 MODULE_LAYOUTS = ("nemotron_h", "longcat_flash")
 
@@ -128,8 +136,9 @@ def test_peft_refused_mamba_projections(tmp_path) -> None:
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_every_family_adapter_round_trip(family, tmp_path):
     """Every MoE family transformers ships that moetune loads: LoRA on every target saved, loaded again by moetune
-    (the trained logits), and by stock PEFT on transformers' own model (the same logits, unless
-    ``stock_peft_renames`` says PEFT's conversion renames its keys, which attaching warns about)."""
+    (the trained logits), by stock PEFT on transformers' own model (the same logits, unless
+    ``stock_peft_renames`` says PEFT's conversion renames its keys, which attaching warns about), and exported
+    for serving engines (applied to the checkpoint as an engine applies it: the same logits)."""
     from peft import PeftModel
 
     from moetune.adapters.apply import stock_peft_renames
@@ -185,7 +194,41 @@ def test_every_family_adapter_round_trip(family, tmp_path):
         warnings.simplefilter("ignore")
         stock = PeftModel.from_pretrained(base, tmp_path / "a")
     diff = (logits(stock) - want).abs().max()
-    if stock_peft_renames(peft):
+    renamed = bool(stock_peft_renames(peft))
+    if renamed:
         assert diff > 1e-3
     else:
         assert diff <= 2e-5 * scale
+
+    # the serving copy (moetune export): each pair added to the checkpoint tensor it names, as an engine applies
+    # it, gives the logits of stock PEFT's own merge (merge_and_unload: it also reaches a Linear whose weight the
+    # model reads directly, Jamba's dt_proj, where LoRA in the forward never runs); where stock PEFT does not load
+    # the adapter, the trained logits. Fused expert LoRA is kept as trained (tests/integration/test_serving_export.py)
+    from moetune.export import export_serving_adapter
+    from tests.integration.test_serving_export import _served
+
+    if family in EXPORT_REFUSED:
+        with pytest.raises(AdapterError, match=EXPORT_REFUSED[family]):
+            export_serving_adapter(tmp_path / "m", tmp_path / "a", tmp_path / "serve")
+        return
+    result = export_serving_adapter(tmp_path / "m", tmp_path / "a", tmp_path / "serve")
+    if result.fused == 0:
+        reference = want if renamed else logits(stock.merge_and_unload())
+        served = type(peft.get_base_model()).from_pretrained(
+            _served(tmp_path / "m", tmp_path / "serve", tmp_path / "served"), dtype=torch.float32
+        )
+        with torch.no_grad():
+            got = served.eval()(**inputs) if run_on is None else served.get_submodule(run_on)(**inputs)
+        assert (got.logits - reference).abs().max() <= 2e-5 * scale
+
+
+def test_all_leaves_a_router_s_inner_linear_out(tmp_path) -> None:
+    """LongCat-Flash's router holds an nn.Linear ``classifier`` whose weight it reads directly
+    (``F.linear(x, self.classifier.weight)``): Linear LoRA there never runs, so ``all`` leaves it out with the
+    routers themselves."""
+    _, path = _save("longcat_flash", tmp_path / "m")
+    model = load_model(path, device="cpu", dtype="float32", progress=False, num_threads=1)
+    assert any(n.endswith("router.classifier") for n, _ in model.named_modules())
+    peft = attach_lora(model, rank=4, alpha=8)
+    assert not [n for n, _ in peft.named_parameters() if ".router." in n and "lora_" in n]
+    assert [n for n, _ in peft.named_parameters() if ".q_b_proj." in n and "lora_" in n]
