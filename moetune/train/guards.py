@@ -25,6 +25,10 @@ Causes, and what happens (``on_divergence`` in the config):
   its own, and ``save_total_limit`` does not rotate the good ones away for it);
 - non-finite trained weights when a checkpoint or the adapter is due: stops in both modes (the update is
   already applied), before anything is written.
+
+At the run's first optimizer step it also names, in one warning, the trainable tensors no gradient reached
+(:func:`untrained_parameters`): LoRA on a module the forward never calls, or whose weight the model reads directly,
+trains nothing and would otherwise pass unseen.
 """
 
 from __future__ import annotations
@@ -60,6 +64,22 @@ def non_finite_parameters(model: Any, *, grads: bool) -> list[str]:
             out.append(name)
     # full mode's routed experts keep their gradients sparse, beside .grad (moetune.engine.base_grads)
     return out + (non_finite_base_grads(model) if grads else [])
+
+
+def untrained_parameters(model: Any) -> list[str]:
+    """Names of ``model``'s trainable parameters without a gradient (``.grad`` None) after a backward: none of
+    the step's work reached them. Full mode's routed-expert weights are left out: their gradients are sparse,
+    beside ``.grad`` (``moetune.engine.base_grads``)."""
+    from moetune.layer import CpuExperts
+
+    engine_owned = {
+        id(p) for m in model.modules() if isinstance(m, CpuExperts) for p in m.parameters(recurse=False)
+    }
+    return [
+        name
+        for name, p in model.named_parameters()
+        if p.requires_grad and p.grad is None and id(p) not in engine_owned
+    ]
 
 
 def checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
@@ -98,6 +118,7 @@ class NumericalGuard(TrainerCallback):
         # since the last logged loss: finite step losses, and how many steps were skipped
         self._window: list[float] = []
         self._window_skipped = 0
+        self._grads_seen = False  # the first step's gradients were looked at (trainable tensors none reached)
 
     def add_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Record one micro-batch's loss (a 0-d tensor, as ``Trainer.training_step`` returns it); returns the
@@ -126,6 +147,18 @@ class NumericalGuard(TrainerCallback):
         Raises ``DivergenceError``, or in ``skip`` mode drops the step's gradients; returns normally otherwise.
         """
         step = state.global_step + 1
+        if not self._grads_seen:
+            self._grads_seen = True
+            idle = untrained_parameters(model)
+            if idle:
+                logger.warning(
+                    "moetune: %d trainable tensor(s) received no gradient in this run's first step: %s. Their "
+                    "modules did not run on this data, or the model reads their weight directly (Jamba's dt_proj, "
+                    "a vision tower on text rows), so they will not train; leave them out of lora_target or of the "
+                    "trained modules",
+                    len(idle),
+                    listing(idle[:6], inline=True) + (", ..." if len(idle) > 6 else ""),
+                )
         assert self._loss is not None, "add_loss runs for every micro-batch (MoetuneTrainer.training_step)"
         loss = float(self._loss)  # one host sync per optimizer step
         self._loss = None

@@ -49,9 +49,10 @@ def run(
     action=DivergenceAction.STOP,
     save_steps: int | None = None,
     logging_steps: int = 500,
+    model_class: type[nn.Module] | None = None,
 ) -> nn.Module:
     torch.manual_seed(0)
-    model = Toy()
+    model = (model_class or Toy)()
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"),
         max_steps=steps,
@@ -220,3 +221,26 @@ def test_last_checkpoint_before(tmp_path) -> None:
     assert last_checkpoint_before(tmp_path, 10) == tmp_path / "checkpoint-2"
     assert last_checkpoint_before(tmp_path, 2) is None
     assert last_checkpoint_before(tmp_path / "missing", 5) is None
+
+
+class ToyWithIdle(Toy):
+    """Toy plus a trainable Linear the forward never calls (a vision tower on text rows, a weight read directly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.idle = nn.Linear(4, 1)
+
+
+def test_trainable_tensors_no_gradient_reaches_are_named_once(tmp_path, caplog) -> None:
+    """After the first step's backward: trainable tensors without a gradient are named in one warning (they
+    would not train); a model whose every tensor gets one says nothing."""
+    from moetune.train import guards
+
+    with caplog.at_level("WARNING", logger=guards.__name__):
+        run(tmp_path / "a", rows(3), steps=3)
+        assert not [r for r in caplog.records if "received no gradient" in r.getMessage()]
+        run(tmp_path / "b", rows(3), steps=3, model_class=ToyWithIdle)
+    said = [r.getMessage() for r in caplog.records if "received no gradient" in r.getMessage()]
+    assert (
+        len(said) == 1 and "idle.weight" in said[0] and "idle.bias" in said[0] and "lin.weight" not in said[0]
+    )
