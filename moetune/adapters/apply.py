@@ -123,6 +123,22 @@ def language_model_path(model: nn.Module) -> str:
     return next((p for p, m in model.named_modules() if m is decoder and decoder is not model), "")
 
 
+def beside_language_model(model: nn.Module) -> list[str]:
+    """Paths of the language model's siblings in the base model (``model.visual`` beside
+    ``model.language_model``: a vision tower and its projector), which moetune, training on text, keeps frozen as
+    LLaMA-Factory's freeze_vision_tower / freeze_multi_modal_projector defaults do; none in a text model (its
+    language model ``model`` sits at the root, beside ``lm_head``)."""
+    inside = language_model_path(model)
+    parent, _, _ = inside.rpartition(".")
+    if not parent:
+        return []
+    return [
+        f"{parent}.{name}"
+        for name, _ in model.get_submodule(parent).named_children()
+        if f"{parent}.{name}" != inside
+    ]
+
+
 def resolve_targets(
     model: nn.Module, targets: Sequence[str], experts: Sequence[str] | None = None
 ) -> LoraTargets:
@@ -138,16 +154,12 @@ def resolve_targets(
         else [p for p, m in model.named_modules() if isinstance(m, CpuExperts)]
     )
     blocks = {p.rpartition(".")[0] for p in experts}
-    # moetune trains on text: the language model's linears are targets; a vision tower's and a projector's stay
-    # frozen, as LLaMA-Factory's freeze_vision_tower and freeze_multi_modal_projector defaults leave them
-    # (the language model's siblings in the base model: model.visual beside model.language_model; lm_head and the
-    # rest of a text model stay reachable)
+    # moetune trains on text: a vision tower's and a projector's linears stay frozen (beside_language_model)
     inside = language_model_path(model)
-    beside = inside.rpartition(".")[0]  # "" for a text model's "model": nothing is beside it
+    outside = tuple(f"{p}." for p in beside_language_model(model))
     every = [p for p, m in model.named_modules() if isinstance(m, nn.Linear) and _plain_linear(m)]
-    linears = [p for p in every if not beside or not p.startswith(beside + ".") or p.startswith(inside + ".")]
-    reachable = set(linears)
-    frozen = [p for p in every if p not in reachable]
+    linears = [p for p in every if not p.startswith(outside)]  # startswith(()) is False: all, in a text model
+    frozen = [p for p in every if p.startswith(outside)]
     model_type = str(getattr(getattr(model, "config", None), "model_type", ""))
     refused: tuple[str, ...] = PEFT_REFUSED.get(model_type, ())
     # nn.Linear subclasses computing something else (DeepSeek-V4's block-diagonal o_a_proj): PEFT's Linear LoRA
@@ -212,10 +224,10 @@ def resolve_targets(
                 )
             found_r = [p for p in routers if hit(p)]
             if not found_l and not found_e and not found_r:
-                if outside := [p for p in frozen if hit(p)]:
+                if vision := [p for p in frozen if hit(p)]:
                     raise AdapterError(
                         f"lora_target {name!r} names only modules outside the language model "
-                        f"({listing(outside[:4], inline=True)}{', ...' if len(outside) > 4 else ''}): moetune trains on "
+                        f"({listing(vision[:4], inline=True)}{', ...' if len(vision) > 4 else ''}): moetune trains on "
                         "text and keeps a vision tower and projector frozen (LLaMA-Factory's freeze_vision_tower / "
                         "freeze_multi_modal_projector defaults); target the language model's modules"
                     )

@@ -274,7 +274,11 @@ def _train_fully(model: nn.Module, settings: ModeSettings) -> None:
     """Full or freeze: mark the chosen parameters trainable, put the routed experts among them in full mode
     (fp32 copies when upcasting) and let every experts module save its weights."""
     if settings.method is FinetuningType.FULL:
+        from moetune.adapters.apply import beside_language_model
+
         model.requires_grad_(True)
+        for path in beside_language_model(model):  # a vision tower and projector: frozen, as for LoRA
+            model.get_submodule(path).requires_grad_(False)
         experts = None  # all of them
     else:
         chosen = freeze_selection(model, settings)

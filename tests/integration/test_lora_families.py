@@ -124,3 +124,20 @@ def test_all_leaves_the_vision_tower_and_projector_frozen(name, tmp_path) -> Non
     assert text <= sites
     with pytest.raises(AdapterError, match="outside the language model"):
         attach_lora(load_model(path, device="cpu", dtype="float32", progress=False), targets=("qkv",))
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_full_mode_leaves_the_vision_tower_frozen(name, tmp_path) -> None:
+    """finetuning_type full trains the language model and lm_head; the vision tower and projector stay frozen
+    (LLaMA-Factory's freeze_vision_tower / freeze_multi_modal_projector defaults), as they do under LoRA."""
+    from moetune.adapters.load import load_model
+    from moetune.config.schema import FinetuningType
+    from moetune.train.modes import ModeSettings, apply_mode
+
+    path = save_tiny_model(name, tmp_path / "m", tokenizer=False)
+    model = apply_mode(
+        load_model(path, device="cpu", dtype="float32", progress=False), ModeSettings(FinetuningType.FULL)
+    )
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert not {n for n in trainable if ".visual." in f".{n}"}
+    assert any(n.startswith("model.language_model.") for n in trainable) and "lm_head.weight" in trainable
