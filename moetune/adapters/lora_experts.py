@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetune.adapters.peft_layout import unwrapped_path
 from moetune.adapters.swap import LORA_EXPERTS_NAME
 from moetune.errors import AdapterError, LoadError, listing
 from moetune.layer import CpuExperts
@@ -162,9 +163,7 @@ def moe_block_paths(model: nn.Module) -> list[str]:
     paths = []
     for path, module in _base(model).named_modules():
         if isinstance(module, CpuExperts):
-            while path.endswith(".base_layer"):
-                path = path.removesuffix(".base_layer")
-            paths.append(path.rpartition(".")[0])
+            paths.append(unwrapped_path(path).rpartition(".")[0])
     if not paths:
         raise AdapterError(
             f"lora_experts: {type(_base(model)).__name__} has no routed-experts module (CpuExperts) whose MoE block "

@@ -83,6 +83,14 @@ PEFT_MODEL_PREFIX = PEFT_WRAPPED_PREFIX
 """What PEFT's saved keys put before a module path of the original model."""
 
 
+def unwrapped_path(path: str) -> str:
+    """The path of the module PEFT's nested wrappers stand around: ``...mlp.experts.base_layer.base_layer`` (a module
+    path or a LoRA key prefix inside them) -> ``...mlp.experts``."""
+    while path.endswith(".base_layer"):
+        path = path.removesuffix(".base_layer")
+    return path
+
+
 def lora_to_peft(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One projection's LoRA, engine -> PEFT. Exact: only reshapes and permutes.
 

@@ -114,10 +114,10 @@ def read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, tor
     """(config dict, state dict) of a saved adapter, checked (``check.check_adapter_folder``) and its values
     finite; ``AdapterError`` naming the file and field or tensor otherwise."""
     adapter = check_adapter_folder(adapter_dir)
-    return adapter.config, _read_tensors(adapter.weights_file)
+    return adapter.config, read_tensors(adapter.weights_file)
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """A checked safetensors file of the adapter, read whole, its values finite."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -153,7 +153,7 @@ def restore_lora_experts(peft_model: Any, adapter_dir: str | Path, *, attach: bo
             f"{adapter.lora_experts_file} holds LoRA experts N={spec.num_experts}, I'={spec.intermediate_size}; the "
             f"model has {had}. Set lora_experts / lora_expert_intermediate_size as the adapter was trained"
         )
-    load_lora_experts_state(peft_model, _read_tensors(adapter.lora_experts_file), adapter.lora_experts_file)
+    load_lora_experts_state(peft_model, read_tensors(adapter.lora_experts_file), adapter.lora_experts_file)
 
 
 def expert_targets(

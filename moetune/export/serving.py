@@ -43,12 +43,11 @@ from moetune.adapters.check import (
     PREFIX,
     AdapterFolder,
     check_adapter_folder,
-    check_finite,
     entry_matches,
     expert_lora_prefixes,
     lora_pairs,
 )
-from moetune.adapters.peft_layout import ExpertParamNames, deinterleave_rows, lora_from_peft
+from moetune.adapters.peft_layout import ExpertParamNames, deinterleave_rows, lora_from_peft, unwrapped_path
 from moetune.adapters.swap import CONFIG_NAME, WEIGHTS_NAME
 from moetune.errors import AdapterError, OutputDirError, listing
 from moetune.loading.quant import ROLES
@@ -208,9 +207,8 @@ def serving_adapter(model_path: str | Path, adapter_path: str | Path) -> Serving
     """The serving layout (module docstring) of the adapter in ``adapter_path`` for the checkpoint in
     ``model_path``. Reads the checkpoint's headers and the adapter, no model weight; ``AdapterError`` names what
     has no serving layout."""
-    from safetensors.torch import load_file
-
     from moetune.adapters.apply import weight_routers
+    from moetune.adapters.save import read_tensors
     from moetune.loading.load import plan_load
     from moetune.loading.options import LoadOptions
 
@@ -224,17 +222,13 @@ def serving_adapter(model_path: str | Path, adapter_path: str | Path) -> Serving
     problems = _refusals(adapter, whole, pairs, weight_routers(planned.model, list(sites)))
     if problems:
         raise AdapterError(f"adapter {folder} has no serving layout:{listing(problems)}")
-    tensors = load_file(str(adapter.weights_file))
-    check_finite(tensors, adapter.weights_file)
+    tensors = read_tensors(adapter.weights_file)
 
     writer = _Writer(math.sqrt(adapter.r) if adapter.config.get("use_rslora") else 1.0)
     names = _checkpoint_names(planned)
     expert_paths, unnamed = set(), []
     for module in sorted(pairs):
-        path = module
-        while path.endswith(".base_layer"):
-            path = path.removesuffix(".base_layer")
-        if path in sites:
+        if (path := unwrapped_path(module)) in sites:
             expert_paths.add(path)
         elif (key := names.get(f"{module}.weight")) is not None:
             a, b = (tensors[f"{PREFIX}{module}.lora_{x}.weight"] for x in "AB")
@@ -293,11 +287,13 @@ def _check_out(out: Path, source: Path, model: Path, overwrite: bool) -> None:
         return
     if not out.is_dir():
         raise OutputDirError(f"--out {out} is a file; give a new or empty folder")
-    if any(out.iterdir()) and not overwrite:
+    if not any(out.iterdir()):
+        return
+    if not overwrite:
         raise OutputDirError(
             f"--out {out} is a folder that is not empty; give a new or empty folder, or --overwrite an earlier export"
         )
-    if any(out.iterdir()) and not _is_export(out):
+    if not _is_export(out):
         raise OutputDirError(
             f"--out {out} holds files that are not an earlier moetune export (its {WEIGHTS_NAME} lacks the export "
             "mark); --overwrite replaces earlier exports only. Give a new folder"

@@ -7,7 +7,9 @@ files under it, so a run of one kind could not resume the other's checkpoint. Bo
 adapter file, so the weights come from it (cut to this rank's shards under FSDP2: ``fsdp.load_adapter_sharded``),
 the LoRA experts from theirs, and the optimizer state is converted as it is read (``fsdp.load_optimizer_whole``:
 FSDP's ``optimizer.bin`` by parameter name, DDP's or one process's ``optimizer.pt`` by position, the expert LoRA's
-per-rank rows put together). Full/freeze checkpoints (written layer by layer) are ``MoetuneTrainer``'s own.
+per-rank rows put together). Without FSDP every LoRA checkpoint, of either kind, loads through moetune's
+``load_adapter_weights`` (PEFT's own ``load_adapter`` renames some families' saved keys and drops them). Full/freeze
+checkpoints (written layer by layer) are ``MoetuneTrainer``'s own.
 """
 
 from __future__ import annotations
@@ -36,23 +38,17 @@ class ResumesOtherKind:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         target = model if model is not None else self.model
-        if (
-            isinstance(target, PeftModel)
-            and not self.is_fsdp_enabled
-            and not other_kind(resume_from_checkpoint, False)
-        ):
-            # moetune's loader, not the Trainer's PeftModel.load_adapter: PEFT renames some families' saved keys
-            # through transformers' conversion and drops them with a warning (adapters.save.put_adapter_state)
+        if isinstance(target, PeftModel) and not self.is_fsdp_enabled:
+            # a checkpoint of either kind (both write the stock adapter file) by moetune's loader, the LoRA experts
+            # with it; not the Trainer's PeftModel.load_adapter, through which PEFT renames some families' saved
+            # keys by transformers' conversion and drops them with a warning (adapters.save.put_adapter_state)
             load_adapter_weights(target, resume_from_checkpoint)
             return
         if not (isinstance(target, PeftModel) and other_kind(resume_from_checkpoint, self.is_fsdp_enabled)):
             super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
             return
-        # its stock adapter (the same file in both kinds), cut to shards under FSDP; the LoRA experts from their file
-        if self.is_fsdp_enabled:
-            load_adapter_sharded(target, resume_from_checkpoint)
-        else:
-            target.load_adapter(resume_from_checkpoint, target.active_adapter, is_trainable=True)
+        # under FSDP2 a checkpoint of the other kind: its stock adapter cut to shards; the LoRA experts from their file
+        load_adapter_sharded(target, resume_from_checkpoint)
         restore_lora_experts(target, resume_from_checkpoint, attach=False)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
