@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from moetune.adapters.apply import expert_target_parameters, weight_routers
 from moetune.adapters.check import (
     PREFIX,
     AdapterFolder,
@@ -199,15 +200,14 @@ def _write_experts(
             writer.tensors[key] = (writer.b(tensors[key]) if x == "B" else tensors[key]).contiguous()
     entries = config.get("target_parameters") or []
     named = {e for p in order for e in entries if entry_matches(f"{path}.{p}", e)}
-    # experts named in target_modules instead: the entries PEFT writes for them
-    return named or set(names.target_parameters(".".join(path.split(".")[-2:])))
+    # experts named in target_modules instead: the entries attach_lora writes for them
+    return named or set(expert_target_parameters([path], names))
 
 
 def serving_adapter(model_path: str | Path, adapter_path: str | Path) -> ServingAdapter:
     """The serving layout (module docstring) of the adapter in ``adapter_path`` for the checkpoint in
     ``model_path``. Reads the checkpoint's headers and the adapter, no model weight; ``AdapterError`` names what
     has no serving layout."""
-    from moetune.adapters.apply import weight_routers
     from moetune.adapters.save import read_tensors
     from moetune.loading.load import plan_load
     from moetune.loading.options import LoadOptions

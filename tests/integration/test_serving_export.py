@@ -313,3 +313,21 @@ def test_experts_named_in_target_modules(qwen, tmp_path) -> None:
     got = serving_adapter(qwen, adapter).tensors
     assert any(".experts.0." in k for k in got)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_fused_experts_named_in_target_modules_keep_their_entries(tmp_path) -> None:
+    """gpt-oss (fused pairs kept) with its experts named in target_modules: the serving config still lists the
+    fused parameters in target_parameters, as attach_lora writes them, and the pairs are the trained ones."""
+    from moetune.export import serving_adapter
+
+    model_dir = save_tiny_model("gpt_oss", tmp_path / "m", tokenizer=False)
+    adapter = _trained_adapter(model_dir, tmp_path / "adapter")
+    want = serving_adapter(model_dir, adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["target_parameters"] = [e for e in config["target_parameters"] if "experts" not in e]
+    config["target_modules"] = [*config["target_modules"], "experts"]
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    got = serving_adapter(model_dir, adapter)
+    assert got.config["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert got.tensors.keys() == want.tensors.keys()
+    assert all(torch.equal(got.tensors[k], want.tensors[k]) for k in want.tensors)
