@@ -36,6 +36,7 @@ from typing import Any
 
 from torch import nn
 
+from moetune.adapters.check import entry_matches
 from moetune.adapters.peft_layout import PEFT_MODEL_PREFIX, ExpertParamNames
 from moetune.errors import AdapterError, listing
 from moetune.layer import CpuExperts
@@ -206,7 +207,7 @@ def resolve_targets(
         for name in targets:
 
             def hit(path: str, name: str = name) -> bool:
-                return path == name or path.endswith("." + name)
+                return entry_matches(path, name)
 
             if odd := [p for p in linears if hit(p) and p.rpartition(".")[2] in refused]:
                 raise AdapterError(
@@ -340,7 +341,7 @@ def to_stock_config(
             "in a list to save routed-expert LoRA for stock PEFT"
         )
     modules = set(live.target_modules or ())  # PEFT may have made it a set
-    in_experts = {e for e in modules if any(p == e or p.endswith("." + e) for p in experts)}
+    in_experts = {e for e in modules if any(entry_matches(p, e) for p in experts)}
     names = ExpertParamNames.of(next(iter(carrying.values())).experts) if carrying else None
     expert_params = expert_target_parameters(experts, names)
     others = {*weight_entries, *(live.target_parameters or ())} - set(expert_params)
@@ -412,7 +413,7 @@ def linear_weight_paths(model: nn.Module, target_parameters: Sequence[str]) -> d
     weights = [p for p, m in model.named_modules() if isinstance(m, nn.Linear)]
     out: dict[str, list[str]] = {}
     for entry in target_parameters:
-        hits = [p for p in weights if f"{p}.weight" == entry or f"{p}.weight".endswith("." + entry)]
+        hits = [p for p in weights if entry_matches(f"{p}.weight", entry)]
         if hits:
             out[entry] = hits
     return out

@@ -314,15 +314,17 @@ def _model_targets(model_config: Any, model: Any = None) -> _ModelTargets:
     sites = find_experts(model, resolve_arch(model_config.model_type), model_config.model_type)
     experts: dict[str, dict[str, _Target]] = {}
     for s in sites:
-        # the transformers module's own 3-D parameters, in registration order: [E, out, in], or [E, in, out] in a
-        # transposed layout (gpt-oss, Llama 4). Not the engine's sizes: a non-gated family's up_proj [E, I, H]
+        # the transformers module's own 3-D parameters, in registration order, read as stock PEFT reads them:
+        # [E, in, out] where the module declares is_transposed (gpt-oss), else [E, out, in] (Llama 4's flagless
+        # [E, H, 2I] too: PEFT's roles swapped). Not the engine's sizes: a non-gated family's up_proj [E, I, H]
         # (NemotronH) and the zero-computation experts' rows (LongCat-Flash) are the module's
         module = model.get_submodule(s.path)
         experts[s.path] = {}
         for name, p in module.named_parameters(recurse=False):
             if p.dim() == 3:
                 e, d1, d2 = p.shape
-                experts[s.path][name] = _Target(d1, d2, e) if s.layout.transposed else _Target(d2, d1, e)
+                flagged = s.layout.declares_transposed
+                experts[s.path][name] = _Target(d1, d2, e) if flagged else _Target(d2, d1, e)
     inside = tuple(p + "." for p in experts)
     linears = {
         p: _Target(m.in_features, m.out_features)

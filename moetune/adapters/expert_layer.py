@@ -9,7 +9,8 @@ parameter, nested in the module's registration order (``moetune.adapters.peft_la
     P.base_layer.base_layer    CpuExperts
 
 so the LoRA tensors have exactly the names, shapes and layout of ParamWrapper's (gpt-oss's gate_up ``lora_B``
-rows interleaved, as its module orders its outputs), and PEFT treats them as its own:
+rows interleaved, as its module orders its outputs; Llama 4's in and out swapped, as PEFT reads its flagless
+transposed experts), and PEFT treats them as its own:
 ``get_peft_model_state_dict`` / ``save_pretrained`` / a plain ``Trainer``'s checkpoints write them,
 ``set_peft_model_state_dict`` / ``load_adapter`` read them, ``set_adapter``, ``disable_adapter``,
 ``delete_adapter`` and ``unload`` act on them, and the adapter file loads in stock PEFT on the unmodified
@@ -53,8 +54,9 @@ INITS = (True, False, "gaussian")  # PEFT's init_lora_weights values that need n
 class ExpertsLora(nn.Module, LoraLayer):
     """PEFT LoRA on one fused projection of a ``CpuExperts`` (``ParamWrapper``'s tensors); build with :func:`wrap`.
 
-    ``in_features`` / ``out_features`` are the projection's (gate_up: H -> 2I, down: I -> H); each adapter's
-    ``lora_A`` is ``Linear(in, r * E)`` and ``lora_B`` ``Linear(r * E, out)`` as in ``ParamWrapper``.
+    ``in_features`` / ``out_features`` are the projection's (gate_up: H -> 2I, down: I -> H; the other way round
+    where PEFT swaps them, ``ExpertParamNames.swapped``); each adapter's ``lora_A`` is ``Linear(in, r * E)`` and
+    ``lora_B`` ``Linear(r * E, out)`` as in ``ParamWrapper``.
     """
 
     def __init__(self, base_layer: nn.Module, projection: Projection) -> None:
@@ -110,8 +112,11 @@ class ExpertsLora(nn.Module, LoraLayer):
                 "on this family (lora_target: Wqkv,out_proj trains DBRX's attention)"
             )
         h, i = module.engine.hidden_size, module.engine.intermediate_size
-        gate_up_out = i if ExpertParamNames.of(module).tied else 2 * i  # non-gated: up_proj's I rows
-        return (h, gate_up_out) if self.projection == "gate_up" else (i, h)
+        names = ExpertParamNames.of(module)
+        gate_up_out = i if names.tied else 2 * i  # non-gated: up_proj's I rows
+        n_in, n_out = (h, gate_up_out) if self.projection == "gate_up" else (i, h)
+        # PEFT's roles the other way round (Llama 4): its lora_A on the projection's output side, as stock PEFT
+        return (n_out, n_in) if names.swapped else (n_in, n_out)
 
     def update_layer(self, adapter_name: str, r: int, lora_alpha: float, config: Any, **kwargs: Any) -> None:
         """Add adapter ``adapter_name`` (rank ``r``) to this projection and, on the outer layer, to the inner one.
@@ -197,17 +202,18 @@ class ExpertsLora(nn.Module, LoraLayer):
         (name,) = active
         layers = {layer.projection: layer for layer in self._chain()}
         assert set(layers) == {"gate_up", "down"}, set(layers)
+        names = ExpertParamNames.of(self.experts)
         tensors: dict[str, torch.Tensor] = {}
         for proj, layer in layers.items():
             lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
             assert isinstance(lora_a, nn.Linear) and isinstance(lora_b, nn.Linear)
-            a, b = engine_view(lora_a.weight, lora_b.weight, layer.held_experts[1])
+            a, b = engine_view(lora_a.weight, lora_b.weight, layer.held_experts[1], swapped=names.swapped)
             # the engine's experts: the first of the held rows (the zero-computation experts' rows come after)
             used = self.experts.engine.num_experts
             tensors[f"{proj}_A"], tensors[f"{proj}_B"] = a[:used], b[:used]
         # the engine keeps gate rows first: an interleaved module's gate_up B is read through the row order, a
         # non-gated module's up B serves both halves
-        rows = ExpertParamNames.of(self.experts).engine_rows(tensors["gate_up_B"].shape[1])
+        rows = names.engine_rows(tensors["gate_up_B"].shape[1])
         p = getattr(self.lora_dropout[name], "p", 0.0)
         return ExpertLoRA(**tensors, scaling=self.scaling[name], dropout=p, gate_up_rows=rows)
 

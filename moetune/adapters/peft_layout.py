@@ -18,6 +18,14 @@ Feature roles.
     Either way ``in`` is the dimension contracted with the activations, and the LoRA tensors below have the
     same layout; only the base parameter and ``get_delta_weight`` (``[E, out, in]`` or ``[E, in, out]``) differ.
 
+    - transposed without the flag (``Llama4TextExperts``: ``x @ W`` with gate_up_proj ``[E, H, 2I]``, no
+      ``is_transposed``): PEFT takes the param as ``[E, out, in]``, so its roles are swapped: gate_up has
+      PEFT-in = 2I, PEFT-out = H (down: PEFT-in = H, PEFT-out = I), and its delta ``B A`` is ``[E, H, 2I]``, the
+      param's own shape. In the engine's terms (``W_e`` ``[out, in]`` = ``[2I, H]``) that delta is transposed:
+      the engine's ``A_e`` is PEFT's ``B_e`` transposed and the engine's ``B_e`` PEFT's ``A_e`` transposed
+      (``swapped=True`` below; ``ExpertsLayout.peft_swapped``). moetune holds such LoRA in PEFT's swapped
+      layout, drawn as PEFT draws it, so stock PEFT loads moetune's adapters there too.
+
 Tensor layout, one projection.
     ``lora_A = nn.Linear(in, r * E)``: ``lora_A.weight`` ``[E * r, in]`` is expert-major,
     ``A_e = lora_A.weight[e * r:(e + 1) * r]`` (``weight.reshape(E, r, in)``).
@@ -91,12 +99,17 @@ def unwrapped_path(path: str) -> str:
     return path
 
 
-def lora_to_peft(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def lora_to_peft(
+    a: torch.Tensor, b: torch.Tensor, *, swapped: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One projection's LoRA, engine -> PEFT. Exact: only reshapes and permutes.
 
     a ``[E, r, in]``, b ``[E, out, r]`` -> (``lora_A.weight`` ``[E * r, in]``, ``lora_B.weight`` ``[out, r * E]``),
-    same dtype, detached, contiguous; they may share memory with ``a`` / ``b``.
+    same dtype, detached, contiguous; they may share memory with ``a`` / ``b``. ``swapped`` (PEFT's roles the
+    other way round, module docstring): (``lora_A.weight`` ``[E * r, out]``, ``lora_B.weight`` ``[in, r * E]``).
     """
+    if swapped:
+        a, b = b.transpose(1, 2), a.transpose(1, 2)
     e, r, n_in = a.shape
     n_out = b.shape[1]
     assert tuple(b.shape) == (e, n_out, r), f"B {tuple(b.shape)} does not match A {tuple(a.shape)}"
@@ -106,24 +119,31 @@ def lora_to_peft(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def engine_view(
-    lora_a: torch.Tensor, lora_b: torch.Tensor, num_experts: int
+    lora_a: torch.Tensor, lora_b: torch.Tensor, num_experts: int, *, swapped: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PEFT's ``lora_A.weight`` ``[E * r, in]`` and ``lora_B.weight`` ``[out, r * E]`` seen in the engine layout:
-    (a ``[E, r, in]``, b ``[E, out, r]``), views of the same memory (b strided), differentiable."""
+    (a ``[E, r, in]``, b ``[E, out, r]``), views of the same memory (strided), differentiable. ``swapped``: PEFT's
+    in and out are the engine's out and in, and the engine's a is PEFT's B (b PEFT's A) transposed."""
     rows, n_in = lora_a.shape
     n_out = lora_b.shape[0]
     r = rows // num_experts
-    return lora_a.view(num_experts, r, n_in), lora_b.view(n_out, r, num_experts).permute(2, 0, 1)
+    a, b = lora_a.view(num_experts, r, n_in), lora_b.view(n_out, r, num_experts).permute(2, 0, 1)
+    return (b.transpose(1, 2), a.transpose(1, 2)) if swapped else (a, b)
 
 
 def lora_from_peft(
-    lora_a: torch.Tensor, lora_b: torch.Tensor, num_experts: int, *, label: str = "expert LoRA"
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    num_experts: int,
+    *,
+    label: str = "expert LoRA",
+    swapped: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One projection's LoRA, PEFT -> engine, checked. Exact: only reshapes and permutes.
 
     ``lora_A.weight`` ``[E * r, in]``, ``lora_B.weight`` ``[out, r * E]`` -> (a ``[E, r, in]``, b ``[E, out, r]``),
-    same dtype, detached, contiguous (:func:`engine_view`, copied). ``label`` names the tensors in error
-    messages (e.g. the key prefix).
+    same dtype, detached, contiguous (:func:`engine_view`, copied; ``swapped`` as there). ``label`` names the
+    tensors in error messages (e.g. the key prefix).
     """
     if lora_a.ndim != 2 or lora_b.ndim != 2:
         raise AdapterError(
@@ -137,7 +157,7 @@ def lora_from_peft(
             f"[out, r * E] with the same r; got {tuple(lora_a.shape)} and {tuple(lora_b.shape)}. "
             "Check that the adapter was saved for this model (number of experts)."
         )
-    a, b = engine_view(lora_a.detach(), lora_b.detach(), num_experts)
+    a, b = engine_view(lora_a.detach(), lora_b.detach(), num_experts, swapped=swapped)
     return a.contiguous(), b.contiguous()
 
 
@@ -174,12 +194,21 @@ class ExpertParamNames:
     # non-gated experts (NemotronH): the first projection is up_proj [E, I, H], which the engine uses for both
     # its gate and its up rows (``ExpertsLayout.gated``); its lora_B has I rows
     tied: bool = False
+    # PEFT's in and out the other way round from the module's (transposed without the flag: Llama 4)
+    swapped: bool = False
 
     @classmethod
     def from_module(
-        cls, experts: nn.Module, gate_up: str = "gate_up_proj", down: str = "down_proj"
+        cls,
+        experts: nn.Module,
+        gate_up: str = "gate_up_proj",
+        down: str = "down_proj",
+        *,
+        transposed: bool | None = None,
     ) -> ExpertParamNames:
-        """Read the registration order off a transformers experts module (before PEFT wraps it)."""
+        """Read the registration order off a transformers experts module (before PEFT wraps it). ``transposed``:
+        whether the module computes ``x @ W`` (``ExpertsLayout.transposed``); None takes its ``is_transposed``
+        flag at its word."""
         order = [name for name, _ in experts.named_parameters(recurse=False)]
         missing = [n for n in (gate_up, down) if n not in order]
         if missing:
@@ -187,8 +216,9 @@ class ExpertParamNames:
                 f"{type(experts).__name__} has no parameter(s) {missing}; its parameters are {order}. "
                 "Pass the names of its fused gate-up and down expert parameters."
             )
-        interleaved = not getattr(experts, "is_concatenated", True)  # transformers v5's layout flag
-        return cls(gate_up, down, order.index(gate_up) < order.index(down), interleaved)
+        interleaved = not getattr(experts, "is_concatenated", True)  # transformers v5's layout flags
+        swapped = transposed is not None and transposed != bool(getattr(experts, "is_transposed", False))
+        return cls(gate_up, down, order.index(gate_up) < order.index(down), interleaved, swapped=swapped)
 
     @classmethod
     def of(cls, experts: CpuExperts) -> ExpertParamNames:
@@ -196,9 +226,12 @@ class ExpertParamNames:
         (``experts.layout``; None: the engine's own gate-rows-first layout). transformers v5 experts modules all
         name their parameters ``gate_up_proj`` / ``down_proj`` and register gate_up first; non-gated ones
         ``up_proj`` / ``down_proj``, up first."""
-        if experts.layout is not None and not experts.layout.gated:
-            return cls(gate_up="up_proj", tied=True)
-        return cls(interleaved=experts.layout is not None and experts.layout.interleaved)
+        layout = experts.layout
+        if layout is None:
+            return cls()
+        if not layout.gated:
+            return cls(gate_up="up_proj", tied=True, swapped=layout.peft_swapped)
+        return cls(interleaved=layout.interleaved, swapped=layout.peft_swapped)
 
     def engine_rows(self, out_rows: int) -> torch.Tensor | None:
         """``ExpertLoRA.gate_up_rows`` for a gate_up ``lora_B`` of ``out_rows`` rows in this module's order: the
@@ -239,7 +272,8 @@ def expert_lora_to_peft_state(
 
     Tensors keep their dtype (fp32 master weights stay fp32); gate_up ``lora_A`` ``[E * r, H]``, ``lora_B``
     ``[2I, r * E]`` (rows interleaved when ``names.interleaved``); down ``lora_A`` ``[E * r, I]``, ``lora_B``
-    ``[H, r * E]``.
+    ``[H, r * E]``; with ``names.swapped`` gate_up ``[E * r, 2I]`` / ``[H, r * E]``, down ``[E * r, H]`` /
+    ``[I, r * E]``.
     """
     lora = _lora_of(source)
     names = names or ExpertParamNames()
@@ -248,7 +282,7 @@ def expert_lora_to_peft_state(
     state: dict[str, torch.Tensor] = {}
     for proj, (a, b) in (("gate_up", (lora.gate_up_A, gate_up_b)), ("down", (lora.down_A, lora.down_B))):
         state[f"{prefixes[proj]}.lora_A.weight"], state[f"{prefixes[proj]}.lora_B.weight"] = lora_to_peft(
-            a, b
+            a, b, swapped=names.swapped
         )
     return state
 
@@ -281,7 +315,13 @@ def expert_lora_from_peft_state(
     tensors: dict[str, torch.Tensor] = {}
     for proj in ("gate_up", "down"):
         p = prefixes[proj]
-        a, b = lora_from_peft(state[f"{p}.lora_A.weight"], state[f"{p}.lora_B.weight"], num_experts, label=p)
+        a, b = lora_from_peft(
+            state[f"{p}.lora_A.weight"],
+            state[f"{p}.lora_B.weight"],
+            num_experts,
+            label=p,
+            swapped=names.swapped,
+        )
         if proj == "gate_up" and names.interleaved:
             b = deinterleave_rows(b)
         tensors[f"{proj}_A"], tensors[f"{proj}_B"] = a, b

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from moetune.adapters.apply import linear_weight_paths, peft_model_with, weight_routers
-from moetune.adapters.check import check_adapter_folder, check_finite
+from moetune.adapters.check import check_adapter_folder, check_finite, entry_matches
 from moetune.adapters.lora_experts import FILE_NAME as LORA_EXPERTS_FILE
 from moetune.adapters.lora_experts import (
     attach_lora_experts,
@@ -169,9 +169,7 @@ def expert_targets(
             continue
         names = ExpertParamNames.of(module)
         hits = {
-            param: [
-                e for e in target_parameters if f"{path}.{param}" == e or f"{path}.{param}".endswith("." + e)
-            ]
+            param: [e for e in target_parameters if entry_matches(f"{path}.{param}", e)]
             for param in (names.gate_up, names.down)
         }
         missing = [param for param, entries in hits.items() if not entries]
@@ -248,7 +246,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: boo
     cpu_experts = [p for p, m in model.named_modules() if isinstance(m, CpuExperts)]
     router_weights = [f"{p}.weight" for p in weight_routers(model, cpu_experts)]
     routers = [  # routers that are not nn.Linear: PEFT's own target_parameters LoRA (ParamWrapper), as attach_lora
-        e for e in target_parameters if any(w == e or w.endswith("." + e) for w in router_weights)
+        e for e in target_parameters if any(entry_matches(w, e) for w in router_weights)
     ]
     unknown = [
         e for e in target_parameters if e not in dense and e not in expert_entries and e not in routers
@@ -268,7 +266,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, *, is_trainable: boo
         target_modules, list
     ):  # experts named as modules (an adapter added by add_adapter, as saved)
         named = [p for p in cpu_experts if p not in experts]
-        experts += [p for p in named if any(p == e or p.endswith("." + e) for e in target_modules)]
+        experts += [p for p in named if any(entry_matches(p, e) for e in target_modules)]
     peft_config = LoraConfig(
         r=r,
         lora_alpha=alpha,  # type: ignore[arg-type]  # PEFT annotates int; alpha / r is float math

@@ -92,6 +92,15 @@ class ExpertsLayout:
     gated: bool = True
     # experts kept as flat [E*I, H] matrices per projection (DBRX's mlp.w1/v1/w2, down transposed); None: fused
     flat: FlatTensors | None = None
+    # the module's own ``is_transposed`` attribute (transformers v5's flag), which stock PEFT reads to orient LoRA
+    # on 3-D parameters ([E, in, out] when set, else [E, out, in]); Llama4TextExperts is transposed without it
+    declares_transposed: bool = False
+
+    @property
+    def peft_swapped(self) -> bool:
+        """Whether stock PEFT takes this module's 3-D parameters with in and out the other way round from how the
+        module computes (its ``lora_A`` then sits on the output side: Llama 4)."""
+        return self.transposed != self.declares_transposed
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
@@ -332,6 +341,7 @@ def read_layout(module: nn.Module, spec: ArchSpec, path: str) -> ExpertsLayout:
         activation_kwargs=tuple(sorted(kwargs.items())),
         identity_experts=identity,
         gated=flags.has_gate,
+        declares_transposed=bool(getattr(module, "is_transposed", False)),
     )
     for name in layout.tensor_names:
         t = _tensor(module, name)

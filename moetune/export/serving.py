@@ -159,7 +159,9 @@ def _write_experts(
     target_parameters entries they need)."""
     path, sources, layout = layer.site.path, layer.sources, layer.site.layout
     # non-gated experts (NemotronH) have up_proj [E, I, H] where the others have gate_up_proj
-    names = ExpertParamNames.from_module(module, gate_up="gate_up_proj" if layout.gated else "up_proj")
+    names = ExpertParamNames.from_module(
+        module, gate_up="gate_up_proj" if layout.gated else "up_proj", transposed=layout.transposed
+    )
     order = [names.gate_up, names.down] if names.gate_up_first else [names.down, names.gate_up]
     prefixes = expert_lora_prefixes(path, order, config)
     per_expert = all(s.expert is not None and s.role in ROLES for s in sources)
@@ -174,6 +176,7 @@ def _write_experts(
                 tensors[f"{PREFIX}{prefix}.lora_B.weight"],
                 lora_a.shape[0] // r,
                 label=PREFIX + prefix,
+                swapped=names.swapped,
             )
             lora[proj] = (a, deinterleave_rows(b) if proj == "gate_up" and names.interleaved else b)
         i = layout.intermediate_size

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moetune.adapters.check import entry_matches
 from moetune.config.schema import FinetuneConfig, FinetuningType
 from moetune.errors import ConfigError, listing
 from moetune.layer import CpuExperts
@@ -212,7 +213,7 @@ def _additional_paths(model: nn.Module, names: tuple[str, ...]) -> list[str]:
     """Module paths matching ``additional_target`` names (the path or a dotted suffix, as PEFT matches)."""
     out = []
     for p, _ in model.named_modules():
-        if any(p == n or p.endswith("." + n) for n in names):
+        if any(entry_matches(p, n) for n in names):
             out.append(p)
     return out
 

@@ -26,9 +26,6 @@ from moetune.loading import load_model
 from moetune.testing.families import MOE_FAMILIES, survey_config
 from moetune.testing.survey import _inputs, _random_model
 
-# stock PEFT 0.21 builds LoRA of other shapes on these experts: Llama4TextExperts stores [E, H, 2I] (x @ W) without
-# transformers' is_transposed flag, which PEFT reads as [E, out, in]; moetune's loaders load the adapter as saved
-STOCK_PEFT_SHAPES_DIFFER = ("llama4",)
 # what moetune export refuses, by name: weights transformers builds at load from other checkpoint tensors (a split
 # or merge, not a rename), experts stored per projection for all experts at once (Step-3.7)
 EXPORT_REFUSED = {
@@ -186,10 +183,6 @@ def test_every_family_adapter_round_trip(family, tmp_path):
     assert (logits(again) - want).abs().max() <= 1e-5 * scale
     # transformers' class of what moetune loaded (Qwen3-Omni: its thinker), with PEFT's own loading
     base = type(peft.get_base_model()).from_pretrained(tmp_path / "m", dtype=torch.float32)
-    if family in STOCK_PEFT_SHAPES_DIFFER:
-        with pytest.raises(RuntimeError, match="size mismatch"):
-            PeftModel.from_pretrained(base, tmp_path / "a")
-        return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         stock = PeftModel.from_pretrained(base, tmp_path / "a")
@@ -232,3 +225,63 @@ def test_all_leaves_a_router_s_inner_linear_out(tmp_path) -> None:
     peft = attach_lora(model, rank=4, alpha=8)
     assert not [n for n, _ in peft.named_parameters() if ".router." in n and "lora_" in n]
     assert [n for n, _ in peft.named_parameters() if ".q_b_proj." in n and "lora_" in n]
+
+
+@pytest.mark.parametrize("family", ["llama4", "gpt_oss", "qwen3_moe"])
+def test_expert_lora_is_stock_peft_lora_in_training(family, tmp_path) -> None:
+    """LoRA attached by moetune has stock PEFT's tensors on transformers' own model: the same names and shapes,
+    lora_B zero at the start (Llama 4's flagless transposed experts, whose in and out PEFT swaps, included), and
+    with every tensor random the same loss and the same gradient of every lora_A / lora_B, named alike."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    config = survey_config(family)
+    # Llama 4's text model: transformers' whole-model forward fails for it (survey.RUN_ON)
+    config = config.get_text_config() if family == "llama4" else config
+    cls, path = type(ref := _random_model(config, seed=0)), tmp_path / "m"
+    ref.save_pretrained(path)
+    model = attach_lora(
+        load_model(path, device="cpu", dtype="float32", progress=False, num_threads=1), rank=4, alpha=8
+    )
+    ours = {n.removeprefix("base_model.model."): p for n, p in model.named_parameters() if ".lora_" in n}
+    peft_config = model.peft_config["default"]
+    fresh = get_peft_model(
+        cls.from_pretrained(path, dtype=torch.float32),
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=peft_config.target_modules,
+            target_parameters=peft_config.target_parameters,
+        ),
+    )
+    stock_shapes = {
+        n.removeprefix("base_model.model."): tuple(p.shape)
+        for n, p in fresh.named_parameters()
+        if ".lora_" in n
+    }
+    assert {n: tuple(p.shape) for n, p in ours.items()} == stock_shapes
+    assert all(not p.any() for n, p in ours.items() if ".lora_B." in n)
+    assert any(".experts." in n for n in ours)
+
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in ours.values():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    save_adapter(model, tmp_path / "a")
+    stock = PeftModel.from_pretrained(
+        cls.from_pretrained(path, dtype=torch.float32), tmp_path / "a", is_trainable=True
+    )
+    inputs = _inputs(0, config.vocab_size)
+    losses, grads = [], []
+    for m in (model.train(), stock.train()):
+        loss = m(**inputs).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(
+            {n.removeprefix("base_model.model."): p.grad for n, p in m.named_parameters() if ".lora_" in n}
+        )
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert sorted(grads[0]) == sorted(grads[1])
+    for name, want in grads[1].items():
+        got = grads[0][name]
+        assert got is not None and want.abs().max() > 0, name
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max(), name

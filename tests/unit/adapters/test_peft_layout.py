@@ -9,8 +9,9 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
-from transformers import GptOssConfig, Qwen3MoeConfig
+from transformers import GptOssConfig, Llama4TextConfig, Qwen3MoeConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from moetune.adapters import (
@@ -49,13 +50,17 @@ class DownFirstExperts(nn.Module):
 
 
 def make_experts(kind: str, dtype: torch.dtype = torch.float32, impl: str = "eager") -> nn.Module:
-    """A transformers experts module (``"qwen"`` or the transposed ``"gpt_oss"``) with random base weights."""
+    """A transformers experts module (``"qwen"``, the transposed ``"gpt_oss"`` or the transposed ``"llama4"``,
+    which does not declare it) with random base weights."""
     if kind == "qwen":
         cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K)
         experts: nn.Module = Qwen3MoeExperts(cfg)
     elif kind == "gpt_oss":
         cfg = GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K)
         experts = GptOssExperts(cfg)
+    elif kind == "llama4":
+        cfg = Llama4TextConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K)
+        experts = Llama4TextExperts(cfg)
     else:
         assert kind == "down_first", kind
         return DownFirstExperts().to(dtype)
@@ -91,8 +96,15 @@ def random_engine_lora(dtype: torch.dtype = torch.float64) -> ExpertLoRA:
     return ExpertLoRA(**tensors, scaling=ALPHA / R)
 
 
+def names_of(experts: nn.Module) -> ExpertParamNames:
+    """The module's names, told that Llama 4's experts compute ``x @ W`` (moetune's arch spec knows it)."""
+    return ExpertParamNames.from_module(
+        experts, transposed=True if isinstance(experts, Llama4TextExperts) else None
+    )
+
+
 def engine_lora_of(pm: nn.Module, experts: nn.Module, scaling: float = ALPHA / R) -> ExpertLoRA:
-    names = ExpertParamNames.from_module(experts)
+    names = names_of(experts)
     return expert_lora_from_peft_state(
         get_peft_model_state_dict(pm), PREFIX, num_experts=E, scaling=scaling, names=names
     )
@@ -101,10 +113,10 @@ def engine_lora_of(pm: nn.Module, experts: nn.Module, scaling: float = ALPHA / R
 # ---- key names and shapes
 
 
-@pytest.mark.parametrize("kind", ["qwen", "gpt_oss", "down_first"])
+@pytest.mark.parametrize("kind", ["qwen", "gpt_oss", "llama4", "down_first"])
 def test_peft_to_engine_to_peft_is_identity_with_peft_keys(kind):
     experts = make_experts(kind)
-    names = ExpertParamNames.from_module(experts)
+    names = names_of(experts)
     pm = peft_model(experts)
     randomize_lora(pm)
     state = get_peft_model_state_dict(pm)
@@ -179,11 +191,30 @@ def test_peft_layout_is_expert_major_A_rank_major_B():
     assert torch.equal(a2, a) and torch.equal(b2, b)
 
 
-@pytest.mark.parametrize("kind", ["qwen", "gpt_oss"])
+def test_swapped_layout_puts_B_transposed_in_lora_A():
+    """PEFT's roles swapped (Llama 4): ``lora_A`` holds the engine's B transposed, expert-major, and ``lora_B`` the
+    engine's A transposed, rank-major; the engine view and the round trip undo it exactly."""
+    from moetune.adapters.peft_layout import engine_view
+
+    a = torch.arange(E * R * H, dtype=torch.float64).view(E, R, H)
+    b = -torch.arange(E * 2 * I * R, dtype=torch.float64).view(E, 2 * I, R)
+    lora_a, lora_b = lora_to_peft(a, b, swapped=True)
+    assert lora_a.shape == (E * R, 2 * I) and lora_b.shape == (H, R * E)
+    e, j, o, i = 5, 2, 7, 11
+    assert lora_a[e * R + j, o] == b[e, o, j] and lora_b[i, j * E + e] == a[e, j, i]
+    for a2, b2 in (
+        lora_from_peft(lora_a, lora_b, E, swapped=True),
+        engine_view(lora_a, lora_b, E, swapped=True),
+    ):
+        assert torch.equal(a2, a) and torch.equal(b2, b)
+
+
+@pytest.mark.parametrize("kind", ["qwen", "gpt_oss", "llama4"])
 @pytest.mark.parametrize("use_rslora", [False, True])
 def test_peft_delta_weight_is_scaled_B_at_A(kind, use_rslora):
     experts = make_experts(kind, torch.float64)
-    names = ExpertParamNames.from_module(experts)
+    names = names_of(experts)
+    assert names.swapped == (kind == "llama4")
     pm = peft_model(experts, use_rslora=use_rslora)
     lora = random_engine_lora()
     result = set_peft_model_state_dict(pm, expert_lora_to_peft_state(lora, PREFIX, names))
@@ -197,7 +228,7 @@ def test_peft_delta_weight_is_scaled_B_at_A(kind, use_rslora):
         if proj == "gate_up" and kind == "gpt_oss":  # gpt-oss interleaves gate (even) and up (odd) outputs
             gate, up = want.chunk(2, dim=1)
             want = torch.stack((gate, up), dim=2).flatten(1, 2)
-        if kind == "gpt_oss":  # is_transposed: the parameter and its delta are [E, in, out]
+        if kind in ("gpt_oss", "llama4"):  # x @ W: the parameter and its delta are [E, in, out]
             want = want.transpose(1, 2)
         got = wrappers[param].get_delta_weight("default")
         assert got.shape == getattr(experts, param).shape
