@@ -108,6 +108,7 @@ def layout(
     metadata: Mapping[str, str] | None = None,
     align: int = 8,
     largest_first: bool = False,
+    by_name: bool = False,
 ) -> tuple[bytes, list[str]]:
     """The header (8-byte length, JSON padded with spaces to a multiple of 8) and the data order of a
     safetensors file holding ``tensors``, laid out as ``safetensors.torch.save_file`` lays it out; only each
@@ -118,13 +119,16 @@ def layout(
     (trailing whitespace is valid JSON; the format asks only for a multiple of 8), and ``largest_first`` lays the
     data out by size, largest first (then by name), instead of by dtype: the big tensors (weights, whose sizes are
     whole cache lines) then start at aligned offsets, the small ones (scales, biases) after them. Readers find
-    tensors by their offsets, so stock safetensors reads either order."""
+    tensors by their offsets, so stock safetensors reads either order. ``by_name``: the data by name alone (a
+    quantized weight's parts, ``x.weight`` and ``x.weight_scale_inv``, then come one after the other)."""
     if align <= 0 or align % 8:
         raise MoetuneError(f"safetensors data alignment must be a positive multiple of 8 bytes; got {align}")
     unknown = sorted({str(t.dtype) for t in tensors.values() if t.dtype not in _CODES})
     if unknown:
         raise MoetuneError(f"safetensors cannot hold dtype(s) {unknown}; it holds {[str(d) for d in _CODES]}")
-    if largest_first:
+    if by_name:
+        order = sorted(tensors)
+    elif largest_first:
         order = sorted(tensors, key=lambda k: (-tensors[k].numel() * tensors[k].element_size(), k))
     else:
         order = sorted(tensors, key=lambda k: (_CODES[tensors[k].dtype][0], k))
@@ -147,28 +151,34 @@ def write_streamed(
     fetch: Callable[[torch.Tensor], torch.Tensor] | None = None,
     align: int = 8,
     largest_first: bool = False,
+    produce: Callable[[str], torch.Tensor] | None = None,
+    by_name: bool = False,
 ) -> None:
     """Write ``tensors`` to ``path`` as one safetensors file (the layout of ``save_file``, so stock readers see
     the same file), one tensor at a time: the header first, from the dtypes and shapes alone, then each tensor's
     bytes in the data order. A ``meta`` tensor stands for one produced only when its turn comes:
     ``fetch(placeholder)`` returns it (same dtype and shape; e.g. gathered from other processes), and it is
-    dropped once written, so at most one such tensor is held at a time. ``align``, ``largest_first``: where the
-    data section starts and in which order the data go (``layout``). Not atomic by itself: write into a temporary
-    file and rename (``moetune.atomic.write_atomically``)."""
-    header, order = layout(tensors, metadata, align, largest_first)
+    dropped once written, so at most one such tensor is held at a time (``produce(key)`` instead, when given, is
+    asked by the tensor's name). ``align``, ``largest_first``, ``by_name``: where the data section starts and in
+    which order the data go (``layout``). Not atomic by itself: write into a temporary file and rename
+    (``moetune.atomic.write_atomically``)."""
+    header, order = layout(tensors, metadata, align, largest_first, by_name)
     with path.open("wb") as f:
         f.write(header)
         for key in order:  # the produced tensor is an argument only: dropped when its bytes are written
-            _write_bytes(f, _produced(key, tensors[key], fetch))
+            _write_bytes(f, _produced(key, tensors[key], fetch, produce))
 
 
 def _produced(
-    key: str, t: torch.Tensor, fetch: Callable[[torch.Tensor], torch.Tensor] | None
+    key: str,
+    t: torch.Tensor,
+    fetch: Callable[[torch.Tensor], torch.Tensor] | None,
+    produce: Callable[[str], torch.Tensor] | None,
 ) -> torch.Tensor:
     if not t.is_meta:
         return t
-    assert fetch is not None, f"{key} is a placeholder and no fetch was given"
-    got = fetch(t)
+    assert fetch is not None or produce is not None, f"{key} is a placeholder and no fetch was given"
+    got = produce(key) if produce is not None else fetch(t)  # type: ignore[misc]
     assert (got.dtype, got.shape) == (t.dtype, t.shape), (key, got.dtype, got.shape, t.shape)
     return got
 

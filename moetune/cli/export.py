@@ -1,5 +1,6 @@
-"""``moetune export --model DIR --adapter DIR --out DIR``: an adapter in the layout vLLM and SGLang load
-(``moetune.export.serving``)."""
+"""``moetune export``: an adapter in the layout vLLM and SGLang load (``--model DIR --adapter DIR --out DIR``,
+``moetune.export.serving``), or merged into its base checkpoint (``--merge``, or LLaMA-Factory's merge config:
+``moetune export merge.yaml``; ``moetune.export.merge``)."""
 
 from __future__ import annotations
 
@@ -9,24 +10,55 @@ import argparse
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "export",
-        help="write an adapter in the layout vLLM and SGLang load (expert LoRA per expert, checkpoint names)",
+        help="write an adapter in the layout vLLM and SGLang load, or merge it into its base checkpoint",
         description="Rewrite a trained adapter for serving engines: every LoRA pair under the name of the "
         "checkpoint weight it adapts, routed-expert LoRA one pair per expert and projection where the checkpoint "
         "stores one matrix per expert (Qwen, DeepSeek, Kimi, GLM, Mixtral, ...), PEFT's fused pairs for the "
         "models vLLM adapts that way (gpt-oss, Qwen3.5-MoE, Qwen3-VL-MoE), rsLoRA folded into B. Reads the "
         "checkpoint's headers only. Router LoRA, modules_to_save and LoRA experts are refused (no engine applies "
-        "them). The adapter as trained stays the one stock PEFT loads.",
+        "them). The adapter as trained stays the one stock PEFT loads. With --merge, or given LLaMA-Factory's "
+        "merge config (llamafactory-cli export's YAML), write the base checkpoint with the adapter merged into "
+        "its weights instead: same names, shards and format (FP8 block and compressed-tensors INT4 weights "
+        "quantized again), loadable with no adapter.",
     )
-    p.add_argument("--model", required=True, help="the base model folder the adapter was trained on")
     p.add_argument(
-        "--adapter", required=True, help="adapter folder written by moetune train (stock PEFT format)"
+        "config",
+        nargs="?",
+        help="LLaMA-Factory merge config (model_name_or_path, adapter_name_or_path, export_dir, ...): merge",
     )
-    p.add_argument("--out", required=True, help="folder to write: new or empty (or an earlier export)")
-    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
+    p.add_argument("--model", help="the base model folder the adapter was trained on")
+    p.add_argument("--adapter", help="adapter folder written by moetune train (stock PEFT format)")
+    p.add_argument("--out", help="folder to write: new or empty (or an earlier export of the same kind)")
+    p.add_argument(
+        "--merge", action="store_true", help="write the base checkpoint with the adapter merged in"
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier export of the same kind in --out"
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from moetune.errors import ConfigError
+
+    if args.config is not None:
+        if args.model or args.adapter or args.out:
+            raise ConfigError("give either a merge config or --model / --adapter / --out, not both")
+        from moetune.config.export import load_merge_config
+
+        config = load_merge_config(args.config)
+        return _merge(
+            config.model_name_or_path,
+            config.adapter_name_or_path,
+            config.export_dir,
+            args.overwrite,
+            config.trust_remote_code,
+        )
+    missing = [f"--{n}" for n in ("model", "adapter", "out") if getattr(args, n) is None]
+    if missing:
+        raise ConfigError(f"moetune export needs {', '.join(missing)} (or a merge config)")
+    if args.merge:
+        return _merge(args.model, args.adapter, args.out, args.overwrite, False)
     from moetune.export import export_serving_adapter
 
     result = export_serving_adapter(args.model, args.adapter, args.out, overwrite=args.overwrite)
@@ -35,5 +67,19 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {args.out}: {pairs} LoRA pairs; routed experts {result.per_expert} modules per expert, "
         f"{result.fused} fused; r={result.config['r']}, lora_alpha={result.config['lora_alpha']} "
         f"(serve with vLLM --max-lora-rank >= {result.config['r']})"
+    )
+    return 0
+
+
+def _merge(model: object, adapter: object, out: object, overwrite: bool, trust_remote_code: bool) -> int:
+    from moetune.export import export_merged_checkpoint
+
+    result = export_merged_checkpoint(
+        str(model), str(adapter), str(out), overwrite=overwrite, trust_remote_code=trust_remote_code
+    )
+    print(
+        f"wrote {out}: the checkpoint with the adapter merged into {len(result.changed)} weights; "
+        f"{len(result.written)} shards rewritten, {len(result.copied)} files copied as they were"
+        + (f"; left out: {', '.join(result.left_out)}" if result.left_out else "")
     )
     return 0

@@ -255,7 +255,11 @@ REJECTED_PREFIXES: tuple[tuple[str, str], ...] = (
     ("reward_model_", _LATER_METHOD),
     ("swanlab_", "SwanLab logging is configured through report_to; SwanLab's own keys are not supported"),
     ("use_swanlab", "use report_to: swanlab"),
-    ("export_", "exporting is a separate command; `moetune train` saves the adapter to output_dir"),
+    (
+        "export_",
+        "exporting is a separate command: `moetune train` saves the adapter to output_dir, and `moetune export "
+        "merge.yaml` (LLaMA-Factory's merge config) or `moetune export --merge` merges it into the model",
+    ),
     ("vllm_", _INFER),
     ("sglang_", _INFER),
     ("image_", _MULTIMODAL),

@@ -75,9 +75,15 @@ def load_config(path: str | Path, *, check_model_path: bool = True) -> MoetuneCo
     ``check_model_path=False`` skips the check that ``model_name_or_path`` exists (for validating shipped
     example configs whose model a demo generates); every other check always runs.
     """
+    path = Path(path)
+    return parse_config(read_yaml(path), source=path, check_model_path=check_model_path)
+
+
+def read_yaml(path: Path) -> Any:
+    """The YAML document in ``path``; ``ConfigError`` for a file that cannot be read, is not UTF-8 or YAML, or sets
+    a key twice in one mapping (YAML would keep the last silently)."""
     import yaml
 
-    path = Path(path)
     try:
         loader = _unique_keys_loader()(path.read_text(encoding="utf-8"))
         try:
@@ -98,7 +104,7 @@ def load_config(path: str | Path, *, check_model_path: bool = True) -> MoetuneCo
             f"{path}: {len(loader.duplicates)} key(s) set twice in one mapping; YAML would silently keep only the "
             "last value. Keep one of each:" + listing(loader.duplicates)
         )
-    return parse_config(raw, source=path, check_model_path=check_model_path)
+    return raw
 
 
 @functools.cache

@@ -33,7 +33,7 @@ import math
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -86,18 +86,37 @@ class ServingAdapter:
     config: dict[str, Any]
     per_expert: int
     fused: int
+    # for a merge (``merging=True``): the experts modules whose pairs stay fused (model paths), whole weights
+    # saved beside the LoRA by the checkpoint key they replace (-> the adapter's key), and each per-weight pair's
+    # module name -> the checkpoint key of the weight it adapts
+    fused_paths: tuple[str, ...] = ()
+    whole: dict[str, str] = field(default_factory=dict)
+    weights: dict[str, str] = field(default_factory=dict)
 
 
 def _refusals(
-    adapter: AdapterFolder, whole: Mapping[str, Any], pairs: Mapping[str, Any], routers: list[str]
+    adapter: AdapterFolder,
+    whole: Mapping[str, Any],
+    pairs: Mapping[str, Any],
+    routers: list[str],
+    merging: bool,
 ) -> list[str]:
-    """What serving engines would not apply, each with what to do instead."""
+    """What serving engines would not apply (``merging``: what a merged checkpoint cannot hold), each with what to
+    do instead."""
     problems = []
     if adapter.lora_experts is not None:
         problems.append(
-            f"{adapter.lora_experts_file.name}: LoRA experts (added experts) are moetune's own; no serving engine "
-            "computes them. Serve with moetune generate / chat, or train without lora_experts"
+            f"{adapter.lora_experts_file.name}: LoRA experts (added experts) are moetune's own; "
+            + (
+                "the model's checkpoint format has no place for them. Use the adapter unmerged with moetune "
+                "generate / chat, or train without lora_experts"
+                if merging
+                else "no serving engine computes them. Serve with moetune generate / chat, or train without "
+                "lora_experts"
+            )
         )
+    if merging:
+        return problems
     if whole:
         problems.append(
             f"{WEIGHTS_NAME} holds whole weights beside the LoRA ({listing(sorted(whole), inline=True)}: "
@@ -130,6 +149,7 @@ class _Writer:
         self.fold = fold  # B's factor: sqrt(r) under rsLoRA (alpha / sqrt(r) = sqrt(r) * alpha / r), else 1
         self.tensors: dict[str, torch.Tensor] = {}
         self.leaves: set[str] = set()
+        self.weights: dict[str, str] = {}  # pair's module name -> the checkpoint weight it adapts
 
     def b(self, b: torch.Tensor) -> torch.Tensor:
         """B with the fold; in fp32 when the fold is not a power of two (it would round a bf16 B again)."""
@@ -138,11 +158,13 @@ class _Writer:
         exact = math.frexp(self.fold)[0] == 0.5
         return (b.double() * self.fold).to(b.dtype if exact else torch.promote_types(b.dtype, torch.float32))
 
-    def pair(self, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        """One LoRA pair under the checkpoint name ``module``: a ``[r, in]``, b ``[out, r]``."""
+    def pair(self, key: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """One LoRA pair for checkpoint weight ``key``, under its module's name: a ``[r, in]``, b ``[out, r]``."""
+        module = key.removesuffix(".weight")
         self.tensors[f"{PREFIX}{module}.lora_A.weight"] = a.contiguous().clone()  # gate and up share A
         self.tensors[f"{PREFIX}{module}.lora_B.weight"] = self.b(b).contiguous().clone()
         self.leaves.add(module.rpartition(".")[2])
+        self.weights[module] = key
 
 
 def _write_experts(
@@ -185,7 +207,7 @@ def _write_experts(
             if proj in lora:
                 a, b = lora[proj][0][s.expert], lora[proj][1][s.expert]
                 rows = b if s.role == "down" or not layout.gated else b[:i] if s.role == "gate" else b[i:]
-                writer.pair(s.info.key.removesuffix(".weight"), a, rows)
+                writer.pair(s.info.key, a, rows)
         return None
     if not per_expert and not all(s.expert is None and s.role not in ROLES for s in sources):
         raise AdapterError(
@@ -211,20 +233,30 @@ def serving_adapter(model_path: str | Path, adapter_path: str | Path) -> Serving
     """The serving layout (module docstring) of the adapter in ``adapter_path`` for the checkpoint in
     ``model_path``. Reads the checkpoint's headers and the adapter, no model weight; ``AdapterError`` names what
     has no serving layout."""
-    from moetune.adapters.save import read_tensors
     from moetune.loading.load import plan_load
     from moetune.loading.options import LoadOptions
 
-    folder = check_adapter_folder(
-        adapter_path
-    ).folder  # the folder alone first: no checkpoint header read for it
+    # the folder alone first: no checkpoint header read for it
+    folder = check_adapter_folder(adapter_path).folder
     planned = plan_load(model_path, LoadOptions.create(device="cpu", dtype="float32", progress=False))
+    return checkpoint_pairs(planned, folder, merging=False)
+
+
+def checkpoint_pairs(planned: PlannedLoad, folder: Path, *, merging: bool) -> ServingAdapter:
+    """The adapter in ``folder`` with each pair under the checkpoint name of the weight it adapts (module
+    docstring), for the checkpoint ``planned`` (headers only). ``merging``: for merging into the checkpoint
+    (``moetune.export.merge``): expert pairs per expert wherever the checkpoint stores experts per expert, router
+    LoRA kept and whole weights mapped to the checkpoint keys they replace; only LoRA experts are refused."""
+    from moetune.adapters.save import read_tensors
+
     adapter = check_adapter_folder(folder, planned.model.config, meta_model=planned.model)
     pairs, whole = lora_pairs(adapter)
     sites = {s.path: s for s in planned.sites}
-    problems = _refusals(adapter, whole, pairs, weight_routers(planned.model, list(sites)))
+    problems = _refusals(adapter, whole, pairs, weight_routers(planned.model, list(sites)), merging)
     if problems:
-        raise AdapterError(f"adapter {folder} has no serving layout:{listing(problems)}")
+        raise AdapterError(
+            f"adapter {folder} has no {'merged' if merging else 'serving'} layout:{listing(problems)}"
+        )
     tensors = read_tensors(adapter.weights_file)
 
     writer = _Writer(math.sqrt(adapter.r) if adapter.config.get("use_rslora") else 1.0)
@@ -235,28 +267,34 @@ def serving_adapter(model_path: str | Path, adapter_path: str | Path) -> Serving
             expert_paths.add(path)
         elif (key := names.get(f"{module}.weight")) is not None:
             a, b = (tensors[f"{PREFIX}{module}.lora_{x}.weight"] for x in "AB")
-            writer.pair(key.removesuffix(".weight"), a, b)
+            writer.pair(key, a, b)
         else:
             unnamed.append(f"{module}.weight")
+    replaced = {}
+    for key in sorted(whole):  # a module's whole weight (modules_to_save), or an embedding's base weight
+        if (stored := names.get(key.replace(".base_layer.", "."))) is not None:
+            replaced[stored] = PREFIX + key
+        else:
+            unnamed.append(key)
     if unnamed:
         raise AdapterError(
-            f"adapter {folder}: {model_path} stores no tensor that loads as {listing(unnamed, inline=True)} by a "
-            "plain rename (tied to another weight, or made by a conversion at load), so a serving engine would "
-            "find no weight of that name for the LoRA"
+            f"adapter {folder}: {planned.checkpoint.path} stores no tensor that loads as "
+            f"{listing(unnamed, inline=True)} by a plain rename (tied to another weight, or made by a conversion "
+            "at load), so no weight of that name takes what the adapter holds for it"
         )
 
     architectures = planned.checkpoint.config.get("architectures") or []
-    fused_class = any(a in FUSED_LORA_CLASSES for a in architectures)
+    fused_class = not merging and any(a in FUSED_LORA_CLASSES for a in architectures)
     layers = {layer.site.path: layer for layer in planned.plan.layers}
     fused_entries: set[str] = set()
-    per_expert = fused = 0
+    per_expert, fused_paths = 0, []
     for path in sorted(expert_paths):
         experts = planned.model.get_submodule(path)
         kept = _write_experts(writer, tensors, adapter.config, layers[path], experts, fused_class, adapter.r)
         if kept is None:
             per_expert += 1
         else:
-            fused += 1
+            fused_paths.append(path)
             fused_entries |= kept
 
     config = dict(adapter.config)
@@ -267,21 +305,32 @@ def serving_adapter(model_path: str | Path, adapter_path: str | Path) -> Serving
         lora_dropout=0.0,
         modules_to_save=None,
     )
-    return ServingAdapter(writer.tensors, config, per_expert, fused)
+    return ServingAdapter(
+        writer.tensors,
+        config,
+        per_expert,
+        len(fused_paths),
+        tuple(fused_paths),
+        replaced if merging else {},
+        writer.weights,
+    )
 
 
-def _is_export(folder: Path) -> bool:
-    """Whether ``folder`` holds what :func:`export_serving_adapter` writes (its weights file carries the mark)."""
+def _is_export(folder: Path, mark: Mapping[str, str]) -> bool:
+    """Whether ``folder`` holds what an export with ``mark`` writes (a safetensors file in it carries the mark)."""
     from safetensors import safe_open
 
-    try:
-        with safe_open(str(folder / WEIGHTS_NAME), "pt") as f:
-            return (f.metadata() or {}).get("moetune_export") == EXPORT_MARK["moetune_export"]
-    except Exception:  # noqa: BLE001 - missing or not a safetensors file: not an export either way
-        return False
+    for path in folder.glob("*.safetensors"):
+        try:
+            with safe_open(str(path), "pt") as f:
+                if (f.metadata() or {}).get("moetune_export") == mark["moetune_export"]:
+                    return True
+        except Exception:  # noqa: BLE001 - not a safetensors file: not an export either way
+            continue
+    return False
 
 
-def _check_out(out: Path, source: Path, model: Path, overwrite: bool) -> None:
+def _check_out(out: Path, source: Path, model: Path, overwrite: bool, mark: Mapping[str, str]) -> None:
     """``OutputDirError`` unless ``out`` may take an export: new, empty, or (``overwrite``) an earlier export."""
     for name, other in (("adapter", source), ("model", model)):
         if out == other.resolve():
@@ -296,11 +345,44 @@ def _check_out(out: Path, source: Path, model: Path, overwrite: bool) -> None:
         raise OutputDirError(
             f"--out {out} is a folder that is not empty; give a new or empty folder, or --overwrite an earlier export"
         )
-    if not _is_export(out):
+    if not _is_export(out, mark):
         raise OutputDirError(
-            f"--out {out} holds files that are not an earlier moetune export (its {WEIGHTS_NAME} lacks the export "
-            "mark); --overwrite replaces earlier exports only. Give a new folder"
+            f"--out {out} holds files that are not an earlier moetune export of this kind (no safetensors file in "
+            f"it carries the mark {dict(mark)}); --overwrite replaces earlier exports only. Give a new folder"
         )
+
+
+def _aside(out: Path) -> tuple[Path, Path]:
+    """Where an export of ``out`` is staged, and where the earlier one waits while it moves in."""
+    return out.with_name(out.name + ".export-staged"), out.with_name(out.name + ".export-old")
+
+
+def prepare_out(
+    out_dir: str | Path,
+    adapter_path: str | Path,
+    model_path: str | Path,
+    overwrite: bool,
+    mark: Mapping[str, str],
+) -> tuple[Path, Path]:
+    """(``out``, the folder to stage the export in) after what a killed export left is put right and ``out`` is
+    checked (``OutputDirError``: new or empty, or with ``overwrite`` an earlier export carrying ``mark``; never the
+    adapter's or the model's folder). Nothing is read from the model or the adapter."""
+    from moetune.atomic import recover_folder
+
+    out = Path(out_dir).expanduser().resolve()  # a link's target, and "." by its name
+    staged, aside = _aside(out)
+    recover_folder(out, staged, aside)  # what a killed export left: the previous export back in place
+    _check_out(out, Path(adapter_path).expanduser(), Path(model_path).expanduser(), overwrite, mark)
+    return out, staged
+
+
+def publish(staged: Path, out: Path) -> None:
+    """Move the staged export in whole, in place of ``out`` (an empty folder, or an earlier export)."""
+    from moetune.atomic import replace_folder
+
+    if out.is_dir() and not any(out.iterdir()):
+        os.rmdir(out)
+    replace_folder(staged, out, _aside(out)[1])
 
 
 def export_serving_adapter(
@@ -312,13 +394,10 @@ def export_serving_adapter(
     unusable ``out_dir``, before anything is read."""
     from safetensors.torch import save_file
 
-    from moetune.atomic import fsync, recover_folder, replace_folder
+    from moetune.atomic import fsync
 
-    out = Path(out_dir).expanduser().resolve()  # a link's target, and "." by its name
+    out, staged = prepare_out(out_dir, adapter_path, model_path, overwrite, EXPORT_MARK)
     source = Path(adapter_path).expanduser()
-    staged, aside = out.with_name(out.name + ".export-staged"), out.with_name(out.name + ".export-old")
-    recover_folder(out, staged, aside)  # what a killed export left: the previous export back in place
-    _check_out(out, source, Path(model_path).expanduser(), overwrite)
     result = serving_adapter(model_path, source)
     staged.mkdir(parents=True)
     save_file(result.tensors, str(staged / WEIGHTS_NAME), metadata={"format": "pt", **EXPORT_MARK})
@@ -330,7 +409,5 @@ def export_serving_adapter(
             shutil.copy2(source / name, staged / name)
     for path in staged.iterdir():
         fsync(path)
-    if out.is_dir() and not any(out.iterdir()):
-        os.rmdir(out)
-    replace_folder(staged, out, aside)
+    publish(staged, out)
     return result

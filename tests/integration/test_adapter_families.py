@@ -34,6 +34,9 @@ EXPORT_REFUSED = {
     "nemotron_h_omni": "by a plain rename",
     "step3p7": "per projection for all experts at once",
 }
+# what moetune export --merge refuses beyond those, by name: experts a conversion at load dequantizes from another
+# stored form (no writer for it)
+MERGE_REFUSED = {"inkling2_loop": "conversion at load: Inkling2LoopDequantizeExperts"}
 RENAMED_BY_PEFT = ("mistral_large4", "deepseek_ocr2", "laguna", "inkling2")
 MODULE_LAYOUTS = ("nemotron_h", "longcat_flash")
 
@@ -168,7 +171,8 @@ def test_every_family_adapter_round_trip(family, tmp_path):
         m = m.eval()
         with torch.no_grad():
             if run_on is not None:  # transformers' whole-model forward fails for it (survey.RUN_ON)
-                return m.get_base_model().get_submodule(run_on)(**inputs).logits
+                base = m.get_base_model() if hasattr(m, "get_base_model") else m
+                return base.get_submodule(run_on)(**inputs).logits
             return m(**inputs).logits
 
     want = logits(peft)
@@ -196,23 +200,31 @@ def test_every_family_adapter_round_trip(family, tmp_path):
     # the serving copy (moetune export): each pair added to the checkpoint tensor it names, as an engine applies
     # it, gives the logits of stock PEFT's own merge (merge_and_unload: it also reaches a Linear whose weight the
     # model reads directly, Jamba's dt_proj, where LoRA in the forward never runs); where stock PEFT does not load
-    # the adapter, the trained logits. Fused expert LoRA is kept as trained (tests/integration/test_serving_export.py)
-    from moetune.export import export_serving_adapter
+    # the adapter, the trained logits. Fused expert LoRA is kept as trained (tests/integration/test_serving_export.py).
+    # The merged checkpoint (moetune export --merge), loaded by transformers with no adapter: the same logits
+    from moetune.export import export_merged_checkpoint, export_serving_adapter
     from tests.integration.test_serving_export import _served
 
     if family in EXPORT_REFUSED:
-        with pytest.raises(AdapterError, match=EXPORT_REFUSED[family]):
-            export_serving_adapter(tmp_path / "m", tmp_path / "a", tmp_path / "serve")
+        for export in (export_serving_adapter, export_merged_checkpoint):
+            with pytest.raises(AdapterError, match=EXPORT_REFUSED[family]):
+                export(tmp_path / "m", tmp_path / "a", tmp_path / "out")
         return
+    reference = want if renamed else logits(stock.merge_and_unload())
+
+    def reloaded(path: Path) -> torch.Tensor:
+        return logits(type(peft.get_base_model()).from_pretrained(path, dtype=torch.float32))
+
+    if family in MERGE_REFUSED:
+        with pytest.raises(AdapterError, match=MERGE_REFUSED[family]):
+            export_merged_checkpoint(tmp_path / "m", tmp_path / "a", tmp_path / "merged", progress=False)
+    else:
+        export_merged_checkpoint(tmp_path / "m", tmp_path / "a", tmp_path / "merged", progress=False)
+        assert (reloaded(tmp_path / "merged") - reference).abs().max() <= 2e-5 * scale
     result = export_serving_adapter(tmp_path / "m", tmp_path / "a", tmp_path / "serve")
     if result.fused == 0:
-        reference = want if renamed else logits(stock.merge_and_unload())
-        served = type(peft.get_base_model()).from_pretrained(
-            _served(tmp_path / "m", tmp_path / "serve", tmp_path / "served"), dtype=torch.float32
-        )
-        with torch.no_grad():
-            got = served.eval()(**inputs) if run_on is None else served.get_submodule(run_on)(**inputs)
-        assert (got.logits - reference).abs().max() <= 2e-5 * scale
+        served = _served(tmp_path / "m", tmp_path / "serve", tmp_path / "served")
+        assert (reloaded(served) - reference).abs().max() <= 2e-5 * scale
 
 
 def test_all_leaves_a_router_s_inner_linear_out(tmp_path) -> None:

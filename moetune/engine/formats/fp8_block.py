@@ -68,10 +68,12 @@ def grid(rows: int, cols: int) -> tuple[int, int]:
 
 
 def quantize_blocks(w: torch.Tensor, codes: torch.Tensor, scale_inv: torch.Tensor) -> None:
-    """w ``[O, D]`` float -> codes ``[O, D]`` e4m3fn and scale_inv ``grid(O, D)`` fp32, written in place.
+    """w ``[O, D]`` float -> codes ``[O, D]`` e4m3fn and scale_inv ``grid(O, D)`` (fp32, or bf16 / fp16 as some
+    checkpoints store it), written in place.
 
-    scale_inv = block max-abs / 448; an all-zero block gets 1 (its codes are 0 anyway). fp32 -> e4m3fn
-    rounds to nearest even.
+    scale_inv = block max-abs / 448; an all-zero block gets 1 (its codes are 0 anyway). A bf16 / fp16 scale_inv
+    is that rounded up (never below it, so no code passes 448), and the codes are taken against the stored scale.
+    fp32 -> e4m3fn rounds to nearest even.
     """
     o, d = w.shape
     r, c = grid(o, d)
@@ -80,6 +82,11 @@ def quantize_blocks(w: torch.Tensor, codes: torch.Tensor, scale_inv: torch.Tenso
     blocks = padded.view(r, BLOCK, c, BLOCK)
     s = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
     s = torch.where(s > 0, s, torch.ones_like(s))
+    if scale_inv.dtype != torch.float32:
+        # rounding to nearest moves it by < 2^-8 of itself, so 2^-7 up stays above; and at least the dtype's
+        # smallest normal (fp16 would flush a tiny block's scale to zero)
+        tiny = torch.finfo(scale_inv.dtype).tiny
+        s = (s * (1 + 2.0**-7)).clamp(min=tiny).to(scale_inv.dtype).float()
     scale_inv.copy_(s)
     q = blocks.div_(s[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).view(r * BLOCK, c * BLOCK)
     codes.copy_(q[:o, :d])

@@ -86,6 +86,7 @@ class QuantMethod(ABC):
     declaration: ClassVar[str]  # the quantization_config its checkpoints declare, for messages
     model_types: ClassVar[tuple[str, ...]] = ()  # the config model_types it reads (empty: any)
     experts_only: ClassVar[bool] = False  # quantizes routed experts only: a weight elsewhere is refused
+    writes: ClassVar[bool] = False  # quantize() writes merged weights back in the method's format
 
     @classmethod
     @abstractmethod
@@ -142,6 +143,12 @@ class QuantMethod(ABC):
     def dequantize(self, weight: QuantizedWeight, reader: ShardReader) -> torch.Tensor:
         """``weight`` as fp32 ``[O, D]``, by the method's definition (never asked of an ``experts_only`` method:
         the plan refuses its weights outside routed experts)."""
+
+    def quantize(self, weight: QuantizedWeight, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``w`` (fp32, ``weight``'s logical shape) in ``weight``'s stored form: ``{part: tensor}`` for every part
+        that changes, each of that part's dtype and shape (a merged weight written back into the checkpoint's
+        format: ``moetune.export.merge``). Only methods that set ``writes``; the merge refuses the others."""
+        raise LoadError(f"{weight.key}: moetune writes no {self.label} weights")
 
 
 QUANT_METHODS: Registry[type[QuantMethod]] = Registry("quantization method")

@@ -51,11 +51,12 @@ import torch
 
 from moetune.arch.detect import ExpertsLayout, ExpertsSite
 from moetune.engine.formats import Int4Experts
-from moetune.engine.formats.int4 import GROUP_SIZES, SYMMETRIC_ZERO
+from moetune.engine.formats.int4 import GROUP_SIZES, SYMMETRIC_ZERO, quantize_groups
 from moetune.errors import LoadError
 from moetune.loading.checkpoint import Checkpoint, ShardReader, TensorInfo
 from moetune.loading.options import ExpertFormatChoice
 from moetune.loading.quant.base import QUANT_METHODS, ROLES, LazyTensors, QuantizedWeight, QuantMethod
+from moetune.tensorfile import TORCH_DTYPES
 
 FORMAT = "pack-quantized"
 STATUS = "compressed"
@@ -105,6 +106,12 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((b & 0x0F, b >> 4), dim=-1).view(o, words * CODES_PER_WORD)
 
 
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """codes ``u`` ``[O, D]`` uint8 in [0, 15] -> packed ``[O, D/8]`` int32 (the inverse of :func:`unpack_codes`)."""
+    o, d = codes.shape
+    return (codes[:, 0::2] | codes[:, 1::2] << 4).contiguous().view(torch.int32).view(o, d // CODES_PER_WORD)
+
+
 def repack(packed: torch.Tensor) -> torch.Tensor:
     """packed ``[O, D/8]`` int32 -> ``[O, D/2]`` uint8 in the ``int4`` format's packing (byte ``j``: codes ``j``
     and ``j + D/2``), bit for bit the same codes.
@@ -136,6 +143,7 @@ class CompressedInt4(QuantMethod):
     code = CODE
     supported = f"compressed-tensors ({FORMAT}: {SCHEME})"
     declaration = f"quant_method: compressed-tensors and format: {FORMAT}"
+    writes = True
 
     def __init__(self, group_size: int, ignore: tuple[str, ...]) -> None:
         self.group_size = group_size  # g
@@ -330,3 +338,13 @@ class CompressedInt4(QuantMethod):
         scale = reader.read(weight.parts["scale"]).to(torch.float32)  # [O, D/g]
         out.view(o, d // self.group_size, self.group_size).sub_(SYMMETRIC_ZERO).mul_(scale[:, :, None])
         return out
+
+    def quantize(self, weight: QuantizedWeight, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Symmetric codes in groups of g (``int4.quantize_groups``: the group's max-abs / 7, rounded to bf16, each
+        weight within half a step of it), packed as stored (``pack_codes``); scales in the stored dtype."""
+        o, d = w.shape
+        halves = torch.empty(o, d // 2, dtype=torch.uint8)  # the int4 format's packing: codes j and j + D/2
+        scale = torch.empty(o, d // self.group_size, dtype=torch.bfloat16)
+        quantize_groups(w, self.group_size, halves, scale, None)
+        codes = torch.cat((halves & 0x0F, halves >> 4), dim=1)
+        return {"packed": pack_codes(codes), "scale": scale.to(TORCH_DTYPES[weight.parts["scale"].dtype])}

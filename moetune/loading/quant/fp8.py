@@ -27,11 +27,12 @@ import torch
 
 from moetune.arch.detect import ExpertsLayout
 from moetune.engine.formats import Fp8BlockExperts
-from moetune.engine.formats.fp8_block import BLOCK, grid
+from moetune.engine.formats.fp8_block import BLOCK, grid, quantize_blocks
 from moetune.errors import LoadError
 from moetune.loading.checkpoint import Checkpoint, ShardReader
 from moetune.loading.options import ExpertFormatChoice
 from moetune.loading.quant.base import QUANT_METHODS, ROLES, LazyTensors, QuantizedWeight, QuantMethod
+from moetune.tensorfile import TORCH_DTYPES
 
 FP8_DTYPE = "F8_E4M3"  # safetensors' code for float8 e4m3fn
 SCALE_SUFFIX = "_scale_inv"  # <name>.weight -> <name>.weight_scale_inv
@@ -60,6 +61,7 @@ class Fp8Method(QuantMethod):
     code = FP8_DTYPE
     supported = "fp8 (DeepSeek-V3-style e4m3 with 128 x 128 block scales)"
     declaration = "quant_method: fp8 and weight_block_size: [128, 128]"
+    writes = True
 
     @classmethod
     def from_config(cls, quant: Mapping[str, Any], where: str) -> Fp8Method:
@@ -153,3 +155,12 @@ class Fp8Method(QuantMethod):
 
     def dequantize(self, weight: QuantizedWeight, reader: ShardReader) -> torch.Tensor:
         return dequantize_fp8(reader.read(weight.parts["weight"]), reader.read(weight.parts["scale_inv"]))
+
+    def quantize(self, weight: QuantizedWeight, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """e4m3fn codes and 128 x 128 block scales (block max-abs / 448, in the stored scale dtype): each weight
+        within half a step of e4m3 of its value, i.e. 2^-4 of it, or 2^-10 of its block's scale_inv below
+        e4m3's normal range."""
+        codes = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+        scale_inv = torch.empty(grid(*w.shape), dtype=TORCH_DTYPES[weight.parts["scale_inv"].dtype])
+        quantize_blocks(w, codes, scale_inv)
+        return {"weight": codes, "scale_inv": scale_inv}
