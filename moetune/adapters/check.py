@@ -257,6 +257,13 @@ def lora_pairs(
             whole[key.removeprefix(PREFIX)] = info
         else:
             other.append(key)
+    embedding = sorted(k for k in other if ".lora_embedding_" in k)
+    if embedding:
+        raise AdapterError(
+            f"{where} holds LoRA on embedding layers ({listing(embedding[:4], inline=True)}: PEFT's "
+            "lora_embedding_A / lora_embedding_B); moetune does not load or export LoRA on embeddings. Train the "
+            "embedding in modules_to_save instead, or leave it out of lora_target"
+        )
     if other:
         saved = adapter.config.get("modules_to_save")
         raise AdapterError(

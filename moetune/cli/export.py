@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+KEPT_WARNING = 0.9  # below this share of the adapter's change kept by requantizing, the message says so
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -33,6 +35,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--merge", action="store_true", help="write the base checkpoint with the adapter merged in"
     )
     p.add_argument(
+        "--quantized",
+        choices=("bfloat16", "requantize"),
+        default="bfloat16",
+        help="merging into a quantized checkpoint (FP8, INT4, MXFP4): write its weights dequantized in bf16 "
+        "(default: the adapter kept to bf16's precision, no quantization_config) or quantize the merged ones again "
+        "(same size and format; a change below half a quantization step is lost: the share kept is printed)",
+    )
+    p.add_argument(
         "--overwrite", action="store_true", help="replace an earlier export of the same kind in --out"
     )
     p.set_defaults(func=run)
@@ -51,14 +61,14 @@ def run(args: argparse.Namespace) -> int:
             config.model_name_or_path,
             config.adapter_name_or_path,
             config.export_dir,
-            args.overwrite,
+            args,
             config.trust_remote_code,
         )
     missing = [f"--{n}" for n in ("model", "adapter", "out") if getattr(args, n) is None]
     if missing:
         raise ConfigError(f"moetune export needs {', '.join(missing)} (or a merge config)")
     if args.merge:
-        return _merge(args.model, args.adapter, args.out, args.overwrite, False)
+        return _merge(args.model, args.adapter, args.out, args, False)
     from moetune.export import export_serving_adapter
 
     result = export_serving_adapter(args.model, args.adapter, args.out, overwrite=args.overwrite)
@@ -71,15 +81,36 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _merge(model: object, adapter: object, out: object, overwrite: bool, trust_remote_code: bool) -> int:
+def _merge(
+    model: object, adapter: object, out: object, args: argparse.Namespace, trust_remote_code: bool
+) -> int:
     from moetune.export import export_merged_checkpoint
 
     result = export_merged_checkpoint(
-        str(model), str(adapter), str(out), overwrite=overwrite, trust_remote_code=trust_remote_code
+        str(model),
+        str(adapter),
+        str(out),
+        overwrite=args.overwrite,
+        quantized=args.quantized,
+        trust_remote_code=trust_remote_code,
     )
     print(
         f"wrote {out}: the checkpoint with the adapter merged into {len(result.changed)} weights; "
         f"{len(result.written)} shards rewritten, {len(result.copied)} files copied as they were"
         + (f"; left out: {', '.join(result.left_out)}" if result.left_out else "")
     )
+    if result.dequantized:
+        print(
+            f"{len(result.dequantized)} quantized weights written in bf16 and quantization_config removed "
+            "(--quantized requantize keeps the checkpoint's format instead)"
+        )
+    if result.kept is not None:
+        print(
+            f"the requantized weights keep {result.kept:.0%} of the adapter's change"
+            + (
+                ": the rest fell below half a quantization step; --quantized bfloat16 keeps it all"
+                if result.kept < KEPT_WARNING
+                else ""
+            )
+        )
     return 0

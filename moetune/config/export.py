@@ -15,7 +15,7 @@ ones::
 moetune reads the same keys (``moetune.export.merge`` does the merge). ``export_size`` (LLaMA-Factory's shard size
 in GB) and ``export_device`` are accepted: the merged checkpoint keeps the base checkpoint's own shards and is
 computed on the CPU. ``template``: the chat template travels in the tokenizer files beside the adapter, copied
-over the model's. Refused, naming the key: another ``finetuning_type`` (full and freeze runs save whole models,
+over the model's. A quantized base is merged in bf16 unless the command line says ``--quantized requantize``. Refused, naming the key: another ``finetuning_type`` (full and freeze runs save whole models,
 nothing to merge), ``export_legacy_format: true`` (``.bin`` files), several adapters, quantizing on export and
 pushing to the Hub.
 """
@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 
 # LLaMA-Factory keys a merge config may hold that moetune does not do, and why
 REFUSED = {
-    "export_quantization_bit": "quantizing while exporting (GPTQ) is not supported; the merged checkpoint keeps "
-    "the base checkpoint's format (float, FP8 block or compressed-tensors INT4, requantized where the base is)",
+    "export_quantization_bit": "quantizing while exporting (GPTQ) is not supported; the merged checkpoint is in "
+    "the base checkpoint's float dtype, a quantized base's in bf16 (or its own format: moetune export "
+    "--quantized requantize)",
     "export_quantization_dataset": "quantizing while exporting (GPTQ) is not supported",
     "export_quantization_nsamples": "quantizing while exporting (GPTQ) is not supported",
     "export_quantization_maxlen": "quantizing while exporting (GPTQ) is not supported",

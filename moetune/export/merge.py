@@ -2,163 +2,293 @@
 
 What ``llamafactory-cli export`` (and PEFT's ``merge_and_unload`` + ``save_pretrained``) make, without building the
 model: the checkpoint is rewritten shard by shard, each tensor an adapter touches replaced, everything else kept
-byte for byte, so the result has the checkpoint's names, shards, index, dtypes, quantization and config, and loads
-wherever the base model loads (transformers, vLLM, SGLang, moetune) with no adapter.
+byte for byte, so the result has the checkpoint's names, shards, dtypes and config, and loads wherever the base
+model loads (transformers, vLLM, SGLang, moetune) with no adapter.
 
 Which tensor each LoRA pair goes into is the serving layout's mapping (``moetune.export.serving.checkpoint_pairs``,
 ``merging=True``): every pair under the checkpoint name of the weight it adapts, routed-expert LoRA one pair per
 expert and projection where the checkpoint stores one matrix per expert, rsLoRA folded into B. A pair adds
 ``(lora_alpha / r) * B @ A`` (``[out, in]``, the stored matrix's shape) to its weight. Where the checkpoint stores
-the experts fused as the transformers module holds them (gpt-oss in float, Qwen3.5-MoE, Llama 4), the fused pair
-adds what stock PEFT's ``ParamWrapper`` merges, ``get_delta_weight``'s ``[E, d1, d2]``. Router LoRA merges like any
-Linear's; whole weights saved beside the LoRA (``modules_to_save``) replace theirs, of the same shape only.
+the experts fused (gpt-oss, Qwen3.5-MoE, Llama 4), each expert's slice gets what stock PEFT's ``ParamWrapper``
+merges (``get_delta_weight``), put in the stored order (transposed, gate and up interleaved, as stored). Router
+LoRA merges like any Linear's; whole weights saved beside the LoRA (``modules_to_save``, a LoRA'd ``lm_head``'s
+base weight) replace theirs before any LoRA is added, of the same shape only.
 
-Float weights are merged in fp32 and rounded once to their stored dtype. Quantized ones are dequantized, merged
-and quantized again in their own format by their method (``QuantMethod.quantize``): FP8 block (DeepSeek-V3,
-Kimi-K2-Instruct: e4m3 with 128 x 128 block scales taken again from the merged block) and compressed-tensors INT4
-(Kimi-K2-Thinking: symmetric groups); each merged weight is then within half a quantization step of the exact sum,
-as every weight of such a checkpoint is of its trained value. Refused by name before anything is written: moetune's
-LoRA experts (no checkpoint format holds them), weights a checkpoint builds by a conversion at load, MXFP4 experts,
-resized embeddings.
+Float weights are merged in fp32 and rounded once to their stored dtype. Quantized checkpoints (FP8 block:
+DeepSeek-V3, Kimi-K2-Instruct; compressed-tensors INT4: Kimi-K2-Thinking; MXFP4: gpt-oss) take one of two forms
+(``quantized``):
 
-Files beside the weights (config.json, tokenizer, generation config, custom code, the index) are copied, the
-adapter folder's tokenizer files over the model's (they carry the chat template the run trained with); folders
-inside the model folder and weights in other formats (gpt-oss's ``original/``) are left out and named. The result
-is staged beside ``out`` and moved in whole; every written shard carries a mark (``moetune_export: merged``) so
-that ``overwrite`` replaces earlier merges only.
+- ``bfloat16`` (the default): every quantized weight is written dequantized, in bf16 (the merged ones with their
+  delta added in fp32 first), and ``quantization_config`` leaves ``config.json``: a float checkpoint twice the
+  size (or four times, from INT4 / MXFP4), the adapter kept to bf16's precision.
+- ``requantize``: the merged weights are quantized again in their own format by their method
+  (``QuantMethod.quantize``), the checkpoint keeps its size and format, and the result says what share of the
+  adapter's change the requantized weights keep (``MergeResult.kept``: the projection of the written change on
+  the exact one). A stored weight sits on its format's grid, so a change smaller than half a step rounds back to
+  it: on random ``[1024, 2048]`` weights of std 0.02, a rank-8 change of 0.36% of their norm keeps 14% in FP8, 2%
+  in INT4 and 26% in MXFP4 (with noise 7.5 times its size), against 100% in bf16 (``bench/merge_precision.py``),
+  which is why requantizing is not the default.
+
+Refused by name before anything is written: moetune's LoRA experts (no checkpoint format holds them), weights a
+checkpoint builds by a conversion at load, a whole weight of another shape (a resized vocabulary), an edit to an
+embedding the config ties to the output head (``tie_word_embeddings``), a disk without room for the result.
+
+Files beside the weights (config.json, tokenizer, generation config, custom code, the index) are copied (the index
+and config rewritten where weights change form), the adapter folder's tokenizer files over the model's (they carry
+the chat template the run trained with); folders inside the model folder, weights in other formats and
+safetensors files the checkpoint does not list (gpt-oss's ``original/``, Mistral's ``consolidated.safetensors``)
+are left out and named. The result is staged beside ``out`` and moved in whole (a failed merge leaves ``out`` as
+it was); every written shard carries a mark (``moetune_export: merged``) so that ``overwrite`` replaces earlier
+merges only.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import shutil
-from collections.abc import Callable
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
 from moetune.adapters.check import PREFIX, check_adapter_folder, expert_lora_prefixes
 from moetune.adapters.peft_layout import deinterleave_rows, interleave_rows
 from moetune.adapters.swap import CONFIG_NAME, WEIGHTS_NAME
-from moetune.errors import AdapterError, listing
-from moetune.export.serving import TOKENIZER_FILES, checkpoint_pairs, prepare_out, publish
-from moetune.loading.checkpoint import OTHER_WEIGHT_PATTERNS, Checkpoint, ShardReader
+from moetune.errors import AdapterError, OutputDirError, listing
+from moetune.export.serving import TOKENIZER_FILES, checkpoint_names, checkpoint_pairs, prepare_out, publish
+from moetune.loading.checkpoint import INDEX, OTHER_WEIGHT_PATTERNS, Checkpoint, ShardReader
 from moetune.loading.quant import ROLES
 
 if TYPE_CHECKING:
     from moetune.loading.load import PlannedLoad
+    from moetune.loading.quant import QuantizedWeight
 
 MERGE_MARK = {"moetune_export": "merged"}  # in every written shard's metadata: what --overwrite may replace
-Edit = Callable[[torch.Tensor], torch.Tensor]  # fp32 weight -> fp32 merged weight, the stored (logical) shape
+Quantized = Literal["bfloat16", "requantize"]
+QUANTIZED_FORMS: tuple[Quantized, ...] = ("bfloat16", "requantize")
+DISK_MARGIN = 1.02  # free space asked beyond the estimated size (headers, filesystem blocks)
+
+
+class Edit(Protocol):
+    """One change to a weight, applied in fp32 to the weight (2-D) or, for a fused experts tensor, to one expert's
+    slice (``expert`` its index), in the stored layout."""
+
+    def apply(self, w: torch.Tensor, expert: int | None) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class PairEdit:
+    """``w += scale * B @ A``: a ``[r, in]``, b ``[out, r]`` (views of the adapter), formed when the weight is
+    written."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+    def apply(self, w: torch.Tensor, expert: int | None) -> torch.Tensor:
+        return w.addmm_(self.b.to(torch.float32), self.a.to(torch.float32), alpha=self.scale)
+
+
+@dataclass(frozen=True)
+class Replace:
+    """The weight becomes ``value`` (a whole weight saved beside the LoRA)."""
+
+    value: torch.Tensor
+
+    def apply(self, w: torch.Tensor, expert: int | None) -> torch.Tensor:
+        return self.value.to(torch.float32).clone()
+
+
+@dataclass(frozen=True)
+class FusedEdit:
+    """Stock PEFT's ``ParamWrapper`` delta of a fused ``[E, d1, d2]`` parameter, one expert at a time: lora_A
+    ``[E * r, in]`` expert-major, lora_B ``[out, r * E]`` rank-major; ``M_e = scale * B_e @ A_e`` is ``[d1, d2]``
+    as is (``in, out = d2, d1``: the module does not declare ``is_transposed``) or transposed (it declares it).
+    Then the stored order: gate_up's rows (``rows_dim`` of the module's ``[d1, d2]``) interleaved (``interleave``
+    True) or de-interleaved (False) where the checkpoint orders them otherwise, and the two dimensions swapped
+    (``swapped``) where it stores them so."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    num_experts: int
+    flagged: bool
+    scale: float
+    interleave: bool | None
+    rows_dim: int
+    swapped: bool
+
+    def delta(self, expert: int) -> torch.Tensor:
+        r = self.lora_a.shape[0] // self.num_experts
+        a = self.lora_a[expert * r : (expert + 1) * r].to(torch.float32)  # [r, in]
+        b = self.lora_b.view(self.lora_b.shape[0], r, self.num_experts)[:, :, expert].to(torch.float32)
+        m = (b @ a) * self.scale  # [out, in]
+        m = m.t() if self.flagged else m  # the module's [d1, d2]
+        if self.interleave is not None:
+            rows = m.movedim(self.rows_dim, 0)[None]  # [1, 2I, .]
+            rows = interleave_rows(rows) if self.interleave else deinterleave_rows(rows)
+            m = rows[0].movedim(0, self.rows_dim)
+        return m.t() if self.swapped else m
+
+    def apply(self, w: torch.Tensor, expert: int | None) -> torch.Tensor:
+        assert expert is not None
+        return w.add_(self.delta(expert))
 
 
 @dataclass(frozen=True)
 class MergeResult:
     """What a merge wrote: ``changed`` checkpoint weights (logical keys), ``written`` shards rewritten, ``copied``
-    files copied as they were, and ``left_out`` entries of the model folder not copied."""
+    files copied as they were, ``left_out`` entries of the model folder not copied, ``dequantized`` quantized
+    weights written in bf16 (``quantized="bfloat16"``), ``kept`` the share of the adapter's change the requantized
+    weights keep (``quantized="requantize"``; None when no quantized weight was merged)."""
 
     changed: list[str]
     written: list[str]
     copied: list[str]
     left_out: list[str]
+    dequantized: list[str] = field(default_factory=list)
+    kept: float | None = None
 
 
-@dataclass(frozen=True)
+@dataclass
+class _Kept:
+    """Running sums for ``MergeResult.kept``: ``<written - before, exact - before>`` and ``|exact - before|^2``."""
+
+    along: float = 0.0
+    exact: float = 0.0
+
+    def add(self, before: torch.Tensor, exact: torch.Tensor, written: torch.Tensor) -> None:
+        change = (exact - before).double()
+        self.along += float(((written - before).double() * change).sum())
+        self.exact += float((change * change).sum())
+
+
+@dataclass
 class MergePlan:
-    """Every edit, by the logical checkpoint key it changes, decided from headers and the adapter alone."""
+    """Every edit, by the logical checkpoint key it changes, decided from headers and the adapter alone;
+    ``dequantize``: the quantized weights written in bf16 (every one, in ``bfloat16`` form)."""
 
     planned: PlannedLoad
     edits: dict[str, list[Edit]]
+    dequantize: set[str]
+    kept: _Kept = field(default_factory=_Kept)
+    _files: dict[str, list[str]] = field(
+        default_factory=dict
+    )  # stored shard -> its keys, filled on first use
 
-    def stored_keys(self, key: str) -> list[str]:
-        """The stored tensors of logical weight ``key`` (its parts when quantized)."""
-        q = self.planned.quantized.get(key)
-        return [key] if q is None else [p.key for p in q.parts.values()]
+    def quantized(self, key: str) -> QuantizedWeight | None:
+        return self.planned.quantized.get(key)
+
+    def outputs(self, stored: Checkpoint, name: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """``{key: (dtype, shape)}`` of shard ``name`` as written: its stored tensors but the parts of weights
+        written dequantized, which it holds instead (under their logical key, in bf16) when their main part is
+        here."""
+        from moetune.tensorfile import TORCH_DTYPES
+
+        if not self._files:
+            for k, info in stored.tensors.items():
+                self._files.setdefault(info.file, []).append(k)
+            for key in self.dequantize:
+                self._files.setdefault(self.planned.quantized[key].info.file, []).append(key)
+        gone = self._gone()
+        out = {}
+        for k in self._files.get(name, []):
+            if k in self.dequantize:  # under its logical key, in bf16 (an FP8 weight's key is its codes' too)
+                out[k] = (torch.bfloat16, tuple(self.planned.quantized[k].info.shape))
+            elif k not in gone:
+                info = stored.tensors[k]
+                out[k] = (TORCH_DTYPES[info.dtype], tuple(info.shape))
+        return out
+
+    def _gone(self) -> set[str]:
+        """Stored parts of the weights written dequantized."""
+        return {p.key for k in self.dequantize for p in self.planned.quantized[k].parts.values()}
+
+    def owners(self) -> dict[str, str]:
+        """Stored or written key -> the logical weight whose merge produces it."""
+        out = {key: key for key in self.dequantize}
+        for key in self.edits:
+            q = self.quantized(key)
+            out.update(
+                {key: key} if q is None or key in self.dequantize else {p.key: key for p in q.parts.values()}
+            )
+        return out
 
     def merged(self, key: str, reader: ShardReader) -> dict[str, torch.Tensor]:
-        """Logical weight ``key`` with its edits, as stored: ``{stored key: tensor}`` for every part that changes."""
-        planned = self.planned
-        q = planned.quantized.get(key)
+        """Logical weight ``key`` with its edits, as written: ``{key: tensor}`` for every tensor that changes (its
+        parts when requantized). A fused experts tensor goes one expert at a time (peak: the result and one
+        expert's slice in fp32)."""
+        planned, edits = self.planned, self.edits.get(key, [])
+        q = self.quantized(key)
+        info = planned.checkpoint.tensors[key]  # logical: float shape
+        requantize = q is not None and key not in self.dequantize
+        if len(info.shape) == 2:
+            w, before = self._fp32(key, q, reader, None)
+            for e in edits:
+                w = e.apply(w, None)
+            return self._written(key, q, w, before, requantize)
+        out: dict[str, torch.Tensor] = {}
+        for expert in range(info.shape[0]):
+            w, before = self._fp32(key, q, reader, expert)
+            for e in edits:
+                w = e.apply(w, expert)
+            for k, t in self._written(key, q, w, before, requantize).items():
+                if k not in out:
+                    shape = tuple(self._stored_shape(k, q, key))
+                    out[k] = torch.empty(shape, dtype=t.dtype)
+                out[k][expert] = t
+        return out
+
+    def _stored_shape(self, k: str, q: QuantizedWeight | None, key: str) -> tuple[int, ...]:
+        if q is None or k == key and key in self.dequantize:
+            return tuple(self.planned.checkpoint.tensors[key].shape)
+        return next(tuple(p.shape) for p in q.parts.values() if p.key == k)
+
+    def _fp32(
+        self, key: str, q: QuantizedWeight | None, reader: ShardReader, expert: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the weight or its expert's slice in fp32, a copy of it when its change is measured, else None)."""
         if q is None:
-            info = planned.checkpoint.tensors[key]
-            w = reader.read(info).to(torch.float32)
+            w = reader.read(self.planned.checkpoint.tensors[key], expert).to(torch.float32)
         else:
-            assert planned.method is not None
-            w = planned.method.dequantize(q, reader)
-        for edit in self.edits[key]:
-            w = edit(w)
+            assert self.planned.method is not None
+            parts = {role: reader.read(info, expert) for role, info in q.parts.items()}
+            w = self.planned.method.dequantize_parts(q, parts)
+        measured = q is not None and key not in self.dequantize and key in self.edits
+        return w, w.clone() if measured else None
+
+    def _written(
+        self,
+        key: str,
+        q: QuantizedWeight | None,
+        w: torch.Tensor,
+        before: torch.Tensor | None,
+        requantize: bool,
+    ) -> dict[str, torch.Tensor]:
         if not torch.isfinite(w).all():
             raise AdapterError(f"merging the adapter into {key} gives NaN or Inf values; nothing was written")
         if q is None:
-            return {key: w.to(reader_dtype(planned.checkpoint, key))}
-        assert planned.method is not None
-        parts = planned.method.quantize(q, w)  # a method that writes (refused at planning otherwise)
+            from moetune.tensorfile import TORCH_DTYPES
+
+            return {key: w.to(TORCH_DTYPES[self.planned.checkpoint.tensors[key].dtype])}
+        if not requantize:
+            return {key: w.to(torch.bfloat16)}
+        method = self.planned.method
+        assert method is not None
+        parts = method.quantize(q, w)
+        if before is not None:
+            self.kept.add(before, w, method.dequantize_parts(q, parts))
         return {q.parts[role].key: t for role, t in parts.items()}
 
 
-def reader_dtype(checkpoint: Checkpoint, key: str) -> torch.dtype:
-    from moetune.tensorfile import TORCH_DTYPES
-
-    return TORCH_DTYPES[checkpoint.tensors[key].dtype]
-
-
-def _add_pair(a: torch.Tensor, b: torch.Tensor, scale: float) -> Edit:
-    """``w += scale * B @ A`` (a ``[r, in]``, b ``[out, r]``), the product formed only when the weight is written."""
-    return lambda w: w.addmm_(b.to(torch.float32), a.to(torch.float32), alpha=scale)
-
-
-def _add_fused(delta: Callable[[], torch.Tensor]) -> Edit:
-    return lambda w: w.add_(delta())
-
-
-def _replace(value: torch.Tensor) -> Edit:
-    return lambda w: value.to(torch.float32).clone()
-
-
-def _stored_fused_delta(
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    num_experts: int,
-    flagged: bool,
-    scale: float,
-    order: _FusedOrder,
-) -> torch.Tensor:
-    """:func:`fused_delta` in the order the checkpoint stores the parameter (``order``)."""
-    delta = fused_delta(lora_a, lora_b, num_experts, flagged, scale)
-    if order.interleave is not None:  # gate and up rows the other way round than the module holds them
-        rows = delta.movedim(order.rows_dim, 1)  # [E, 2I, .]
-        rows = interleave_rows(rows) if order.interleave else deinterleave_rows(rows)
-        delta = rows.movedim(1, order.rows_dim)
-    return (delta.transpose(1, 2) if order.swapped else delta).contiguous()
-
-
-@dataclass(frozen=True)
-class _FusedOrder:
-    """How a checkpoint stores a fused experts parameter against the module: ``interleave`` True / False to
-    interleave / de-interleave gate_up's rows (along ``rows_dim`` of the module's shape), None to keep them;
-    ``swapped``: its last two dimensions swapped."""
-
-    interleave: bool | None
-    rows_dim: int
-    swapped: bool
-
-
-def fused_delta(
-    lora_a: torch.Tensor, lora_b: torch.Tensor, num_experts: int, flagged: bool, scale: float
-) -> torch.Tensor:
-    """What stock PEFT's ``ParamWrapper.get_delta_weight`` adds to a 3-D ``[E, d1, d2]`` parameter: lora_A
-    ``[E * r, in]`` expert-major, lora_B ``[out, r * E]`` rank-major, ``in, out = d1, d2`` when the module declares
-    ``is_transposed`` (``flagged``), else ``d2, d1``; fp32 ``[E, d1, d2]``."""
-    r = lora_a.shape[0] // num_experts
-    a = lora_a.to(torch.float32).reshape(num_experts, r, lora_a.shape[1])
-    b = lora_b.to(torch.float32).reshape(lora_b.shape[0], r, num_experts)
-    return torch.einsum("o r e, e r i -> e i o" if flagged else "o r e, e r i -> e o i", b, a) * scale
-
-
 def plan_merge(
-    model_path: str | Path, adapter_path: str | Path, *, trust_remote_code: bool = False
+    model_path: str | Path,
+    adapter_path: str | Path,
+    *,
+    quantized: Quantized = "bfloat16",
+    trust_remote_code: bool = False,
 ) -> MergePlan:
     """Every edit the merge of the adapter in ``adapter_path`` into the checkpoint in ``model_path`` makes, from the
     checkpoint's headers and the adapter; ``AdapterError`` for anything it cannot merge, before any weight is read."""
@@ -166,6 +296,8 @@ def plan_merge(
     from moetune.loading.load import plan_load
     from moetune.loading.options import LoadOptions
 
+    if quantized not in QUANTIZED_FORMS:
+        raise AdapterError(f"quantized is {quantized!r}; one of {', '.join(QUANTIZED_FORMS)}")
     folder = check_adapter_folder(
         adapter_path
     ).folder  # the folder alone first: no checkpoint header read for it
@@ -185,8 +317,16 @@ def plan_merge(
             have = "no such tensor" if info is None else f"{list(info.shape)}"
             problems.append(f"{what} is {list(shape)}; the checkpoint's {key} is {have}")
             return
-        edits.setdefault(key, []).append(change)
+        changes = edits.setdefault(key, [])
+        # a whole weight first (a LoRA'd module's saved base weight), the LoRA on top of it
+        changes.insert(0 if isinstance(change, Replace) else len(changes), change)
 
+    if pairs.whole:
+        saved = read_tensors(folder / WEIGHTS_NAME)
+        for stored, adapter_key in pairs.whole.items():
+            value = saved[adapter_key]
+            what = f"{adapter_key} (a whole weight saved beside the LoRA)"
+            edit(stored, Replace(value), tuple(value.shape), what)
     tensors = pairs.tensors
     fused_prefixes = tuple(PREFIX + p for p in pairs.fused_paths)
     for key in sorted(tensors):
@@ -194,14 +334,41 @@ def plan_merge(
             continue
         module = key.removeprefix(PREFIX).removesuffix(".lora_A.weight")
         a, b = tensors[key], tensors[f"{PREFIX}{module}.lora_B.weight"]
-        edit(pairs.weights[module], _add_pair(a, b, scale), (b.shape[0], a.shape[1]), f"the LoRA of {module}")
+        edit(pairs.weights[module], PairEdit(a, b, scale), (b.shape[0], a.shape[1]), f"the LoRA of {module}")
+    problems += _fused_edits(planned, pairs.fused_paths, tensors, pairs.config, scale, edit)
+    problems += _tied(planned, set(edits))
+    method = planned.method
+    touched = sorted(k for k in edits if k in planned.quantized)
+    if method is not None and touched and not method.writes:
+        problems.append(
+            f"{listing(touched, inline=True)}: moetune reads no {method.label} weights to merge into"
+        )
+    if problems:
+        raise AdapterError(
+            f"adapter {folder} cannot be merged into {planned.checkpoint.path}:{listing(problems)}"
+        )
+    dequantize = set(planned.quantized) if quantized == "bfloat16" else set()
+    return MergePlan(planned, edits, dequantize)
+
+
+def _fused_edits(
+    planned: PlannedLoad,
+    paths: tuple[str, ...],
+    tensors: Mapping[str, torch.Tensor],
+    config: Mapping[str, Any],
+    scale: float,
+    edit: Callable[[str, Edit, tuple[int, ...], str], None],
+) -> list[str]:
+    """The fused experts modules' edits (through ``edit``), and what cannot be merged there."""
+    problems: list[str] = []
     layers = {layer.site.path: layer for layer in planned.plan.layers}
-    for path in pairs.fused_paths:
+    for path in paths:
         experts = planned.model.get_submodule(path)  # on the meta device: shapes only
         params = {n: tuple(p.shape) for n, p in experts.named_parameters(recurse=False) if p.dim() == 3}
         flagged = bool(getattr(experts, "is_transposed", False))
+        layout = layers[path].site.layout
         sources = {s.role: s for s in layers[path].sources if s.expert is None and s.role not in ROLES}
-        for param, prefix in expert_lora_prefixes(path, list(params), pairs.config).items():
+        for param, prefix in expert_lora_prefixes(path, list(params), config).items():
             source = sources.get(param)
             target = planned.targets.get(source.info.key) if source is not None else None
             # stored as the module holds it, its last two dimensions swapped or gate and up interleaved the other way
@@ -213,47 +380,49 @@ def plan_merge(
                     "fused LoRA has no stored tensor to go into"
                 )
                 continue
-            a, b = (tensors[f"{PREFIX}{prefix}.lora_{x}.weight"] for x in "AB")
-            layout = layers[path].site.layout
             regroup = source.interleaved != layout.interleaved and param == "gate_up_proj"
-            order = _FusedOrder(
-                source.interleaved if regroup else None, 2 if layout.transposed else 1, source.swapped
+            e, d1, d2 = params[param]
+            change = FusedEdit(
+                tensors[f"{PREFIX}{prefix}.lora_A.weight"],
+                tensors[f"{PREFIX}{prefix}.lora_B.weight"],
+                e,
+                flagged,
+                scale,
+                source.interleaved if regroup else None,
+                1 if layout.transposed else 0,  # 2I in the module's [d1, d2]
+                source.swapped,
             )
-            shape = params[param]
-            shape = (shape[0], shape[2], shape[1]) if source.swapped else shape
+            shape = (e, d2, d1) if source.swapped else (e, d1, d2)
+            edit(source.info.key, change, shape, f"the fused LoRA of {path}.{param}")
+    return problems
 
-            delta = partial(_stored_fused_delta, a, b, shape[0], flagged, scale, order)
-            edit(source.info.key, _add_fused(delta), shape, f"the fused LoRA of {path}.{param}")
-    if pairs.whole:
-        saved = read_tensors(folder / WEIGHTS_NAME)
-        for stored, adapter_key in pairs.whole.items():
-            value = saved[adapter_key]
-            edit(
-                stored,
-                _replace(value),
-                tuple(value.shape),
-                f"{adapter_key} (a whole weight saved beside the LoRA)",
-            )
-    method = planned.method
-    if method is not None:
-        for key in sorted(k for k in edits if k in planned.quantized):
-            if not method.writes:
-                problems.append(
-                    f"{key} is a {method.label} weight; moetune writes no {method.label} weights, so it cannot "
-                    "merge into them. Use the adapter unmerged (moetune generate / chat, or moetune export for "
-                    "vLLM / SGLang)"
-                )
-    if problems:
-        raise AdapterError(
-            f"adapter {folder} cannot be merged into {planned.checkpoint.path}:{listing(problems)}"
-        )
-    return MergePlan(planned, edits)
+
+def _tied(planned: PlannedLoad, keys: set[str]) -> list[str]:
+    """Edits to an embedding the config ties to the output head: the checkpoint stores one tensor for both, and
+    stock PEFT's merge changes only the one the adapter trained."""
+    model = planned.model
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if (
+        inputs is None
+        or outputs is None
+        or not getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    ):
+        return []
+    names = checkpoint_names(planned)
+    paths = [f"{n}.weight" for n, m in model.named_modules() if m is inputs or m is outputs]
+    tied = {names[p] for p in paths if p in names}
+    return [
+        f"{key}: the config ties the input embedding and the output head (tie_word_embeddings), which the "
+        "checkpoint stores once, so merging into one would change both; use the adapter unmerged"
+        for key in sorted(keys & tied)
+    ]
 
 
 def _left_out(model: Path, checkpoint: Checkpoint) -> tuple[list[Path], list[str]]:
-    """(files to copy as they are, entries left out) of the model folder beside its safetensors shards."""
+    """(files to copy as they are, entries left out) of the model folder beside its safetensors shards: folders,
+    weights in other formats and safetensors files the checkpoint does not list are left out."""
     shards = set(checkpoint.files)
-    other = {p.name for pattern in OTHER_WEIGHT_PATTERNS for p in model.glob(pattern)}
+    other = {p.name for pattern in (*OTHER_WEIGHT_PATTERNS, "*.safetensors") for p in model.glob(pattern)}
     copy, left = [], []
     for entry in sorted(model.iterdir()):
         if entry.name in shards:
@@ -265,30 +434,28 @@ def _left_out(model: Path, checkpoint: Checkpoint) -> tuple[list[Path], list[str
     return copy, left
 
 
-def _write_shard(
-    plan: MergePlan, stored: Checkpoint, reader: ShardReader, name: str, owner: dict[str, str], path: Path
-) -> None:
-    """Shard ``name`` again at ``path``: its tensors in the same names, dtypes and shapes, those of edited weights
-    (``owner``: stored key -> logical weight) merged, the others as stored; its metadata with the merge's mark.
-    One weight's parts at a time are held (a part in another shard is computed again there)."""
+def _write_shard(plan: MergePlan, stored: Checkpoint, reader: ShardReader, name: str, path: Path) -> int:
+    """Shard ``name`` again at ``path`` (``MergePlan.outputs``), merged weights merged, the other tensors as stored,
+    its metadata with the merge's mark; returns its data bytes. One weight's tensors at a time are held (a part
+    in another shard is computed again there)."""
     from safetensors import safe_open
 
     from moetune.tensorfile import write_streamed
 
     with safe_open(str(stored.file_path(name)), "pt") as f:
         metadata = dict(f.metadata() or {})
+    outputs = plan.outputs(stored, name)
     placeholders = {
-        k: torch.empty(info.shape, dtype=reader_dtype(stored, k), device="meta")
-        for k, info in stored.tensors.items()
-        if info.file == name
+        k: torch.empty(shape, dtype=dtype, device="meta") for k, (dtype, shape) in outputs.items()
     }
-    done: dict[str, torch.Tensor] = {}  # parts of merged weights not written yet
+    owner = plan.owners()
+    done: dict[str, torch.Tensor] = {}  # tensors of merged weights not written yet
     merged: set[str] = set()
 
     def produce(k: str) -> torch.Tensor:
         if (
             k in owner and owner[k] not in merged
-        ):  # every part of the weight at once; each dropped once written
+        ):  # every tensor of the weight at once; each dropped once written
             merged.add(owner[k])
             done.update(plan.merged(owner[k], reader))
         return (
@@ -297,41 +464,79 @@ def _write_shard(
 
     # by name: a weight's parts come one after the other, so only one weight's are held at a time
     write_streamed(path, placeholders, {**metadata, **MERGE_MARK}, produce=produce, by_name=True)
+    return sum(t.numel() * t.element_size() for t in placeholders.values())
+
+
+def _config(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json without its quantization (top level, or a composite model's text_config)."""
+    out = {k: v for k, v in config.items() if k != "quantization_config"}
+    if isinstance(out.get("text_config"), dict):
+        out["text_config"] = {k: v for k, v in out["text_config"].items() if k != "quantization_config"}
+    return out
+
+
+def _estimate(plan: MergePlan, stored: Checkpoint, name: str) -> int:
+    """Data bytes of shard ``name`` as written."""
+    return sum(dtype.itemsize * math.prod(shape) for dtype, shape in plan.outputs(stored, name).values())
+
+
+def _check_room(out: Path, need: int) -> None:
+    """``OutputDirError`` unless the filesystem ``out`` goes on has ``need`` bytes (and the margin) free."""
+    where = out
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if free < need * DISK_MARGIN:
+        raise OutputDirError(
+            f"--out {out}: the merged checkpoint needs about {need / 1e9:.1f} GB and {where} has {free / 1e9:.1f} GB "
+            "free; free space or give a folder on another disk"
+        )
 
 
 def _write_all(
-    plan: MergePlan,
-    stored: Checkpoint,
-    staged: Path,
-    by_file: dict[str, set[str]],
-    owner: dict[str, str],
-    copy: list[Path],
-    adapter: Path,
-    progress: bool,
+    plan: MergePlan, stored: Checkpoint, staged: Path, copy: list[Path], adapter: Path, progress: bool
 ) -> tuple[list[str], list[str]]:
-    """Every file of the merged checkpoint into ``staged``: the shards (rewritten where ``by_file`` has edits,
-    else copied), the other files of the model folder, the adapter's tokenizer files; (written, copied) names."""
+    """Every file of the merged checkpoint into ``staged``: the shards (rewritten where they hold a weight that
+    changes, else copied), the index and config (rewritten where weights change form), the other files of the
+    model folder, the adapter's tokenizer files; (written, copied) names."""
     from tqdm.auto import tqdm
 
     from moetune.atomic import fsync
 
-    written, copied = [], []
+    owner = plan.owners()
+    changing = {stored.tensors[k].file for k in owner if k in stored.tensors}
+    changing |= {plan.planned.quantized[k].info.file for k in plan.dequantize}
+    written, copied, sizes = [], [], {}
     total = sum(stored.file_path(f).stat().st_size for f in stored.files)
     with (
         ShardReader(stored, []) as reader,
         tqdm(total=total, desc="merging", unit="B", unit_scale=True, disable=not progress) as bar,
     ):
         for name in stored.files:
-            if name not in by_file:
+            if name in changing:
+                sizes[name] = _write_shard(plan, stored, reader, name, staged / name)
+                written.append(name)
+            else:
                 shutil.copy2(stored.file_path(name), staged / name)
                 copied.append(name)
-            else:
-                _write_shard(plan, stored, reader, name, owner, staged / name)
-                written.append(name)
             bar.update(stored.file_path(name).stat().st_size)
     for path in copy:
+        if plan.dequantize and path.name in (INDEX, "config.json"):
+            continue
         shutil.copy2(path, staged / path.name)
         copied.append(path.name)
+    if (
+        plan.dequantize
+    ):  # the weights changed form: their keys in the index, and no quantization in the config
+        config = json.loads(stored.file_path("config.json").read_text())
+        (staged / "config.json").write_text(json.dumps(_config(config), indent=2) + "\n")
+        if (stored.path / INDEX).is_file():
+            index = json.loads((stored.path / INDEX).read_text())
+            weight_map = {k: name for name in stored.files for k in plan.outputs(stored, name)}
+            total_size = sum(_estimate(plan, stored, name) for name in stored.files)
+            index["weight_map"] = dict(sorted(weight_map.items()))
+            index.setdefault("metadata", {})["total_size"] = total_size
+            (staged / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (adapter / name).is_file():
             shutil.copy2(adapter / name, staged / name)
@@ -348,28 +553,26 @@ def export_merged_checkpoint(
     *,
     overwrite: bool = False,
     progress: bool = True,
+    quantized: Quantized = "bfloat16",
     trust_remote_code: bool = False,
 ) -> MergeResult:
     """Merge the adapter in ``adapter_path`` into the checkpoint in ``model_path`` and write the result to
-    ``out_dir`` (module docstring). ``out_dir`` must be new or empty, or with ``overwrite`` an earlier merge; never
-    the adapter's or the model's folder (``OutputDirError``, before anything is read)."""
+    ``out_dir`` (module docstring; ``quantized``: the form of a quantized checkpoint's weights). ``out_dir`` must
+    be new or empty, or with ``overwrite`` an earlier merge; never the adapter's or the model's folder
+    (``OutputDirError``, before anything is read), on a disk with room for the result."""
     out, staged = prepare_out(out_dir, adapter_path, model_path, overwrite, MERGE_MARK)
-    plan = plan_merge(model_path, adapter_path, trust_remote_code=trust_remote_code)
+    plan = plan_merge(model_path, adapter_path, quantized=quantized, trust_remote_code=trust_remote_code)
     stored = Checkpoint.open(model_path)  # the shards as they are (the plan's view is the logical one)
-    by_file: dict[str, set[str]] = {}
-    owner: dict[str, str] = {}  # stored key -> the logical weight it is part of
-    for key in plan.edits:
-        for part in plan.stored_keys(key):
-            by_file.setdefault(stored.tensors[part].file, set()).add(key)
-            owner[part] = key
     copy, left = _left_out(stored.path, stored)
+    _check_room(
+        out, sum(_estimate(plan, stored, f) for f in stored.files) + sum(p.stat().st_size for p in copy)
+    )
     staged.mkdir(parents=True)
     try:
-        written, copied = _write_all(
-            plan, stored, staged, by_file, owner, copy, Path(adapter_path).expanduser(), progress
-        )
+        written, copied = _write_all(plan, stored, staged, copy, Path(adapter_path).expanduser(), progress)
     except BaseException:  # a failed merge leaves nothing half-written beside out (and out as it was)
         shutil.rmtree(staged, ignore_errors=True)
         raise
     publish(staged, out)
-    return MergeResult(sorted(plan.edits), written, copied, left)
+    kept = plan.kept.along / plan.kept.exact if plan.kept.exact > 0 else None
+    return MergeResult(sorted(plan.edits), written, copied, left, sorted(plan.dequantize), kept)

@@ -132,7 +132,7 @@ def _refusals(
     return problems
 
 
-def _checkpoint_names(planned: PlannedLoad) -> dict[str, str]:
+def checkpoint_names(planned: PlannedLoad) -> dict[str, str]:
     """``{model parameter: checkpoint key}`` for the non-expert keys transformers only renames."""
     out: dict[str, str] = {}
     for key in planned.plan.other_keys:
@@ -145,8 +145,9 @@ def _checkpoint_names(planned: PlannedLoad) -> dict[str, str]:
 class _Writer:
     """The serving tensors, rsLoRA folded into each B, and the module names ``target_modules`` lists."""
 
-    def __init__(self, fold: float) -> None:
+    def __init__(self, fold: float, copy: bool) -> None:
         self.fold = fold  # B's factor: sqrt(r) under rsLoRA (alpha / sqrt(r) = sqrt(r) * alpha / r), else 1
+        self.copy = copy  # own copies (a file to write holds no shared storage), else views of the adapter's
         self.tensors: dict[str, torch.Tensor] = {}
         self.leaves: set[str] = set()
         self.weights: dict[str, str] = {}  # pair's module name -> the checkpoint weight it adapts
@@ -161,8 +162,9 @@ class _Writer:
     def pair(self, key: str, a: torch.Tensor, b: torch.Tensor) -> None:
         """One LoRA pair for checkpoint weight ``key``, under its module's name: a ``[r, in]``, b ``[out, r]``."""
         module = key.removesuffix(".weight")
-        self.tensors[f"{PREFIX}{module}.lora_A.weight"] = a.contiguous().clone()  # gate and up share A
-        self.tensors[f"{PREFIX}{module}.lora_B.weight"] = self.b(b).contiguous().clone()
+        a, b = a.contiguous(), self.b(b).contiguous()
+        self.tensors[f"{PREFIX}{module}.lora_A.weight"] = a.clone() if self.copy else a  # gate and up share A
+        self.tensors[f"{PREFIX}{module}.lora_B.weight"] = b.clone() if self.copy else b
         self.leaves.add(module.rpartition(".")[2])
         self.weights[module] = key
 
@@ -175,6 +177,7 @@ def _write_experts(
     module: Any,
     fused_class: bool,
     r: int,
+    merging: bool,
 ) -> set[str] | None:
     """One experts module's LoRA into ``writer``: per expert and projection where the checkpoint stores one matrix
     per expert and the engine's class reads that (returns None), else PEFT's fused pairs as trained (returns the
@@ -214,7 +217,7 @@ def _write_experts(
             f"{path}: the checkpoint stores these experts per projection for all experts at once (neither one "
             "matrix per expert nor fused); moetune has no serving layout for them"
         )
-    if len(prefixes) != 2:
+    if len(prefixes) != 2 and not merging:
         raise AdapterError(
             f"{path}: the adapter has LoRA on {', '.join(prefixes)} only; vLLM reads fused expert LoRA with both "
             f"{names.gate_up} and {names.down} (it asserts both are there). Target both to serve it"
@@ -259,8 +262,8 @@ def checkpoint_pairs(planned: PlannedLoad, folder: Path, *, merging: bool) -> Se
         )
     tensors = read_tensors(adapter.weights_file)
 
-    writer = _Writer(math.sqrt(adapter.r) if adapter.config.get("use_rslora") else 1.0)
-    names = _checkpoint_names(planned)
+    writer = _Writer(math.sqrt(adapter.r) if adapter.config.get("use_rslora") else 1.0, copy=not merging)
+    names = checkpoint_names(planned)
     expert_paths, unnamed = set(), []
     for module in sorted(pairs):
         if (path := unwrapped_path(module)) in sites:
@@ -290,7 +293,9 @@ def checkpoint_pairs(planned: PlannedLoad, folder: Path, *, merging: bool) -> Se
     per_expert, fused_paths = 0, []
     for path in sorted(expert_paths):
         experts = planned.model.get_submodule(path)
-        kept = _write_experts(writer, tensors, adapter.config, layers[path], experts, fused_class, adapter.r)
+        kept = _write_experts(
+            writer, tensors, adapter.config, layers[path], experts, fused_class, adapter.r, merging
+        )
         if kept is None:
             per_expert += 1
         else:

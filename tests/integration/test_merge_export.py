@@ -45,14 +45,15 @@ def _merged_logits_equal_stock_merge(model_dir: Path, adapter: Path, merged: Pat
     assert (got - want).abs().max() <= TOL * want.abs().max()
 
 
+@pytest.mark.parametrize("use_rslora", [False, True])
 @pytest.mark.parametrize("family", TINY_FAMILIES.names())
-def test_merged_checkpoint_is_stock_peft_merge(family, tmp_path) -> None:
-    """Every tiny family (per-expert and fused checkpoints): the merged checkpoint is stock PEFT's merge, and what
-    the adapter does not touch stays as stored."""
+def test_merged_checkpoint_is_stock_peft_merge(family, use_rslora, tmp_path) -> None:
+    """Every tiny family (per-expert and fused checkpoints), rsLoRA too: the merged checkpoint is stock PEFT's
+    merge, and what the adapter does not touch stays as stored."""
     from moetune.export import export_merged_checkpoint
 
     model_dir = save_tiny_model(family, tmp_path / "m", tokenizer=False)
-    adapter = _trained_adapter(model_dir, tmp_path / "adapter")
+    adapter = _trained_adapter(model_dir, tmp_path / "adapter", use_rslora=use_rslora)
     result = export_merged_checkpoint(model_dir, adapter, tmp_path / "merged", progress=False)
     _merged_logits_equal_stock_merge(model_dir, adapter, tmp_path / "merged")
     before, after = _tensors(model_dir), _tensors(tmp_path / "merged")
@@ -118,35 +119,102 @@ def _served_raw(model_dir: Path, serve, dst: Path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("release", ["deepseek_v3_fp8", "kimi_k2_thinking_int4"])
-def test_quantized_releases_merge_in_their_own_format(release, tmp_path) -> None:
-    """FP8 block (DeepSeek-V3) and compressed-tensors INT4 (Kimi-K2-Thinking): the merged checkpoint keeps the
-    format (same keys, dtypes, shapes, quantization_config); each merged weight, dequantized, is within half a
-    quantization step of the dequantized release plus the adapter's delta; every other tensor is as stored; and
-    moetune loads it."""
-    from moetune.export import export_merged_checkpoint, serving_adapter
-    from moetune.loading import load_model
+def _release(release: str, tmp_path: Path) -> tuple[Path, Path]:
+    """(the quantized release as shipped, its dequantized float32 reference checkpoint)."""
     from moetune.testing import kimi
-    from moetune.testing.fp8_checkpoint import dequantize_reference, save_fp8_checkpoint
+    from moetune.testing.fp8_checkpoint import save_fp8_checkpoint
+    from moetune.testing.mxfp4_checkpoint import save_mxfp4_checkpoint
 
     ref = tmp_path / "dequantized"
-    if release == "deepseek_v3_fp8":
-        model_dir = save_fp8_checkpoint("deepseek_v3", tmp_path / "m", dequantized_path=ref)
-    else:
-        model_dir = kimi.save_kimi_thinking(tmp_path / "m", dequantized_path=ref)
-    adapter = _trained_adapter(model_dir, tmp_path / "adapter")
+    save = {
+        "deepseek_v3_fp8": lambda p: save_fp8_checkpoint("deepseek_v3", p, dequantized_path=ref),
+        "kimi_k2_thinking_int4": lambda p: kimi.save_kimi_thinking(p, dequantized_path=ref),
+        "gpt_oss_mxfp4": lambda p: save_mxfp4_checkpoint(p, dequantized_path=ref),
+    }[release]
+    return save(tmp_path / "m"), ref
+
+
+def _stock_merged_state(ref: Path, adapter: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    """Stock PEFT's merge on transformers' model of the dequantized reference, saved by transformers (in the
+    checkpoint's own key layout): its tensors, fp32."""
+    from peft import PeftModel
+
+    PeftModel.from_pretrained(_stock(ref), adapter).merge_and_unload().save_pretrained(tmp)
+    return {k: v.float() for k, v in _tensors(tmp).items()}
+
+
+@pytest.mark.parametrize("release", ["deepseek_v3_fp8", "kimi_k2_thinking_int4", "gpt_oss_mxfp4"])
+def test_quantized_releases_merge_into_bf16_by_default(release, tmp_path) -> None:
+    """FP8 block (DeepSeek-V3), compressed-tensors INT4 (Kimi-K2-Thinking), MXFP4 (gpt-oss): every quantized
+    weight is written dequantized in bf16 under its float name and quantization_config leaves the config; the
+    merged ones are stock PEFT's merge on transformers' dequantized model rounded once to bf16, the others the
+    dequantized release rounded to bf16; transformers loads the result as a float model."""
+    from moetune.export import export_merged_checkpoint
+
+    model_dir, ref = _release(release, tmp_path)
+    adapter = _trained_adapter(model_dir, tmp_path / "adapter", scale=0.01)
     result = export_merged_checkpoint(model_dir, adapter, tmp_path / "merged", progress=False)
-    exact = _tensors(_served_raw(ref, serving_adapter(model_dir, adapter), tmp_path / "exact"))
-    before, after = _tensors(model_dir), _tensors(tmp_path / "merged")
+    config = json.loads((tmp_path / "merged/config.json").read_text())
+    assert "quantization_config" not in config
+    assert config == {
+        k: v
+        for k, v in json.loads((model_dir / "config.json").read_text()).items()
+        if k != "quantization_config"
+    }
+    merged, floats = _tensors(tmp_path / "merged"), _tensors(ref)
+    assert result.dequantized and set(result.dequantized) <= set(merged)
+    assert not [
+        k for k in merged if k.endswith(("_scale_inv", "_packed", "_blocks", "_scales", "weight_shape"))
+    ]
+    want = _stock_merged_state(ref, adapter, tmp_path / "stock")
+    assert sorted(merged) == sorted(floats) == sorted(want)
+    for key in result.dequantized:
+        assert merged[key].dtype == torch.bfloat16
+        exact = want[key] if key in result.changed else floats[key]
+        diff = (merged[key].float() - exact).abs()
+        assert (diff <= exact.abs() * 2.0**-8).all(), key  # one rounding to bf16
+    for key in set(result.changed) - set(
+        result.dequantized
+    ):  # float weights of the release (Kimi's attention)
+        assert ((merged[key].float() - want[key]).abs() <= want[key].abs() * 2.0**-8 + 1e-30).all(), key
+    assert any(".experts." in k for k in result.changed)
+    from moetune.loading import load_model
+
+    load_model(tmp_path / "merged", device="cpu", dtype="float32", progress=False)  # a float checkpoint now
+    if release != "kimi_k2_thinking_int4":  # Kimi's config names its own modeling code (trust_remote_code)
+        _stock(tmp_path / "merged")
+
+
+@pytest.mark.parametrize("release", ["deepseek_v3_fp8", "kimi_k2_thinking_int4", "gpt_oss_mxfp4"])
+def test_quantized_releases_requantize_in_their_own_format(release, tmp_path) -> None:
+    """``quantized="requantize"``: the merged checkpoint keeps the format (same keys, dtypes, shapes,
+    quantization_config); each merged weight, dequantized, is within half a quantization step of stock PEFT's
+    merge on the dequantized release (MXFP4: of the step its block's scale allows, values past 6 steps saturate);
+    every other tensor is as stored; the share of the adapter's change kept is what the files show; and moetune
+    loads the result."""
+    from moetune.export import export_merged_checkpoint
+    from moetune.loading import load_model
+    from moetune.testing import kimi
+    from moetune.testing.fp8_checkpoint import dequantize_reference
+
+    model_dir, ref = _release(release, tmp_path)
+    adapter = _trained_adapter(model_dir, tmp_path / "adapter")
+    result = export_merged_checkpoint(
+        model_dir, adapter, tmp_path / "merged", progress=False, quantized="requantize"
+    )
+    exact = _stock_merged_state(ref, adapter, tmp_path / "stock")
+    floats, before, after = _tensors(ref), _tensors(model_dir), _tensors(tmp_path / "merged")
     assert {k: (v.dtype, v.shape) for k, v in after.items()} == {
         k: (v.dtype, v.shape) for k, v in before.items()
     }
     assert json.loads((tmp_path / "merged/config.json").read_text()) == json.loads(
         (model_dir / "config.json").read_text()
     )
+    along = total = 0.0
     quantized = 0
     for key in result.changed:
         want = exact[key]
+        name = key.removesuffix(".weight")
         if (
             f"{key}_scale_inv" in after
         ):  # FP8: half an e4m3 step (3 mantissa bits), subnormals 2^-10 of the scale
@@ -154,34 +222,61 @@ def test_quantized_releases_merge_in_their_own_format(release, tmp_path) -> None
             got = dequantize_reference(after[key], scale)
             per = scale.repeat_interleave(128, 0)[: got.shape[0]].repeat_interleave(128, 1)[:, : got.shape[1]]
             bound = want.abs() * 2.0**-4 + per * 2.0**-10
-            quantized += 1
-        elif key.removesuffix(".weight") + ".weight_packed" in after:  # INT4: half a group step
-            name = key.removesuffix(".weight")
+        elif f"{name}.weight_packed" in after:  # INT4: half a group step
             scale = after[f"{name}.weight_scale"]
             got = kimi.dequantize_int4(after[f"{name}.weight_packed"], scale)
             bound = scale.float().repeat_interleave(kimi.INT4_GROUP, dim=1) * 0.5 * (1 + 1e-6)
-            quantized += 1
-        else:  # a float weight (Kimi's attention): rounded once to its dtype
-            got = after[key].float()
-            bound = want.abs() * 2.0**-8 + 1e-30
+        elif f"{key}_blocks" in after:  # MXFP4 [E, D, O]: e2m1 steps up to 2 x 2^shared, saturation at 6
+            blocks, scales = after[f"{key}_blocks"], after[f"{key}_scales"].float()
+            fp4 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+            codes = torch.stack((fp4[(blocks & 15).long()], fp4[(blocks >> 4).long()]), dim=-1).flatten(-3)
+            step = torch.pow(2.0, scales - 127).repeat_interleave(32, dim=-1)
+            got = (codes * step).transpose(-1, -2)
+            bound = 2 * step.transpose(-1, -2)
+        else:  # a float weight (Kimi's attention, gpt-oss's router): rounded once to its dtype
+            got, bound = after[key].float(), want.abs() * 2.0**-8 + 1e-30
+            assert ((got - want).abs() <= bound).all(), key
+            continue
         assert ((got - want).abs() <= bound).all(), key
+        change = (want - floats[key]).double()
+        along += float(((got - floats[key]).double() * change).sum())
+        total += float((change * change).sum())
+        quantized += 1
     assert quantized > 0 and any(".experts." in k for k in result.changed)
+    assert result.kept == pytest.approx(along / total, rel=1e-6)
     touched = {p for k in result.changed for p in after if p == k or p.startswith(k.removesuffix("weight"))}
+    touched |= {p for k in result.changed for p in after if p.startswith(k + "_")}
     assert all(torch.equal(after[k], before[k]) for k in before if k not in touched)
     load_model(tmp_path / "merged", device="cpu", dtype="float32", progress=False)
 
 
-def test_what_has_no_place_in_a_checkpoint_is_refused_by_name(tmp_path) -> None:
-    """MXFP4 experts (no writer), moetune's LoRA experts, a whole weight of another shape: each an AdapterError
-    naming it, before anything is written."""
-    from moetune.export import export_merged_checkpoint
-    from moetune.testing.mxfp4_checkpoint import save_mxfp4_checkpoint
+def test_requantizing_a_small_change_reports_what_is_lost(tmp_path, capsys) -> None:
+    """An adapter whose change is small beside FP8's step: most of it rounds back to the stored weights, and the
+    CLI says how much is kept and how to keep it all."""
+    from moetune.cli.main import main
 
-    mxfp4 = save_mxfp4_checkpoint(tmp_path / "gptoss")
-    adapter = _trained_adapter(mxfp4, tmp_path / "a1")
-    with pytest.raises(AdapterError, match="writes no MXFP4 weights"):
-        export_merged_checkpoint(mxfp4, adapter, tmp_path / "o1", progress=False)
-    assert not (tmp_path / "o1").exists()
+    model_dir, _ = _release("deepseek_v3_fp8", tmp_path)
+    adapter = _trained_adapter(model_dir, tmp_path / "adapter", scale=1e-4)
+    args = [
+        "export",
+        "--merge",
+        "--model",
+        str(model_dir),
+        "--adapter",
+        str(adapter),
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    assert main([*args, "--quantized", "requantize"]) == 0
+    out = capsys.readouterr().out
+    kept = float(out.split("keep ")[1].split("%")[0]) / 100
+    assert kept < 0.5 and "--quantized bfloat16 keeps it all" in out
+
+
+def test_what_has_no_place_in_a_checkpoint_is_refused_by_name(tmp_path) -> None:
+    """moetune's LoRA experts, a whole weight of another shape, an edit to an embedding tied to the output head,
+    a disk without room: each refused by name, before anything is written."""
+    from moetune.export import export_merged_checkpoint
 
     model_dir = save_tiny_model("qwen3_moe", tmp_path / "m", tokenizer=False)
     _attach_save(model_dir, tmp_path / "a2", lora_experts=2, rank=4, alpha=8)
@@ -190,12 +285,75 @@ def test_what_has_no_place_in_a_checkpoint_is_refused_by_name(tmp_path) -> None:
 
     adapter = _trained_adapter(model_dir, tmp_path / "a3")
     weights = load_file(str(adapter / "adapter_model.safetensors"))
-    weights["base_model.model.lm_head.weight"] = torch.zeros(VOCAB + 8, 64)  # a resized vocabulary
+    hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]
+    weights["base_model.model.lm_head.weight"] = torch.zeros(VOCAB + 8, hidden)  # a resized vocabulary
     save_file(weights, str(adapter / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = json.loads((adapter / "adapter_config.json").read_text())
     (adapter / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": ["lm_head"]}))
     with pytest.raises(AdapterError, match="lm_head"):
         export_merged_checkpoint(model_dir, adapter, tmp_path / "o3", progress=False)
+
+    tied = save_tiny_model("qwen3_moe", tmp_path / "tied", tokenizer=False, tie_word_embeddings=True)
+    _attach_save(tied, tmp_path / "a4", rank=4, alpha=8, modules_to_save=("embed_tokens",))
+    with pytest.raises(AdapterError, match="tie_word_embeddings"):
+        export_merged_checkpoint(tied, tmp_path / "a4", tmp_path / "o4", progress=False)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("o")]
+
+
+def test_a_disk_without_room_is_refused_before_writing(tmp_path, monkeypatch) -> None:
+    import shutil
+    from collections import namedtuple
+
+    from moetune.export import export_merged_checkpoint
+
+    model_dir = save_tiny_model("qwen3_moe", tmp_path / "m", tokenizer=False)
+    adapter = _trained_adapter(model_dir, tmp_path / "a")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(OutputDirError, match="GB free"):
+        export_merged_checkpoint(model_dir, adapter, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_stock_peft_adapters_merge_as_stock_peft(tmp_path) -> None:
+    """Adapters stock PEFT saves itself: LoRA on lm_head (saved with its base weight, ``lm_head.base_layer``),
+    and fused expert LoRA on one projection only (gpt-oss): the merge is stock PEFT's."""
+    from peft import LoraConfig, get_peft_model
+
+    from moetune.export import export_merged_checkpoint
+
+    cases = {
+        "qwen3_moe": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"]),
+        "gpt_oss": LoraConfig(
+            r=4, lora_alpha=8, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"]
+        ),
+    }
+    for family, config in cases.items():
+        model_dir = save_tiny_model(family, tmp_path / family, tokenizer=False)
+        peft = get_peft_model(_stock(model_dir), config)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in peft.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        peft.save_pretrained(tmp_path / f"{family}-a")
+        out = tmp_path / f"{family}-merged"
+        export_merged_checkpoint(model_dir, tmp_path / f"{family}-a", out, progress=False)
+        _merged_logits_equal_stock_merge(model_dir, tmp_path / f"{family}-a", out)
+
+
+def test_safetensors_the_checkpoint_does_not_list_are_left_out(tmp_path) -> None:
+    """A ``consolidated.safetensors`` beside the shards (Mistral's own format) would hold the base weights
+    unmerged: left out and named, with folders (gpt-oss's ``original/``)."""
+    from moetune.export import export_merged_checkpoint
+
+    model_dir = save_tiny_model("qwen3_moe", tmp_path / "m", tokenizer=False)
+    (model_dir / "consolidated.safetensors").write_bytes((model_dir / "model.safetensors").read_bytes())
+    (model_dir / "original").mkdir()
+    adapter = _trained_adapter(model_dir, tmp_path / "a")
+    result = export_merged_checkpoint(model_dir, adapter, tmp_path / "merged", progress=False)
+    assert sorted(result.left_out) == ["consolidated.safetensors", "original/"]
+    assert not (tmp_path / "merged/consolidated.safetensors").exists()
 
 
 @pytest.mark.parametrize(
@@ -351,3 +509,19 @@ def test_fused_experts_stored_transposed_merge_as_stored(tmp_path) -> None:
     merged = _tensors(tmp_path / "merged")
     assert all(merged[k].shape == weights[k].shape for k in fused)
     _merged_logits_equal_stock_merge(model_dir, adapter, tmp_path / "merged")
+
+
+def test_embedding_lora_is_refused_by_name(tmp_path) -> None:
+    """PEFT's LoRA on an embedding (``lora_embedding_A`` / ``lora_embedding_B``): moetune loads and exports none,
+    and says so naming the tensors (not a generic 'not a LoRA adapter')."""
+    from peft import LoraConfig, get_peft_model
+
+    from moetune.export import export_merged_checkpoint
+
+    model_dir = save_tiny_model("qwen3_moe", tmp_path / "m", tokenizer=False)
+    peft = get_peft_model(
+        _stock(model_dir), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"])
+    )
+    peft.save_pretrained(tmp_path / "a")
+    with pytest.raises(AdapterError, match="LoRA on embedding layers.*embed_tokens"):
+        export_merged_checkpoint(model_dir, tmp_path / "a", tmp_path / "out", progress=False)

@@ -28,8 +28,11 @@ PREFIX = "base_model.model."
 TOL = 2e-5  # fp32 logits: the merged weights and PEFT's (x A^T) B^T sum the same products in other orders
 
 
-def _trained_adapter(path: Path, out: Path, *, use_rslora: bool = False, seed: int = 0) -> Path:
-    """An adapter of every LoRA target ("all"), each A and B random (a wrong row, orientation or scale shows)."""
+def _trained_adapter(
+    path: Path, out: Path, *, use_rslora: bool = False, seed: int = 0, scale: float = 0.1
+) -> Path:
+    """An adapter of every LoRA target ("all"), each A and B random of std ``scale`` (a wrong row, orientation or
+    scale shows)."""
     from moetune.adapters import attach_lora, save_adapter
     from moetune.adapters.load import load_model
 
@@ -43,7 +46,7 @@ def _trained_adapter(path: Path, out: Path, *, use_rslora: bool = False, seed: i
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
     save_adapter(model, out)
     return out
 

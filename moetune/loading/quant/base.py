@@ -144,10 +144,17 @@ class QuantMethod(ABC):
         """``weight`` as fp32 ``[O, D]``, by the method's definition (never asked of an ``experts_only`` method:
         the plan refuses its weights outside routed experts)."""
 
+    def dequantize_parts(self, weight: QuantizedWeight, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``weight`` as fp32 from its stored ``parts`` in hand (``{part: tensor}``; a fused expert tensor's may be
+        one expert's slices, giving that expert's ``[D, O]``): what ``dequantize`` computes after reading them. Only
+        methods that set ``writes`` (``moetune.export.merge`` reads merged weights back with it)."""
+        raise LoadError(f"{weight.key}: moetune reads no {self.label} weights from parts in hand")
+
     def quantize(self, weight: QuantizedWeight, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``w`` (fp32, ``weight``'s logical shape) in ``weight``'s stored form: ``{part: tensor}`` for every part
-        that changes, each of that part's dtype and shape (a merged weight written back into the checkpoint's
-        format: ``moetune.export.merge``). Only methods that set ``writes``; the merge refuses the others."""
+        """``w`` (fp32, ``weight``'s logical shape, or one expert's slice of a fused expert tensor) in ``weight``'s
+        stored form: ``{part: tensor}`` for every part that changes, each of that part's dtype and shape (its
+        expert slice) (a merged weight written back into the checkpoint's format: ``moetune.export.merge``). Only
+        methods that set ``writes``; the merge refuses the others."""
         raise LoadError(f"{weight.key}: moetune writes no {self.label} weights")
 
 

@@ -333,9 +333,14 @@ class CompressedInt4(QuantMethod):
     def dequantize(self, weight: QuantizedWeight, reader: ShardReader) -> torch.Tensor:
         """``(u - 8) * s`` in fp32 ``[O, D]``: exact for bf16 and fp16 scales (a 4-bit code times an 11-bit
         significand fits fp32's 24 bits)."""
+        return self.dequantize_parts(
+            weight, {"packed": self._packed(weight, reader), "scale": reader.read(weight.parts["scale"])}
+        )
+
+    def dequantize_parts(self, weight: QuantizedWeight, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
         o, d = weight.info.shape
-        out = unpack_codes(self._packed(weight, reader)).to(torch.float32)
-        scale = reader.read(weight.parts["scale"]).to(torch.float32)  # [O, D/g]
+        out = unpack_codes(parts["packed"]).to(torch.float32)
+        scale = parts["scale"].to(torch.float32)  # [O, D/g]
         out.view(o, d // self.group_size, self.group_size).sub_(SYMMETRIC_ZERO).mul_(scale[:, :, None])
         return out
 

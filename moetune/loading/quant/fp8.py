@@ -154,7 +154,10 @@ class Fp8Method(QuantMethod):
         return Fp8BlockExperts.from_per_expert(**lists)
 
     def dequantize(self, weight: QuantizedWeight, reader: ShardReader) -> torch.Tensor:
-        return dequantize_fp8(reader.read(weight.parts["weight"]), reader.read(weight.parts["scale_inv"]))
+        return self.dequantize_parts(weight, {role: reader.read(info) for role, info in weight.parts.items()})
+
+    def dequantize_parts(self, weight: QuantizedWeight, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return dequantize_fp8(parts["weight"], parts["scale_inv"])
 
     def quantize(self, weight: QuantizedWeight, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """e4m3fn codes and 128 x 128 block scales (block max-abs / 448, in the stored scale dtype): each weight

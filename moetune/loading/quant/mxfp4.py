@@ -32,7 +32,7 @@ import torch
 
 from moetune.arch.detect import DOWN, GATE_UP, ExpertsLayout, ExpertsSite
 from moetune.engine.formats import Mxfp4Experts
-from moetune.engine.formats.mxfp4 import BLOCK
+from moetune.engine.formats.mxfp4 import BLOCK, FP4_VALUES, SCALE_BIAS, quantize_blocks
 from moetune.errors import LoadError
 from moetune.loading.checkpoint import Checkpoint, ShardReader, TensorInfo
 from moetune.loading.options import ExpertFormatChoice
@@ -44,6 +44,7 @@ BLOCKS, SCALES = "_blocks", "_scales"
 BLOCK_BYTES = BLOCK // 2  # 32 e2m1 codes per block, two per byte
 CODE = "MXFP4"  # the dtype logical weights report
 FUSED = (GATE_UP, DOWN)  # the expert tensors MXFP4 checkpoints quantize
+_FP4 = torch.tensor(FP4_VALUES, dtype=torch.float32)  # e2m1 code -> value
 
 
 @QUANT_METHODS.register("mxfp4")
@@ -61,6 +62,7 @@ class Mxfp4Method(QuantMethod):
     declaration = "quant_method: mxfp4"
     model_types = ("gpt_oss",)  # transformers 5.24 reads MXFP4 into GptOssExperts only
     experts_only = True
+    writes = True
 
     def __init__(self, modules_to_not_convert: tuple[str, ...]) -> None:
         self.modules_to_not_convert = modules_to_not_convert
@@ -202,6 +204,33 @@ class Mxfp4Method(QuantMethod):
         return Mxfp4Experts(*dest[GATE_UP], *dest[DOWN])
 
     def dequantize(self, weight: QuantizedWeight, reader: ShardReader) -> torch.Tensor:
-        raise AssertionError(
-            f"{weight.key}: MXFP4 weights are routed experts' only (experts_only); the plan refuses any other"
-        )
+        """The fused expert tensor ``[E, D, O]`` in fp32 (a merge's: loading holds the codes as shipped)."""
+        return self.dequantize_parts(weight, {role: reader.read(info) for role, info in weight.parts.items()})
+
+    def dequantize_parts(self, weight: QuantizedWeight, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """blocks ``[..., O, D/32, 16]`` and scales ``[..., O, D/32]`` (every expert, or one expert's slice) ->
+        ``[..., D, O]`` fp32, as transformers dequantizes them: ``FP4[nibble] * 2^(scale - 127)``, the low nibble of
+        byte ``j`` element ``2j``, then the last two dimensions swapped (exact: two significant bits times a power
+        of two)."""
+        blocks, scales = parts["blocks"], parts["scales"]
+        values = torch.stack(
+            (_FP4[(blocks & 15).long()], _FP4[(blocks >> 4).long()]), dim=-1
+        )  # [..., O, G, 16, 2]
+        values = values.flatten(-3)  # [..., O, D]
+        factor = torch.pow(2.0, scales.to(torch.float32) - SCALE_BIAS).repeat_interleave(BLOCK, dim=-1)
+        return (values * factor).transpose(-1, -2)
+
+    def quantize(self, weight: QuantizedWeight, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``w`` ``[..., D, O]`` (every expert, or one expert's slice) as blocks and scales by the OCP MX rule
+        (``mxfp4.quantize_blocks``: each block's scale the power of two that brings its largest value under 6,
+        values rounded to the nearest e2m1)."""
+        lead, (d, o) = w.shape[:-2], w.shape[-2:]
+        matrices = w.reshape(-1, d, o)
+        blocks = torch.empty(matrices.shape[0], o, d // BLOCK, BLOCK_BYTES, dtype=torch.uint8)
+        scales = torch.empty(matrices.shape[0], o, d // BLOCK, dtype=torch.uint8)
+        for x, matrix in enumerate(matrices):  # [D, O] -> the stored [O, D]
+            quantize_blocks(matrix.t(), blocks[x].view(o, d // 2), scales[x], weight.key)
+        return {
+            "blocks": blocks.view(*lead, *blocks.shape[1:]),
+            "scales": scales.view(*lead, *scales.shape[1:]),
+        }
