@@ -297,3 +297,34 @@ def test_expert_lora_is_stock_peft_lora_in_training(family, tmp_path) -> None:
         got = grads[0][name]
         assert got is not None and want.abs().max() > 0, name
         assert (got - want).abs().max() <= 1e-4 * want.abs().max(), name
+
+
+def test_llama4_adapter_in_the_earlier_layout_is_refused_naming_both_shapes(tmp_path) -> None:
+    """Llama 4 expert LoRA saved before moetune took stock PEFT's swapped layout (lora_A on the input side,
+    ``[E r, H]``): loading it is an AdapterError naming the shapes found and the shapes expected, not a silent
+    misread (H != 2I here, so the shapes tell the layouts apart)."""
+    from safetensors.torch import load_file, save_file
+
+    from moetune.adapters.load import load_model as load_with_adapter
+    from moetune.adapters.peft_layout import lora_from_peft, lora_to_peft
+
+    config = survey_config("llama4").get_text_config()
+    _random_model(config, seed=0).save_pretrained(tmp_path / "m")
+    model = attach_lora(
+        load_model(tmp_path / "m", device="cpu", dtype="float32", progress=False, num_threads=1),
+        rank=4,
+        alpha=8,
+    )
+    save_adapter(model, tmp_path / "a")
+    path = tmp_path / "a/adapter_model.safetensors"
+    state = load_file(str(path))
+    experts = config.num_local_experts
+    for key in [k for k in state if ".experts." in k and k.endswith(".lora_A.weight")]:
+        b_key = key.replace(".lora_A.", ".lora_B.")
+        a, b = lora_from_peft(state[key], state[b_key], experts, swapped=True)
+        state[key], state[b_key] = lora_to_peft(a, b)  # the earlier, unswapped layout
+    save_file(state, str(path), metadata={"format": "pt"})
+    with pytest.raises(AdapterError, match=r"lora_A \[\d+, \d+\] / lora_B \[\d+, \d+\] do not fit.*expected"):
+        load_with_adapter(
+            tmp_path / "m", device="cpu", dtype="float32", progress=False, adapter=tmp_path / "a"
+        )
