@@ -60,18 +60,24 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
 
-    import torch
-
-    from moetune.adapters import attach_lora, save_adapter
-    from moetune.adapters.load import load_model
     from moetune.sysinfo import cpu_info
-    from moetune.testing.fp8_checkpoint import save_fp8_checkpoint
 
     machine = cpu_info()
     print(
         f"bench/merge.py | {machine.model} ({', '.join(machine.isa) or 'no SIMD flags found'}), {args.threads} threads"
     )
-    root = Path(tempfile.mkdtemp(prefix="moetune-merge-bench-"))
+    with tempfile.TemporaryDirectory(prefix="moetune-merge-bench-") as tmp:
+        _run(args, Path(tmp))
+
+
+def _run(args: argparse.Namespace, root: Path) -> None:
+    """The checkpoint and adapter under ``root``, then the two merges."""
+    import torch
+
+    from moetune.adapters import attach_lora, save_adapter
+    from moetune.adapters.load import load_model
+    from moetune.testing.fp8_checkpoint import save_fp8_checkpoint
+
     model = save_fp8_checkpoint(
         "deepseek_v3",
         root / "model",
