@@ -204,11 +204,11 @@ class ExpertParamNames:
         gate_up: str = "gate_up_proj",
         down: str = "down_proj",
         *,
-        transposed: bool | None = None,
+        transposed: bool,
     ) -> ExpertParamNames:
         """Read the registration order off a transformers experts module (before PEFT wraps it). ``transposed``:
-        whether the module computes ``x @ W`` (``ExpertsLayout.transposed``); None takes its ``is_transposed``
-        flag at its word."""
+        whether the module computes ``x @ W`` (``ExpertsLayout.transposed``; the module's own ``is_transposed``
+        flag cannot say: Llama 4's is transposed without it), which decides ``swapped``."""
         order = [name for name, _ in experts.named_parameters(recurse=False)]
         missing = [n for n in (gate_up, down) if n not in order]
         if missing:
@@ -217,7 +217,7 @@ class ExpertParamNames:
                 "Pass the names of its fused gate-up and down expert parameters."
             )
         interleaved = not getattr(experts, "is_concatenated", True)  # transformers v5's layout flags
-        swapped = transposed is not None and transposed != bool(getattr(experts, "is_transposed", False))
+        swapped = transposed != bool(getattr(experts, "is_transposed", False))
         return cls(gate_up, down, order.index(gate_up) < order.index(down), interleaved, swapped=swapped)
 
     @classmethod

@@ -58,7 +58,7 @@ def run_peft(pm, x, ids, w, gy):
 @pytest.mark.parametrize("use_rslora", [False, True])
 def test_engine_lora_equals_peft_target_parameters(impl, dtype, use_rslora):
     experts = make_experts("qwen", dtype, impl)
-    names = ExpertParamNames.from_module(experts)
+    names = ExpertParamNames.from_module(experts, transposed=False)
     pm = peft_model(experts, use_rslora=use_rslora)
     randomize_lora(pm)
     state = get_peft_model_state_dict(pm)

@@ -97,9 +97,10 @@ def random_engine_lora(dtype: torch.dtype = torch.float64) -> ExpertLoRA:
 
 
 def names_of(experts: nn.Module) -> ExpertParamNames:
-    """The module's names, told that Llama 4's experts compute ``x @ W`` (moetune's arch spec knows it)."""
+    """The module's names, told whether its experts compute ``x @ W`` (gpt-oss and Llama 4; moetune's arch specs
+    know it: ``ExpertsLayout.transposed``)."""
     return ExpertParamNames.from_module(
-        experts, transposed=True if isinstance(experts, Llama4TextExperts) else None
+        experts, transposed=isinstance(experts, (Llama4TextExperts, GptOssExperts))
     )
 
 
@@ -127,8 +128,8 @@ def test_peft_to_engine_to_peft_is_identity_with_peft_keys(kind):
 
 
 def test_interleaving_is_read_off_the_module_and_round_trips():
-    assert not ExpertParamNames.from_module(make_experts("qwen")).interleaved
-    assert ExpertParamNames.from_module(make_experts("gpt_oss")).interleaved
+    assert not names_of(make_experts("qwen")).interleaved
+    assert names_of(make_experts("gpt_oss")).interleaved
     lora = random_engine_lora()
     names = ExpertParamNames(interleaved=True)
     state = expert_lora_to_peft_state(lora, PREFIX, names)
@@ -146,7 +147,7 @@ def test_key_names_follow_registration_order():
         "down_first": {"gate_up": PREFIX, "down": f"{PREFIX}.base_layer"},
     }
     for kind, want in prefixes.items():
-        assert ExpertParamNames.from_module(make_experts(kind)).key_prefixes(PREFIX) == want, kind
+        assert names_of(make_experts(kind)).key_prefixes(PREFIX) == want, kind
 
 
 def test_target_parameters_order_does_not_change_keys():
@@ -264,7 +265,7 @@ def test_cpu_experts_without_lora_and_unknown_param_names_raise():
     with pytest.raises(AdapterError, match="no expert LoRA"):
         expert_lora_to_peft_state(CpuExperts(engine), PREFIX)
     with pytest.raises(AdapterError, match="w13"):
-        ExpertParamNames.from_module(make_experts("qwen"), gate_up="w13")
+        ExpertParamNames.from_module(make_experts("qwen"), gate_up="w13", transposed=False)
 
 
 def test_cpu_experts_source_saves_its_parameters():
