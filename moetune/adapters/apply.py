@@ -37,7 +37,7 @@ from typing import Any
 from torch import nn
 
 from moetune.adapters.check import entry_matches
-from moetune.adapters.peft_layout import PEFT_MODEL_PREFIX, ExpertParamNames
+from moetune.adapters.peft_layout import PEFT_MODEL_PREFIX, ExpertParamNames, unwrapped_path
 from moetune.errors import AdapterError, listing
 from moetune.layer import CpuExperts
 
@@ -346,10 +346,35 @@ def to_stock_config(
     expert_params = expert_target_parameters(experts, names)
     others = {*weight_entries, *(live.target_parameters or ())} - set(expert_params)
     params = sorted(others) + expert_params
-    live.target_modules = sorted(modules - in_experts) or None
+    live.target_modules = qualified_targets(peft_model, adapter_name, sorted(modules - in_experts)) or None
     live.target_parameters = params or None
     if params:
         live.lora_dropout = 0.0
+
+
+def qualified_targets(peft_model: Any, adapter_name: str, entries: Sequence[str]) -> list[str]:
+    """``target_modules`` ``entries`` with each bare name (``gate_proj``) replaced by the distinct
+    ``<parent>.<name>`` suffixes of the modules carrying adapter ``adapter_name`` under it (``mlp.gate_proj``,
+    ``shared_expert.gate_proj``): the same modules, named so that stock PEFT 0.22's loader leaves them alone. On a
+    model whose experts transformers 5 fused, PEFT 0.22 maps a bare name a transformers-4 checkpoint gave its expert
+    projections (``gate_proj``, ``up_proj``, ``down_proj``, ``w1`` ...) onto the fused expert parameters as well,
+    twice the rank for gate_up, and then refuses the adapter (size mismatch); ``mlp.gate_proj`` maps onto no
+    parameter (``mlp.experts.gate_up_proj`` does not end in ``.mlp.gate_up_proj``). Entries with a dot, and bare
+    names no module carries the adapter under, are kept as they are."""
+    carrying = [
+        unwrapped_path(path.removeprefix(PEFT_MODEL_PREFIX))
+        for path, module in peft_model.named_modules()
+        if isinstance(getattr(module, "lora_A", None), nn.ModuleDict) and adapter_name in module.lora_A
+    ]
+    out: set[str] = set()
+    for entry in entries:
+        hits = (
+            {".".join(p.split(".")[-2:]) for p in carrying if entry_matches(p, entry)}
+            if "." not in entry
+            else set()
+        )
+        out |= hits or {entry}
+    return sorted(out)
 
 
 def peft_model_with(
