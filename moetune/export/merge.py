@@ -49,6 +49,7 @@ import math
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -56,11 +57,12 @@ import torch
 
 from moetune.adapters.check import PREFIX, check_adapter_folder, expert_lora_prefixes
 from moetune.adapters.peft_layout import deinterleave_rows, interleave_rows
-from moetune.adapters.swap import CONFIG_NAME, WEIGHTS_NAME
+from moetune.adapters.swap import CONFIG_NAME
 from moetune.errors import AdapterError, OutputDirError, listing
 from moetune.export.serving import TOKENIZER_FILES, checkpoint_names, checkpoint_pairs, prepare_out, publish
 from moetune.loading.checkpoint import INDEX, OTHER_WEIGHT_PATTERNS, Checkpoint, ShardReader
 from moetune.loading.quant import ROLES
+from moetune.tensorfile import TORCH_DTYPES
 
 if TYPE_CHECKING:
     from moetune.loading.load import PlannedLoad
@@ -168,44 +170,35 @@ class _Kept:
 @dataclass
 class MergePlan:
     """Every edit, by the logical checkpoint key it changes, decided from headers and the adapter alone;
-    ``dequantize``: the quantized weights written in bf16 (every one, in ``bfloat16`` form)."""
+    ``stored``: the checkpoint's shards as they are (``planned.checkpoint`` is the logical view); ``dequantize``:
+    the quantized weights written in bf16 (every one, in ``bfloat16`` form)."""
 
     planned: PlannedLoad
+    stored: Checkpoint
     edits: dict[str, list[Edit]]
     dequantize: set[str]
     kept: _Kept = field(default_factory=_Kept)
-    _files: dict[str, list[str]] = field(
-        default_factory=dict
-    )  # stored shard -> its keys, filled on first use
 
     def quantized(self, key: str) -> QuantizedWeight | None:
         return self.planned.quantized.get(key)
 
-    def outputs(self, stored: Checkpoint, name: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """``{key: (dtype, shape)}`` of shard ``name`` as written: its stored tensors but the parts of weights
-        written dequantized, which it holds instead (under their logical key, in bf16) when their main part is
-        here."""
-        from moetune.tensorfile import TORCH_DTYPES
-
-        if not self._files:
-            for k, info in stored.tensors.items():
-                self._files.setdefault(info.file, []).append(k)
-            for key in self.dequantize:
-                self._files.setdefault(self.planned.quantized[key].info.file, []).append(key)
-        gone = self._gone()
-        out = {}
-        for k in self._files.get(name, []):
-            if k in self.dequantize:  # under its logical key, in bf16 (an FP8 weight's key is its codes' too)
-                out[k] = (torch.bfloat16, tuple(self.planned.quantized[k].info.shape))
-            elif k not in gone:
-                info = stored.tensors[k]
-                out[k] = (TORCH_DTYPES[info.dtype], tuple(info.shape))
+    @cached_property
+    def _shard_keys(self) -> dict[str, list[str]]:
+        """Shard -> the keys it is written with: its stored tensors, and the weights written dequantized whose
+        main part it holds (an FP8 weight's logical key is its codes' too)."""
+        out: dict[str, list[str]] = {}
+        for k, info in self.stored.tensors.items():
+            out.setdefault(info.file, []).append(k)
+        for key in self.dequantize:
+            out.setdefault(self.planned.quantized[key].info.file, []).append(key)
         return out
 
+    @cached_property
     def _gone(self) -> set[str]:
         """Stored parts of the weights written dequantized."""
         return {p.key for k in self.dequantize for p in self.planned.quantized[k].parts.values()}
 
+    @cached_property
     def owners(self) -> dict[str, str]:
         """Stored or written key -> the logical weight whose merge produces it."""
         out = {key: key for key in self.dequantize}
@@ -215,6 +208,23 @@ class MergePlan:
                 {key: key} if q is None or key in self.dequantize else {p.key: key for p in q.parts.values()}
             )
         return out
+
+    def outputs(self, name: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """``{key: (dtype, shape)}`` of shard ``name`` as written: its stored tensors but the parts of weights
+        written dequantized, which it holds instead (under their logical key, in bf16) when their main part is
+        here."""
+        out = {}
+        for k in self._shard_keys.get(name, []):
+            if k in self.dequantize:
+                out[k] = (torch.bfloat16, tuple(self.planned.quantized[k].info.shape))
+            elif k not in self._gone:
+                info = self.stored.tensors[k]
+                out[k] = (TORCH_DTYPES[info.dtype], tuple(info.shape))
+        return out
+
+    def nbytes(self, name: str) -> int:
+        """Data bytes of shard ``name`` as written."""
+        return sum(dtype.itemsize * math.prod(shape) for dtype, shape in self.outputs(name).values())
 
     def merged(self, key: str, reader: ShardReader) -> dict[str, torch.Tensor]:
         """Logical weight ``key`` with its edits, as written: ``{key: tensor}`` for every tensor that changes (its
@@ -270,8 +280,6 @@ class MergePlan:
         if not torch.isfinite(w).all():
             raise AdapterError(f"merging the adapter into {key} gives NaN or Inf values; nothing was written")
         if q is None:
-            from moetune.tensorfile import TORCH_DTYPES
-
             return {key: w.to(TORCH_DTYPES[self.planned.checkpoint.tensors[key].dtype])}
         if not requantize:
             return {key: w.to(torch.bfloat16)}
@@ -292,15 +300,13 @@ def plan_merge(
 ) -> MergePlan:
     """Every edit the merge of the adapter in ``adapter_path`` into the checkpoint in ``model_path`` makes, from the
     checkpoint's headers and the adapter; ``AdapterError`` for anything it cannot merge, before any weight is read."""
-    from moetune.adapters.save import read_tensors
     from moetune.loading.load import plan_load
     from moetune.loading.options import LoadOptions
 
     if quantized not in QUANTIZED_FORMS:
         raise AdapterError(f"quantized is {quantized!r}; one of {', '.join(QUANTIZED_FORMS)}")
-    folder = check_adapter_folder(
-        adapter_path
-    ).folder  # the folder alone first: no checkpoint header read for it
+    # the folder alone first: no checkpoint header read for it
+    folder = check_adapter_folder(adapter_path).folder
     options = LoadOptions.create(
         device="cpu", dtype="float32", progress=False, trust_remote_code=trust_remote_code
     )
@@ -321,12 +327,9 @@ def plan_merge(
         # a whole weight first (a LoRA'd module's saved base weight), the LoRA on top of it
         changes.insert(0 if isinstance(change, Replace) else len(changes), change)
 
-    if pairs.whole:
-        saved = read_tensors(folder / WEIGHTS_NAME)
-        for stored, adapter_key in pairs.whole.items():
-            value = saved[adapter_key]
-            what = f"{adapter_key} (a whole weight saved beside the LoRA)"
-            edit(stored, Replace(value), tuple(value.shape), what)
+    for stored_key, value in pairs.whole.items():
+        what = f"the whole weight the adapter saves for {stored_key}"
+        edit(stored_key, Replace(value), tuple(value.shape), what)
     tensors = pairs.tensors
     fused_prefixes = tuple(PREFIX + p for p in pairs.fused_paths)
     for key in sorted(tensors):
@@ -348,7 +351,7 @@ def plan_merge(
             f"adapter {folder} cannot be merged into {planned.checkpoint.path}:{listing(problems)}"
         )
     dequantize = set(planned.quantized) if quantized == "bfloat16" else set()
-    return MergePlan(planned, edits, dequantize)
+    return MergePlan(planned, Checkpoint.open(model_path), edits, dequantize)
 
 
 def _fused_edits(
@@ -434,37 +437,32 @@ def _left_out(model: Path, checkpoint: Checkpoint) -> tuple[list[Path], list[str
     return copy, left
 
 
-def _write_shard(plan: MergePlan, stored: Checkpoint, reader: ShardReader, name: str, path: Path) -> int:
+def _write_shard(plan: MergePlan, reader: ShardReader, name: str, path: Path) -> None:
     """Shard ``name`` again at ``path`` (``MergePlan.outputs``), merged weights merged, the other tensors as stored,
-    its metadata with the merge's mark; returns its data bytes. One weight's tensors at a time are held (a part
-    in another shard is computed again there)."""
+    its metadata with the merge's mark. One weight's tensors at a time are held (a part in another shard is
+    computed again there)."""
     from safetensors import safe_open
 
     from moetune.tensorfile import write_streamed
 
+    stored, owner = plan.stored, plan.owners
     with safe_open(str(stored.file_path(name)), "pt") as f:
         metadata = dict(f.metadata() or {})
-    outputs = plan.outputs(stored, name)
     placeholders = {
-        k: torch.empty(shape, dtype=dtype, device="meta") for k, (dtype, shape) in outputs.items()
+        k: torch.empty(shape, dtype=dtype, device="meta") for k, (dtype, shape) in plan.outputs(name).items()
     }
-    owner = plan.owners()
     done: dict[str, torch.Tensor] = {}  # tensors of merged weights not written yet
     merged: set[str] = set()
 
     def produce(k: str) -> torch.Tensor:
-        if (
-            k in owner and owner[k] not in merged
-        ):  # every tensor of the weight at once; each dropped once written
+        # every tensor of a merged weight at once, each dropped once written; a part the merge keeps, as stored
+        if k in owner and owner[k] not in merged:
             merged.add(owner[k])
             done.update(plan.merged(owner[k], reader))
-        return (
-            done.pop(k) if k in done else reader.read(stored.tensors[k])
-        )  # a part the merge keeps as stored
+        return done.pop(k) if k in done else reader.read(stored.tensors[k])
 
     # by name: a weight's parts come one after the other, so only one weight's are held at a time
     write_streamed(path, placeholders, {**metadata, **MERGE_MARK}, produce=produce, by_name=True)
-    return sum(t.numel() * t.element_size() for t in placeholders.values())
 
 
 def _config(config: dict[str, Any]) -> dict[str, Any]:
@@ -473,11 +471,6 @@ def _config(config: dict[str, Any]) -> dict[str, Any]:
     if isinstance(out.get("text_config"), dict):
         out["text_config"] = {k: v for k, v in out["text_config"].items() if k != "quantization_config"}
     return out
-
-
-def _estimate(plan: MergePlan, stored: Checkpoint, name: str) -> int:
-    """Data bytes of shard ``name`` as written."""
-    return sum(dtype.itemsize * math.prod(shape) for dtype, shape in plan.outputs(stored, name).values())
 
 
 def _check_room(out: Path, need: int) -> None:
@@ -494,7 +487,7 @@ def _check_room(out: Path, need: int) -> None:
 
 
 def _write_all(
-    plan: MergePlan, stored: Checkpoint, staged: Path, copy: list[Path], adapter: Path, progress: bool
+    plan: MergePlan, staged: Path, copy: list[Path], adapter: Path, progress: bool
 ) -> tuple[list[str], list[str]]:
     """Every file of the merged checkpoint into ``staged``: the shards (rewritten where they hold a weight that
     changes, else copied), the index and config (rewritten where weights change form), the other files of the
@@ -503,10 +496,10 @@ def _write_all(
 
     from moetune.atomic import fsync
 
-    owner = plan.owners()
-    changing = {stored.tensors[k].file for k in owner if k in stored.tensors}
+    stored = plan.stored
+    changing = {stored.tensors[k].file for k in plan.owners if k in stored.tensors}
     changing |= {plan.planned.quantized[k].info.file for k in plan.dequantize}
-    written, copied, sizes = [], [], {}
+    written, copied = [], []
     total = sum(stored.file_path(f).stat().st_size for f in stored.files)
     with (
         ShardReader(stored, []) as reader,
@@ -514,7 +507,7 @@ def _write_all(
     ):
         for name in stored.files:
             if name in changing:
-                sizes[name] = _write_shard(plan, stored, reader, name, staged / name)
+                _write_shard(plan, reader, name, staged / name)
                 written.append(name)
             else:
                 shutil.copy2(stored.file_path(name), staged / name)
@@ -525,17 +518,14 @@ def _write_all(
             continue
         shutil.copy2(path, staged / path.name)
         copied.append(path.name)
-    if (
-        plan.dequantize
-    ):  # the weights changed form: their keys in the index, and no quantization in the config
+    # the weights changed form: their keys in the index, and no quantization in the config
+    if plan.dequantize:
         config = json.loads(stored.file_path("config.json").read_text())
         (staged / "config.json").write_text(json.dumps(_config(config), indent=2) + "\n")
         if (stored.path / INDEX).is_file():
             index = json.loads((stored.path / INDEX).read_text())
-            weight_map = {k: name for name in stored.files for k in plan.outputs(stored, name)}
-            total_size = sum(_estimate(plan, stored, name) for name in stored.files)
-            index["weight_map"] = dict(sorted(weight_map.items()))
-            index.setdefault("metadata", {})["total_size"] = total_size
+            index["weight_map"] = dict(sorted((k, name) for name in stored.files for k in plan.outputs(name)))
+            index.setdefault("metadata", {})["total_size"] = sum(plan.nbytes(name) for name in stored.files)
             (staged / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (adapter / name).is_file():
@@ -562,14 +552,11 @@ def export_merged_checkpoint(
     (``OutputDirError``, before anything is read), on a disk with room for the result."""
     out, staged = prepare_out(out_dir, adapter_path, model_path, overwrite, MERGE_MARK)
     plan = plan_merge(model_path, adapter_path, quantized=quantized, trust_remote_code=trust_remote_code)
-    stored = Checkpoint.open(model_path)  # the shards as they are (the plan's view is the logical one)
-    copy, left = _left_out(stored.path, stored)
-    _check_room(
-        out, sum(_estimate(plan, stored, f) for f in stored.files) + sum(p.stat().st_size for p in copy)
-    )
+    copy, left = _left_out(plan.stored.path, plan.stored)
+    _check_room(out, sum(map(plan.nbytes, plan.stored.files)) + sum(p.stat().st_size for p in copy))
     staged.mkdir(parents=True)
     try:
-        written, copied = _write_all(plan, stored, staged, copy, Path(adapter_path).expanduser(), progress)
+        written, copied = _write_all(plan, staged, copy, Path(adapter_path).expanduser(), progress)
     except BaseException:  # a failed merge leaves nothing half-written beside out (and out as it was)
         shutil.rmtree(staged, ignore_errors=True)
         raise

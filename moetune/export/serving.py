@@ -87,10 +87,10 @@ class ServingAdapter:
     per_expert: int
     fused: int
     # for a merge (``merging=True``): the experts modules whose pairs stay fused (model paths), whole weights
-    # saved beside the LoRA by the checkpoint key they replace (-> the adapter's key), and each per-weight pair's
-    # module name -> the checkpoint key of the weight it adapts
+    # saved beside the LoRA by the checkpoint key they replace, and each per-weight pair's module name -> the
+    # checkpoint key of the weight it adapts
     fused_paths: tuple[str, ...] = ()
-    whole: dict[str, str] = field(default_factory=dict)
+    whole: dict[str, torch.Tensor] = field(default_factory=dict)
     weights: dict[str, str] = field(default_factory=dict)
 
 
@@ -276,7 +276,7 @@ def checkpoint_pairs(planned: PlannedLoad, folder: Path, *, merging: bool) -> Se
     replaced = {}
     for key in sorted(whole):  # a module's whole weight (modules_to_save), or an embedding's base weight
         if (stored := names.get(key.replace(".base_layer.", "."))) is not None:
-            replaced[stored] = PREFIX + key
+            replaced[stored] = tensors[PREFIX + key]
         else:
             unnamed.append(key)
     if unnamed:

@@ -65,7 +65,7 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 _MIDPOINTS_STRICT = (0.25, 1.25, 2.5, 5.0)
 _MIDPOINTS_INCLUSIVE = (0.75, 1.75, 3.5)
 
-_FP4 = torch.tensor(FP4_VALUES, dtype=torch.float32)
+FP4_TABLE = torch.tensor(FP4_VALUES, dtype=torch.float32)  # e2m1 code -> value
 _BYTE = torch.arange(256)
 # scale byte -> 2^(s - 127) in fp32 (2^-127 is an fp32 subnormal, exact; 255 -> 2^128 = inf, never used)
 _SCALES = torch.pow(2.0, _BYTE.to(torch.float64) - SCALE_BIAS).to(torch.float32)
@@ -82,7 +82,7 @@ def _pair_table(dtype: torch.dtype) -> torch.Tensor:
     Computed in fp64 (exact: two significant bits times a power of two) and rounded once to ``dtype``, where
     every finite value is exact; the scales the constructor rejects (255, overflowing blocks) come out inf or
     NaN. 256 KiB (bf16) or 512 KiB (fp32), built on first use."""
-    fp4 = _FP4.to(torch.float64)
+    fp4 = FP4_TABLE.to(torch.float64)
     pairs = torch.stack((fp4[_BYTE & 15], fp4[_BYTE >> 4]), dim=1)  # [256 code bytes, 2]
     scales = torch.pow(2.0, _BYTE.to(torch.float64) - SCALE_BIAS)  # [256 scale bytes]
     values = (scales[:, None, None] * pairs).to(dtype)  # [256, 256, 2]
@@ -155,7 +155,7 @@ def _check_finite(fmt: str, field: str, codes: torch.Tensor, scale: torch.Tensor
     hot = (scale >= SCALE_NAN - 2).nonzero()  # [n, 3]: expert, row, block
     e, o, g = hot.unbind(1)
     block_bytes = codes.view(*scale.shape, BLOCK // 2)[e, o, g].long()  # [n, 16]
-    largest = torch.maximum(_FP4[block_bytes & 7], _FP4[(block_bytes >> 4) & 7]).amax(dim=1)
+    largest = torch.maximum(FP4_TABLE[block_bytes & 7], FP4_TABLE[(block_bytes >> 4) & 7]).amax(dim=1)
     limit = torch.pow(2.0, (SCALE_NAN - scale[e, o, g].double())).float()  # value * 2^(s-127) < 2^128
     over = (largest >= limit).nonzero()
     if len(over):

@@ -32,7 +32,7 @@ import torch
 
 from moetune.arch.detect import DOWN, GATE_UP, ExpertsLayout, ExpertsSite
 from moetune.engine.formats import Mxfp4Experts
-from moetune.engine.formats.mxfp4 import BLOCK, FP4_VALUES, SCALE_BIAS, quantize_blocks
+from moetune.engine.formats.mxfp4 import BLOCK, FP4_TABLE, SCALE_BIAS, quantize_blocks
 from moetune.errors import LoadError
 from moetune.loading.checkpoint import Checkpoint, ShardReader, TensorInfo
 from moetune.loading.options import ExpertFormatChoice
@@ -44,7 +44,6 @@ BLOCKS, SCALES = "_blocks", "_scales"
 BLOCK_BYTES = BLOCK // 2  # 32 e2m1 codes per block, two per byte
 CODE = "MXFP4"  # the dtype logical weights report
 FUSED = (GATE_UP, DOWN)  # the expert tensors MXFP4 checkpoints quantize
-_FP4 = torch.tensor(FP4_VALUES, dtype=torch.float32)  # e2m1 code -> value
 
 
 @QUANT_METHODS.register("mxfp4")
@@ -214,7 +213,7 @@ class Mxfp4Method(QuantMethod):
         of two)."""
         blocks, scales = parts["blocks"], parts["scales"]
         values = torch.stack(
-            (_FP4[(blocks & 15).long()], _FP4[(blocks >> 4).long()]), dim=-1
+            (FP4_TABLE[(blocks & 15).long()], FP4_TABLE[(blocks >> 4).long()]), dim=-1
         )  # [..., O, G, 16, 2]
         values = values.flatten(-3)  # [..., O, D]
         factor = torch.pow(2.0, scales.to(torch.float32) - SCALE_BIAS).repeat_interleave(BLOCK, dim=-1)
