@@ -282,7 +282,10 @@ def peft_renamed(model: nn.Module, linear: Sequence[str]) -> list[str]:
     entry ending in ``gate_proj`` / ``up_proj`` / ``down_proj`` becomes the routed experts' fused
     ``gate_up_proj`` / ``down_proj`` (with doubled rank), and a lone ``gate_proj`` is an error. A dense MLP
     or a shared expert with those names therefore cannot be targeted by name; moetune targets its weight
-    instead. The rule is PEFT's own, asked per leaf name (the conversion matches names as dotted suffixes).
+    instead. The rule is PEFT's own, asked per leaf name (the conversion matches names as dotted suffixes). PEFT 0.22
+    keeps a converted name beside the fused parameters it adds, and only where ``model`` has them, so on moetune's
+    models it renames fewer (often none) and those modules are targeted by name, saved as ``mlp.gate_proj``
+    (:func:`qualified_targets`).
     """
     from peft import LoraConfig
     from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers

@@ -184,6 +184,12 @@ def expert_targets(
     return paths, used
 
 
+def stock_key(name: str) -> str:
+    """The key stock PEFT saves parameter ``name`` of adapter ``default`` under: ``...lora_A.default.weight`` ->
+    ``...lora_A.weight``, ``...gate.modules_to_save.default.weight`` -> ``...gate.weight``."""
+    return name.replace(".modules_to_save.default", "").replace(".default", "")
+
+
 def put_adapter_state(peft_model: Any, state: dict[str, torch.Tensor], where: str | Path) -> None:
     """Put a saved adapter's tensors (stock keys, ``base_model.model.<path>.lora_A.weight``) into the LoRA of
     ``peft_model`` (adapter ``default``); ``AdapterError`` naming ``where`` when a LoRA tensor has no place, a place
@@ -200,7 +206,7 @@ def put_adapter_state(peft_model: Any, state: dict[str, torch.Tensor], where: st
     from peft import set_peft_model_state_dict
 
     live = {  # stock key -> the parameter's name: PEFT's LoRA of adapter "default" (not LoRA experts)
-        name.replace(".default", ""): name
+        stock_key(name): name
         for name, _ in peft_model.named_parameters()
         if ".lora_" in name and ".default" in name
     }

@@ -336,18 +336,21 @@ def load_adapter_sharded(peft_model: Any, folder: str | Path) -> None:
     from peft import get_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from moetune.adapters.save import put_adapter_state
+    from moetune.adapters.save import put_adapter_state, stock_key
     from moetune.errors import LoadError
 
     path = Path(folder) / "adapter_model.safetensors"
     saved = load_file(str(path))
-    live = get_peft_model_state_dict(peft_model)  # stock keys -> this rank's tensors (shards where sharded)
+    live = get_peft_model_state_dict(
+        peft_model
+    )  # stock keys (PEFT 0.22 gathers sharded tensors whole: collective)
     if saved.keys() != live.keys():
         raise LoadError(
             f"{path}: its LoRA tensors are not this run's (missing {sorted(live.keys() - saved.keys())[:4]}, "
             f"extra {sorted(saved.keys() - live.keys())[:4]}); resume with the same lora_target and lora settings"
         )
-    put_adapter_state(peft_model, {k: shard_like(t, live[k]) for k, t in saved.items()}, path)
+    places = {stock_key(n): p for n, p in peft_model.named_parameters()}  # this rank's shards where sharded
+    put_adapter_state(peft_model, {k: shard_like(t, places.get(k, live[k])) for k, t in saved.items()}, path)
 
 
 def fsdp_requested(trainer: Any) -> bool:

@@ -7,9 +7,11 @@ import json
 import os
 from pathlib import Path
 
+import peft
 import pytest
 import torch
 import yaml
+from packaging.version import Version
 
 from moetune.config import load_config
 from moetune.train.demo import make_demo_model
@@ -74,14 +76,17 @@ def test_adapter_loads_in_stock_peft_and_moetune(tmp_path, demo_model) -> None:
     ):
         assert (out / name).is_file(), name
     conf = json.loads((out / "adapter_config.json").read_text())
-    # the dense MLP of layer 1 by weight (PEFT renames gate/up/down_proj targets for qwen3_moe), then the experts
-    assert conf["target_parameters"] == [
-        "down_proj.weight",
-        "gate_proj.weight",
-        "up_proj.weight",
-        "mlp.experts.gate_up_proj",
-        "mlp.experts.down_proj",
-    ]
+    # the experts by their fused parameters, last; the dense MLP of layer 1 by weight where PEFT (0.21) renames
+    # gate/up/down_proj targets for qwen3_moe, else by name with its parent (PEFT 0.22 would map a bare name onto
+    # the experts too)
+    dense = ["down_proj", "gate_proj", "up_proj"]
+    assert conf["target_parameters"][-2:] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    by_weight = conf["target_parameters"][:-2]
+    by_name = [t for t in conf["target_modules"] if t.startswith("mlp.")]
+    if Version(peft.__version__) < Version("0.22"):
+        assert (by_weight, by_name) == ([f"{p}.weight" for p in dense], [])
+    else:
+        assert (by_weight, by_name) == ([], [f"mlp.{p}" for p in dense])
     ids = torch.randint(4, 17, (2, 10))
     model = result.model.eval()
     want = model(input_ids=ids).logits
@@ -94,6 +99,8 @@ def test_adapter_loads_in_stock_peft_and_moetune(tmp_path, demo_model) -> None:
         AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32), out
     )
     torch.testing.assert_close(stock.eval()(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+    for p in dense:  # stock PEFT put the LoRA on the dense MLP
+        assert "default" in stock.get_submodule(f"base_model.model.model.layers.1.mlp.{p}").lora_A
     again = load_model(demo_model, device="cpu", dtype="float32", progress=False, adapter=out)
     torch.testing.assert_close(again(input_ids=ids).logits, want, atol=1e-6, rtol=0)
 
@@ -249,9 +256,10 @@ def test_int8_activations_train_save_and_reload(tmp_path, demo_model, fmt) -> No
     """``moetune: {expert_format: int8 (or int4), int8_activations: true}`` in bf16: the engines take the 8-bit rows
     (int4 on an AVX2-only CPU: the AVX2 variant's, in fp32), the losses stay within 5% of the same format's default
     run (int8: 16-bit rows, int4: bf16 or fp32), the adapter loads in stock PEFT, and ``load_model`` with the same
-    options runs it, its logits near the trained model's."""
+    options runs it, its logits the trained model's."""
     import math
 
+    from accelerate.utils import extract_model_from_parallel
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -280,6 +288,10 @@ def test_int8_activations_train_save_and_reload(tmp_path, demo_model, fmt) -> No
     assert paths and all(p.int8_rows for p in paths)
     out = tmp_path / "True" / "out"
     ids = torch.randint(4, 17, (2, 10))
+    # bf16 training left accelerate's autocast on the model's forward (LoRA's fp32 products in bf16 there); the
+    # reloaded model runs without it, so compare the forward without it: bf16 roundings of the LoRA products apart
+    # can flip a token's experts (0.2 of 2.9 in one logit under PEFT 0.22's LoRA init order)
+    model = extract_model_from_parallel(model, keep_fp32_wrapper=False)
     with torch.no_grad():
         trained = model(input_ids=ids).logits.float()
         stock = PeftModel.from_pretrained(
@@ -298,7 +310,7 @@ def test_int8_activations_train_save_and_reload(tmp_path, demo_model, fmt) -> No
         )
         assert all(m.engine.gemm.path.int8_rows for m in again.modules() if isinstance(m, CpuExperts))
         reloaded = again(input_ids=ids).logits.float()
-    assert float((reloaded - trained).abs().max()) <= 0.05 * float(trained.abs().max())
+    torch.testing.assert_close(reloaded, trained, atol=1e-6 * float(trained.abs().max()), rtol=0)
 
 
 def test_gpu_experts_train_like_all_cpu(tmp_path, demo_model) -> None:
