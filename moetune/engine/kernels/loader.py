@@ -148,9 +148,13 @@ def kernels_disabled() -> str:
 
 
 def build_key(text: bytes, cflags: list[str]) -> str:
-    """What a kernel build is cached by: its sources' text, torch's version and the compile flags (flags change the
-    code as much as sources do)."""
-    return hashlib.sha256(text + torch.__version__.encode() + " ".join(cflags).encode()).hexdigest()[:16]
+    """What a kernel build is cached by: its sources' text, torch's version, the compile flags (flags change the
+    code as much as sources do) and where torch is installed: torch's builder writes that torch's include folders
+    into the build's commands, so two environments sharing one build folder (the default cache, one per user)
+    rebuilt it in turn whenever the other had run (30-60 s each time)."""
+    where = str(Path(torch.__file__).resolve().parent)
+    key = text + torch.__version__.encode() + " ".join(cflags).encode() + where.encode()
+    return hashlib.sha256(key).hexdigest()[:16]
 
 
 def _build_variant(variant: KernelVariant) -> tuple[ModuleType | None, str]:

@@ -503,6 +503,16 @@ def test_the_build_key_covers_every_header_a_variant_includes():
         assert names[0] == variant.source and set(names[1:]) == wanted, (variant, names)
 
 
+def test_the_build_key_names_the_torch_install(monkeypatch, tmp_path):
+    """Two environments with the same torch version (two virtualenvs) build into two folders: torch's builder writes
+    the torch install's include folders into the build commands, so one shared folder was rebuilt by each in turn.
+    The same install keeps its key."""
+    here = loader.build_key(b"sources", ["-O3"])
+    assert loader.build_key(b"sources", ["-O3"]) == here
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "venv2/site-packages/torch/__init__.py"))
+    assert loader.build_key(b"sources", ["-O3"]) != here
+
+
 def test_build_failure_falls_back_to_the_torch_path_with_one_warning(monkeypatch, caplog):
     """A failed build (no compiler, a compile error): one logged warning naming the cause and the torch path,
     load_fused() None, and engines resolve the torch path."""
