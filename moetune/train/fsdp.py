@@ -341,9 +341,8 @@ def load_adapter_sharded(peft_model: Any, folder: str | Path) -> None:
 
     path = Path(folder) / "adapter_model.safetensors"
     saved = load_file(str(path))
-    live = get_peft_model_state_dict(
-        peft_model
-    )  # stock keys (PEFT 0.22 gathers sharded tensors whole: collective)
+    # stock keys; PEFT 0.22 gathers sharded tensors whole here (a collective), so the shards come from `places`
+    live = get_peft_model_state_dict(peft_model)
     if saved.keys() != live.keys():
         raise LoadError(
             f"{path}: its LoRA tensors are not this run's (missing {sorted(live.keys() - saved.keys())[:4]}, "
