@@ -24,7 +24,8 @@ class EngineStateError(EngineError):
 
 
 class NonFiniteError(EngineError):
-    """A NaN or Inf appeared in the expert engine while ``check_finite`` was on."""
+    """A NaN or Inf appeared in the expert engine while ``check_finite`` was on, or a quantized format's stored
+    codes or scales stand for one (the loader names the checkpoint's layer and files: ``NonFiniteWeightError``)."""
 
 
 class AdapterError(MoetuneError):

@@ -49,7 +49,7 @@ def build(folder: Path, source: str, flags: list[str], tag: str) -> ModuleType:
     """The kernel module built from ``folder / source`` (and the headers beside it)."""
     text = b"".join(p.read_bytes() for p in sorted(folder.iterdir()) if p.suffix in (".h", ".cpp"))
     return cpp_extension.load(
-        name=f"moetune_ab_{tag}_{build_key(text, flags)}",
+        name=f"moetune_ab_{tag}_{build_key(text, flags, folder)}",
         sources=[str(folder / source)],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],

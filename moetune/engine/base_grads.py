@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moetune.finite import all_finite
+
 BASE_NAMES = ("gate_up", "down", "gate_up_bias", "down_bias")
 
 
@@ -94,9 +96,7 @@ class ExpertGradBuffer:
 
     def non_finite(self) -> list[str]:
         """The names (``BASE_NAMES``) whose held gradient has a NaN/Inf in some expert."""
-        bad = {
-            n for named in self.grads.values() for n, g in named.items() if not bool(torch.isfinite(g).all())
-        }
+        bad = {n for named in self.grads.values() for n, g in named.items() if not all_finite(g)}
         return [n for n in BASE_NAMES if n in bad]
 
     def norm_sq(self) -> torch.Tensor:

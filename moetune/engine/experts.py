@@ -47,6 +47,7 @@ from moetune.engine.schedule import ExpertSchedule
 from moetune.engine.shapes import RowSplit, native_ops_available
 from moetune.engine.workspace import Workspace, thread_workspace
 from moetune.errors import EngineError, EngineStateError, NonFiniteError
+from moetune.finite import all_finite
 
 _engine_ids = itertools.count()
 
@@ -223,7 +224,7 @@ class ExpertEngine:
     def _check_finite(self, what: str, t: torch.Tensor, disp: Dispatch | None = None) -> None:
         """With ``check_finite``: raise NonFiniteError for NaN/Inf in t (rows first: ``[T, ...]``, or ``[N, ...]``
         sorted by expert when ``disp`` is given, which names the expert)."""
-        if not self.options.check_finite:
+        if not self.options.check_finite or all_finite(t):
             return
         bad = ~torch.isfinite(t)
         if bool(bad.any()):

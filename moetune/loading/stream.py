@@ -33,12 +33,13 @@ import torch
 from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS, UP, ExpertsLayout
 from moetune.engine import EngineOptions, ExpertEngine, get_activation
 from moetune.engine.formats import DenseExperts, ExpertFormat
+from moetune.errors import NonFiniteError
 from moetune.loading.checkpoint import Checkpoint, ShardReader
 from moetune.loading.expert_plan import ExpertSource, LayerPlan
 from moetune.loading.options import ExpertFormatChoice
 from moetune.loading.quant import QuantizedWeight
 from moetune.loading.quant.base import ROLES
-from moetune.loading.scan import check_finite_layer
+from moetune.loading.scan import check_finite_layer, damaged_quantized
 from moetune.progress import LayerProgress
 
 
@@ -134,7 +135,12 @@ def read_quantized(layer: LayerPlan, reader: ShardReader, experts: range) -> Exp
         if source.quantized is not None and (source.expert is None or source.expert in experts):
             by_role.setdefault(source.role, []).append(source.quantized)
     assert all(len(by_role[r]) == len(experts) for r in ROLES if r in by_role), "one weight per expert"
-    return layer.method.read_experts(by_role, layer.site.layout, reader, experts)
+    try:
+        return layer.method.read_experts(by_role, layer.site.layout, reader, experts)
+    except (
+        NonFiniteError
+    ) as err:  # the format's codes or scales stand for NaN / Inf: name where they came from
+        raise damaged_quantized(layer, experts, err) from None
 
 
 def read_biases(

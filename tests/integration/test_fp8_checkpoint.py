@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 import moetune
 from moetune.engine.formats import dense
-from moetune.errors import LoadError
+from moetune.errors import LoadError, NonFiniteWeightError
 from moetune.testing.fp8_checkpoint import dequantize_reference, save_fp8_checkpoint
 from tests.integration.quantized_checks import (
     LOGITS_TOL,
@@ -252,3 +252,31 @@ def test_fp8_checkpoint_errors(checkpoints, tmp_path, no_heavy_work, edit_tensor
     dst = _copy(checkpoints, tmp_path, edit_tensors, edit_quant)
     with pytest.raises(LoadError, match=message):
         _load(dst)
+
+
+def _nan_code(t: dict[str, torch.Tensor], key: str, code: int) -> dict[str, torch.Tensor]:
+    codes = t[key].clone()
+    codes.view(torch.uint8)[5, 7] = code  # e4m3fn's NaN codes: 0x7F and 0xFF
+    return {**t, key: codes}
+
+
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_a_nan_code_in_a_routed_expert_is_refused_by_name(checkpoints, tmp_path, code):
+    """A damaged FP8 release (a NaN code in expert 3's up_proj) is a NonFiniteWeightError naming the layer, its
+    file and the expert, whether the experts stay FP8 or are dequantized to bf16 (both read the codes into the
+    FP8 format first, which refuses them)."""
+    dst = _copy(checkpoints, tmp_path, lambda t: _nan_code(t, EXPERT_UP, code))
+    for fmt in ("auto", "bf16"):
+        with pytest.raises(
+            NonFiniteWeightError,
+            match=rf"{DS_EXPERTS} \(read from model.safetensors\): fp8_block: gate_up\[3\] holds NaN codes",
+        ):
+            _load(dst, expert_format=fmt)
+
+
+def test_a_nan_code_in_a_dequantized_weight_stays_nan(checkpoints, tmp_path):
+    """A NaN code outside the experts (q_a_proj, dequantized at load) gives NaN in the loaded weight, as torch's
+    own conversion does (the fast decoding would make it finite), so the model's NaN checks can see it."""
+    dst = _copy(checkpoints, tmp_path, lambda t: _nan_code(t, Q_A, 0xFF))
+    weight = dict(_load(dst).named_parameters())[Q_A]
+    assert bool(weight[5, 7].isnan()) and int(weight.isnan().sum()) == 1

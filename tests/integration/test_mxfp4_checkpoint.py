@@ -22,7 +22,7 @@ import moetune
 from moetune.adapters import attach_lora, save_adapter
 from moetune.adapters.apply import expert_modules
 from moetune.cli.main import main
-from moetune.errors import EngineError, LoadError
+from moetune.errors import LoadError, NonFiniteWeightError
 from moetune.loading.checkpoint import Checkpoint
 from moetune.testing.mxfp4_checkpoint import MXFP4_QUANTIZATION_CONFIG, save_mxfp4_checkpoint
 from moetune.testing.tiny import save_tiny_model
@@ -192,7 +192,10 @@ def test_converted_store_keeps_the_shipped_bytes(checkpoints, tmp_path):
 
 def test_a_nan_scale_byte_names_the_tensor(checkpoints, tmp_path):
     dst = _copy(checkpoints[0], tmp_path, lambda t: {**t, DOWN_SCALES: torch.full_like(t[DOWN_SCALES], 255)})
-    with pytest.raises(EngineError, match=r"mxfp4: down_scale\[0\] holds the e8m0 NaN byte 255"):
+    with pytest.raises(
+        NonFiniteWeightError,
+        match=r"experts \(read from model.safetensors\): mxfp4: down_scale\[0\] holds the e8m0 NaN byte 255",
+    ):
         _load(dst)
 
 

@@ -50,7 +50,8 @@ from moetune.engine.formats.quant_common import (
     row_chunks,
     scratch,
 )
-from moetune.errors import EngineError
+from moetune.errors import NonFiniteError
+from moetune.finite import all_finite
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -59,7 +60,7 @@ BLOCK = 128  # DeepSeek-V3's weight_block_size [128, 128]
 # The mask is 0xBF80: the sign bit and the 7 exponent+mantissa bits once shifted.
 _FP16_BITS_MASK = torch.tensor(-16512, dtype=torch.int16)
 _FP16_SHIFT = torch.tensor(7, dtype=torch.int16)  # e4m3's 3 mantissa bits land at the top of fp16's 10
-_FP16_UNBIAS = 2.0**8  # 2^(fp16 bias 15 - e4m3 bias 7)
+FP16_UNBIAS = 2.0**8  # 2^(fp16 bias 15 - e4m3 bias 7)
 
 
 def grid(rows: int, cols: int) -> tuple[int, int]:
@@ -114,6 +115,22 @@ def scale_blocks(out: torch.Tensor, scale: torch.Tensor) -> None:
         for c0, nc, hc in _spans(d):
             part = out[r0 : r0 + nr * hr, c0 : c0 + nc * hc].unflatten(1, (nc, hc)).unflatten(0, (nr, hr))
             part.mul_(scale[r0 // BLOCK : r0 // BLOCK + nr, None, c0 // BLOCK : c0 // BLOCK + nc, None])
+
+
+def decode_rows(codes: torch.Tensor, multipliers: torch.Tensor, out: torch.Tensor) -> None:
+    """out ``[R, D]`` fp32 = the e4m3fn codes ``[R, D]`` (read as int8) times their block's multiplier
+    (``scale_inv * 2^8``, ``grid(R, D)`` fp32): the module docstring's fp16 bit pattern, one scratch buffer per
+    thread. The rows start on a block boundary; NaN codes come out finite (callers exclude them)."""
+    half = scratch("fp8_half", tuple(out.shape), torch.int16)
+    half.copy_(codes)  # sign-extends: bit 15 = the sign
+    half.bitwise_left_shift_(_FP16_SHIFT).bitwise_and_(_FP16_BITS_MASK)
+    out.copy_(half.view(torch.float16))
+    scale_blocks(out, multipliers)
+
+
+def multipliers(scale_inv: torch.Tensor) -> torch.Tensor:
+    """``scale_inv * 2^8`` in fp32 (exact: a power of two), :func:`decode_rows`' multipliers."""
+    return scale_inv.to(torch.float32) * FP16_UNBIAS
 
 
 def _first_nan_code(codes: torch.Tensor) -> int | None:
@@ -186,12 +203,12 @@ class Fp8BlockExperts(QuantizedExperts):
         for field in ("gate_up", "down"):
             bad = _first_nan_code(getattr(self, field))
             if bad is not None:
-                raise EngineError(
+                raise NonFiniteError(
                     f"{self.name}: {field}[{bad}] holds NaN codes (0x7F or 0xFF); expert weights must be finite"
                 )
             scale = getattr(self, f"{field}_scale_inv")
-            if not bool(torch.isfinite(scale).all()):
-                raise EngineError(
+            if not all_finite(scale):
+                raise NonFiniteError(
                     f"{self.name}: {field}_scale_inv holds non-finite values; they must be finite"
                 )
         self.num_experts, self.hidden_size, self.intermediate_size = e, h, i
@@ -205,7 +222,7 @@ class Fp8BlockExperts(QuantizedExperts):
         # what _dequant_rows reads: the codes as int8 (their widening sign-extends), and the block multipliers
         # scale_inv * 2^8 in fp32 (4 bytes more per 128^2 weights)
         self._decode = {
-            proj: (codes.view(torch.int8), scale_inv * _FP16_UNBIAS)
+            proj: (codes.view(torch.int8), multipliers(scale_inv))
             for proj in ("gate_up", "down")
             for codes, scale_inv in [self._stored(proj)]
         }
@@ -278,15 +295,11 @@ class Fp8BlockExperts(QuantizedExperts):
         return self.down, self.down_scale_inv
 
     def _dequant_rows(self, proj: Projection, expert: int, r0: int, r1: int, out: torch.Tensor) -> None:
-        codes, multipliers = self._decode[proj]
-        rows, d = out.shape
+        codes, mults = self._decode[proj]
+        rows = out.shape[0]
         seg_start, grid_start = max(s for s in self._segments[proj] if s[0] <= r0)
         b0 = grid_start + (r0 - seg_start) // BLOCK  # chunks start on block boundaries of their segment
-        half = scratch("fp8_half", (rows, d), torch.int16)
-        half.copy_(codes[expert, r0:r1])  # sign-extends: bit 15 = the sign
-        half.bitwise_left_shift_(_FP16_SHIFT).bitwise_and_(_FP16_BITS_MASK)
-        out.copy_(half.view(torch.float16))
-        scale_blocks(out, multipliers[expert, b0 : b0 + -(-rows // BLOCK)])
+        decode_rows(codes[expert, r0:r1], mults[expert, b0 : b0 + -(-rows // BLOCK)], out)
 
     # per kernel variant, the fused kernel beats dequantize-then-GEMM up to here (AVX512-BF16: fused / torch
     # 1.06x at 256 rows, 0.94x at 512; docs/performance.md, "fp8_block and mxfp4: the torch path and the fused

@@ -52,7 +52,7 @@ from moetune.engine.formats.quant_common import (
     row_chunks,
     scratch,
 )
-from moetune.errors import EngineError
+from moetune.errors import EngineError, NonFiniteError
 
 BLOCK = 32  # values per shared scale (OCP MX block size)
 SCALE_BIAS = 127  # e8m0: scale byte s means 2^(s - 127)
@@ -142,14 +142,14 @@ def quantize_blocks(w: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
 
 
 def _check_finite(fmt: str, field: str, codes: torch.Tensor, scale: torch.Tensor) -> None:
-    """EngineError naming ``field`` and the expert if a scale byte is NaN (255) or a block's values overflow
+    """NonFiniteError naming ``field`` and the expert if a scale byte is NaN (255) or a block's values overflow
     fp32 (``value * 2^(s - 127) >= 2^128``, possible for s >= 253 only). codes ``[E, O, D/2]``, scale
     ``[E, O, D/32]``; only the blocks with large scales are unpacked."""
     if scale.numel() == 0 or int(scale.max()) < SCALE_NAN - 2:
         return
     nan = (scale == SCALE_NAN).nonzero()
     if len(nan):
-        raise EngineError(
+        raise NonFiniteError(
             f"{fmt}: {field}_scale[{int(nan[0, 0])}] holds the e8m0 NaN byte 255; expert weights must be finite"
         )
     hot = (scale >= SCALE_NAN - 2).nonzero()  # [n, 3]: expert, row, block
@@ -160,7 +160,7 @@ def _check_finite(fmt: str, field: str, codes: torch.Tensor, scale: torch.Tensor
     over = (largest >= limit).nonzero()
     if len(over):
         x = int(over[0, 0])
-        raise EngineError(
+        raise NonFiniteError(
             f"{fmt}: {field}[{int(e[x])}] has a block whose values overflow fp32 (scale byte {int(scale[e[x], o[x], g[x]])}, "
             f"largest |value| {float(largest[x])}); expert weights must be finite"
         )

@@ -147,12 +147,13 @@ def kernels_disabled() -> str:
     raise ConfigError(f"{KERNELS_ENV} must be 'on' or 'off' (or 1 / 0); got {value!r}")
 
 
-def build_key(text: bytes, cflags: list[str]) -> str:
+def build_key(text: bytes, cflags: list[str], folder: Path) -> str:
     """What a kernel build is cached by: its sources' text, torch's version, the compile flags (flags change the
-    code as much as sources do) and where torch is installed: torch's builder writes that torch's include folders
-    into the build's commands, so two environments sharing one build folder (the default cache, one per user)
-    rebuilt it in turn whenever the other had run (30-60 s each time)."""
-    where = str(Path(torch.__file__).resolve().parent)
+    code as much as sources do), where torch is installed and the folder the sources are compiled from. torch's
+    builder writes that torch's include folders and the sources' paths into the build's commands, so two
+    environments, or two checkouts of moetune (a clone and a worktree), sharing one build folder (the default
+    cache, one per user) rebuilt it in turn whenever the other had run (30-60 s each time)."""
+    where = str(Path(torch.__file__).resolve().parent) + "\0" + str(folder.resolve())
     key = text + torch.__version__.encode() + " ".join(cflags).encode() + where.encode()
     return hashlib.sha256(key).hexdigest()[:16]
 
@@ -161,7 +162,7 @@ def _build_variant(variant: KernelVariant) -> tuple[ModuleType | None, str]:
     """(module, "") or (None, why not)."""
     paths = variant.sources()
     cflags = CFLAGS + list(variant.flags)
-    name = f"moetune_fused_{build_key(b''.join(p.read_bytes() for p in paths), cflags)}"
+    name = f"moetune_fused_{build_key(b''.join(p.read_bytes() for p in paths), cflags, HERE)}"
     try:
         from torch.utils import cpp_extension
 

@@ -27,8 +27,17 @@ import torch
 
 from moetune.arch.detect import ExpertsLayout
 from moetune.engine.formats import Fp8BlockExperts
-from moetune.engine.formats.fp8_block import BLOCK, grid, quantize_blocks
+from moetune.engine.formats.fp8_block import (
+    BLOCK,
+    decode_rows,
+    grid,
+    multipliers,
+    quantize_blocks,
+    scale_blocks,
+)
+from moetune.engine.formats.quant_common import row_chunks
 from moetune.errors import LoadError
+from moetune.finite import all_finite
 from moetune.loading.checkpoint import Checkpoint, ShardReader
 from moetune.loading.options import ExpertFormatChoice
 from moetune.loading.quant.base import QUANT_METHODS, ROLES, LazyTensors, QuantizedWeight, QuantMethod
@@ -40,14 +49,25 @@ SCALE_DTYPES = ("F32", "BF16", "F16")  # widened to fp32 exactly (DeepSeek-V3 st
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """weight ``[O, D]`` float8_e4m3fn, scale_inv ``[ceil(O/128), ceil(D/128)]`` fp32 -> ``[O, D]`` fp32.
+    """weight ``[O, D]`` float8_e4m3fn, scale_inv ``[ceil(O/128), ceil(D/128)]`` (fp32, bf16 or fp16) -> ``[O, D]``
+    fp32.
 
     fp32 holds every e4m3 value exactly, so each weight is rounded once, by the product with its block's scale.
+    By the engine's decoding (``fp8_block.decode_rows``: integer ops and fp16 -> fp32, the same products, the same
+    bits) in row blocks instead of torch's scalar e4m3 -> fp32 conversion: ``python bench/fp8_dequant.py`` on one
+    Zen 4 thread, 2.3x on ``[2048, 7168]`` (there mostly the page faults of the new output) and 6.7x on
+    ``[576, 7168]``. NaN codes, which that decoding would make finite, and multipliers that overflow go through
+    torch's conversion, so NaN stays NaN.
     """
-    out = weight.to(torch.float32)
-    cols = scale_inv.to(torch.float32).repeat_interleave(BLOCK, dim=1)[:, : out.shape[1]]  # [ceil(O/128), D]
-    for a in range(cols.shape[0]):  # one 128-row block at a time: no [O, D] scale temporary
-        out[a * BLOCK : (a + 1) * BLOCK].mul_(cols[a])
+    out = torch.empty(weight.shape, dtype=torch.float32)
+    mults = multipliers(scale_inv)
+    if not (all_finite(weight) and all_finite(mults)):
+        out.copy_(weight)
+        scale_blocks(out, scale_inv.to(torch.float32))
+        return out
+    codes = weight.view(torch.int8)
+    for r0, r1 in row_chunks(0, out.shape[0], out.shape[1], BLOCK):
+        decode_rows(codes[r0:r1], mults[r0 // BLOCK : -(-r1 // BLOCK)], out[r0:r1])
     return out
 
 

@@ -503,14 +503,15 @@ def test_the_build_key_covers_every_header_a_variant_includes():
         assert names[0] == variant.source and set(names[1:]) == wanted, (variant, names)
 
 
-def test_the_build_key_names_the_torch_install(monkeypatch, tmp_path):
-    """Two environments with the same torch version (two virtualenvs) build into two folders: torch's builder writes
-    the torch install's include folders into the build commands, so one shared folder was rebuilt by each in turn.
-    The same install keeps its key."""
-    here = loader.build_key(b"sources", ["-O3"])
-    assert loader.build_key(b"sources", ["-O3"]) == here
+def test_the_build_key_names_the_torch_install_and_the_sources_folder(monkeypatch, tmp_path):
+    """Two environments with the same torch version (two virtualenvs), or two checkouts of moetune, build into two
+    folders: torch's builder writes the torch install's include folders and the sources' paths into the build
+    commands, so one shared folder was rebuilt by each in turn. The same install and checkout keep their key."""
+    here = loader.build_key(b"sources", ["-O3"], loader.HERE)
+    assert loader.build_key(b"sources", ["-O3"], loader.HERE) == here
+    assert loader.build_key(b"sources", ["-O3"], tmp_path / "worktree/moetune/engine/kernels") != here
     monkeypatch.setattr(torch, "__file__", str(tmp_path / "venv2/site-packages/torch/__init__.py"))
-    assert loader.build_key(b"sources", ["-O3"]) != here
+    assert loader.build_key(b"sources", ["-O3"], loader.HERE) != here
 
 
 def test_build_failure_falls_back_to_the_torch_path_with_one_warning(monkeypatch, caplog):

@@ -1,4 +1,4 @@
-"""loading.scan: the fast sum never lets a NaN/Inf through and never refuses finite weights."""
+"""loading.scan: the check never lets a NaN/Inf through and never refuses finite weights."""
 
 from __future__ import annotations
 
@@ -53,3 +53,14 @@ def test_a_ranks_share_is_named_by_the_layers_expert_ids():
     t["down"][1, 0, 0] = float("nan")  # index 1 of a rank holding experts 4-7 (expert_parallel: sharded)
     with pytest.raises(NonFiniteWeightError, match=r"model.layers.3.mlp.experts \(expert 5\)"):
         check_finite_layer(LAYER, t, first=4)
+
+
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_float8_codes_are_scanned_by_value(code):
+    """FP8 codes (a stored layer's ``state_tensors``): finite ones pass, a NaN code is named by expert (torch has
+    no isfinite for float8: this check once raised its NotImplementedError instead)."""
+    t = {k: v.to(torch.float8_e4m3fn) for k, v in _tensors().items() if v is not None}
+    check_finite_layer(LAYER, t)
+    t["down"].view(torch.uint8)[2, 3, 1] = code
+    with pytest.raises(NonFiniteWeightError, match=r"experts \(expert 2\) hold 1 NaN and 0 Inf"):
+        check_finite_layer(LAYER, t)
