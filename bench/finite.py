@@ -4,7 +4,7 @@
 
 For one ``[2048, 7168]`` weight (DeepSeek-V3's expert gate, a merge's unit of work) and one layer of 16 experts
 ``[16, 4096, 2048]`` + ``[16, 2048, 2048]`` (what the load-time scan checks at once), in bf16, fp32 and FP8
-e4m3fn codes: the milliseconds (best of ``--reps``) and GB/s of
+e4m3fn codes: the milliseconds (the best of ``--reps``, each rep running every check in turn) and GB/s of
 - ``isfinite``: ``torch.isfinite(t).all()`` (the merge's and the engine's check before; torch has none for
   float8),
 - ``sum``: an fp32 sum per expert, the load-time scan's check before,
@@ -14,14 +14,13 @@ and ``all_finite``'s speed-up over each. Prints the CPU and its ISA first.
 
 from __future__ import annotations
 
-import argparse
-import time
 from collections.abc import Callable
 
 import torch
 
+from moetune.bench.runtime import script_header, sweep_args
+from moetune.bench.timing import interleaved_min_ms
 from moetune.finite import all_finite
-from moetune.sysinfo import cpu_info
 
 
 def _isfinite(t: torch.Tensor) -> bool:
@@ -40,26 +39,16 @@ CHECKS: dict[str, Callable[[torch.Tensor], bool]] = {
 }
 
 
-def _best(check: Callable[[torch.Tensor], bool], tensors: list[torch.Tensor], reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        for t in tensors:
-            assert check(t)
-        best = min(best, time.perf_counter() - start)
-    return best
+def _checking(check: Callable[[torch.Tensor], bool], tensors: list[torch.Tensor]) -> Callable[[int], None]:
+    def call(i: int) -> None:
+        assert check(tensors[i])
+
+    return call
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument(
-        "--shrink", type=int, default=1, help="divide the row counts by this (the tests' quick run)"
-    )
-    args = p.parse_args()
-    machine = cpu_info()
-    print(f"bench/finite.py | {machine.model} ({', '.join(machine.isa) or 'no SIMD flags found'})")
+    args = sweep_args(__doc__, reps=5)
+    print(script_header("bench/finite.py"))
     gen = torch.Generator().manual_seed(0)
     r = args.shrink
     cases = {
@@ -76,7 +65,9 @@ def main() -> None:
                 tensors = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
                 gb = sum(t.nbytes for t in tensors) / 1e9
                 checks = {n: c for n, c in CHECKS.items() if n != "isfinite" or dtype.itemsize > 1}
-                times = {name: _best(check, tensors, args.reps) for name, check in checks.items()}
+                calls = {name: _checking(check, tensors) for name, check in checks.items()}
+                per_item = interleaved_min_ms(calls, len(tensors), args.reps)
+                times = {name: ms * len(tensors) / 1e3 for name, ms in per_item.items()}  # s for all tensors
                 new = times["all_finite"]
                 cells = ", ".join(f"{n} {s * 1e3:.1f} ms ({gb / s:.1f} GB/s)" for n, s in times.items())
                 ratios = ", ".join(f"{times[n] / new:.1f}x over {n}" for n in times if n != "all_finite")

@@ -4,21 +4,19 @@ torch's e4m3 -> fp32 conversion followed by the same block multiply (``scale_blo
     python bench/fp8_dequant.py [--threads 1 2] [--reps 7] [--shrink 1]
 
 For DeepSeek-V3's shapes (an expert's gate ``[2048, 7168]`` and down ``[7168, 2048]``, ``kv_a_proj_with_mqa``
-``[576, 7168]``): milliseconds (best of ``--reps``), values per second and the speed-up, and whether both give
+``[576, 7168]``): milliseconds (the best of ``--reps``, each rep running both in turn), values per second and the speed-up, and whether both give
 the same bits as ``dequantize_reference`` (the tests' reference). Each call returns a fresh fp32 tensor, as the merge and the loader use it, so its page faults are
 in both times. Prints the CPU and its ISA first.
 """
 
 from __future__ import annotations
 
-import argparse
-import time
-
 import torch
 
+from moetune.bench.runtime import script_header, sweep_args
+from moetune.bench.timing import interleaved_min_ms
 from moetune.engine.formats.fp8_block import grid, scale_blocks
 from moetune.loading.quant.fp8 import dequantize_fp8
-from moetune.sysinfo import cpu_info
 from moetune.testing.fp8_checkpoint import dequantize_reference
 
 
@@ -28,25 +26,9 @@ def _torch_conversion(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _best(fn, reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--reps", type=int, default=7)
-    p.add_argument(
-        "--shrink", type=int, default=1, help="divide the row counts by this (the tests' quick run)"
-    )
-    args = p.parse_args()
-    machine = cpu_info()
-    print(f"bench/fp8_dequant.py | {machine.model} ({', '.join(machine.isa) or 'no SIMD flags found'})")
+    args = sweep_args(__doc__, reps=7)
+    print(script_header("bench/fp8_dequant.py"))
     gen = torch.Generator().manual_seed(0)
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -57,8 +39,12 @@ def main() -> None:
             same = torch.equal(dequantize_fp8(codes, scale), want) and torch.equal(
                 _torch_conversion(codes, scale), want
             )
-            old = _best(lambda c=codes, s=scale: _torch_conversion(c, s), args.reps)
-            new = _best(lambda c=codes, s=scale: dequantize_fp8(c, s), args.reps)
+            calls = {
+                "torch": lambda _, c=codes, s=scale: _torch_conversion(c, s),
+                "decode": lambda _, c=codes, s=scale: dequantize_fp8(c, s),
+            }
+            ms = interleaved_min_ms(calls, 1, args.reps)
+            old, new = ms["torch"] / 1e3, ms["decode"] / 1e3
             n = codes.numel()
             print(
                 f"{threads} thread(s) | {list(shape)}: torch's conversion {old * 1e3:.1f} ms ({n / old / 1e9:.2f} G/s), "

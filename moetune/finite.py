@@ -11,8 +11,8 @@ where (:func:`non_finite_mask`, for the error message once the first says so).
   sum is not finite (or overflows) checked element-wise.
 
 ``python bench/finite.py`` measures these against the checks they replaced; on one thread of a Zen 4, a layer of
-16 experts (134-268 MB): bf16 38x over ``isfinite(t).all()`` and 3.0x over per-expert fp32 sums, fp32 37x and
-level with the sums (both at memory speed), FP8 codes 41x over the sums.
+16 experts (134-268 MB): bf16 38-40x over ``isfinite(t).all()`` and 2.3-3.0x over per-expert fp32 sums, fp32
+34-37x and level with the sums (both at memory speed), FP8 codes 41-44x over the sums (two runs).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """The runtime tuple a benchmark result is only meaningful with: machine, ISA, cores, threads, library
-versions, git commit; and the Markdown rendering of ``moetune bench all``'s results."""
+versions, git commit; the Markdown rendering of ``moetune bench all``'s results; and what the small ``bench/``
+scripts share (their first line, their thread sweep's arguments)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import re
@@ -115,3 +117,24 @@ def markdown(result: dict[str, Any]) -> str:
         if b["error"]:
             lines += ["", "```text", b["error"].rstrip(), "```"]
     return "\n".join(lines) + "\n"
+
+
+def script_header(script: str) -> str:
+    """The first line a ``bench/`` script prints: ``script``, the CPU model and its ISA (a speed claim says
+    where it was measured)."""
+    from moetune.sysinfo import cpu_info
+
+    cpu = cpu_info()
+    return f"{script} | {cpu.model} ({', '.join(cpu.isa) or 'no SIMD flags found'})"
+
+
+def sweep_args(doc: str, reps: int) -> argparse.Namespace:
+    """A micro-benchmark's command line: ``--threads`` (a list, default 1 2), ``--reps`` (default ``reps``) and
+    ``--shrink`` (the row counts divided by it: the tests' quick run); ``doc``'s first line is the description."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--reps", type=int, default=reps)
+    p.add_argument(
+        "--shrink", type=int, default=1, help="divide the row counts by this (the tests' quick run)"
+    )
+    return p.parse_args()

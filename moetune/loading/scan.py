@@ -6,8 +6,8 @@ checked right after they are read from the checkpoint, before any quantization, 
 memory (one more pass over one layer: cheap next to reading it). Each tensor is checked whole by
 ``moetune.finite.all_finite`` (one min/max reduction, no temporary, on torch's intra-op threads), and only a
 tensor found bad is searched one expert at a time for the expert to name. Against the per-expert fp32 sums
-it replaced (``python bench/finite.py``, a layer of 16 experts, one thread of a Zen 4): bf16 5.9 -> 17.4 GB/s,
-FP8 codes 0.3 -> 12.7 GB/s, fp32 level at memory speed. Only floating-point tensors are
+it replaced (``python bench/finite.py``, a layer of 16 experts, one thread of a Zen 4, two runs): bf16 5.9-7.7 ->
+17.4-17.5 GB/s, FP8 codes 0.3 -> 12.7-13.4 GB/s, fp32 level at memory speed. Only floating-point tensors are
 scanned (a quantized layer's codes are checked by its format's constructor, its scales and biases here).
 The first bad expert found is a ``NonFiniteWeightError`` naming the checkpoint file, the tensor, the layer,
 the expert and how many values are NaN or Inf.
