@@ -4,9 +4,10 @@ torch's e4m3 -> fp32 conversion followed by the same block multiply (``scale_blo
     python bench/fp8_dequant.py [--threads 1 2] [--reps 7] [--shrink 1]
 
 For DeepSeek-V3's shapes (an expert's gate ``[2048, 7168]`` and down ``[7168, 2048]``, ``kv_a_proj_with_mqa``
-``[576, 7168]``): milliseconds (the best of ``--reps``, each rep running both in turn), values per second and the speed-up, and whether both give
-the same bits as ``dequantize_reference`` (the tests' reference). Each call returns a fresh fp32 tensor, as the merge and the loader use it, so its page faults are
-in both times. Prints the CPU and its ISA first.
+``[576, 7168]``): milliseconds (the best of ``--reps``, each rep running both in turn), values per second, the
+speed-up, and whether both give the bits of ``dequantize_reference`` (the tests' reference). Each call returns a
+fresh fp32 tensor, as the merge and the loader use it, so its page faults are in both times. Prints the CPU and
+its ISA first.
 """
 
 from __future__ import annotations
