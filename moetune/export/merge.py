@@ -73,6 +73,10 @@ MERGE_MARK = {"moetune_export": "merged"}  # in every written shard's metadata: 
 Quantized = Literal["bfloat16", "requantize"]
 QUANTIZED_FORMS: tuple[Quantized, ...] = ("bfloat16", "requantize")
 KEPT_CHUNK = 1 << 18  # values per step of MergeResult.kept's sums: 2 MiB fp64 temporaries, reused by malloc
+# fp32 working copies up to this many bytes go in buffers kept for the next weight: glibc maps every allocation
+# above 32 MiB afresh, and faulting its pages in was ~40% of a merge's time (docs/benchmarks.md, "Merging");
+# larger ones (a LoRA'd lm_head) are allocated each time rather than held
+REUSED_MAX_BYTES = 1 << 30
 DISK_MARGIN = 1.02  # free space asked beyond the estimated size (headers, filesystem blocks)
 
 
@@ -186,6 +190,19 @@ class MergePlan:
     edits: dict[str, list[Edit]]
     dequantize: set[str]
     kept: _Kept = field(default_factory=_Kept)
+    _buffers: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def _buffer(self, role: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """An fp32 ``shape`` tensor for ``role`` (``weight``, ``before``, ``written``): a view of the role's buffer,
+        grown to the largest weight seen, so each weight of a merge reuses its pages; a fresh tensor above
+        ``REUSED_MAX_BYTES``. Its values are the last weight's: callers overwrite it whole."""
+        n = math.prod(shape)
+        if n * 4 > REUSED_MAX_BYTES:
+            return torch.empty(shape, dtype=torch.float32)
+        held = self._buffers.get(role)
+        if held is None or held.numel() < n:
+            held = self._buffers[role] = torch.empty(n, dtype=torch.float32)
+        return held[:n].view(shape)
 
     def quantized(self, key: str) -> QuantizedWeight | None:
         return self.planned.quantized.get(key)
@@ -269,13 +286,20 @@ class MergePlan:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the weight or its expert's slice in fp32, a copy of it when its change is measured, else None)."""
         if q is None:
-            w = reader.read(self.planned.checkpoint.tensors[key], expert).to(torch.float32)
+            stored = reader.read(self.planned.checkpoint.tensors[key], expert)
+            w = self._buffer("weight", tuple(stored.shape)).copy_(stored)
         else:
             assert self.planned.method is not None
             parts = {role: reader.read(info, expert) for role, info in q.parts.items()}
-            w = self.planned.method.dequantize_parts(q, parts)
+            shape = self._dequantized_shape(key, expert)
+            w = self.planned.method.dequantize_parts(q, parts, self._buffer("weight", shape))
         measured = q is not None and key not in self.dequantize and key in self.edits
-        return w, w.clone() if measured else None
+        return w, self._buffer("before", tuple(w.shape)).copy_(w) if measured else None
+
+    def _dequantized_shape(self, key: str, expert: int | None) -> tuple[int, ...]:
+        """A quantized weight's fp32 shape as ``dequantize_parts`` gives it (its logical shape; one expert's)."""
+        shape = tuple(self.planned.checkpoint.tensors[key].shape)
+        return shape if expert is None else shape[1:]
 
     def _written(
         self,
@@ -287,15 +311,17 @@ class MergePlan:
     ) -> dict[str, torch.Tensor]:
         if not all_finite(w):
             raise AdapterError(f"merging the adapter into {key} gives NaN or Inf values; nothing was written")
-        if q is None:
-            return {key: w.to(TORCH_DTYPES[self.planned.checkpoint.tensors[key].dtype])}
+        if q is None:  # a copy even in fp32: w is a reused buffer
+            return {key: w.to(TORCH_DTYPES[self.planned.checkpoint.tensors[key].dtype], copy=True)}
         if not requantize:
             return {key: w.to(torch.bfloat16)}
         method = self.planned.method
         assert method is not None
         parts = method.quantize(q, w)
         if before is not None:
-            self.kept.add(before, w, method.dequantize_parts(q, parts))
+            self.kept.add(
+                before, w, method.dequantize_parts(q, parts, self._buffer("written", tuple(w.shape)))
+            )
         return {q.parts[role].key: t for role, t in parts.items()}
 
 

@@ -144,10 +144,13 @@ class QuantMethod(ABC):
         """``weight`` as fp32 ``[O, D]``, by the method's definition (never asked of an ``experts_only`` method:
         the plan refuses its weights outside routed experts)."""
 
-    def dequantize_parts(self, weight: QuantizedWeight, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def dequantize_parts(
+        self, weight: QuantizedWeight, parts: Mapping[str, torch.Tensor], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``weight`` as fp32 from its stored ``parts`` in hand (``{part: tensor}``; a fused expert tensor's may be
-        one expert's slices, giving that expert's ``[D, O]``): what ``dequantize`` computes after reading them. Only
-        methods that set ``writes`` (``moetune.export.merge`` reads merged weights back with it)."""
+        one expert's slices, giving that expert's ``[D, O]``): what ``dequantize`` computes after reading them,
+        written into ``out`` (fp32, the result's shape; returned) when given. Only methods that set ``writes``
+        (``moetune.export.merge`` reads merged weights back with it, into buffers it reuses)."""
         raise LoadError(f"{weight.key}: moetune reads no {self.label} weights from parts in hand")
 
     def quantize(self, weight: QuantizedWeight, w: torch.Tensor) -> dict[str, torch.Tensor]:

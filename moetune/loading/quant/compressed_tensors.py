@@ -337,9 +337,12 @@ class CompressedInt4(QuantMethod):
             weight, {"packed": self._packed(weight, reader), "scale": reader.read(weight.parts["scale"])}
         )
 
-    def dequantize_parts(self, weight: QuantizedWeight, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def dequantize_parts(
+        self, weight: QuantizedWeight, parts: Mapping[str, torch.Tensor], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         o, d = weight.info.shape
-        out = unpack_codes(parts["packed"]).to(torch.float32)
+        codes = unpack_codes(parts["packed"])
+        out = codes.to(torch.float32) if out is None else out.copy_(codes)
         scale = parts["scale"].to(torch.float32)  # [O, D/g]
         out.view(o, d // self.group_size, self.group_size).sub_(SYMMETRIC_ZERO).mul_(scale[:, :, None])
         return out

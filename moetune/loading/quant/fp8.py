@@ -48,9 +48,11 @@ SCALE_SUFFIX = "_scale_inv"  # <name>.weight -> <name>.weight_scale_inv
 SCALE_DTYPES = ("F32", "BF16", "F16")  # widened to fp32 exactly (DeepSeek-V3 stores F32)
 
 
-def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+def dequantize_fp8(
+    weight: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """weight ``[O, D]`` float8_e4m3fn, scale_inv ``[ceil(O/128), ceil(D/128)]`` (fp32, bf16 or fp16) -> ``[O, D]``
-    fp32.
+    fp32 (into ``out`` when given: contiguous fp32 ``[O, D]``).
 
     fp32 holds every e4m3 value exactly, so each weight is rounded once, by the product with its block's scale.
     By the engine's decoding (``fp8_block.decode_rows``: integer ops and fp16 -> fp32, the same products, the same
@@ -59,7 +61,8 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tenso
     ``[576, 7168]``. NaN codes, which that decoding would make finite, and multipliers that overflow go through
     torch's conversion, so NaN stays NaN.
     """
-    out = torch.empty(weight.shape, dtype=torch.float32)
+    out = torch.empty(weight.shape, dtype=torch.float32) if out is None else out
+    assert out.shape == weight.shape and out.dtype == torch.float32 and out.is_contiguous()
     mults = multipliers(scale_inv)
     if not (all_finite(weight) and all_finite(mults)):
         out.copy_(weight)
@@ -176,8 +179,10 @@ class Fp8Method(QuantMethod):
     def dequantize(self, weight: QuantizedWeight, reader: ShardReader) -> torch.Tensor:
         return self.dequantize_parts(weight, {role: reader.read(info) for role, info in weight.parts.items()})
 
-    def dequantize_parts(self, weight: QuantizedWeight, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return dequantize_fp8(parts["weight"], parts["scale_inv"])
+    def dequantize_parts(
+        self, weight: QuantizedWeight, parts: Mapping[str, torch.Tensor], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return dequantize_fp8(parts["weight"], parts["scale_inv"], out)
 
     def quantize(self, weight: QuantizedWeight, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """e4m3fn codes and 128 x 128 block scales (block max-abs / 448, in the stored scale dtype): each weight

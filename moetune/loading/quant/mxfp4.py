@@ -206,7 +206,9 @@ class Mxfp4Method(QuantMethod):
         """The fused expert tensor ``[E, D, O]`` in fp32 (a merge's: loading holds the codes as shipped)."""
         return self.dequantize_parts(weight, {role: reader.read(info) for role, info in weight.parts.items()})
 
-    def dequantize_parts(self, weight: QuantizedWeight, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def dequantize_parts(
+        self, weight: QuantizedWeight, parts: Mapping[str, torch.Tensor], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """blocks ``[..., O, D/32, 16]`` and scales ``[..., O, D/32]`` (every expert, or one expert's slice) ->
         ``[..., D, O]`` fp32, as transformers dequantizes them: ``FP4[nibble] * 2^(scale - 127)``, the low nibble of
         byte ``j`` element ``2j``, then the last two dimensions swapped (exact: two significant bits times a power
@@ -217,7 +219,8 @@ class Mxfp4Method(QuantMethod):
         )  # [..., O, G, 16, 2]
         values = values.flatten(-3)  # [..., O, D]
         factor = torch.pow(2.0, scales.to(torch.float32) - SCALE_BIAS).repeat_interleave(BLOCK, dim=-1)
-        return (values * factor).transpose(-1, -2)
+        result = (values * factor).transpose(-1, -2)
+        return result if out is None else out.copy_(result)
 
     def quantize(self, weight: QuantizedWeight, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """``w`` ``[..., D, O]`` (every expert, or one expert's slice) as blocks and scales by the OCP MX rule
