@@ -141,12 +141,11 @@ def check_finite(tensors: Mapping[str, torch.Tensor], where: Path) -> None:
         if all_finite(t):
             continue
         bad = ~torch.isfinite(t)
-        if bool(bad.any()):
-            nan = int(torch.isnan(t).sum())
-            raise AdapterError(
-                f"{where}: tensor {key} holds {nan} NaN and {int(bad.sum()) - nan} Inf value(s); the adapter was "
-                "saved from a diverged run or is damaged. Use an earlier checkpoint's adapter"
-            )
+        nan = int(torch.isnan(t).sum())
+        raise AdapterError(
+            f"{where}: tensor {key} holds {nan} NaN and {int(bad.sum()) - nan} Inf value(s); the adapter was "
+            "saved from a diverged run or is damaged. Use an earlier checkpoint's adapter"
+        )
 
 
 def scan_adapter_values(adapter: AdapterFolder) -> None:

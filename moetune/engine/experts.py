@@ -227,13 +227,12 @@ class ExpertEngine:
         if not self.options.check_finite or all_finite(t):
             return
         bad = ~torch.isfinite(t)
-        if bool(bad.any()):
-            row = int(bad.reshape(t.shape[0], -1).any(dim=1).nonzero()[0, 0]) if t.dim() else 0
-            where = ""
-            if disp is not None:
-                expert = next(e for e, s0, s1 in disp.segments() if s0 <= row < s1)
-                where = f", row {row} routed to expert {expert}"
-            raise NonFiniteError(f"{self.name}: non-finite value in {what}{where}")
+        row = int(bad.reshape(t.shape[0], -1).any(dim=1).nonzero()[0, 0]) if t.dim() else 0
+        where = ""
+        if disp is not None:
+            expert = next(e for e, s0, s1 in disp.segments() if s0 <= row < s1)
+            where = f", row {row} routed to expert {expert}"
+        raise NonFiniteError(f"{self.name}: non-finite value in {what}{where}")
 
     def _validate(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         if x.dim() != 2 or x.shape[1] != self.hidden_size:

@@ -137,9 +137,8 @@ def read_quantized(layer: LayerPlan, reader: ShardReader, experts: range) -> Exp
     assert all(len(by_role[r]) == len(experts) for r in ROLES if r in by_role), "one weight per expert"
     try:
         return layer.method.read_experts(by_role, layer.site.layout, reader, experts)
-    except (
-        NonFiniteError
-    ) as err:  # the format's codes or scales stand for NaN / Inf: name where they came from
+    except NonFiniteError as err:
+        # the format's codes or scales stand for NaN / Inf: name the layer and the files they came from
         raise damaged_quantized(layer, experts, err) from None
 
 
