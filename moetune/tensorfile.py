@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -153,6 +154,7 @@ def write_streamed(
     largest_first: bool = False,
     produce: Callable[[str], torch.Tensor] | None = None,
     by_name: bool = False,
+    behind: bool = False,
 ) -> None:
     """Write ``tensors`` to ``path`` as one safetensors file (the layout of ``save_file``, so stock readers see
     the same file), one tensor at a time: the header first, from the dtypes and shapes alone, then each tensor's
@@ -160,13 +162,29 @@ def write_streamed(
     ``fetch(placeholder)`` returns it (same dtype and shape; e.g. gathered from other processes), and it is
     dropped once written, so at most one such tensor is held at a time (``produce(key)`` instead, when given, is
     asked by the tensor's name). ``align``, ``largest_first``, ``by_name``: where the data section starts and in
-    which order the data go (``layout``). Not atomic by itself: write into a temporary file and rename
-    (``moetune.atomic.write_atomically``)."""
+    which order the data go (``layout``). ``behind``: each tensor's bytes are written by a second thread while
+    this one produces the next (computing and writing overlap; two produced tensors are held at most, the one
+    being written and the one being made); ``fetch`` / ``produce`` still run on the calling thread. Not atomic
+    by itself: write into a temporary file and rename (``moetune.atomic.write_atomically``)."""
     header, order = layout(tensors, metadata, align, largest_first, by_name)
     with path.open("wb") as f:
         f.write(header)
-        for key in order:  # the produced tensor is an argument only: dropped when its bytes are written
-            _write_bytes(f, _produced(key, tensors[key], fetch, produce))
+        if not behind:
+            for key in order:  # the produced tensor is an argument only: dropped when its bytes are written
+                _write_bytes(f, _produced(key, tensors[key], fetch, produce))
+            return
+        with ThreadPoolExecutor(
+            1, thread_name_prefix="moetune-write"
+        ) as writer:  # its exit waits for the write
+            pending: Future[None] | None = None
+            for key in order:
+                t = _produced(key, tensors[key], fetch, produce)  # made while the one before is written
+                if pending is not None:
+                    pending.result()  # the writer's error, raised here
+                pending = writer.submit(_write_bytes, f, t)  # the writer drops t once written
+                del t
+            if pending is not None:
+                pending.result()
 
 
 def _produced(

@@ -495,8 +495,9 @@ def _write_shard(plan: MergePlan, reader: ShardReader, name: str, path: Path) ->
             done.update(plan.merged(owner[k], reader))
         return done.pop(k) if k in done else reader.read(stored.tensors[k])
 
-    # by name: a weight's parts come one after the other, so only one weight's are held at a time
-    write_streamed(path, placeholders, {**metadata, **MERGE_MARK}, produce=produce, by_name=True)
+    # by name: a weight's parts come one after the other, so only one weight's are held at a time (and the one
+    # before being written: behind)
+    write_streamed(path, placeholders, {**metadata, **MERGE_MARK}, produce=produce, by_name=True, behind=True)
 
 
 def _config(config: dict[str, Any]) -> dict[str, Any]:
@@ -525,7 +526,10 @@ def _write_all(
 ) -> tuple[list[str], list[str]]:
     """Every file of the merged checkpoint into ``staged``: the shards (rewritten where they hold a weight that
     changes, else copied), the index and config (rewritten where weights change form), the other files of the
-    model folder, the adapter's tokenizer files; (written, copied) names."""
+    model folder, the adapter's tokenizer files; (written, copied) names. Each shard is flushed to disk by a
+    second thread while the next one is merged."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from tqdm.auto import tqdm
 
     from moetune.atomic import fsync
@@ -538,7 +542,11 @@ def _write_all(
     with (
         ShardReader(stored, []) as reader,
         tqdm(total=total, desc="merging", unit="B", unit_scale=True, disable=not progress) as bar,
+        ThreadPoolExecutor(
+            1, thread_name_prefix="moetune-fsync"
+        ) as flusher,  # its exit waits for the flushes
     ):
+        flushed = []
         for name in stored.files:
             if name in changing:
                 _write_shard(plan, reader, name, staged / name)
@@ -546,7 +554,10 @@ def _write_all(
             else:
                 shutil.copy2(stored.file_path(name), staged / name)
                 copied.append(name)
+            flushed.append(flusher.submit(fsync, staged / name))
             bar.update(stored.file_path(name).stat().st_size)
+        for done in flushed:
+            done.result()  # a flush's error, raised here
     for path in copy:
         if plan.dequantize and path.name in (INDEX, "config.json"):
             continue
@@ -566,7 +577,8 @@ def _write_all(
             shutil.copy2(adapter / name, staged / name)
     assert (staged / "config.json").is_file() and not (staged / CONFIG_NAME).exists()
     for path in staged.iterdir():
-        fsync(path)
+        if path.name not in stored.files:  # the shards are flushed above
+            fsync(path)
     return written, copied
 
 

@@ -302,4 +302,12 @@ def run(cfg: MoetuneConfig, *, progress: bool = True) -> TrainRun:
         peft_model, tokenizer, data = setup(cfg, progress=progress)
         trainer = train(cfg, peft_model, tokenizer, data)
         summary = save(cfg, trainer, tokenizer, time.perf_counter() - start)
-    return TrainRun(peft_model, tokenizer, trainer, summary)
+    return TrainRun(_without_autocast(peft_model), tokenizer, trainer, summary)
+
+
+def _without_autocast(model: Any) -> Any:
+    """``model`` with the forward it had before accelerate's mixed precision wrapped it in autocast (bf16 / fp16
+    runs), so that the model a run hands back computes as the same model loaded from the saved adapter does."""
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model, keep_fp32_wrapper=False)

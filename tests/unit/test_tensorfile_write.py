@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import weakref
 
 import pytest
@@ -47,7 +48,20 @@ def _tensors() -> dict[str, torch.Tensor]:
     return out
 
 
-def test_the_streamed_file_is_save_files_file(tmp_path) -> None:
+@pytest.mark.parametrize("behind", [False, True])
+def test_the_streamed_file_is_save_files_file(tmp_path, monkeypatch, behind) -> None:
+    """The same bytes as ``save_file``; at most one fetched tensor alive at a fetch when written in turn, two when
+    written behind (the one being written), whose bytes are then written by one other thread."""
+    import moetune.tensorfile as tensorfile
+
+    writers: set[int] = set()
+    write_bytes = tensorfile._write_bytes
+
+    def recorded(f, t):
+        writers.add(threading.get_ident())
+        write_bytes(f, t)
+
+    monkeypatch.setattr(tensorfile, "_write_bytes", recorded)
     tensors = _tensors()
     want = tmp_path / "want.safetensors"
     save_file(tensors, str(want), metadata={"format": "pt"})
@@ -60,7 +74,8 @@ def test_the_streamed_file_is_save_files_file(tmp_path) -> None:
 
     def fetch(placeholder: torch.Tensor) -> torch.Tensor:
         gc.collect()
-        assert all(ref() is None for ref in alive), "a fetched tensor outlived its write"
+        assert sum(ref() is not None for ref in alive) <= behind, "a fetched tensor outlived its write"
+        assert threading.get_ident() == threading.main_thread().ident
         key = by_id[id(placeholder)]
         fetched.append(key)
         made = tensors[key].clone()  # a fresh tensor, as a gather makes
@@ -68,8 +83,9 @@ def test_the_streamed_file_is_save_files_file(tmp_path) -> None:
         return made
 
     got = tmp_path / "got.safetensors"
-    write_streamed(got, {**tensors, **placeholders}, {"format": "pt"}, fetch)
+    write_streamed(got, {**tensors, **placeholders}, {"format": "pt"}, fetch, behind=behind)
     assert got.read_bytes() == want.read_bytes()
+    assert len(writers) == 1 and (threading.get_ident() in writers) is not behind
     # in the file's data order, each once
     order = sorted(read_header(got).values(), key=lambda info: info.offset)
     assert fetched == [info.key for info in order if info.key in pending]
@@ -81,6 +97,39 @@ def test_the_streamed_file_is_save_files_file(tmp_path) -> None:
         assert loaded[k].dtype == t.dtype and torch.equal(
             loaded[k].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
         ), k
+
+
+def test_errors_written_behind_reach_the_caller(tmp_path, monkeypatch) -> None:
+    """With ``behind``, an error producing a tensor, or writing one, is raised by ``write_streamed`` itself (after
+    the write in flight has ended: the file is closed, no thread is left writing)."""
+    placeholders = {f"w{i}": torch.empty(4, device="meta") for i in range(3)}
+
+    def fails_at_w1(key: str) -> torch.Tensor:
+        if key == "w1":
+            raise ValueError("made w1 wrong")
+        return torch.ones(4)
+
+    with pytest.raises(ValueError, match="made w1 wrong"):
+        write_streamed(tmp_path / "a", placeholders, produce=fails_at_w1, behind=True)
+    bad = torch.ones(4, dtype=torch.float32)
+    with pytest.raises(AssertionError, match="w2"):  # a tensor of the wrong shape, refused before its write
+        write_streamed(
+            tmp_path / "b", placeholders, produce=lambda k: bad if k != "w2" else torch.ones(5), behind=True
+        )
+    import moetune.tensorfile as tensorfile
+
+    calls = []
+
+    def disk_full(f, t):
+        calls.append(threading.get_ident())
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tensorfile, "_write_bytes", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        write_streamed(tmp_path / "c", placeholders, produce=lambda k: bad, behind=True)
+    assert len(calls) == 2 and threading.get_ident() not in calls
+    assert not [t for t in threading.enumerate() if t.name.startswith("moetune-write")]
 
 
 def test_without_metadata_and_without_placeholders(tmp_path) -> None:
