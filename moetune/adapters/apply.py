@@ -447,6 +447,16 @@ def linear_weight_paths(model: nn.Module, target_parameters: Sequence[str]) -> d
     return out
 
 
+def check_router_dropout(targets: LoraTargets, dropout: float) -> None:
+    """``AdapterError`` when ``targets`` hold non-Linear routers and ``dropout`` is not 0 (PEFT's
+    ``target_parameters`` LoRA refuses dropout); also asked before the weights load (``moetune.train.preflight``)."""
+    if targets.routers and dropout:
+        raise AdapterError(
+            f"lora_dropout: {dropout} with the routers {list(targets.routers[:2])}... among lora_target: "
+            "PEFT gives a non-Linear router LoRA through target_parameters, which refuses dropout; set lora_dropout: 0"
+        )
+
+
 def attach_lora(
     model: nn.Module,
     settings: LoraSettings | None = None,
@@ -479,11 +489,7 @@ def attach_lora(
     targets = resolve_targets(model, settings.targets)
     by_weight = peft_renamed(model, targets.linear)
     by_name = [p for p in targets.linear if p not in by_weight]
-    if targets.routers and settings.dropout:
-        raise AdapterError(
-            f"lora_dropout: {settings.dropout} with the routers {list(targets.routers[:2])}... among lora_target: "
-            "PEFT gives a non-Linear router LoRA through target_parameters, which refuses dropout; set lora_dropout: 0"
-        )
+    check_router_dropout(targets, settings.dropout)
     if not by_name and not targets.experts and not targets.routers:
         raise AdapterError(
             f"lora_target {list(settings.targets)} selects only {len(by_weight)} MLP projections whose names PEFT "

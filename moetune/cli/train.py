@@ -41,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
         "memory",
         "routed_experts",
     )
+    if result.summary["best_model_checkpoint"] is not None:  # load_best_model_at_end: what the output holds
+        keep += ("best_metric", "best_model_checkpoint")
     print(json.dumps({k: result.summary[k] for k in keep}, indent=2))
     what = "adapter" if result.summary["finetuning_type"] == "lora" else "model"
     print(f"{what} written to {cfg.training.output_dir}")

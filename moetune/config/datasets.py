@@ -142,7 +142,9 @@ class DatasetSpec:
     formatting: DataFormat | None = None
     columns: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     tags: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    split: str = "train"  # the split of a saved DatasetDict
+    split: str = (
+        "train"  # the split of a saved DatasetDict; of files: "train" or a slice such as "train[:100]"
+    )
     ranking: bool = False  # LLaMA-Factory's `ranking`: rows are preference pairs (stage dpo)
 
 

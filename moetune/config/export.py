@@ -102,9 +102,16 @@ def load_merge_config(path: str | Path) -> MergeConfig:
 
 
 def _notes(raw: dict[str, Any]) -> None:
+    """One warning (shown on the console, as train's notes on keys without effect are) per key accepted with no
+    effect on the merge."""
     if "export_size" in raw:
-        log.info("export_size: the merged checkpoint keeps the base checkpoint's own shards")
+        log.warning(
+            "export_size: %r has no effect: the merged checkpoint keeps the base checkpoint's own shards",
+            raw["export_size"],
+        )
     if raw.get("template"):
-        log.info(
-            "template: the chat template is the one in the tokenizer files beside the adapter (or the model's)"
+        log.warning(
+            "template: %r has no effect on the merge: the merged checkpoint's chat template is the one in the "
+            "tokenizer files beside the adapter (the one its run trained with), else the model's",
+            raw["template"],
         )

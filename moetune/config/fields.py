@@ -131,6 +131,8 @@ def coerce(value: Any, tp: Any) -> Any:
             raise _BadValue("expected a non-empty list with no empty names")
         return stripped
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if value is False:  # YAML 1.1 (PyYAML, OmegaConf) reads an unquoted `no` as false
+            value = "no"
         if isinstance(value, str):
             for member in tp:
                 if value.lower() == str(member.value):

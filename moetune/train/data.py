@@ -176,12 +176,21 @@ def read_dataset(spec: DatasetSpec, cache_dir: str | Path | None = None) -> Any:
         for f in files:
             if FILE_BUILDERS[f.suffix.lower()] in TEXT_BUILDERS:
                 check_utf8(spec.name, f)
-        return datasets.load_dataset(
-            builders.pop(),
-            data_files=[str(f) for f in files],
-            split="train",
-            cache_dir=str(cache_dir) if cache_dir else None,
-        )
+        _check_file_split(spec)
+        try:
+            return datasets.load_dataset(
+                builders.pop(),
+                data_files=[str(f) for f in files],
+                split=spec.split,  # "train", or a slice of it: "train[:100]", "train[10%:]"
+                cache_dir=str(cache_dir) if cache_dir else None,
+            )
+        except ValueError as err:
+            if "[" not in spec.split:
+                raise
+            raise DataError(
+                f"dataset {spec.name!r}: split {spec.split!r} in dataset_info.json is not a slice `datasets` "
+                f"reads ({err}); write e.g. 'train[:100]', 'train[100:]' or 'train[:10%]'"
+            ) from None
     except DataError:
         raise
     except Exception as err:  # `datasets`/pyarrow raise many types for unreadable (and for empty) files
@@ -192,6 +201,18 @@ def read_dataset(spec: DatasetSpec, cache_dir: str | Path | None = None) -> Any:
         ):
             raise DataError(f"dataset {spec.name!r} ({path}) has no rows") from None
         raise DataError(f"dataset {spec.name!r}: cannot read {path}: {type(err).__name__}: {err}") from None
+
+
+def _check_file_split(spec: DatasetSpec) -> None:
+    """``DataError`` unless ``spec.split`` names the one split a dataset read from files has (``train``), whole or
+    sliced (``train[:100]``), as ``datasets.load_dataset`` takes it."""
+    name = spec.split.split("[", 1)[0].strip()
+    if name != "train":
+        raise DataError(
+            f"dataset {spec.name!r}: split {spec.split!r} in dataset_info.json; a dataset read from files "
+            f"({spec.path}) has one split, 'train' (a slice of it is allowed: 'train[:100]', 'train[10%:]'); a "
+            "held-out part for evaluation comes from val_size or eval_dataset"
+        )
 
 
 TEXT_BUILDERS = ("json", "csv", "text")  # file formats read as text: their bytes must be UTF-8
@@ -381,7 +402,20 @@ def _sharegpt(row: Mapping[str, Any], layout: Layout) -> Sample:
     messages = sharegpt_messages(row, layout)
     if not any(m["role"] == "assistant" for m in messages):
         raise RowError(f"field {column!r} has no assistant message to train on")
+    _check_opening(messages, column)
     return Sample(messages=messages)
+
+
+def _check_opening(messages: list[dict[str, str]], column: str) -> None:
+    """``RowError`` when the conversation opens with an assistant message (after a system message, if any): an
+    assistant turn is trained as the answer to what comes before it (LLaMA-Factory drops such rows as out of
+    role order)."""
+    first = messages[1] if messages[0]["role"] == "system" and len(messages) > 1 else messages[0]
+    if first["role"] == "assistant":
+        raise RowError(
+            f"field {column!r} opens with an assistant message; a conversation starts with a user message (a "
+            "system message may come before it)"
+        )
 
 
 def sharegpt_messages(row: Mapping[str, Any], layout: Layout) -> list[dict[str, str]]:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def load_for_inference(
@@ -66,8 +69,14 @@ def complete(model: Any, tokenizer: Any, texts: Sequence[str], *, max_new_tokens
 def answer(
     model: Any, tokenizer: Any, prompts: Sequence[str], *, max_new_tokens: int = 32, chat: bool = True
 ) -> list[str]:
-    """Greedy answers to ``prompts`` (each a user message rendered with the chat template when ``chat``)."""
+    """Greedy answers to ``prompts`` (each a user message rendered with the chat template when ``chat``; a
+    tokenizer without one gets the prompts as written, which a warning says)."""
     use_template = chat and tokenizer.chat_template
+    if chat and not use_template:
+        log.warning(
+            "the tokenizer has no chat template: the prompts go to the model as written, not as user messages "
+            "(give an adapter folder whose tokenizer has one, or --raw to ask for the plain prompts)"
+        )
     texts = [render(tokenizer, [{"role": "user", "content": p}]) if use_template else p for p in prompts]
     return complete(model, tokenizer, texts, max_new_tokens=max_new_tokens)
 

@@ -56,7 +56,7 @@ def check_before_load(
     ``MoetuneError``. ``write_probe``: whether this process writes the probe file in ``output_dir`` (the main
     process of a multi-process run only: one writer per file). Returns the load it planned
     (``moetune.loading.load.PlannedLoad``), for ``load_model(planned=)``: the meta-device model is built once."""
-    from moetune.adapters.apply import resolve_targets
+    from moetune.adapters.apply import check_router_dropout, resolve_targets
     from moetune.engine.kernels import check_kernels_env
     from moetune.loading.load import plan_load
     from moetune.loading.options import LoadOptions
@@ -84,6 +84,8 @@ def check_before_load(
         spec_of_config(cfg)
     lora = modes.method is FinetuningType.LORA
     targets = resolve_targets(planned.model, cfg.finetune.lora_target, experts)
+    if lora:
+        check_router_dropout(targets, cfg.finetune.lora_dropout)
     resume = resume_checkpoint(cfg)
     if resume is not None:
         lora_paths = {*targets.linear, *targets.experts, *targets.routers} if lora else None

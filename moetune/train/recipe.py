@@ -278,6 +278,9 @@ def save(cfg: MoetuneConfig, trainer: Any, tokenizer: Any, seconds: float) -> di
         "final_eval_loss": next(
             (h["eval_loss"] for h in reversed(state.log_history) if "eval_loss" in h), None
         ),
+        # load_best_model_at_end: the output holds this checkpoint's weights, not the last step's
+        "best_metric": state.best_metric,
+        "best_model_checkpoint": state.best_model_checkpoint,
         # optimizer steps the numerical guard skipped (on_divergence: skip); their loss is logged as computed
         "skipped_steps": list(trainer.guard.skipped) if trainer.guard is not None else [],
         "peak_ram_gb": round(peak_ram_gb(), 3),

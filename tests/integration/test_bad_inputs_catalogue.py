@@ -283,6 +283,15 @@ def test_model_folder(tmp_path, demo_model, no_load, case) -> None:
     expect(tmp_path, config(tmp_path, model), error, match)
 
 
+def test_router_lora_with_dropout(tmp_path, demo_model, no_load) -> None:
+    """LoRA on Qwen3-MoE's routers (transformers' TopKRouter, through PEFT's target_parameters) with dropout: PEFT
+    refuses it, and so does moetune, before the load (it used to be said once the experts had loaded)."""
+    cfg = config(tmp_path, demo_model, lora_target="q_proj,gate", lora_dropout=0.1)
+    expect(
+        tmp_path, cfg, AdapterError, r"lora_dropout: 0.1 with the routers .*set lora_dropout: 0", demo_model
+    )
+
+
 # --- output_dir ----------------------------------------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ which ``test_serving_export`` holds to stock PEFT's logits).
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -420,10 +421,11 @@ def test_out_folder_rules(tmp_path) -> None:
     assert (tmp_path / "user/notes.txt").read_text() == "mine"
 
 
-def test_llamafactory_merge_yaml_runs_through_the_cli(tmp_path, capsys) -> None:
+def test_llamafactory_merge_yaml_runs_through_the_cli(tmp_path, capsys, caplog) -> None:
     """LLaMA-Factory's merge config (examples/merge_lora's keys: model_name_or_path, adapter_name_or_path,
     template, finetuning_type, trust_remote_code, export_dir, export_size, export_device, export_legacy_format)
-    given to ``moetune export``: the merged checkpoint, and the adapter's tokenizer beside it."""
+    given to ``moetune export``: the merged checkpoint, and the adapter's tokenizer beside it; the keys without
+    effect said in a warning each."""
     from moetune.cli.main import main
 
     model_dir = save_tiny_model("qwen3_moe", tmp_path / "m")
@@ -444,8 +446,12 @@ def test_llamafactory_merge_yaml_runs_through_the_cli(tmp_path, capsys) -> None:
         "export_device: cpu  # choices: [cpu, auto]\n"
         "export_legacy_format: false\n"
     )
-    assert main(["export", str(config)]) == 0
+    with caplog.at_level(logging.WARNING, logger="moetune.config.export"):
+        assert main(["export", str(config)]) == 0
     assert "merged" in capsys.readouterr().out and (tmp_path / "merged/tokenizer.json").is_file()
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(m.startswith("export_size: 5 has no effect") for m in said), said
+    assert any(m.startswith("template: 'qwen3' has no effect on the merge") for m in said), said
     _merged_logits_equal_stock_merge(model_dir, adapter, tmp_path / "merged")
 
     config.write_text(config.read_text().replace("export_legacy_format: false", "export_legacy_format: true"))

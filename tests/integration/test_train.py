@@ -312,6 +312,33 @@ def test_int8_activations_train_save_and_reload(tmp_path, demo_model, fmt) -> No
     torch.testing.assert_close(reloaded, trained, atol=1e-6 * float(trained.abs().max()), rtol=0)
 
 
+def test_load_best_model_at_end_is_said_in_the_summary(tmp_path, demo_model) -> None:
+    """``load_best_model_at_end``: the output's adapter is the best checkpoint's (experts' LoRA included), and the
+    summary names that checkpoint and its eval loss beside the last evaluation's (``final_eval_loss``)."""
+    from safetensors.torch import load_file
+
+    from moetune.train.recipe import run
+
+    over = {"val_size": 8, "eval_strategy": "steps", "eval_steps": 1, "save_steps": 1, "learning_rate": 0.2}
+    result = run(
+        load_config(_config(tmp_path, demo_model, load_best_model_at_end=True, **over)), progress=False
+    )
+    out = tmp_path / "out"
+    evals = [(h["step"], h["eval_loss"]) for h in result.trainer.state.log_history if "eval_loss" in h]
+    step, best = min(evals, key=lambda e: e[1])
+    assert (
+        step < evals[-1][0]
+    )  # a learning rate this high overshoots after the first step: the best is not the last
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert (
+        summary["best_metric"] == pytest.approx(best, rel=1e-6) and summary["final_eval_loss"] == evals[-1][1]
+    )
+    assert Path(summary["best_model_checkpoint"]).name == f"checkpoint-{step}"
+    saved, kept = (load_file(str(d / "adapter_model.safetensors")) for d in (out, out / f"checkpoint-{step}"))
+    assert saved.keys() == kept.keys() and any(".experts." in k for k in saved)
+    assert all(torch.equal(saved[k], kept[k]) for k in saved)
+
+
 def test_gpu_experts_train_like_all_cpu(tmp_path, demo_model) -> None:
     """``moetune: {gpu_experts: 2}`` (device cpu standing in): the same losses and adapter as the all-CPU run, and
     the summary's memory report counts the device copies."""

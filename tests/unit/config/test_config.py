@@ -270,6 +270,20 @@ def test_cross_field_rules(workdir: Path) -> None:
     assert cfg.training.eval_strategy is IntervalStrategy.STEPS
 
 
+def test_an_unquoted_no_is_the_strategy_no(workdir: Path) -> None:
+    """``save_strategy: no`` unquoted, as LLaMA-Factory's docs write it: YAML 1.1 reads it as false, which was
+    refused ("got False; expected one of: no, steps, epoch")."""
+    import yaml
+
+    raw = yaml.safe_load("save_strategy: no\neval_strategy: no\n")
+    assert raw == {"save_strategy": False, "eval_strategy": False}
+    cfg = parse_config(minimal(**raw))
+    assert cfg.training.save_strategy is cfg.training.eval_strategy is IntervalStrategy.NO
+    assert "save_strategy: got True; expected one of: no, steps, epoch" in problems_of(
+        minimal(save_strategy=True)
+    )
+
+
 def test_disable_gradient_checkpointing_is_read_as_its_negation(workdir: Path) -> None:
     assert parse_config(minimal(disable_gradient_checkpointing=True)).training.gradient_checkpointing is False
     text = problems_of(minimal(disable_gradient_checkpointing=True, gradient_checkpointing=True))

@@ -202,6 +202,32 @@ def test_parquet_and_saved_datasets(workdir: Path, tok: Any) -> None:
         prepare(tok, "nosplit")
 
 
+def test_split_of_a_file_dataset(workdir: Path, tok: Any) -> None:
+    """``split`` in dataset_info.json slices a file dataset as ``datasets.load_dataset`` does (LLaMA-Factory passes
+    it there); another split name or a slice it cannot read is refused naming the field."""
+    words = [*"abcdefgh", "the", "end"]
+    write(workdir / "rows.json", [{"instruction": "hi", "output": w} for w in words])
+    entries = {
+        "head": "train[:4]",
+        "tail": "train[70%:]",
+        "whole": "train",
+        "val": "validation",
+        "odd": "train[:x]",
+    }
+    (workdir / "data" / "dataset_info.json").write_text(
+        json.dumps({k: {"file_name": "../rows.json", "split": v} for k, v in entries.items()})
+    )
+    assert [trained(tok, r) for r in prepare(tok, "head").train] == [f"{w} <|im_end|>" for w in words[:4]]
+    assert [trained(tok, r) for r in prepare(tok, "tail").train] == [f"{w} <|im_end|>" for w in words[7:]]
+    assert len(prepare(tok, "whole").train) == 10
+    with pytest.raises(
+        DataError, match=r"split 'validation' in dataset_info.json; a dataset read from files"
+    ):
+        prepare(tok, "val")
+    with pytest.raises(DataError, match=r"split 'train\[:x\]' in dataset_info.json is not a slice"):
+        prepare(tok, "odd")
+
+
 def test_folder_of_files_several_datasets_and_max_samples(workdir: Path, tok: Any) -> None:
     (workdir / "parts").mkdir()
     write(workdir / "parts" / "a.jsonl", [{"text": "once upon a time"}] * 4)
@@ -250,10 +276,16 @@ def test_sharegpt_message_problems(workdir: Path, tok: Any) -> None:
         {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": None}]},
         {"conversations": [{"from": "human", "value": "hi"}, {"from": "system", "value": "x"}]},
         {"conversations": []},
+        {"conversations": [{"from": "gpt", "value": "d e"}, {"from": "human", "value": "encode a b"}]},
+        {"conversations": [{"from": "system", "value": "be brief"}, {"from": "gpt", "value": "d"}]},
+        {"conversations": [{"from": "gpt", "value": "d"}]},
     ]
     with pytest.raises(DataError) as info:
         prepare(tok, write(workdir / "bad.json", rows))
     text = str(info.value)
+    # the template rendered nothing before such a turn (transformers: "empty conversation"), a traceback before
+    opens = "field 'conversations' opens with an assistant message; a conversation starts with a user message"
+    assert all(f"row {i}: {opens}" in text for i in (4, 5, 6)), text
     assert (
         "row 0: conversations[1].from is 'bot'; allowed: 'human', 'gpt', 'system', 'observation', 'function_call'"
         in text
