@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     result = train_run(cfg)
     if not result.trainer.is_world_process_zero():  # several processes (torchrun): the main one reports
         return 0
-    keep = (
+    keep: tuple[str, ...] = (
         "steps",
         "wall_seconds",
         "tokens_per_second",
