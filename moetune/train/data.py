@@ -597,5 +597,14 @@ def _drop_untrained(ds: Any, spec: DatasetSpec, cutoff: int) -> Any:
         ds = ds.select(kept)
     truncated = sum(n > cutoff for n in ds["_length"])
     if truncated:
-        log.info("dataset %r: %d rows truncated to cutoff_len %d", spec.name, truncated, cutoff)
+        log.warning(
+            "dataset %r: %d of %d rows are longer than cutoff_len %d and lose their last tokens (moetune keeps a "
+            "row's start, cutting the response's end and its end of turn; LLaMA-Factory shortens a long prompt "
+            "first); the longest is %d tokens: raise cutoff_len to train them whole",
+            spec.name,
+            truncated,
+            len(ds),
+            cutoff,
+            max(ds["_length"]),
+        )
     return ds.remove_columns(["_length", "_first_label"])

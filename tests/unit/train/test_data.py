@@ -326,6 +326,7 @@ def test_cutoff_len_truncates_drops_and_fails(
         data = prepare(tok, path, cutoff_len=10)
     assert len(data.train) == 1 and len(data.train[0]["input_ids"]) == 10  # truncated, prompt kept
     assert "dropped 1 of 2 rows" in caplog.text
+    assert "1 of 1 rows are longer than cutoff_len 10 and lose their last tokens" in caplog.text  # was info
     with pytest.raises(DataError) as info:
         prepare(tok, path, cutoff_len=4)
     assert "cutoff_len 4 leaves no trained token in any of the 2 rows" in str(info.value)
