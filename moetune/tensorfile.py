@@ -173,9 +173,8 @@ def write_streamed(
             for key in order:  # the produced tensor is an argument only: dropped when its bytes are written
                 _write_bytes(f, _produced(key, tensors[key], fetch, produce))
             return
-        with ThreadPoolExecutor(
-            1, thread_name_prefix="moetune-write"
-        ) as writer:  # its exit waits for the write
+        # the executor's exit waits for the write in flight, so the file is never closed under it
+        with ThreadPoolExecutor(1, thread_name_prefix="moetune-write") as writer:
             pending: Future[None] | None = None
             for key in order:
                 t = _produced(key, tensors[key], fetch, produce)  # made while the one before is written

@@ -142,9 +142,8 @@ class DatasetSpec:
     formatting: DataFormat | None = None
     columns: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     tags: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    split: str = (
-        "train"  # the split of a saved DatasetDict; of files: "train" or a slice such as "train[:100]"
-    )
+    # the split of a saved DatasetDict; of files: "train", or a slice of it such as "train[:100]"
+    split: str = "train"
     ranking: bool = False  # LLaMA-Factory's `ranking`: rows are preference pairs (stage dpo)
 
 

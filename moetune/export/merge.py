@@ -539,12 +539,10 @@ def _write_all(
     changing |= {plan.planned.quantized[k].info.file for k in plan.dequantize}
     written, copied = [], []
     total = sum(stored.file_path(f).stat().st_size for f in stored.files)
-    with (
+    with (  # the flusher's exit waits for the flushes it was given
         ShardReader(stored, []) as reader,
         tqdm(total=total, desc="merging", unit="B", unit_scale=True, disable=not progress) as bar,
-        ThreadPoolExecutor(
-            1, thread_name_prefix="moetune-fsync"
-        ) as flusher,  # its exit waits for the flushes
+        ThreadPoolExecutor(1, thread_name_prefix="moetune-fsync") as flusher,
     ):
         flushed = []
         for name in stored.files:
