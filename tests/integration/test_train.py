@@ -314,29 +314,39 @@ def test_int8_activations_train_save_and_reload(tmp_path, demo_model, fmt) -> No
 
 def test_load_best_model_at_end_is_said_in_the_summary(tmp_path, demo_model) -> None:
     """``load_best_model_at_end``: the output's adapter is the best checkpoint's (experts' LoRA included), and the
-    summary names that checkpoint and its eval loss beside the last evaluation's (``final_eval_loss``)."""
+    summary names that checkpoint and its metric beside the last evaluation's loss (``final_eval_loss``). The
+    "best" is the highest eval loss (``greater_is_better``), so that it is an early checkpoint while training
+    lowers the loss."""
     from safetensors.torch import load_file
 
     from moetune.train.recipe import run
 
-    over = {"val_size": 8, "eval_strategy": "steps", "eval_steps": 1, "save_steps": 1, "learning_rate": 0.2}
-    result = run(
-        load_config(_config(tmp_path, demo_model, load_best_model_at_end=True, **over)), progress=False
-    )
+    over = {
+        "val_size": 8,
+        "eval_strategy": "steps",
+        "eval_steps": 1,
+        "save_steps": 1,
+        "load_best_model_at_end": True,
+        "metric_for_best_model": "eval_loss",
+        "greater_is_better": True,
+    }
+    result = run(load_config(_config(tmp_path, demo_model, **over)), progress=False)
     out = tmp_path / "out"
     evals = [(h["step"], h["eval_loss"]) for h in result.trainer.state.log_history if "eval_loss" in h]
-    step, best = min(evals, key=lambda e: e[1])
-    assert (
-        step < evals[-1][0]
-    )  # a learning rate this high overshoots after the first step: the best is not the last
+    step, best = max(evals, key=lambda e: e[1])
+    assert len(evals) == 4 and step < evals[-1][0], evals  # the output is not simply the last step's
     summary = json.loads((out / "run_summary.json").read_text())
     assert (
         summary["best_metric"] == pytest.approx(best, rel=1e-6) and summary["final_eval_loss"] == evals[-1][1]
     )
     assert Path(summary["best_model_checkpoint"]).name == f"checkpoint-{step}"
-    saved, kept = (load_file(str(d / "adapter_model.safetensors")) for d in (out, out / f"checkpoint-{step}"))
+    saved, kept, last = (
+        load_file(str(d / "adapter_model.safetensors"))
+        for d in (out, out / f"checkpoint-{step}", out / "checkpoint-4")
+    )
     assert saved.keys() == kept.keys() and any(".experts." in k for k in saved)
     assert all(torch.equal(saved[k], kept[k]) for k in saved)
+    assert not all(torch.equal(saved[k], last[k]) for k in saved)
 
 
 def test_gpu_experts_train_like_all_cpu(tmp_path, demo_model) -> None:
