@@ -205,11 +205,6 @@ REJECTED: dict[str, Rejected] = {
     "include_effective_tokens_per_second": Rejected("not reported", False),
     "early_stopping_steps": Rejected("early stopping is not supported", None),
     "disable_shuffling": Rejected("the training data is always shuffled", False),
-    "do_eval": Rejected(
-        "evaluation-only runs are not supported; `moetune train` evaluates during training when eval_strategy "
-        "and eval_dataset or val_size are set",
-        False,
-    ),
     "do_predict": Rejected(_INFER, False),
     "predict_with_generate": Rejected(_INFER, False),
     "evaluation_strategy": Rejected("renamed by transformers; use eval_strategy"),

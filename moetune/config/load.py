@@ -375,6 +375,11 @@ def _check_cross_fields(
             "is set together with eval_dataset; hold out part of the training data "
             "(val_size) or evaluate on eval_dataset, not both",
         )
+    if finetune.do_eval and not has_eval and not problems.has("eval_dataset", "val_size"):
+        problems.add(
+            "do_eval",
+            "is true but there is no evaluation data to evaluate on after training; set eval_dataset or val_size",
+        )
     if not problems.has("eval_strategy", "eval_dataset", "val_size"):
         if training.eval_strategy is not IntervalStrategy.NO and not has_eval:
             problems.add(
@@ -382,11 +387,11 @@ def _check_cross_fields(
                 f"is {training.eval_strategy.value!r} but there is no evaluation data; "
                 "set eval_dataset or val_size, or set eval_strategy: no",
             )
-        if training.eval_strategy is IntervalStrategy.NO and has_eval:
+        if training.eval_strategy is IntervalStrategy.NO and has_eval and not finetune.do_eval:
             problems.add(
                 "eval_strategy",
                 "is 'no' but eval_dataset or val_size is set, so that data would never "
-                "be used; set eval_strategy: steps (with eval_steps) or epoch",
+                "be used; set eval_strategy: steps (with eval_steps) or epoch, or do_eval: true",
             )
     if training.eval_steps is not None and training.eval_strategy is not IntervalStrategy.STEPS:
         problems.add("eval_steps", "is set but eval_strategy is not 'steps'; set eval_strategy: steps")

@@ -144,6 +144,7 @@ class FinetuneConfig:
 
     stage: Stage = option(Stage.SFT, later={"rm": "reward modelling", "ppo": "PPO"})
     do_train: bool = option(True)
+    do_eval: bool = option(False)  # LLaMA-Factory's: evaluate once more after training (eval_results.json)
     finetuning_type: FinetuningType = option(
         FinetuningType.LORA,
         later={"oft": "OFT"},

@@ -41,6 +41,7 @@ def training_arguments_kwargs(config: MoetuneConfig) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "output_dir": str(t.output_dir),
         "do_train": True,
+        "do_eval": config.finetune.do_eval,
         "per_device_train_batch_size": t.per_device_train_batch_size,
         "per_device_eval_batch_size": t.per_device_eval_batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,

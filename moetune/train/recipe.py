@@ -200,6 +200,8 @@ def train(cfg: MoetuneConfig, peft_model: Any, tokenizer: Any, data: Any, extra_
     trainer.remove_callback(PrinterCallback)  # ProgressBar prints the logs
     resume = cfg.training.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=str(resume) if isinstance(resume, Path) else resume)
+    if cfg.finetune.do_eval:  # as LLaMA-Factory: once more after training, into eval_results.json and the log
+        trainer.save_metrics("eval", trainer.evaluate(metric_key_prefix="eval"))
     return trainer
 
 

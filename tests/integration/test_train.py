@@ -349,6 +349,23 @@ def test_load_best_model_at_end_is_said_in_the_summary(tmp_path, demo_model) -> 
     assert not all(torch.equal(saved[k], last[k]) for k in saved)
 
 
+def test_do_eval_evaluates_after_training(tmp_path, demo_model) -> None:
+    """``do_train: true`` with ``do_eval: true`` and ``val_size``, as LLaMA-Factory's examples write it: one
+    evaluation after the last step (no evaluation during training: eval_strategy no), in eval_results.json, the log
+    and the summary; its loss is the trained model's on the held-out rows."""
+    from moetune.train.recipe import run
+
+    over = {"do_train": True, "do_eval": True, "val_size": 8}
+    result = run(load_config(_config(tmp_path, demo_model, **over)), progress=False)
+    out = tmp_path / "out"
+    evals = [h for h in result.trainer.state.log_history if "eval_loss" in h]
+    assert len(evals) == 1 and evals[0]["step"] == 4
+    saved = json.loads((out / "eval_results.json").read_text())
+    assert saved["eval_loss"] == evals[0]["eval_loss"] == result.summary["final_eval_loss"]
+    again = result.trainer.evaluate()["eval_loss"]  # the model as handed back, on the same rows
+    assert again == pytest.approx(saved["eval_loss"], rel=1e-5)
+
+
 def test_gpu_experts_train_like_all_cpu(tmp_path, demo_model) -> None:
     """``moetune: {gpu_experts: 2}`` (device cpu standing in): the same losses and adapter as the all-CPU run, and
     the summary's memory report counts the device copies."""

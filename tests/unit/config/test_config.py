@@ -270,6 +270,15 @@ def test_cross_field_rules(workdir: Path) -> None:
     assert cfg.training.eval_strategy is IntervalStrategy.STEPS
 
 
+def test_do_eval_asks_for_evaluation_data(workdir: Path) -> None:
+    """LLaMA-Factory's ``do_eval: true`` (evaluate after training): refused without evaluation data; with it,
+    ``eval_strategy: no`` is no longer data never used."""
+    assert "do_eval: is true but there is no evaluation data" in problems_of(minimal(do_eval=True))
+    cfg = parse_config(minimal(do_eval=True, val_size=0.1))
+    assert cfg.finetune.do_eval and cfg.training.eval_strategy is IntervalStrategy.NO
+    assert "or do_eval: true" in problems_of(minimal(val_size=0.1))
+
+
 def test_an_unquoted_no_is_the_strategy_no(workdir: Path) -> None:
     """``save_strategy: no`` unquoted, as LLaMA-Factory's docs write it: YAML 1.1 reads it as false, which was
     refused ("got False; expected one of: no, steps, epoch")."""
