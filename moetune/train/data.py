@@ -36,7 +36,8 @@ from moetune.config.datasets import (
 from moetune.config.schema import DataConfig
 from moetune.errors import LISTED, DataError, listing
 from moetune.train.packing import PadCollator, pack
-from moetune.train.templates import ExampleEncoder, Sample
+from moetune.train.templates import IGNORE_INDEX, ExampleEncoder, Sample
+from moetune.train.truncation import fit
 
 log = logging.getLogger(__name__)
 
@@ -527,16 +528,20 @@ def _read_valid(
 
 
 def encode_supervised(sample: Sample, encoder: ExampleEncoder, cutoff: int) -> dict[str, Any]:
-    """sft's and pt's example: COLUMNS truncated to ``cutoff``, plus the truncation-check columns."""
+    """sft's and pt's example: COLUMNS truncated to ``cutoff`` (a conversation by LLaMA-Factory's rule,
+    ``moetune.train.truncation``; a text to its first ``cutoff`` tokens), plus the truncation-check columns
+    (``_first_label``: the first trained token kept, or, where truncation kept none, at least ``cutoff``)."""
     encoded = encoder.encode(sample)
-    ids, labels = encoded.input_ids[:cutoff], encoded.labels[:cutoff]
-    first = encoded.first_label
+    ids, labels = fit(encoded, cutoff, latest_first=encoder.config.mask_history)
+    first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), None)
+    if first is None:
+        first = max(encoded.first_label or 0, cutoff)
     return {
         "input_ids": ids,
         "attention_mask": [1] * len(ids),
         "labels": labels,
         "_length": len(encoded.input_ids),
-        "_first_label": -1 if first is None else first,
+        "_first_label": first,
     }
 
 
@@ -581,12 +586,12 @@ def _drop_untrained(ds: Any, spec: DatasetSpec, cutoff: int) -> Any:
         need = min(f for f in first if f >= 0) + 1
         raise DataError(
             f"cutoff_len {cutoff} leaves no trained token in any of the {len(ds)} rows of dataset {spec.name!r}: "
-            f"the shortest prompt needs cutoff_len >= {need}, and the longest example is {max(ds['_length'])} "
-            f"tokens; raise cutoff_len"
+            f"cutoff_len {need} keeps one for the row with the shortest prompt, and the longest example is "
+            f"{max(ds['_length'])} tokens; raise cutoff_len"
         )
     if len(kept) < len(ds):
         log.warning(
-            "dataset %r: dropped %d of %d rows whose prompt fills cutoff_len %d (no trained token left); "
+            "dataset %r: dropped %d of %d rows whose prompt leaves no trained token within cutoff_len %d; "
             "the longest example is %d tokens",
             spec.name,
             len(ds) - len(kept),
@@ -598,9 +603,8 @@ def _drop_untrained(ds: Any, spec: DatasetSpec, cutoff: int) -> Any:
     truncated = sum(n > cutoff for n in ds["_length"])
     if truncated:
         log.warning(
-            "dataset %r: %d of %d rows are longer than cutoff_len %d and lose their last tokens (moetune keeps a "
-            "row's start, cutting the response's end and its end of turn; LLaMA-Factory shortens a long prompt "
-            "first); the longest is %d tokens: raise cutoff_len to train them whole",
+            "dataset %r: %d of %d rows are longer than cutoff_len %d and are cut to it (as LLaMA-Factory cuts: a "
+            "long prompt before a short answer); the longest is %d tokens: raise cutoff_len to train them whole",
             spec.name,
             truncated,
             len(ds),

@@ -11,6 +11,7 @@ their reasoning) is reported instead of producing wrong labels.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import re
@@ -43,10 +44,13 @@ class Sample:
 
 @dataclass(frozen=True)
 class Encoded:
-    """One tokenized example: ``input_ids`` and ``labels`` of equal length (-100 where not trained)."""
+    """One tokenized example: ``input_ids`` and ``labels`` of equal length (-100 where not trained); ``turns``:
+    the token ranges ``[start, end)`` of a conversation's assistant turns, in order (what truncation keeps whole
+    where it can: ``moetune.train.truncation``), empty for plain text or where they cannot be found."""
 
     input_ids: list[int]
     labels: list[int]
+    turns: tuple[tuple[int, int], ...] = ()
 
     @property
     def first_label(self) -> int | None:
@@ -63,19 +67,26 @@ def read_chat_template(path: Path) -> str:
 
 
 def encode_spans(
-    tokenizer: Any, text: str, spans: Sequence[tuple[int, int]], *, add_special_tokens: bool
+    tokenizer: Any,
+    text: str,
+    spans: Sequence[tuple[int, int]],
+    *,
+    add_special_tokens: bool,
+    turns: Sequence[tuple[int, int]] = (),
 ) -> Encoded:
     """Tokenize ``text``; a token is trained when its characters overlap one of ``spans``.
 
     ``spans`` are sorted, non-overlapping ``[start, end)`` character ranges; each must yield at least one
     trained token. A token that straddles a span boundary (a merge across it) is trained: it holds span text.
+    ``turns`` (character ranges of the assistant turns) become ``Encoded.turns``: the tokens overlapping each.
     """
     enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
     ids: list[int] = list(enc["input_ids"])
     labels = [IGNORE_INDEX] * len(ids)
     hits = [0] * len(spans)
     j = 0  # first span that ends after the current token starts
-    for t, (a, b) in enumerate(enc["offset_mapping"]):
+    for t, (a, b) in enumerate(offsets):
         while j < len(spans) and spans[j][1] <= a:
             j += 1
         k = j
@@ -88,7 +99,15 @@ def encode_spans(
     if empty:
         s, e = empty[0]
         raise DataError(f"the trained text {text[s:e]!r} (characters {s}-{e}) produced no tokens")
-    return Encoded(ids, labels)
+    return Encoded(ids, labels, _token_ranges(offsets, turns))
+
+
+def _token_ranges(
+    offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]
+) -> tuple[tuple[int, int], ...]:
+    """For each character span, the ``[first, last)`` tokens whose characters overlap it (tokens' offsets rise)."""
+    ends, starts = [b for _, b in offsets], [a for a, _ in offsets]
+    return tuple((bisect.bisect_right(ends, s), bisect.bisect_left(starts, e)) for s, e in spans)
 
 
 def append_eos(tokenizer: Any, encoded: Encoded) -> Encoded:
@@ -157,19 +176,51 @@ class ChatRenderer:
         model sees). With ``train_on_prompt`` a span also covers the turn's prompt: all text since the
         previous assistant turn (or the start).
         """
+        full, spans, _ = self._spans(messages, first_trained, train_on_prompt, mask_history)
+        return full, spans
+
+    def _spans(
+        self, messages: Sequence[Message], first_trained: int, train_on_prompt: bool, mask_history: bool
+    ) -> tuple[str, list[tuple[int, int]], dict[int, tuple[int, int]]]:
+        """:meth:`trained_spans`, and the spans of the assistant turns it found, by message index."""
         full = self.render(messages)
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         trained = [i for i in turns if i >= first_trained][-1 if mask_history else 0 :]
         if not trained:
             raise DataError("the conversation has no assistant turn to train on")
+        found: dict[int, tuple[int, int]] = {}
+
+        def turn(i: int) -> tuple[int, int]:
+            if i not in found:
+                found[i] = self._turn_span(messages, i, full)
+            return found[i]
+
         spans: list[tuple[int, int]] = []
         for i in trained:
-            start, end = self._turn_span(messages, i, full)
+            start, end = turn(i)
             if train_on_prompt:
                 earlier = [j for j in turns if j < i]
-                start = self._turn_span(messages, earlier[-1], full)[1] if earlier else 0
+                start = turn(earlier[-1])[1] if earlier else 0
             spans.append((start, end))
-        return full, spans
+        return full, spans, found
+
+    def _all_turns(
+        self, messages: Sequence[Message], full: str, found: dict[int, tuple[int, int]]
+    ) -> list[tuple[int, int]]:
+        """The character spans of every assistant turn (``found``: those known already); none when a turn cannot
+        be found (a template that rewrites earlier turns, trained with ``mask_history``): truncation then cuts the
+        conversation's end."""
+        out = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            if i not in found:
+                try:
+                    found[i] = self._turn_span(messages, i, full)
+                except DataError:
+                    return []
+            out.append(found[i])
+        return out
 
     def _turn_span(self, messages: Sequence[Message], i: int, full: str) -> tuple[int, int]:
         """Where assistant message ``i`` starts (after its header) and ends (after its end-of-turn text) in
@@ -215,10 +266,19 @@ class ChatRenderer:
             f"{full[start : start + 40]!r}); set mask_history: true to train on the last assistant turn only"
         )
 
-    def encode(self, messages: Sequence[Message], **options: Any) -> Encoded:
-        """Token ids and labels of a conversation (``options`` as for :meth:`trained_spans`)."""
-        text, spans = self.trained_spans(messages, **options)
-        return encode_spans(self.tokenizer, text, spans, add_special_tokens=False)
+    def encode(
+        self,
+        messages: Sequence[Message],
+        *,
+        first_trained: int = 0,
+        train_on_prompt: bool = False,
+        mask_history: bool = False,
+    ) -> Encoded:
+        """Token ids and labels of a conversation (the options as for :meth:`trained_spans`), and the token
+        ranges of its assistant turns."""
+        text, spans, found = self._spans(messages, first_trained, train_on_prompt, mask_history)
+        turns = self._all_turns(messages, text, found)
+        return encode_spans(self.tokenizer, text, spans, add_special_tokens=False, turns=turns)
 
 
 def _named_template(tokenizer: Any, name: str) -> str | None:

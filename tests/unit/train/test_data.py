@@ -319,18 +319,57 @@ def test_no_rows_left_after_reading(workdir: Path, tok: Any, monkeypatch: pytest
 def test_cutoff_len_truncates_drops_and_fails(
     workdir: Path, tok: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """LLaMA-Factory's rule (``infer_seqlen``), worked out by hand on the word tokenizer's ChatML: the long prompt
+    is 25 tokens (``<|im_start|> user a*20 <|im_end|> <|im_start|> assistant``) before a 2-token answer (``b
+    <|im_end|>``); the short row 6 + 5."""
     long_prompt = {"instruction": " ".join(["a"] * 20), "output": "b"}
     short = {"instruction": "hi", "output": "hello how are you"}
     path = write(workdir / "mixed.json", [long_prompt, short])
     with caplog.at_level(logging.WARNING, logger="moetune.train.data"):
         data = prepare(tok, path, cutoff_len=10)
-    assert len(data.train) == 1 and len(data.train[0]["input_ids"]) == 10  # truncated, prompt kept
-    assert "dropped 1 of 2 rows" in caplog.text
-    assert "1 of 1 rows are longer than cutoff_len 10 and lose their last tokens" in caplog.text  # was info
+    # an answer under half the budget is kept whole, the prompt gets the rest (8 of 25)
+    assert tokens(tok, data.train[0]) == "<|im_start|> user a a a a a a b <|im_end|>"
+    assert trained(tok, data.train[0]) == "b <|im_end|>"
+    # neither under half: the answer's share int(10 * 5 / 11) = 4, the prompt whole
+    assert (
+        tokens(tok, data.train[1])
+        == "<|im_start|> user hi <|im_end|> <|im_start|> assistant hello how are you"
+    )
+    assert "2 of 2 rows are longer than cutoff_len 10 and are cut to it" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="moetune.train.data"):
+        data = prepare(tok, path, cutoff_len=4)  # the long row's answer share int(4 * 2 / 27) = 0: dropped
+    assert len(data.train) == 1 and tokens(tok, data.train[0]) == "<|im_start|> user hi hello"
+    assert "dropped 1 of 2 rows whose prompt leaves no trained token within cutoff_len 4" in caplog.text
     with pytest.raises(DataError) as info:
-        prepare(tok, path, cutoff_len=4)
-    assert "cutoff_len 4 leaves no trained token in any of the 2 rows" in str(info.value)
-    assert "the shortest prompt needs cutoff_len >= 7" in str(info.value)
+        prepare(tok, path, cutoff_len=2)
+    assert "cutoff_len 2 leaves no trained token in any of the 2 rows" in str(info.value)
+    assert "cutoff_len 7 keeps one for the row with the shortest prompt" in str(info.value)
+    assert len(prepare(tok, path, cutoff_len=7).train) == 2  # the long row's 2-token answer under half of 7
+
+
+def test_cutoff_len_cuts_turns_in_order_or_latest_first(workdir: Path, tok: Any) -> None:
+    """Two turns (6 + 2, then 8 + 3 tokens) in 12: in order, the first turn whole and the second's pair shares
+    the 4 left (answer int(4 * 3 / 11) = 1); with mask_history the last turn first (8 + 3) and the first pair gets
+    the one token left, its answer none (LLaMA-Factory keeps the latest turns)."""
+    turns = [("human", "hi"), ("gpt", "hello"), ("human", "how are you"), ("gpt", "fine thanks")]
+    row = {"conversations": [{"from": f, "value": v} for f, v in turns]}
+    path = write(workdir / "chat.json", [row])
+    whole = prepare(tok, path, cutoff_len=32).train[0]
+    assert len(whole["input_ids"]) == 19
+    cut = prepare(tok, path, cutoff_len=12).train[0]
+    assert tokens(tok, cut) == (
+        "<|im_start|> user hi <|im_end|> <|im_start|> assistant hello <|im_end|> <|im_start|> user how fine"
+    )
+    assert trained(tok, cut) == "hello <|im_end|> fine"
+    latest = prepare(tok, path, cutoff_len=12, mask_history=True).train[0]
+    assert tokens(tok, latest) == (
+        "<|im_start|> <|im_start|> user how are you <|im_end|> <|im_start|> assistant fine thanks <|im_end|>"
+    )
+    assert trained(tok, latest) == "fine thanks <|im_end|>"
+    # plain text keeps its first cutoff_len tokens
+    text = prepare(tok, write(workdir / "pt.json", [{"text": "once upon a time the end"}]), cutoff_len=3)
+    assert tokens(tok, text.train[0]) == "once upon a"
 
 
 def test_val_size_holds_out_rows(workdir: Path, tok: Any) -> None:
