@@ -35,6 +35,7 @@ from moetune.train.data import (
     to_sample,
 )
 from moetune.train.templates import ExampleEncoder, Sample
+from moetune.train.truncation import split_budget
 
 Message = dict[str, str]
 
@@ -120,8 +121,15 @@ def _prompt_response(
     return encoded.input_ids, first
 
 
+def _first_label(prompt: int, kept: int, response: int, cutoff: int) -> int:
+    """``_first_label`` of a truncated example (``RowCodec``): where its response starts, or, when truncation
+    kept none of the response, at least ``cutoff`` (the row is dropped)."""
+    return prompt if response else max(kept, cutoff)
+
+
 def encode_pair(pair: Pair, encoder: ExampleEncoder, cutoff: int) -> dict[str, Any]:
-    """A dpo example; prompt + each response truncated to ``cutoff`` tokens."""
+    """A dpo example; prompt and responses cut to ``cutoff`` tokens by LLaMA-Factory's rule
+    (``moetune.train.truncation.split_budget``, the longer response's length standing for both)."""
     chosen, c_first = _prompt_response(encoder, pair.prompt, pair.chosen)
     rejected, r_first = _prompt_response(encoder, pair.prompt, pair.rejected)
     n = min(c_first, r_first)  # a token merged across the prompt's end belongs to the response
@@ -129,24 +137,27 @@ def encode_pair(pair: Pair, encoder: ExampleEncoder, cutoff: int) -> dict[str, A
         raise DataError(
             "the prompt tokenizes differently before the chosen and the rejected response; check the chat template"
         )
+    source, target = split_budget(n, max(len(chosen), len(rejected)) - n, cutoff)
     return {
-        "prompt_ids": chosen[:n],
-        "chosen_ids": chosen[n:cutoff],
-        "rejected_ids": rejected[n:cutoff],
+        "prompt_ids": chosen[:source],
+        "chosen_ids": chosen[n : n + target],
+        "rejected_ids": rejected[n : n + target],
         "_length": max(len(chosen), len(rejected)),
-        "_first_label": n,
+        "_first_label": _first_label(source, n, target, cutoff),
     }
 
 
 def encode_feedback(row: Feedback, encoder: ExampleEncoder, cutoff: int) -> dict[str, Any]:
-    """A kto example; prompt + response truncated to ``cutoff`` tokens."""
+    """A kto example; prompt and response cut to ``cutoff`` tokens by LLaMA-Factory's rule
+    (``moetune.train.truncation.split_budget``)."""
     ids, first = _prompt_response(encoder, row.prompt, row.completion)
+    source, target = split_budget(first, len(ids) - first, cutoff)
     return {
-        "prompt_ids": ids[:first],
-        "completion_ids": ids[first:cutoff],
+        "prompt_ids": ids[:source],
+        "completion_ids": ids[first : first + target],
         "label": row.desirable,
         "_length": len(ids),
-        "_first_label": first,
+        "_first_label": _first_label(source, first, target, cutoff),
     }
 
 

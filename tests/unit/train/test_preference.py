@@ -88,22 +88,29 @@ def test_alpaca_and_sharegpt_pairs_share_the_prompt_and_split_at_the_response(
         assert tok.convert_ids_to_tokens(row["prompt_ids"]) == tok.tokenize(PROMPT)
 
 
-def test_pairs_are_truncated_to_cutoff_and_rows_whose_prompt_fills_it_dropped(
-    workdir: Path, tok: Any
-) -> None:
+def test_pairs_are_cut_by_llamafactory_s_rule(workdir: Path, tok: Any) -> None:
+    """LLaMA-Factory's rule for a pair (``infer_seqlen`` on the prompt and the longer response), worked out by hand:
+    the prompt (8 tokens) before responses of 3 and 4 in 10 keeps 6 (the longer response is under half of 10);
+    a 16-token prompt before 2-token responses keeps 8; in 2, both lose their responses (int(2 * 4 / 12) = 0)."""
     rows = {
         "pairs": [
             {"instruction": "encode", "input": "a b", "chosen": "d e", "rejected": "b c f"},
             {"instruction": "encode", "input": "a b c d e f g h a b", "chosen": "d", "rejected": "b"},
         ]
     }
-    n_prompt = len(tok.tokenize(PROMPT))
-    cfg = _config(workdir, {"pairs": ALPACA_PAIRS}, rows, stage="dpo", cutoff_len=n_prompt + 2)
+    assert len(tok.tokenize(PROMPT)) == 8
+    cfg = _config(workdir, {"pairs": ALPACA_PAIRS}, rows, stage="dpo", cutoff_len=10)
     data = prepare_datasets(cfg.data, tok, codec=PAIRED, cache_dir=str(workdir / "cache"))
-    assert len(data.train) == 1  # the long prompt fills cutoff_len
-    assert tok.convert_ids_to_tokens(data.train[0]["rejected_ids"]) == ["b", "c"]
-    cfg = _config(workdir, {"pairs": ALPACA_PAIRS}, rows, stage="dpo", cutoff_len=n_prompt - 1)
-    with pytest.raises(DataError, match="cutoff_len .* leaves no trained token"):
+    first, second = data.train
+    assert tok.convert_ids_to_tokens(first["prompt_ids"]) == tok.tokenize(PROMPT)[:6]
+    assert tok.convert_ids_to_tokens(first["rejected_ids"]) == ["b", "c", "f", "<|im_end|>"]
+    assert tok.convert_ids_to_tokens(first["chosen_ids"]) == ["d", "e", "<|im_end|>"]
+    assert len(second["prompt_ids"]) == 8 and tok.convert_ids_to_tokens(second["chosen_ids"]) == [
+        "d",
+        "<|im_end|>",
+    ]
+    cfg = _config(workdir, {"pairs": ALPACA_PAIRS}, rows, stage="dpo", cutoff_len=2)
+    with pytest.raises(DataError, match="cutoff_len 2 leaves no trained token"):
         prepare_datasets(cfg.data, tok, codec=PAIRED, cache_dir=str(workdir / "cache"))
 
 
@@ -159,6 +166,24 @@ def test_kto_rows_split_at_the_last_response_and_keep_their_tag(workdir: Path, t
         ["b", "c", "f", "<|im_end|>"],
     ]
     assert all(tok.convert_ids_to_tokens(p) == tok.tokenize(PROMPT) for p in data.train["prompt_ids"])
+    # cut by LLaMA-Factory's rule: prompt 8 before 3 in 8: the response under half, whole; the prompt keeps 5
+    # (its start); before 4 in 8: neither under half, int(8 * 4 / 12) = 2 to the response
+    cfg = _config(
+        workdir,
+        {"kto": KTO_INFO},
+        {"kto": [row("d e", True), row("b c f", False)]},
+        stage="kto",
+        cutoff_len=8,
+    )
+    cut = prepare_datasets(cfg.data, tok, codec=UNPAIRED, cache_dir=str(workdir / "cache")).train
+    assert [tok.convert_ids_to_tokens(r) for r in cut["completion_ids"]] == [
+        ["d", "e", "<|im_end|>"],
+        ["b", "c"],
+    ]
+    assert [tok.convert_ids_to_tokens(r) for r in cut["prompt_ids"]] == [
+        tok.tokenize(PROMPT)[:5],
+        tok.tokenize(PROMPT)[:6],
+    ]
     bad = {"kto": [row("d e", "yes"), {"messages": [{"role": "user", "content": "a"}], "label": "no"}]}
     cfg = _config(workdir, {"kto": KTO_INFO}, bad, stage="kto")
     with pytest.raises(DataError) as info:
