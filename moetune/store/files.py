@@ -192,6 +192,12 @@ class ExpertStore:
                 f"expert store {root} does not exist (make one with: moetune convert SRC {root} --format {CONVERT_FORMAT_HINT}).{unfinished_note(root)}"
             )
         if not (root / MANIFEST).is_file():
+            if (root / "config.json").is_file():  # a model folder: converting into it would be refused
+                raise LoadError(
+                    f"expert_path {root} is a model folder (config.json, no {MANIFEST}), not a moetune store; "
+                    f"give the model as model_name_or_path, or convert it into a new folder first: moetune convert "
+                    f"{root} STORE_DIR --format {CONVERT_FORMAT_HINT}, then expert_path: STORE_DIR"
+                )
             raise LoadError(
                 f"{root} has no {MANIFEST}: not a moetune store, or a conversion that did not finish (the "
                 f"manifest is written last). Run moetune convert SRC {root} --format {CONVERT_FORMAT_HINT} again.{unfinished_note(root)}"

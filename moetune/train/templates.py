@@ -137,8 +137,9 @@ class ChatRenderer:
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise DataError(
                 f"the tokenizer of {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template, and "
-                f"conversations need one: set `template` to a Jinja chat-template file, or use plain-text or "
-                f"prompt/completion data"
+                f"conversations need one: set `template` to a LLaMA-Factory name moetune has a built-in format for "
+                f"({', '.join(n for n, t in NAMED_TEMPLATES.items() if t.fallback)}) or to a Jinja chat-template "
+                f"file, or use plain-text or prompt/completion data"
             )
         self.tokenizer = tokenizer
         self.template = template

@@ -178,6 +178,14 @@ def test_store_with_other_expert_shapes(store, tmp_path):
         _load(other, expert_path=store)
 
 
+def test_a_model_folder_given_as_the_store(src):
+    """``expert_path`` naming a model folder: said so, with a convert into a new folder (the message offered a
+    convert onto that very folder, which convert refuses)."""
+    with pytest.raises(LoadError, match=r"is a model folder \(config.json, no manifest.json\)") as err:
+        _load(src, expert_path=src)
+    assert f"moetune convert {src} STORE_DIR --format" in str(err.value)
+
+
 def test_store_of_another_format_than_asked(src, store):
     with pytest.raises(
         LoadError, match=r"format is 'int8', but expert_format 'fp8_block' was asked for"

@@ -412,8 +412,13 @@ def test_default_system_and_template_file(workdir: Path, tok: Any) -> None:
 
 def test_conversations_need_a_chat_template(workdir: Path) -> None:
     path = write(workdir / "rows.json", [{"instruction": "hi", "output": "hello"}])
-    with pytest.raises(DataError, match="has no chat template"):
+    with pytest.raises(DataError, match="has no chat template") as info:
         prepare(word_tokenizer(chat_template=None), path)
+    assert "a LLaMA-Factory name moetune has a built-in format for (" in str(info.value)
+    assert "chatml" in str(info.value) and "llama3" in str(info.value)
+    assert (
+        len(prepare(word_tokenizer(chat_template=None), path, template="chatml").train) == 1
+    )  # as it offers
     text = prepare(word_tokenizer(chat_template=None), write(workdir / "t.json", [{"text": "hi"}]))
     assert len(text.train) == 1  # plain text needs none
 
