@@ -169,21 +169,15 @@ class ChatRenderer:
         first_trained: int = 0,
         train_on_prompt: bool = False,
         mask_history: bool = False,
-    ) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered conversation and the character spans to train on.
+    ) -> tuple[str, list[tuple[int, int]], dict[int, tuple[int, int]]]:
+        """The rendered conversation, the character spans to train on, and the spans of the assistant turns found
+        on the way (by message index).
 
         Trained: the assistant turns at index >= ``first_trained`` (only the last with ``mask_history``),
         each with its end-of-turn text, as they appear in the whole conversation's rendering (the text the
         model sees). With ``train_on_prompt`` a span also covers the turn's prompt: all text since the
         previous assistant turn (or the start).
         """
-        full, spans, _ = self._spans(messages, first_trained, train_on_prompt, mask_history)
-        return full, spans
-
-    def _spans(
-        self, messages: Sequence[Message], first_trained: int, train_on_prompt: bool, mask_history: bool
-    ) -> tuple[str, list[tuple[int, int]], dict[int, tuple[int, int]]]:
-        """:meth:`trained_spans`, and the spans of the assistant turns it found, by message index."""
         full = self.render(messages)
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         trained = [i for i in turns if i >= first_trained][-1 if mask_history else 0 :]
@@ -267,17 +261,10 @@ class ChatRenderer:
             f"{full[start : start + 40]!r}); set mask_history: true to train on the last assistant turn only"
         )
 
-    def encode(
-        self,
-        messages: Sequence[Message],
-        *,
-        first_trained: int = 0,
-        train_on_prompt: bool = False,
-        mask_history: bool = False,
-    ) -> Encoded:
-        """Token ids and labels of a conversation (the options as for :meth:`trained_spans`), and the token
+    def encode(self, messages: Sequence[Message], **options: Any) -> Encoded:
+        """Token ids and labels of a conversation (``options`` as for :meth:`trained_spans`), and the token
         ranges of its assistant turns."""
-        text, spans, found = self._spans(messages, first_trained, train_on_prompt, mask_history)
+        text, spans, found = self.trained_spans(messages, **options)
         turns = self._all_turns(messages, text, found)
         return encode_spans(self.tokenizer, text, spans, add_special_tokens=False, turns=turns)
 
