@@ -89,7 +89,10 @@ def test_row_that_does_not_fit_its_format(tmp_path, demo_model, capsys) -> None:
 
 def test_cutoff_len_too_small_for_the_template(tmp_path, demo_model, capsys) -> None:
     err = train(tmp_path, demo_model, capsys, cutoff_len=2)
-    assert "cutoff_len 2 leaves no trained token" in err and "needs cutoff_len >= " in err
+    assert (
+        "cutoff_len 2 leaves no trained token" in err
+        and "keeps one for the row with the shortest prompt" in err
+    )
 
 
 @pytest.mark.parametrize("rank", [0, -4])
