@@ -1,5 +1,5 @@
 """Whether a tensor holds NaN or Inf, in one or two passes over it and no temporary (:func:`all_finite`), and
-where (:func:`non_finite_mask`, for the error message once the first says so).
+where (:func:`first_non_finite`, :func:`non_finite_mask`, for the error message once the first says so).
 
 - fp16 / bf16 / fp32 / fp64: ``torch.aminmax`` returns NaN for both ends when any value is NaN and an infinity
   as an end when one is present, so the tensor is finite exactly when both ends are. ``isfinite(t).all()``
@@ -40,6 +40,14 @@ def all_finite(t: torch.Tensor) -> bool:
     return all(
         bool(torch.isfinite(s.sum(dtype=torch.float32))) or not bool(non_finite_mask(s).any()) for s in slices
     )
+
+
+def first_non_finite(t: torch.Tensor) -> int | None:
+    """Index along dim 0 of the first slice of ``t`` holding NaN or Inf (e.g. the expert to name), None if none:
+    ``t`` whole first (one pass when it is finite), then slice by slice."""
+    if all_finite(t):
+        return None
+    return next(i for i in range(t.shape[0]) if not all_finite(t[i]))
 
 
 def non_finite_mask(t: torch.Tensor) -> torch.Tensor:

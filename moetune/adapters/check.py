@@ -135,12 +135,12 @@ def check_finite(tensors: Mapping[str, torch.Tensor], where: Path) -> None:
     """``AdapterError`` naming ``where`` and the first tensor holding NaN or Inf (tensors are LoRA-sized)."""
     import torch
 
-    from moetune.finite import all_finite
+    from moetune.finite import all_finite, non_finite_mask
 
     for key, t in tensors.items():
         if all_finite(t):
             continue
-        bad = ~torch.isfinite(t)
+        bad = non_finite_mask(t)
         nan = int(torch.isnan(t).sum())
         raise AdapterError(
             f"{where}: tensor {key} holds {nan} NaN and {int(bad.sum()) - nan} Inf value(s); the adapter was "

@@ -47,7 +47,7 @@ from moetune.engine.schedule import ExpertSchedule
 from moetune.engine.shapes import RowSplit, native_ops_available
 from moetune.engine.workspace import Workspace, thread_workspace
 from moetune.errors import EngineError, EngineStateError, NonFiniteError
-from moetune.finite import all_finite
+from moetune.finite import all_finite, non_finite_mask
 
 _engine_ids = itertools.count()
 
@@ -226,7 +226,7 @@ class ExpertEngine:
         sorted by expert when ``disp`` is given, which names the expert)."""
         if not self.options.check_finite or all_finite(t):
             return
-        bad = ~torch.isfinite(t)
+        bad = non_finite_mask(t)
         row = int(bad.reshape(t.shape[0], -1).any(dim=1).nonzero()[0, 0]) if t.dim() else 0
         where = ""
         if disp is not None:

@@ -21,7 +21,7 @@ import torch
 
 from moetune.arch.detect import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS
 from moetune.errors import NonFiniteError, NonFiniteWeightError
-from moetune.finite import all_finite, non_finite_mask
+from moetune.finite import all_finite, first_non_finite, non_finite_mask
 from moetune.loading.expert_plan import LayerPlan
 
 _ADVICE = (
@@ -48,7 +48,8 @@ def check_finite_layer(layer: LayerPlan, tensors: Mapping[str, torch.Tensor | No
     for name, t in tensors.items():
         if t is None or not t.is_floating_point() or all_finite(t):
             continue
-        bad = next(e for e in range(t.shape[0]) if not all_finite(t[e]))  # the first bad expert, to name
+        bad = first_non_finite(t)  # the expert to name
+        assert bad is not None
         _refuse(layer, name, first + bad, t[bad], non_finite_mask(t[bad]))
 
 

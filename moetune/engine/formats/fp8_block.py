@@ -50,7 +50,7 @@ from moetune.engine.formats.quant_common import (
     scratch,
 )
 from moetune.errors import NonFiniteError
-from moetune.finite import all_finite
+from moetune.finite import all_finite, first_non_finite
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -174,8 +174,8 @@ class Fp8BlockExperts(QuantizedExperts):
         )
         for field in ("gate_up", "down"):
             codes = getattr(self, field)
-            if not all_finite(codes):  # NaN codes (0x7F, 0xFF): named by the first expert holding one
-                bad = next(x for x in range(codes.shape[0]) if not all_finite(codes[x]))
+            bad = first_non_finite(codes)  # NaN codes (0x7F, 0xFF): named by the first expert holding one
+            if bad is not None:
                 raise NonFiniteError(
                     f"{self.name}: {field}[{bad}] holds NaN codes (0x7F or 0xFF); expert weights must be finite"
                 )
