@@ -37,7 +37,7 @@ from moetune.config.schema import DataConfig
 from moetune.errors import LISTED, DataError, listing
 from moetune.train.packing import PadCollator, pack
 from moetune.train.templates import IGNORE_INDEX, ExampleEncoder, Sample
-from moetune.train.truncation import fit
+from moetune.train.truncation import first_label_kept, fit
 
 log = logging.getLogger(__name__)
 
@@ -531,17 +531,15 @@ def encode_supervised(sample: Sample, encoder: ExampleEncoder, cutoff: int) -> d
     """sft's and pt's example: COLUMNS truncated to ``cutoff`` (a conversation by LLaMA-Factory's rule,
     ``moetune.train.truncation``; a text to its first ``cutoff`` tokens), plus the truncation-check columns
     (``_first_label``: the first trained token kept, or, where truncation kept none, at least ``cutoff``)."""
-    encoded = encoder.encode(sample)
+    encoded = encoder.encode(sample, turns=True)
     ids, labels = fit(encoded, cutoff, latest_first=encoder.config.mask_history)
-    first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), None)
-    if first is None:
-        first = max(encoded.first_label or 0, cutoff)
+    kept_at = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), None)
     return {
         "input_ids": ids,
         "attention_mask": [1] * len(ids),
         "labels": labels,
         "_length": len(encoded.input_ids),
-        "_first_label": first,
+        "_first_label": first_label_kept(kept_at, encoded.first_label or 0, cutoff),
     }
 
 

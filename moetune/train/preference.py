@@ -35,7 +35,7 @@ from moetune.train.data import (
     to_sample,
 )
 from moetune.train.templates import ExampleEncoder, Sample
-from moetune.train.truncation import split_budget
+from moetune.train.truncation import first_label_kept, split_budget
 
 Message = dict[str, str]
 
@@ -121,12 +121,6 @@ def _prompt_response(
     return encoded.input_ids, first
 
 
-def _first_label(prompt: int, kept: int, response: int, cutoff: int) -> int:
-    """``_first_label`` of a truncated example (``RowCodec``): where its response starts, or, when truncation
-    kept none of the response, at least ``cutoff`` (the row is dropped)."""
-    return prompt if response else max(kept, cutoff)
-
-
 def encode_pair(pair: Pair, encoder: ExampleEncoder, cutoff: int) -> dict[str, Any]:
     """A dpo example; prompt and responses cut to ``cutoff`` tokens by LLaMA-Factory's rule
     (``moetune.train.truncation.split_budget``, the longer response's length standing for both)."""
@@ -143,7 +137,7 @@ def encode_pair(pair: Pair, encoder: ExampleEncoder, cutoff: int) -> dict[str, A
         "chosen_ids": chosen[n : n + target],
         "rejected_ids": rejected[n : n + target],
         "_length": max(len(chosen), len(rejected)),
-        "_first_label": _first_label(source, n, target, cutoff),
+        "_first_label": first_label_kept(source if target else None, n, cutoff),
     }
 
 
@@ -157,7 +151,7 @@ def encode_feedback(row: Feedback, encoder: ExampleEncoder, cutoff: int) -> dict
         "completion_ids": ids[first : first + target],
         "label": row.desirable,
         "_length": len(ids),
-        "_first_label": _first_label(source, first, target, cutoff),
+        "_first_label": first_label_kept(source if target else None, first, cutoff),
     }
 
 

@@ -261,12 +261,13 @@ class ChatRenderer:
             f"{full[start : start + 40]!r}); set mask_history: true to train on the last assistant turn only"
         )
 
-    def encode(self, messages: Sequence[Message], **options: Any) -> Encoded:
-        """Token ids and labels of a conversation (``options`` as for :meth:`trained_spans`), and the token
-        ranges of its assistant turns."""
+    def encode(self, messages: Sequence[Message], *, turns: bool = False, **options: Any) -> Encoded:
+        """Token ids and labels of a conversation (``options`` as for :meth:`trained_spans`); with ``turns``, the
+        token ranges of its assistant turns too (what sft's truncation cuts by: finding a turn the trained spans
+        did not need renders the conversation again)."""
         text, spans, found = self.trained_spans(messages, **options)
-        turns = self._all_turns(messages, text, found)
-        return encode_spans(self.tokenizer, text, spans, add_special_tokens=False, turns=turns)
+        found_turns = self._all_turns(messages, text, found) if turns else []
+        return encode_spans(self.tokenizer, text, spans, add_special_tokens=False, turns=found_turns)
 
 
 def _named_template(tokenizer: Any, name: str) -> str | None:
@@ -328,8 +329,9 @@ class ExampleEncoder:
             self._renderer = ChatRenderer(self.tokenizer, self.template, self.template_kwargs)
         return self._renderer
 
-    def encode(self, sample: Sample) -> Encoded:
-        """Token ids and labels of one sample, before truncation."""
+    def encode(self, sample: Sample, *, turns: bool = False) -> Encoded:
+        """Token ids and labels of one sample, before truncation; ``turns``: a conversation's assistant turns'
+        token ranges too (``Encoded.turns``)."""
         if sample.messages is not None:
             messages = sample.messages
             first_trained = sample.first_trained
@@ -338,6 +340,7 @@ class ExampleEncoder:
                 first_trained += 1
             return self.renderer.encode(
                 messages,
+                turns=turns,
                 first_trained=first_trained,
                 train_on_prompt=self.config.train_on_prompt,
                 mask_history=self.config.mask_history,

@@ -57,3 +57,10 @@ def fit(encoded: Encoded, cutoff: int, latest_first: bool) -> tuple[list[int], l
         total += s + t
     index = [i for k in sorted(kept) for part in kept[k] for i in part]
     return [ids[i] for i in index], [labels[i] for i in index]
+
+
+def first_label_kept(kept_at: int | None, before: int, cutoff: int) -> int:
+    """An example's ``_first_label`` after truncation (``moetune.train.data.RowCodec``): where its first trained
+    token sits (``kept_at``), or, when truncation kept none, at least ``cutoff`` (``before``: where it sat before),
+    so that the row is dropped and the error can name the ``cutoff_len`` that keeps one."""
+    return kept_at if kept_at is not None else max(before, cutoff)
